@@ -1,0 +1,64 @@
+"""Checkpoints: tf.train.Checkpoint {model, optimizer (built, slots included), step} + CheckpointManager.
+
+The data pipeline's position needs no state of its own: the stream is a pure function of
+(seed, step) (see reader.py), so the step restores it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import tensorflow as tf
+
+log = logging.getLogger("seg_train")
+
+
+class Checkpointer:
+    """Saves and restores the training state under `directory`.
+
+    Args:
+      directory: RUN_DIR/checkpoints.
+      keep: checkpoints kept (the newest ones).
+      **objects: trackables to save (model=..., optimizer=..., step=...).
+    """
+
+    def __init__(self, directory: Path, keep: int, **objects):
+        self.checkpoint = tf.train.Checkpoint(**objects)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, str(directory), max_to_keep=keep)
+
+    @property
+    def latest(self) -> str | None:
+        return self.manager.latest_checkpoint
+
+    def restore_latest(self) -> str | None:
+        """Restores the newest checkpoint, if any; returns its path."""
+        path = self.manager.latest_checkpoint
+        if path:
+            # assert_existing_objects_matched: every object we built must find its values, so an
+            # optimizer whose slots were not built (keras#19389) fails loudly instead of silently.
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+        return path
+
+    def save(self, step: int) -> str:
+        return self.manager.save(checkpoint_number=step)
+
+
+def resolve(path: str | Path) -> str:
+    """A checkpoint prefix from a prefix, a checkpoints/ folder or a run dir (newest checkpoint)."""
+    p = Path(path)
+    for d in (p / "checkpoints", p):
+        if d.is_dir():
+            latest = tf.train.latest_checkpoint(str(d))
+            if latest:
+                return latest
+    if Path(str(p) + ".index").is_file():
+        return str(p)
+    from seg_train.config import ConfigError
+    raise ConfigError("checkpoint not found", str(path), "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
+
+
+def step_of(prefix: str) -> int:
+    """The step saved in checkpoint `prefix`."""
+    reader = tf.train.load_checkpoint(prefix)
+    return int(reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE"))

@@ -1,0 +1,164 @@
+"""Command-line entry points: the only place that reads argv and the environment and sets up logging.
+
+User errors print one line `error: <what> (<where>): <expected>` on stderr and exit 2; `--debug`
+shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import re
+import sys
+import tempfile
+import traceback
+
+from seg_train.config import ConfigError
+
+log = logging.getLogger("seg_train")
+
+EXIT_USER_ERROR, EXIT_INTERNAL = 2, 1
+
+
+class _TqdmSafeHandler(logging.StreamHandler):
+    """Writes log lines through tqdm when a bar is on screen, so they don't tear it."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # pragma: no cover - logging must never raise
+            super().emit(record)
+
+
+def setup_logging(debug: bool) -> None:
+    handler = _TqdmSafeHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s", "%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if debug else logging.INFO)
+    log.propagate = False
+
+
+def add_file_log(path) -> None:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s"))
+    log.addHandler(handler)
+
+
+@contextlib.contextmanager
+def quiet_stderr(debug: bool):
+    """Keeps TensorFlow's C++ start-up noise (CUDA probes, oneDNN banners) off the user's screen.
+
+    TF_CPP_MIN_LOG_LEVEL does not silence the lines printed before absl logging starts, so fd 2 is
+    pointed at a temporary file while TensorFlow loads and picks devices; --debug shows them.
+    """
+    if debug:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def import_tensorflow(debug: bool):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if debug else "2")
+    with quiet_stderr(debug):
+        import tensorflow as tf  # noqa: F401
+        import keras  # noqa: F401
+    if not debug:
+        import absl.logging
+        absl.logging.set_verbosity(absl.logging.ERROR)
+        tf.get_logger().setLevel(logging.ERROR)
+        import warnings
+        warnings.filterwarnings("ignore", module="keras")
+    return tf
+
+
+def user_error(e: BaseException) -> str | None:
+    """The one-line message for an exception caused by user input, or None for a bug."""
+    if isinstance(e, ConfigError):
+        return str(e)
+    from seg_train.reader import BadSample
+    if isinstance(e, BadSample):
+        return str(e)
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(e, tf.errors.OpError):
+        # A BadSample raised inside tf.data's numpy_function arrives wrapped in an OpError.
+        m = re.search(r"BadSample: (.*?)(?:\n|$)", e.message)
+        if m:
+            return m.group(1).strip()
+    return None
+
+
+def run_guarded(main, args) -> int:
+    """Runs main(args) and turns user errors into `error: ...` lines and exit code 2."""
+    try:
+        return main(args)
+    except KeyboardInterrupt:
+        print("error: interrupted (keyboard): no checkpoint written for the step in progress", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the boundary where every error becomes an exit code
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        msg = user_error(e)
+        if msg is not None:
+            print(f"error: {msg}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        if not getattr(args, "debug", False):
+            print(f"error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''} "
+                  "-- rerun with --debug for the traceback", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (dotted, YAML-typed; repeatable), e.g. --set train.num_steps=100")
+    parser.add_argument("--gpus", type=int, default=1, help="number of towers (GPUs; logical CPU devices if none)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and TensorFlow's own logs")
+
+
+def _setup(args, run_dir_flag=None):
+    """Loads the config (no TF), imports TF quietly, picks devices and builds the strategy."""
+    from seg_train import config as config_lib
+    setup_logging(args.debug)
+    cfg = config_lib.load(args.config, args.overrides, run_dir_flag)
+    if args.gpus < 1:
+        raise ConfigError("invalid --gpus", "--gpus", f"expected a positive number of towers, got {args.gpus}")
+    import_tensorflow(args.debug)
+    from seg_train import replicas
+    with quiet_stderr(args.debug):
+        devices = replicas.setup_devices(args.gpus)
+        strategy = replicas.make_strategy(devices)
+    log.info("%s", devices.message)
+    return cfg, strategy
+
+
+def train_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seg-train", description="Train DeepLabV3+ semantic segmentation on several GPUs (towers in one graph).")
+    _common(parser)
+    parser.add_argument("--run-dir", help="where checkpoints, events and the resolved config go (overrides run_dir)")
+    parser.add_argument("--init-from", metavar="CKPT_OR_RUN_DIR",
+                        help="initialise weights from a seg-train checkpoint (layers with other shapes are skipped)")
+    args = parser.parse_args(argv)
+
+    def main(args):
+        cfg, strategy = _setup(args, args.run_dir)
+        from seg_train.train import train
+        return train(cfg, strategy, init_from=args.init_from)
+
+    return run_guarded(main, args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(train_main())

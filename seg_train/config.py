@@ -1,0 +1,370 @@
+"""Typed, frozen configuration: YAML -> validated dataclasses. No TensorFlow import here.
+
+Every key a user can write is a field below, with its default and its constraint. Loading is strict:
+an unknown key names the nearest valid one, a wrong type or an out-of-range value names the key, the
+value received and what was expected. Relative paths are resolved against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config; `where` names the key or file, the message says what was expected."""
+
+    def __init__(self, what: str, where: str, expected: str):
+        self.what, self.where, self.expected = what, where, expected
+        super().__init__(f"{what} ({where}): {expected}")
+
+
+def _c(default=dataclasses.MISSING, *, check=None, doc="", path=False, choices=None, factory=None):
+    """A config field: default, an optional check(value) -> error string or None, and a doc line."""
+    meta = {"check": check, "doc": doc, "path": path, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _positive(v):
+    return None if v > 0 else "a positive number"
+
+
+def _non_negative(v):
+    return None if v >= 0 else "a number >= 0"
+
+
+def _pair_positive(v):
+    return None if all(x > 0 for x in v) else "two positive numbers"
+
+
+def _scale_range(v):
+    lo, hi = v
+    return None if 0 < lo <= hi else "[lo, hi] with 0 < lo <= hi"
+
+
+def _fraction(v):
+    return None if 0 <= v < 1 else "a number in [0, 1)"
+
+
+def _label_value(v):
+    return None if 0 <= v <= 255 else "an integer in [0, 255]"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    root: Path = _c(check=None, path=True, doc="VOC-layout folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/)")
+    num_classes: int = _c(check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]", doc="number of classes")
+    train_split: str = _c("train", doc="split name under ImageSets/Segmentation/, or a list file of 'image label' pairs")
+    val_split: str = _c("val", doc="split used for evaluation")
+    ignore_label: int = _c(255, check=_label_value, doc="label value excluded from loss and metrics")
+    batch_size: int = _c(8, check=_positive, doc="GLOBAL batch size, split evenly across towers")
+    crop_size: tuple[int, int] = _c((321, 321), check=_pair_positive, doc="[height, width] of training crops")
+    random_scale: tuple[float, float] = _c((0.5, 2.0), check=_scale_range, doc="[lo, hi] random rescale range")
+    random_mirror: bool = _c(True, doc="random left-right flip")
+    mean: Optional[tuple[float, float, float]] = _c(None, doc="RGB mean subtracted from images (default: the backbone's)")
+    std: Optional[tuple[float, float, float]] = _c(None, check=_pair_positive, doc="RGB std dividing images (default: the backbone's)")
+    class_names: Optional[list[str]] = _c(None, doc="class names; default classes.txt in the data root")
+    synthetic: bool = _c(False, doc="generate the synthetic demo data set at data.root if it is not there")
+    num_parallel_calls: int = _c(-1, check=lambda v: None if v == -1 or v > 0 else "-1 (autotune) or a positive integer", doc="parallel decode/augment workers")
+    on_bad_sample: str = _c("error", choices=("error", "skip"), doc="a sample that fails to decode during training: stop or skip it")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    backbone: str = _c("mobilenetv2", choices=("tiny", "mobilenetv2", "resnet50", "resnet101"), doc="feature extractor")
+    output_stride: int = _c(16, choices=(8, 16), doc="input/feature resolution ratio (dilated last stages)")
+    sync_batchnorm: bool = _c(False, doc="synchronized BN across towers (else per-tower statistics, moving stats averaged)")
+    bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)", doc="momentum of every BatchNormalization layer")
+    weight_decay: float = _c(4e-5, check=_non_negative, doc="L2 coefficient on conv/dense kernels")
+    backbone_weights: Optional[Path] = _c(None, path=True, doc="Keras ImageNet weights file for the backbone (.h5)")
+    aspp_channels: int = _c(256, check=_positive, doc="channels of the ASPP branches")
+    decoder_channels: int = _c(256, check=_positive, doc="channels of the decoder convolutions")
+    low_level_channels: int = _c(48, check=_positive, doc="channels the low-level features are projected to")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    num_steps: int = _c(30000, check=_positive, doc="total optimizer steps")
+    learning_rate: float = _c(1e-3, check=_positive, doc="base learning rate of the poly schedule")
+    lr_power: float = _c(0.9, check=_non_negative, doc="poly schedule exponent")
+    warmup_steps: int = _c(0, check=_non_negative, doc="linear warmup steps before the poly schedule")
+    optimizer: str = _c("adam", choices=("adam", "sgd"), doc="adam, or sgd with momentum")
+    momentum: float = _c(0.9, check=_fraction, doc="SGD momentum")
+    checkpoint_every: int = _c(1000, check=_positive, doc="steps between checkpoints")
+    keep_checkpoints: int = _c(3, check=_positive, doc="checkpoints kept")
+    summary_every: int = _c(20, check=_positive, doc="steps between scalar summaries and log lines")
+    image_summary_every: int = _c(500, check=_non_negative, doc="steps between image summaries (0: never)")
+    deterministic: bool = _c(False, doc="TensorFlow op determinism for reproducible runs")
+    eval_every: int = _c(0, check=_non_negative, doc="steps between evaluations on the val split (0: only at the end)")
+    on_nan: str = _c("stop", choices=("stop", "skip_step"), doc="a non-finite loss or gradient: stop, or skip the update")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    bn_reestimate_batches: int = _c(0, check=_non_negative, doc="batches used to re-estimate BN statistics before eval (0: off)")
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig
+    model: ModelConfig = _c(factory=ModelConfig)
+    train: TrainConfig = _c(factory=TrainConfig)
+    eval: EvalConfig = _c(factory=EvalConfig)
+    seed: int = _c(0, check=_non_negative, doc="one seed for weights, data order and augmentation")
+    run_dir: Optional[Path] = _c(None, path=True, doc="checkpoints, events and the resolved config (default runs/<config name>)")
+
+    def to_dict(self) -> dict:
+        """Plain YAML-able dict (paths as strings, tuples as lists)."""
+        return _to_plain(self)
+
+
+_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig}
+
+
+def _to_plain(obj):
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (tuple, list)):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " (or null)"
+    if origin is tuple:
+        args = typing.get_args(tp)
+        return f"a list of {len(args)} {_type_name(args[0])}s"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}.get(tp, str(tp))
+
+
+def _coerce(value, tp, key: str):
+    """Checks `value` against the annotation `tp` and converts it (lists -> tuples, ints -> floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(value, inner, key)
+    bad = ConfigError("wrong type", key, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(v, typing.get_args(tp)[0], key) for v in value]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if tp is Path:
+        if not isinstance(value, str) or not value:
+            raise bad
+        return Path(value)
+    raise TypeError(f"unsupported config type {tp}")
+
+
+def _suggest(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(valid))}"
+
+
+def _build(cls, raw: Any, prefix: str, base_dir: Path):
+    """Builds dataclass `cls` from the mapping `raw`, validating every key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("wrong type", prefix.rstrip(".") or "config", f"expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError("unknown key", f"{prefix}{key}", _suggest(str(key), fields))
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}{name}"
+        if name in _SECTIONS and prefix == "":
+            kwargs[name] = _build(_SECTIONS[name], raw.get(name), f"{name}.", base_dir)
+            continue
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError("missing required value", key, f"expected {_type_name(hints[name])}")
+            continue
+        value = _coerce(raw[name], hints[name], key)
+        meta = f.metadata
+        if value is not None:
+            if meta.get("choices") and value not in meta["choices"]:
+                raise ConfigError("invalid value", key, f"expected one of {', '.join(map(str, meta['choices']))}, got {value!r}")
+            problem = meta["check"](value) if meta.get("check") else None
+            if problem:
+                raise ConfigError("out of range", key, f"expected {problem}, got {_to_plain(value)!r}")
+            if meta.get("path"):
+                value = Path(os.path.normpath(base_dir / Path(value).expanduser()))
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError("invalid override", f"--set {dotted}", f"'{'.'.join(parts[:i + 1])}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parses one `--set KEY=VALUE`; VALUE is read as YAML (so 4, 1e-3, true, [321, 321] are typed)."""
+    if "=" not in text:
+        raise ConfigError("invalid override", f"--set {text}", "expected KEY=VALUE, e.g. train.num_steps=100")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError("invalid override", f"--set {text}", "expected KEY=VALUE with a non-empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError("invalid override value", f"--set {key}", f"expected a YAML value ({str(e).splitlines()[0]})") from None
+    return key, value
+
+
+def read_yaml(path: Path) -> dict:
+    """Reads a YAML mapping with safe_load: tags that would construct Python objects are refused."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError("config file not found", str(path), "expected an existing YAML file") from None
+    except OSError as e:
+        raise ConfigError("cannot read config", str(path), str(e.strerror or e)) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        line = f":{e.problem_mark.line + 1}" if e.problem_mark else ""
+        raise ConfigError("refused YAML tag", f"{path}{line}", f"plain YAML values only ({e.problem})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError("YAML syntax error", where, f"valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("wrong type", str(path), f"expected a YAML mapping at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None = None) -> Config:
+    """Loads, overrides and validates a config.
+
+    Args:
+      path: the YAML file; relative paths inside it are relative to its folder.
+      overrides: `KEY=VALUE` strings (dotted keys, YAML values); paths in them are relative to the cwd.
+      run_dir: the `--run-dir` flag, relative to the cwd; wins over the file and the overrides.
+    Returns:
+      The frozen Config, with absolute paths.
+    """
+    path = Path(path)
+    raw = read_yaml(path)
+    base_dir = path.resolve().parent
+    cwd = Path.cwd()
+    # Overrides are typed on the command line, so their paths are relative to where the user is.
+    cli_paths = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(raw, key, value)
+        cli_paths[key] = value
+    cfg = _build(Config, raw, "", base_dir)
+    for key, value in cli_paths.items():
+        if key in ("run_dir", "data.root", "model.backbone_weights") and isinstance(value, str) and value:
+            cfg = replace(cfg, key, Path(os.path.normpath(cwd / Path(value).expanduser())))
+    if run_dir is not None:
+        cfg = replace(cfg, "run_dir", Path(os.path.normpath(cwd / run_dir)))
+    if cfg.run_dir is None:
+        cfg = replace(cfg, "run_dir", Path(os.path.normpath(cwd / "runs" / path.stem)))
+    return resolve_defaults(cfg)
+
+
+# Input normalisation each backbone's ImageNet weights expect, as (mean, std) on RGB 0..255.
+BACKBONE_NORMALIZATION = {
+    "tiny": ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)),
+    "mobilenetv2": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
+    "resnet50": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
+    "resnet101": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
+}
+
+
+def resolve_defaults(cfg: Config) -> Config:
+    """Fills defaults that depend on other keys (normalisation from the backbone)."""
+    mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
+    if cfg.data.mean is None:
+        cfg = replace(cfg, "data.mean", mean)
+    if cfg.data.std is None:
+        cfg = replace(cfg, "data.std", std)
+    return cfg
+
+
+def replace(cfg: Config, dotted: str, value) -> Config:
+    """Returns a copy of `cfg` with the dotted key set to `value` (no validation; for code, not users)."""
+    parts = dotted.split(".")
+    if len(parts) == 1:
+        return dataclasses.replace(cfg, **{parts[0]: value})
+    section = getattr(cfg, parts[0])
+    return dataclasses.replace(cfg, **{parts[0]: dataclasses.replace(section, **{parts[1]: value})})
+
+
+def from_dict(raw: dict, base_dir: str | os.PathLike = ".") -> Config:
+    """Builds a Config from a plain dict (as written to RUN_DIR/config.yaml)."""
+    return resolve_defaults(_build(Config, raw, "", Path(base_dir)))
+
+
+def dump(cfg: Config, path: Path) -> None:
+    """Writes the resolved config as YAML, atomically (temp file + rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, path)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,62 @@
+"""DeepLabV3+: ASPP (with image pooling) on a backbone, and a decoder with low-level features."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import layers
+
+
+class ResizeLike(layers.Layer):
+    """Bilinear resize of x to the spatial size of `ref`.
+
+    Written by hand because keras.layers.UpSampling2D(interpolation="bilinear") fails on unknown
+    spatial sizes in graph mode (project notes, item 14); the target size here is a tensor.
+    """
+
+    def call(self, x, ref):
+        size = tf.shape(ref)[1:3]
+        return tf.cast(tf.image.resize(x, size, method="bilinear"), x.dtype)
+
+    def compute_output_shape(self, x_shape, ref_shape):
+        return (x_shape[0], ref_shape[1], ref_shape[2], x_shape[3])
+
+
+def _conv_bn_relu(x, filters, kernel, name, dilation=1, momentum=0.9, sync=False):
+    x = layers.Conv2D(filters, kernel, padding="same", dilation_rate=dilation, use_bias=False, name=f"{name}_conv")(x)
+    x = layers.BatchNormalization(momentum=momentum, epsilon=1e-5, synchronized=sync, name=f"{name}_bn")(x)
+    return layers.ReLU(name=f"{name}_relu")(x)
+
+
+def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, aspp_channels: int = 256,
+                  decoder_channels: int = 256, low_level_channels: int = 48, bn_momentum: float = 0.9,
+                  sync_bn: bool = False) -> keras.Model:
+    """Builds DeepLabV3+ on `backbone` (which returns [low-level, high-level] features).
+
+    ASPP rates follow the output stride (6, 12, 18 at 16; doubled at 8), as in the DeepLabV3 paper.
+    Returns float32 logits at the input's resolution.
+    """
+    kw = dict(momentum=bn_momentum, sync=sync_bn)
+    inp = keras.Input((None, None, 3), name="image")
+    low, high = backbone(inp)
+    rates = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
+
+    branches = [_conv_bn_relu(high, aspp_channels, 1, "aspp0", **kw)]
+    for i, r in enumerate(rates, 1):
+        branches.append(_conv_bn_relu(high, aspp_channels, 3, f"aspp{i}", dilation=r, **kw))
+    pool = layers.GlobalAveragePooling2D(keepdims=True, name="aspp_pool")(high)
+    pool = _conv_bn_relu(pool, aspp_channels, 1, "aspp_pool", **kw)
+    branches.append(ResizeLike(name="aspp_pool_resize")(pool, high))
+    x = layers.Concatenate(name="aspp_concat")(branches)
+    x = _conv_bn_relu(x, aspp_channels, 1, "aspp_proj", **kw)
+
+    low = _conv_bn_relu(low, low_level_channels, 1, "decoder_low", **kw)
+    x = ResizeLike(name="decoder_upsample")(x, low)
+    x = layers.Concatenate(name="decoder_concat")([x, low])
+    x = _conv_bn_relu(x, decoder_channels, 3, "decoder_conv1", **kw)
+    x = _conv_bn_relu(x, decoder_channels, 3, "decoder_conv2", **kw)
+    x = layers.Conv2D(num_classes, 1, name="logits")(x)
+    x = ResizeLike(name="logits_resize")(x, inp)
+    # Softmax/cross-entropy in float32 even under a mixed-precision policy.
+    x = layers.Activation("linear", dtype="float32", name="logits_float32")(x)
+    return keras.Model(inp, x, name=f"deeplabv3plus_{backbone.name}")

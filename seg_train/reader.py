@@ -1,0 +1,256 @@
+"""ImageReader: a VOC-layout split -> tf.data pipelines of (image, label) batches.
+
+Design (why it looks like this):
+- The training stream is a pure function of (seed, sample counter k): epoch = k // n picks a
+  permutation seeded by (seed, epoch), and sample k's augmentation (scale, mirror, crop) draws from
+  stateless RNG seeded by (seed, k). Nothing in the pipeline has state, so a resumed run starts the
+  stream at k = step * global_batch and continues exactly where the interrupted run was; a
+  distributed iterator could not be checkpointed anyway (TF refuses it).
+- The global batch for step s is samples k = s*B .. s*B+B-1 whatever the tower count; each input
+  pipeline (one per worker) emits its towers' slices of it in turn, which MirroredStrategy deals out
+  round-robin to its towers (tf.distribute's `distribute_datasets_from_function` contract).
+- Labels are read with Pillow: `tf.io.decode_png` turns palette ('P') PNGs such as PASCAL VOC's into
+  colours or luminance, silently wrong class indices.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+from PIL import Image, UnidentifiedImageError
+
+from seg_train.config import ConfigError, DataConfig
+from seg_train.palette import read_label
+
+log = logging.getLogger("seg_train")
+
+IMAGE_DIR, LABEL_DIR, SPLIT_DIR = "JPEGImages", "SegmentationClass", "ImageSets/Segmentation"
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    image: str
+    label: str
+
+
+def split_file(root: Path, split: str) -> Path:
+    """The file listing `split`: ImageSets/Segmentation/<split>.txt, or `split` itself as a list file."""
+    voc = Path(root) / SPLIT_DIR / f"{split}.txt"
+    if voc.is_file():
+        return voc
+    for candidate in (Path(split), Path(root) / split):
+        if candidate.is_file():
+            return candidate
+    return voc
+
+
+def list_samples(root: Path, split: str) -> list[Sample]:
+    """Reads a split: one id per line (VOC), or `image label` path pairs (DrSleep-style list files).
+
+    Paths in pair lists are relative to the data root (a leading '/' is treated as the root).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError("data root not found", "data.root", f"expected a VOC-layout folder, got {str(root)!r}")
+    path = split_file(root, split)
+    if not path.is_file():
+        raise ConfigError("split not found", f"{path}", f"expected a split file for split {split!r} "
+                          f"(ImageSets/Segmentation/{split}.txt under data.root, or a list file of 'image label' pairs)")
+    samples = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        if len(parts) == 1:
+            sid = parts[0]
+            samples.append(Sample(sid, str(root / IMAGE_DIR / f"{sid}.jpg"), str(root / LABEL_DIR / f"{sid}.png")))
+        elif len(parts) == 2:
+            img, lbl = (root / p.lstrip("/") for p in parts)
+            samples.append(Sample(Path(img).stem, str(img), str(lbl)))
+        else:
+            raise ConfigError("bad split line", f"{path}:{lineno}", f"expected an id or 'image label', got {line!r}")
+    if not samples:
+        raise ConfigError("empty split", str(path), "expected at least one sample")
+    return samples
+
+
+class BadSample(ValueError):
+    """A sample that cannot be used; the message names the file."""
+
+
+def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label: int) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes one sample with full checks; raises BadSample naming the file."""
+    try:
+        with Image.open(image_path) as im:
+            image = np.asarray(im.convert("RGB"))
+    except FileNotFoundError:
+        raise BadSample(f"image not found ({image_path}): expected a readable JPEG/PNG image") from None
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({e})") from None
+    try:
+        label = read_label(label_path)
+    except FileNotFoundError:
+        raise BadSample(f"label not found ({label_path}): expected a PNG of class indices") from None
+    except ValueError as e:
+        raise BadSample(f"bad label ({label_path}): {e}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({e})") from None
+    if label.shape != image.shape[:2]:
+        raise BadSample(f"label size differs from image ({label_path}): expected {image.shape[1]}x{image.shape[0]} "
+                        f"like {Path(image_path).name}, got {label.shape[1]}x{label.shape[0]}")
+    bad = (label >= num_classes) & (label != ignore_label)
+    if bad.any():
+        values = sorted(set(np.unique(label[bad]).tolist()))[:8]
+        raise BadSample(f"label values out of range ({label_path}): expected values in [0, {num_classes}) or "
+                        f"{ignore_label}, got {values}")
+    return image, label
+
+
+class ImageReader:
+    """Reads one split of a VOC-layout data set into tf.data pipelines.
+
+    Args:
+      cfg: the data section of the config.
+      split: split name or list file.
+      seed: the run's seed (data order and augmentation).
+    """
+
+    def __init__(self, cfg: DataConfig, split: str, seed: int = 0):
+        self.cfg, self.split, self.seed = cfg, split, seed
+        self.samples = list_samples(cfg.root, split)
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    # ---- decoding -------------------------------------------------------------------------------
+    def _decode_py(self, index):
+        s = self.samples[int(index)]
+        try:
+            return load_sample(s.image, s.label, self.cfg.num_classes, self.cfg.ignore_label)
+        except BadSample as e:
+            if self.cfg.on_bad_sample == "error":
+                raise
+            with self._lock:
+                if s.id not in self._warned:
+                    self._warned.add(s.id)
+                    log.warning("skipping bad sample (data.on_bad_sample: skip): %s", e)
+            # A fully ignored stand-in keeps every later sample at its position in the stream, so
+            # resume stays exact; it contributes no loss.
+            return np.zeros((8, 8, 3), np.uint8), np.full((8, 8), self.cfg.ignore_label, np.uint8)
+
+    def decode(self, index):
+        """Sample `index` -> (uint8 image [H, W, 3], uint8 label [H, W])."""
+        image, label = tf.numpy_function(self._decode_py, [index], [tf.uint8, tf.uint8], stateful=False)
+        image.set_shape([None, None, 3])
+        label.set_shape([None, None])
+        return image, label
+
+    def normalize(self, image):
+        """uint8/float RGB -> float32 (x - mean) / std."""
+        return (tf.cast(image, tf.float32) - tf.constant(self.cfg.mean)) / tf.constant(self.cfg.std)
+
+    # ---- training ---------------------------------------------------------------------------------
+    def _index_of(self, k):
+        """Global sample counter k -> sample index, through a permutation of the data per epoch."""
+        n = len(self.samples)
+        epoch, pos = k // n, k % n
+        perm = tf.argsort(tf.random.stateless_uniform([n], seed=tf.stack([tf.constant(self.seed, tf.int64), epoch])))
+        return tf.gather(perm, pos)
+
+    def augment(self, image, label, k):
+        """Random scale, mirror and crop of one sample, drawn from stateless RNG seeded by (seed, k)."""
+        cfg = self.cfg
+        seeds = tf.random.experimental.stateless_split(
+            tf.stack([tf.constant(self.seed + 1, tf.int64), k]), num=4)
+        image = tf.cast(image, tf.float32)
+        label = tf.cast(label, tf.int32)[..., None]
+        lo, hi = cfg.random_scale
+        if hi > lo or lo != 1.0:
+            scale = tf.random.stateless_uniform([], seeds[0], lo, hi)
+            hw = tf.cast(tf.shape(image)[:2], tf.float32)
+            new_hw = tf.maximum(tf.cast(tf.round(hw * scale), tf.int32), 1)
+            image = tf.image.resize(image, new_hw, method="bilinear")
+            label = tf.image.resize(label, new_hw, method="nearest")
+        if cfg.random_mirror:
+            flip = tf.random.stateless_uniform([], seeds[1]) < 0.5
+            image = tf.cond(flip, lambda: tf.reverse(image, [1]), lambda: image)
+            label = tf.cond(flip, lambda: tf.reverse(label, [1]), lambda: label)
+        # Pad to at least the crop size: image with the mean colour (zero after normalisation),
+        # label with ignore_label, so padding is never learned from.
+        ch, cw = cfg.crop_size
+        h, w = tf.shape(image)[0], tf.shape(image)[1]
+        ph, pw = tf.maximum(ch - h, 0), tf.maximum(cw - w, 0)
+        pad = [[0, ph], [0, pw], [0, 0]]
+        image = tf.pad(image - tf.constant(cfg.mean), pad) + tf.constant(cfg.mean)
+        label = tf.pad(label, pad, constant_values=cfg.ignore_label)
+        h, w = h + ph, w + pw
+        y = tf.random.stateless_uniform([], seeds[2], 0, h - ch + 1, dtype=tf.int32)
+        x = tf.random.stateless_uniform([], seeds[3], 0, w - cw + 1, dtype=tf.int32)
+        image = image[y:y + ch, x:x + cw]
+        label = label[y:y + ch, x:x + cw, 0]
+        image = self.normalize(image)
+        image.set_shape([ch, cw, 3])
+        label.set_shape([ch, cw])
+        return image, tf.cast(label, tf.uint8)
+
+    def train_dataset(self, global_batch: int, start_step: int = 0, num_replicas: int = 1,
+                      pipeline_id: int = 0, num_pipelines: int = 1) -> tf.data.Dataset:
+        """The endless training stream of one input pipeline, batched per replica.
+
+        Args:
+          global_batch: the GLOBAL batch size (all towers of all workers).
+          start_step: first step to produce (resume).
+          num_replicas: towers in sync over all pipelines.
+          pipeline_id, num_pipelines: this input pipeline (one per worker) among all.
+        Returns:
+          Per-replica batches (image float32 [b, h, w, 3], label uint8 [b, h, w]); this pipeline's
+          R = num_replicas / num_pipelines towers take consecutive batches in turn.
+        """
+        b = global_batch // num_replicas
+        r_local = num_replicas // num_pipelines
+        per_step = r_local * b
+        first = pipeline_id * per_step
+
+        def counter(t):
+            # t-th element of this pipeline -> global sample counter k (see the module docstring).
+            s, rem = t // per_step, t % per_step
+            return s * global_batch + first + rem
+
+        def load(t):
+            k = counter(t)
+            image, label = self.decode(self._index_of(k))
+            return self.augment(image, label, k)
+
+        ds = tf.data.Dataset.range(start_step * per_step, 2**62)
+        ds = ds.map(load, num_parallel_calls=self.cfg.num_parallel_calls, deterministic=True)
+        ds = ds.batch(b, drop_remainder=True)
+        return ds.prefetch(tf.data.AUTOTUNE)
+
+    # ---- evaluation -------------------------------------------------------------------------------
+    def eval_dataset(self, pad_to: int = 32, shard: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
+        """Full-resolution samples in split order: (image [1, H', W', 3], label [1, H', W'], index).
+
+        Images are padded to a multiple of `pad_to` (mean colour) and labels with ignore_label, so
+        padding is never counted.
+        """
+        cfg = self.cfg
+
+        def load(i):
+            image, label = self.decode(i)
+            h, w = tf.shape(image)[0], tf.shape(image)[1]
+            ph, pw = (-h) % pad_to, (-w) % pad_to
+            image = self.normalize(image)
+            image = tf.pad(image, [[0, ph], [0, pw], [0, 0]])
+            label = tf.pad(label, [[0, ph], [0, pw]], constant_values=cfg.ignore_label)
+            return image[None], label[None], i
+
+        ds = tf.data.Dataset.range(len(self.samples)).shard(shard[1], shard[0])
+        return ds.map(load, num_parallel_calls=self.cfg.num_parallel_calls, deterministic=True).prefetch(2)

@@ -1,0 +1,194 @@
+"""train(cfg): the training run, top to bottom in named sections (setup, data, model, restore, loop, final)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from seg_train import checkpoint as ckpt_lib
+from seg_train import config as config_lib
+from seg_train.config import Config, ConfigError
+from seg_train.palette import voc_colormap
+from seg_train.reader import ImageReader
+from seg_train.summaries import Summaries
+from seg_train.trainer import Trainer
+
+log = logging.getLogger("seg_train")
+
+# Exit codes (documented in README): 0 done, 1 internal error, 2 user error (config, data, flags),
+# 3 stopped on a non-finite loss/gradient, 128 + signal number after SIGINT/SIGTERM (checkpoint written).
+EXIT_OK, EXIT_NONFINITE = 0, 3
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient (train.on_nan: stop)."""
+
+
+def _progress(total: int, initial: int):
+    """A tqdm bar on a terminal, None otherwise (then plain log lines are written)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+
+class _StopSignals:
+    """SIGINT/SIGTERM ask the loop to finish the current step, checkpoint and exit."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # second Ctrl-C: the user means it
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("received %s: finishing this step, then writing a checkpoint", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def prepare_data(cfg: Config) -> ImageReader:
+    """Generates the synthetic demo data if asked, and opens the training split."""
+    if cfg.data.synthetic:
+        from seg_train import demo_data
+        if not (Path(cfg.data.root) / ".complete").exists():
+            log.info("generating the synthetic demo data set in %s", cfg.data.root)
+        demo_data.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+    return ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+
+
+def check_batch(cfg: Config, num_replicas: int) -> None:
+    if cfg.data.batch_size % num_replicas:
+        raise ConfigError("batch does not divide across towers", "data.batch_size",
+                          f"expected a multiple of the {num_replicas} towers, got {cfg.data.batch_size}")
+
+
+def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None = None) -> int:
+    """Trains (or resumes) the run in cfg.run_dir. Returns the process exit code."""
+    # ---- setup --------------------------------------------------------------------------------
+    n = strategy.num_replicas_in_sync
+    check_batch(cfg, n)
+    reader = prepare_data(cfg)
+    run_dir = Path(cfg.run_dir)
+    if cfg.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
+
+    # ---- model, optimizer, restore ----------------------------------------------------------------
+    trainer = Trainer(cfg, strategy)
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints,
+                                 model=trainer.model, optimizer=trainer.optimizer, step=trainer.step)
+    restored = ckpt.restore_latest()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_lib.dump(cfg, run_dir / "config.yaml")
+    start = int(trainer.step.numpy())
+    if restored:
+        log.info("resumed from step %d (%s)", start, restored)
+    elif init_from:
+        from seg_train.init import load_weights
+        loaded, skipped = load_weights(trainer.model, init_from, cfg)
+        log.info("initialised %d weights from %s; skipped %d with other shapes: %s",
+                 loaded, init_from, len(skipped), ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
+    if start >= cfg.train.num_steps:
+        log.info("run already complete: step %d of %d (%s)", start, cfg.train.num_steps, run_dir)
+        return EXIT_OK
+
+    # ---- data ---------------------------------------------------------------------------------------
+    batch = cfg.data.batch_size
+
+    def dataset_fn(ctx: tf.distribute.InputContext):
+        return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
+                                    ctx.num_input_pipelines)
+
+    batches = iter(trainer.distribute(dataset_fn))
+    summaries = Summaries(run_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
+    log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower), steps %d..%d, run dir %s",
+             trainer.model.name, n, len(reader), batch, batch // n, start, cfg.train.num_steps, run_dir)
+
+    # ---- loop ---------------------------------------------------------------------------------------
+    bar = _progress(cfg.train.num_steps, start)
+    t_cfg = cfg.train
+    window_start, window_steps, first = time.perf_counter(), 0, True
+    images_per_sec = float("nan")
+    status = EXIT_OK
+    try:
+        with _StopSignals() as stop:
+            step = start
+            while step < t_cfg.num_steps:
+                lr = trainer.learning_rate()
+                out = trainer.train_step(next(batches))
+                step += 1
+                finite = out["finite"].numpy()
+                if not finite.all():
+                    towers = [i for i, f in enumerate(finite) if not f]
+                    msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
+                           f"(loss {float(out['loss']):.4g}, learning rate {lr:.3g})")
+                    raise NonFiniteError(msg)
+                if first:  # tracing and the first step never count towards throughput
+                    window_start, window_steps, first = time.perf_counter(), 0, False
+                else:
+                    window_steps += 1
+                if step % t_cfg.summary_every == 0 or step == t_cfg.num_steps:
+                    elapsed = time.perf_counter() - window_start
+                    if window_steps:
+                        images_per_sec = window_steps * batch / max(elapsed, 1e-9)
+                    window_start, window_steps = time.perf_counter(), 0
+                    loss = float(out["loss"])
+                    scalars = {"loss/total": loss, "loss/weight_decay": float(out["weight_decay"]),
+                               "learning_rate": lr}
+                    for i, ce in enumerate(out["tower_ce"].numpy()):
+                        scalars[f"loss/tower_{i}"] = ce
+                    if not math.isnan(images_per_sec):
+                        scalars["throughput/images_per_sec"] = images_per_sec
+                    summaries.scalars(step, scalars)
+                    if bar is None:
+                        log.info("step %d/%d  loss %.4f  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, lr,
+                                 images_per_sec)
+                    else:
+                        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_sec:.1f}")
+                if t_cfg.image_summary_every and (step % t_cfg.image_summary_every == 0 or step == start + 1):
+                    summaries.triplets(step, [(im.numpy(), lb.numpy(), pr.numpy()) for im, lb, pr in
+                                              zip(out["images"], out["labels"], out["preds"])])
+                if bar is not None:
+                    bar.update(1)
+                if step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps:
+                    ckpt.save(step)
+                if stop.signum is not None and step < t_cfg.num_steps:
+                    path = ckpt.save(step)
+                    log.warning("interrupted by %s at step %d: checkpoint %s written; rerun the same command "
+                                "to resume", signal.Signals(stop.signum).name, step, path)
+                    status = 128 + stop.signum
+                    break
+    except NonFiniteError as e:
+        log.error("%s; no checkpoint written for it (newest: %s). Lower train.learning_rate or set "
+                  "train.on_nan: skip_step", e, ckpt.latest)
+        status = EXIT_NONFINITE
+    finally:
+        if bar is not None:
+            bar.close()
+        summaries.flush()
+
+    # ---- final ----------------------------------------------------------------------------------------
+    if status == EXIT_OK:
+        log.info("done: step %d, loss %.4f; checkpoints in %s", t_cfg.num_steps, float(out["loss"]),
+                 run_dir / "checkpoints")
+        log.info("view with: tensorboard --logdir %s", run_dir)
+    return status
+
+
+def weights_finite(model) -> bool:
+    return all(np.isfinite(v.numpy()).all() for v in model.weights)

@@ -1,0 +1,92 @@
+"""The model, optimizer and the one-graph multi-tower train step (reused by train, bench and tests)."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from seg_train import losses, models, replicas
+from seg_train.config import Config
+from seg_train.schedule import poly_lr
+
+
+class Trainer:
+    """Builds the model and a built optimizer inside `strategy.scope()`, and the compiled train step.
+
+    Args:
+      cfg: the resolved config.
+      strategy: a tf.distribute strategy (one replica per tower).
+    """
+
+    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy):
+        self.cfg, self.strategy = cfg, strategy
+        self.num_replicas = strategy.num_replicas_in_sync
+        t = cfg.train
+        with strategy.scope():
+            self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step",
+                                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+            def lr():
+                return poly_lr(self.step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps)
+
+            if t.optimizer == "adam":
+                self.optimizer = keras.optimizers.Adam(learning_rate=lr)
+            else:
+                self.optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=t.momentum)
+            # Build the slots now: an unbuilt optimizer fails on the first distributed step and a
+            # checkpoint restored into it silently skips its slots (project notes, item 1).
+            self.optimizer.build(self.model.trainable_variables)
+        self.kernels = losses.decay_variables(self.model)
+        self.bn_layers = replicas.batchnorm_layers(self.model)
+        self.train_step = tf.function(self._train_step)
+
+    def learning_rate(self) -> float:
+        t = self.cfg.train
+        return float(poly_lr(self.step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps))
+
+    def _replica_step(self, images, labels):
+        cfg = self.cfg
+        variables = self.model.trainable_variables
+        with tf.GradientTape() as tape:
+            logits = self.model(images, training=True)
+            ce_sum, count = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
+            global_count = replicas.all_reduce_sum(count)
+            wd = losses.weight_decay(self.kernels, cfg.model.weight_decay)
+            # THE cross-tower scaling. apply_gradients below SUMs the towers' gradients (Keras 3,
+            # project notes item 2), so each tower's loss is its share of the global objective:
+            # its cross-entropy sum over the GLOBAL valid-pixel count (all towers' pixels weigh the
+            # same), plus 1/N of the weight decay (the N shares add up to the decay counted once).
+            loss = ce_sum / tf.maximum(global_count, 1.0) + wd / self.num_replicas
+        grads = tape.gradient(loss, variables)
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+                               + [tf.math.is_finite(loss)])
+        self.optimizer.apply_gradients(zip(grads, variables))
+        if not cfg.model.sync_batchnorm:
+            replicas.average_bn_moving_stats(self.bn_layers)
+        preds = tf.cast(tf.argmax(logits, axis=-1), tf.uint8)
+        return {"ce_sum": ce_sum, "count": count, "wd": wd, "finite": tf.cast(finite, tf.int32),
+                "images": images, "labels": labels, "preds": preds}
+
+    def _train_step(self, batch):
+        images, labels = batch
+        out = self.strategy.run(self._replica_step, (images, labels))
+        self.step.assign_add(1)
+        s = self.strategy
+        local = lambda v: s.experimental_local_results(v)  # noqa: E731  (tower order = replica order)
+        ce_sums, counts = local(out["ce_sum"]), local(out["count"])
+        total_ce = tf.add_n(list(ce_sums)) / tf.maximum(tf.add_n(list(counts)), 1.0)
+        wd = local(out["wd"])[0]
+        return {
+            "loss": total_ce + wd,
+            "weight_decay": wd,
+            "tower_ce": tf.stack([c / tf.maximum(n, 1.0) for c, n in zip(ce_sums, counts)]),
+            "finite": tf.stack(local(out["finite"])),
+            "images": local(out["images"]),
+            "labels": local(out["labels"]),
+            "preds": local(out["preds"]),
+        }
+
+    def distribute(self, dataset_fn):
+        """Distributes a per-replica-batched dataset function (see ImageReader.train_dataset)."""
+        return self.strategy.distribute_datasets_from_function(dataset_fn)
