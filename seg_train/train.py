@@ -90,8 +90,7 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
 
     # ---- model, optimizer, restore ----------------------------------------------------------------
     trainer = Trainer(cfg, strategy)
-    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints,
-                                 model=trainer.model, optimizer=trainer.optimizer, step=trainer.step)
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **trainer.checkpoint_objects())
     restored = ckpt.restore_latest()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_lib.dump(cfg, run_dir / "config.yaml")

@@ -26,6 +26,10 @@ class Trainer:
             self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            # The step at which the BN moving statistics were last re-estimated (-1: never); they
+            # match the weights only while this equals `step` (see bn_stats.py).
+            self.bn_stats_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bn_stats_step",
+                                             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
             def lr():
                 return poly_lr(self.step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps)
@@ -40,6 +44,20 @@ class Trainer:
         self.kernels = losses.decay_variables(self.model)
         self.bn_layers = replicas.batchnorm_layers(self.model)
         self.train_step = tf.function(self._train_step)
+
+    def checkpoint_objects(self) -> dict:
+        """What a checkpoint holds (the data position is a pure function of `step`, see reader.py)."""
+        return {"model": self.model, "optimizer": self.optimizer, "step": self.step,
+                "bn_stats_step": self.bn_stats_step}
+
+    def restore_weights(self, prefix: str) -> int:
+        """Loads model weights, step and bn_stats_step from a checkpoint (for eval/predict/export).
+
+        Returns the checkpoint's step. The optimizer state is not needed and not read.
+        """
+        ckpt = tf.train.Checkpoint(model=self.model, step=self.step, bn_stats_step=self.bn_stats_step)
+        ckpt.read(prefix).expect_partial().assert_existing_objects_matched()
+        return int(self.step.numpy())
 
     def learning_rate(self) -> float:
         t = self.cfg.train
