@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -181,6 +182,9 @@ def _coerce(value, tp, key: str):
             raise bad
         return value
     if tp is float:
+        # PyYAML (YAML 1.1) reads 1e-3 as a string; users mean a number.
+        if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)

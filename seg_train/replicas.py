@@ -65,12 +65,18 @@ def setup_devices(num_towers: int) -> Devices:
 
 
 def make_strategy(devices: Devices) -> tf.distribute.Strategy:
-    """One MirroredStrategy over the chosen devices: one set of variables, one replica per tower."""
-    if devices.kind == "GPU" and len(devices.names) > 1:
-        return tf.distribute.MirroredStrategy(devices.names)
-    return tf.distribute.MirroredStrategy(
-        devices.names, cross_device_ops=tf.distribute.ReductionToOneDevice(reduce_to_device=devices.names[0])
-        if devices.kind == "CPU" and len(devices.names) == 1 else None)
+    """One MirroredStrategy over the chosen devices: one set of variables, one replica per tower.
+
+    On logical CPU devices the reductions go through one device (ReductionToOneDevice) rather than
+    collective ops: the towers share memory, so a copy-and-add is all a reduction needs, and
+    collectives keep runtime state keyed by instance numbers that clash between two strategies in
+    one process (seen here: "Shape mismatch in the collective instance" when a second 4-tower
+    strategy ran after the first, as bench and the tests do). GPUs keep TensorFlow's default (NCCL).
+    """
+    if devices.kind == "CPU":
+        return tf.distribute.MirroredStrategy(
+            devices.names, cross_device_ops=tf.distribute.ReductionToOneDevice(reduce_to_device=devices.names[0]))
+    return tf.distribute.MirroredStrategy(devices.names)
 
 
 def all_reduce_sum(value):

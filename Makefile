@@ -1,0 +1,27 @@
+# make demo / make test / make bench: each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench bench-accuracy clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/seg-train --config configs/demo.yaml --gpus 4
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench.py
+
+bench-accuracy: $(STAMP)
+	$(BIN)/python scripts/bench_accuracy.py
+
+clean:
+	rm -rf $(VENV) runs data build *.egg-info

@@ -1,0 +1,133 @@
+"""The tower math: N towers in one graph equal 1 tower on the same global batch.
+
+These fail for the known wrong answers: a double gradient reduction (N times too large a step),
+per-tower loss normalisation (towers with many ignored pixels weigh more), weight decay counted N
+times, and BN moving statistics left to drift apart per tower.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from seg_train import losses, replicas
+from seg_train.trainer import Trainer
+from tests.helpers import random_batch, tiny_config
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def strategy(n):
+    return replicas.make_strategy(replicas.Devices(DEVICES[:n], "CPU", ""))
+
+
+def one_step(cfg, n, images, labels):
+    trainer = Trainer(cfg, strategy(n))
+    dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    out = trainer.train_step(next(iter(dist)))
+    return trainer, out
+
+
+def test_pixel_cross_entropy_by_hand():
+    logits = np.array([[[[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]],
+                        [[1.0, 3.0, 0.0], [5.0, -5.0, 0.0]]]], np.float32)  # [1, 2, 2, 3]
+    labels = np.array([[[0, 255], [1, 2]]], np.uint8)
+    total, count = losses.pixel_cross_entropy_sum(logits, labels, 255)
+
+    def ce(row, k):
+        return -row[k] + np.log(np.exp(row).sum())
+
+    expected = ce(logits[0, 0, 0], 0) + ce(logits[0, 1, 0], 1) + ce(logits[0, 1, 1], 2)
+    assert float(count) == 3.0
+    np.testing.assert_allclose(float(total), expected, rtol=1e-6)
+
+
+def test_sync_bn_4_towers_equal_1_tower(tmp_path):
+    # Uneven ignored pixels (tower 0's sample is mostly ignored) and a weight decay large enough to
+    # matter: both a per-tower loss normalisation and an N-times weight decay would break equality.
+    # SGD with momentum: Adam's first step is lr * g / |g| elementwise, which turns float rounding in
+    # near-zero gradient elements into O(lr) differences and would hide the comparison.
+    cfg = tiny_config(tmp_path, model={"sync_batchnorm": True, "weight_decay": 0.05},
+                      train={"optimizer": "sgd", "learning_rate": 0.5})
+    images, labels = random_batch(ignore_rows=[28, 0, 5, 0])
+    t1, out1 = one_step(cfg, 1, images, labels)
+    t4, out4 = one_step(cfg, 4, images, labels)
+    np.testing.assert_allclose(float(out1["loss"]), float(out4["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(out1["weight_decay"]), float(out4["weight_decay"]), rtol=1e-6)
+    for a, b in zip(t1.model.weights, t4.model.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
+    for a, b in zip(t1.optimizer.variables, t4.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=a.path)
+    # The step really moved the weights (an equality of two no-ops would prove nothing).
+    t0 = Trainer(cfg, strategy(1))
+    moved = max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(t0.model.trainable_weights,
+                                                                           t1.model.trainable_weights))
+    assert moved > 1e-3
+
+
+def test_weight_decay_counted_once(tmp_path):
+    cfg = tiny_config(tmp_path, model={"weight_decay": 0.5})
+    images, labels = random_batch()
+    trainer, out = one_step(cfg, 4, images, labels)
+    fresh = Trainer(cfg, strategy(1))  # same seed: the weights the step started from
+    expected = 0.5 * sum(0.5 * float(np.sum(v.numpy() ** 2)) for v in losses.decay_variables(fresh.model))
+    np.testing.assert_allclose(float(out["weight_decay"]), expected, rtol=1e-5)
+    ce = float(out["loss"]) - float(out["weight_decay"])
+    assert 0.0 < ce < 5.0  # total = global cross-entropy mean + the decay, once
+
+
+def test_bn_moving_stats_averaged_across_towers(tmp_path):
+    cfg = tiny_config(tmp_path, model={"sync_batchnorm": False, "bn_momentum": 0.5})
+    images, labels = random_batch(seed=3)
+    images[2:] += 2.0  # towers 2 and 3 see different statistics from towers 0 and 1
+    trainer, _ = one_step(cfg, 4, images, labels)
+
+    # Each tower's own update, from the initial weights and its own quarter of the batch.
+    ref = Trainer(cfg, strategy(1))
+    bns = replicas.batchnorm_layers(ref.model)
+    init = [(b.moving_mean.numpy(), b.moving_variance.numpy()) for b in bns]
+    per_tower = []
+    for i in range(4):
+        for b, (m, v) in zip(bns, init):
+            b.moving_mean.assign(m)
+            b.moving_variance.assign(v)
+        ref.model(images[i:i + 1], training=True)
+        per_tower.append([(b.moving_mean.numpy(), b.moving_variance.numpy()) for b in bns])
+
+    got = replicas.batchnorm_layers(trainer.model)
+    assert len(got) == len(bns) > 5
+    spread = 0.0
+    for j, layer in enumerate(got):
+        for attr, k in (("moving_mean", 0), ("moving_variance", 1)):
+            copies = [c.numpy() for c in getattr(layer, attr).value.values]
+            assert len(copies) == 4
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c, copies[0])  # identical on every tower
+            expected = np.mean([pt[j][k] for pt in per_tower], axis=0)
+            np.testing.assert_allclose(copies[0], expected, rtol=1e-4, atol=1e-5, err_msg=f"{layer.name}.{attr}")
+            spread = max(spread, float(np.abs(per_tower[0][j][k] - per_tower[3][j][k]).max()))
+    assert spread > 0.1  # the towers' own updates really differed
+
+
+@pytest.mark.parametrize("n", [2])
+def test_global_batches_independent_of_tower_count(tmp_path, n):
+    from seg_train import demo_data
+    from seg_train.reader import ImageReader
+    root = demo_data.generate(tmp_path / "demo", num_train=10, num_val=2, size=(40, 48), num_classes=3)
+    cfg = tiny_config(tmp_path, data_root=root, data={"batch_size": 4})
+    reader = ImageReader(cfg.data, "train", seed=7)
+    one = reader.train_dataset(4, start_step=3, num_replicas=1)
+    many = reader.train_dataset(4, start_step=3, num_replicas=n)
+    it1, itn = iter(one), iter(many)
+    for _ in range(4):  # crosses an epoch boundary (10 samples, 4 per step)
+        im1, lb1 = next(it1)
+        parts = [next(itn) for _ in range(n)]
+        np.testing.assert_array_equal(im1.numpy(), np.concatenate([p[0].numpy() for p in parts]))
+        np.testing.assert_array_equal(lb1.numpy(), np.concatenate([p[1].numpy() for p in parts]))
+    # And through the strategy: tower i gets the i-th slice of the global batch.
+    st = strategy(n)
+    dist = iter(st.distribute_datasets_from_function(
+        lambda ctx: reader.train_dataset(4, 3, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
+                                         ctx.num_input_pipelines)))
+    im1, _ = next(iter(one))
+    got = np.concatenate([t.numpy() for t in st.experimental_local_results(next(dist)[0])])
+    np.testing.assert_array_equal(got, im1.numpy())
