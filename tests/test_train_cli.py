@@ -1,0 +1,116 @@
+"""seg-train end to end through the real command: train, TensorBoard tags, resume, errors."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+
+from seg_train import demo_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args, cwd, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "seg_train.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
+                              num_classes=3)
+
+
+def write_config(tmp_path, root, **train):
+    raw = {"seed": 1, "run_dir": "run",
+           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
+                    "num_parallel_calls": 2},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 2,
+                     "learning_rate": 0.01, **train}}
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+def event_tags(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0, "images": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    return set(tags["tensors"]) | set(tags["scalars"]), set(tags["images"]) | set(
+        t for t in tags["tensors"] if t.startswith("tower_")), acc
+
+
+def test_train_tags_and_resume(tmp_path, demo_root):
+    cfg = write_config(tmp_path, demo_root)
+    r = run(["--config", str(cfg), "--gpus", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "logical CPU devices" in r.stderr
+    run_dir = tmp_path / "run"
+    assert (run_dir / "config.yaml").is_file()
+    assert tf.train.latest_checkpoint(str(run_dir / "checkpoints")).endswith("ckpt-4")
+    scalars, images, acc = event_tags(run_dir)
+    for tag in ["loss/total", "loss/weight_decay", "loss/tower_0", "loss/tower_1", "learning_rate",
+                "throughput/images_per_sec"]:
+        assert tag in scalars, (tag, scalars)
+    for i in range(2):
+        for kind in ("image", "label", "prediction"):
+            assert f"tower_{i}/{kind}" in images, images
+    lrs = [float(tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors("learning_rate")]
+    assert len(lrs) == 4 and lrs[0] > lrs[-1] > 0  # poly decay
+
+    # Already complete: exits 0 without training.
+    r = run(["--config", str(cfg), "--gpus", "2"], tmp_path)
+    assert r.returncode == 0 and "already complete" in r.stderr
+
+    # Extend the run: it resumes from the saved step and the schedule continues from there.
+    r = run(["--config", str(cfg), "--gpus", "2", "--set", "train.num_steps=6"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from step 4" in r.stderr
+    assert tf.train.latest_checkpoint(str(run_dir / "checkpoints")).endswith("ckpt-6")
+
+
+def test_resume_after_crash_equals_uninterrupted(tmp_path, demo_root):
+    """A run that died after its step-2 checkpoint and was rerun ends bitwise equal to one that did not."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    for d in (a, b):
+        write_config(d, demo_root, deterministic=True, image_summary_every=0)
+    assert run(["--config", str(a / "cfg.yaml"), "--gpus", "2"], a).returncode == 0
+    assert run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b).returncode == 0
+    # Make b look like it was killed right after writing ckpt-2: drop ckpt-4 and its state entry.
+    ckdir = b / "run" / "checkpoints"
+    for f in ckdir.glob("ckpt-4.*"):
+        f.unlink()
+    tf.compat.v1.train.update_checkpoint_state(str(ckdir), str(ckdir / "ckpt-2"), [str(ckdir / "ckpt-2")])
+    r = run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b)
+    assert r.returncode == 0 and "resumed from step 2" in r.stderr, r.stderr
+    ra = tf.train.load_checkpoint(str(a / "run" / "checkpoints" / "ckpt-4"))
+    rb = tf.train.load_checkpoint(str(b / "run" / "checkpoints" / "ckpt-4"))
+    keys = [k for k in ra.get_variable_to_shape_map() if "VARIABLE_VALUE" in k]
+    assert any("optimizer" in k for k in keys) and len(keys) > 50
+    for k in keys:
+        np.testing.assert_array_equal(ra.get_tensor(k), rb.get_tensor(k), err_msg=k)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--gpus", "0"], "error: invalid --gpus (--gpus): expected a positive number of towers, got 0"),
+    (["--set", "data.batch_size=3", "--gpus", "2"], "error: batch does not divide across towers (data.batch_size)"),
+    (["--set", "train.nm_steps=3"], "error: unknown key (train.nm_steps): did you mean 'num_steps'?"),
+    (["--set", "data.root=/nonexistent/voc"], "error: data root not found (data.root)"),
+])
+def test_user_errors_one_line_exit_2(tmp_path, demo_root, args, expected):
+    cfg = write_config(tmp_path, demo_root)
+    r = run(["--config", str(cfg), *args], tmp_path)
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip() and not l[:8].count(":") == 2]
+    assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()  # nothing written for a run that never started
