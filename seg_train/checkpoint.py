@@ -32,13 +32,27 @@ class Checkpointer:
         return self.manager.latest_checkpoint
 
     def restore_latest(self) -> str | None:
-        """Restores the newest checkpoint, if any; returns its path."""
-        path = self.manager.latest_checkpoint
-        if path:
-            # assert_existing_objects_matched: every object we built must find its values, so an
-            # optimizer whose slots were not built (keras#19389) fails loudly instead of silently.
-            self.checkpoint.restore(path).assert_existing_objects_matched()
-        return path
+        """Restores the newest readable checkpoint, if any; returns its path.
+
+        TensorFlow writes a checkpoint's files first and the `checkpoint` state file last (atomically),
+        so a process killed mid-write leaves the state pointing at the previous, complete checkpoint.
+        A newest checkpoint that is still unreadable (a truncated file after a full disk) is skipped
+        with a warning in favour of the one before it.
+        """
+        # The state file's newest entry first (the manager's own list leaves out entries without
+        # timestamps), then the older ones it lists.
+        candidates = dict.fromkeys([p for p in [self.manager.latest_checkpoint] if p]
+                                   + list(reversed(self.manager.checkpoints)))
+        for path in candidates:
+            try:
+                # assert_existing_objects_matched: every object we built must find its values, so an
+                # optimizer whose slots were not built (keras#19389) fails loudly instead of silently.
+                self.checkpoint.restore(path).assert_existing_objects_matched()
+                return path
+            except (tf.errors.NotFoundError, tf.errors.DataLossError, tf.errors.InvalidArgumentError,
+                    tf.errors.OutOfRangeError) as e:
+                log.warning("skipping unreadable checkpoint %s (%s)", path, str(e).splitlines()[0][:200])
+        return None
 
     def save(self, step: int) -> str:
         return self.manager.save(checkpoint_number=step)

@@ -150,14 +150,125 @@ def train_main(argv=None) -> int:
     parser.add_argument("--run-dir", help="where checkpoints, events and the resolved config go (overrides run_dir)")
     parser.add_argument("--init-from", metavar="CKPT_OR_RUN_DIR",
                         help="initialise weights from a seg-train checkpoint (layers with other shapes are skipped)")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume even though the config changes what the checkpoint means")
+    parser.add_argument("--check-data", action="store_true",
+                        help="scan the train and val splits, report problems and a per-class pixel histogram, exit")
     args = parser.parse_args(argv)
 
     def main(args):
+        if args.check_data:
+            return check_data_main(args)
         cfg, strategy = _setup(args, args.run_dir)
         from seg_train.train import train
-        return train(cfg, strategy, init_from=args.init_from)
+        return train(cfg, strategy, init_from=args.init_from, allow_config_change=args.allow_config_change)
 
     return run_guarded(main, args)
+
+
+def _checkpoint_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, metavar="CKPT_OR_RUN_DIR",
+                        help="a run dir (newest checkpoint), its checkpoints/ or best/ folder, or a checkpoint prefix")
+
+
+def _precheck_checkpoint(path: str) -> None:
+    """Fails fast, before TensorFlow's slow import, on a checkpoint path that does not exist at all."""
+    from pathlib import Path
+    if not Path(path).exists() and not Path(path + ".index").is_file():
+        raise ConfigError("checkpoint not found", path,
+                          "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
+
+
+def eval_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seg-eval", description="Evaluate a checkpoint at full resolution: per-class IoU, mIoU, pixel accuracy. "
+        "Writes RUN_DIR/eval/<split>-step<k>.json.")
+    _common(parser)
+    _checkpoint_arg(parser)
+    parser.add_argument("--split", help="split to evaluate (default: data.val_split)")
+    args = parser.parse_args(argv)
+
+    def main(args):
+        _precheck_checkpoint(args.checkpoint)
+        cfg, strategy = _setup(args)
+        from seg_train.evaluate import run_eval
+        run_eval(cfg, strategy, args.checkpoint, args.split)
+        return 0
+
+    return run_guarded(main, args)
+
+
+def predict_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seg-predict", description="Segment images of any size: <name>.png (palette PNG of class indices, "
+        "original size) and <name>_overlay.jpg for each input.")
+    _common(parser)
+    _checkpoint_arg(parser)
+    parser.add_argument("--output", required=True, metavar="DIR", help="folder for the PNGs and overlays")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="image files or folders of images (one level deep); names must be distinct")
+    args = parser.parse_args(argv)
+
+    def main(args):
+        from seg_train.predict import check_output_dir, collect_inputs
+        collect_inputs(args.inputs)  # fail fast on a bad input, before TensorFlow starts
+        check_output_dir(args.output)
+        _precheck_checkpoint(args.checkpoint)
+        cfg, strategy = _setup(args)
+        from seg_train.predict import run_predict
+        run_predict(cfg, strategy, args.checkpoint, args.inputs, args.output)
+        return 0
+
+    return run_guarded(main, args)
+
+
+def export_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="seg-export", description="Export a checkpoint as a SavedModel: serving_default(image uint8 "
+        "[height, width, 3]) -> classes [height, width], preprocessing inside the graph.")
+    _common(parser)
+    _checkpoint_arg(parser)
+    parser.add_argument("--output", required=True, metavar="DIR", help="SavedModel folder (new or empty)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    args = parser.parse_args(argv)
+
+    def main(args):
+        from seg_train.export import check_output
+        check_output(args.output, args.force)  # fail fast, before TensorFlow starts
+        _precheck_checkpoint(args.checkpoint)
+        cfg, strategy = _setup(args)
+        from seg_train.export import run_export
+        run_export(cfg, strategy, args.checkpoint, args.output, args.force)
+        return 0
+
+    return run_guarded(main, args)
+
+
+def check_data_main(args) -> int:
+    """seg-train --check-data: scan the splits without TensorFlow's devices; exit 2 if a sample is bad."""
+    from seg_train import config as config_lib
+    setup_logging(args.debug)
+    cfg = config_lib.load(args.config, args.overrides, args.run_dir)
+    import_tensorflow(args.debug)
+    from seg_train.datacheck import format_report, scan
+    from seg_train.palette import load_class_names
+    from seg_train.train import prepare_data
+    from seg_train.reader import ImageReader, split_file
+    prepare_data(cfg)
+    names = load_class_names(cfg.data.root, cfg.data.num_classes, cfg.data.class_names)
+    bad = 0
+    for split in dict.fromkeys([cfg.data.train_split, cfg.data.val_split]):
+        if split == cfg.data.val_split and not split_file(cfg.data.root, split).is_file():
+            print(f"split {split}: not found ({split_file(cfg.data.root, split)}), skipped")
+            continue
+        reader = ImageReader(cfg.data, split, cfg.seed)
+        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, f"split {split}")
+        print(f"split {split}: " + format_report(report, names))
+        bad += len(report.bad)
+    if bad:
+        print(f"error: {bad} bad sample(s) ({cfg.data.root}): see the list above", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

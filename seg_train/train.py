@@ -9,14 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.palette import voc_colormap
-from seg_train.reader import ImageReader
+from seg_train.reader import BadSample, ImageReader
+from seg_train.rundir import RunLock, check_resume_config
 from seg_train.summaries import Summaries
 from seg_train.trainer import Trainer
 
@@ -78,33 +78,79 @@ def check_batch(cfg: Config, num_replicas: int) -> None:
                           f"expected a multiple of the {num_replicas} towers, got {cfg.data.batch_size}")
 
 
-def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None = None) -> int:
-    """Trains (or resumes) the run in cfg.run_dir. Returns the process exit code."""
-    # ---- setup --------------------------------------------------------------------------------
+def scan_split(cfg: Config, reader: ImageReader, what: str) -> None:
+    """Checks every sample of the reader's split before training; drops bad ones if on_bad_sample: skip."""
+    from seg_train.datacheck import scan
+    report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, what)
+    log.info("checked %d %s samples in %.1fs: %d bad", report.num_samples, what, report.seconds, len(report.bad))
+    if not report.bad:
+        return
+    if cfg.data.on_bad_sample == "error":
+        more = f" (and {len(report.bad) - 1} more bad samples)" if len(report.bad) > 1 else ""
+        raise BadSample(report.bad[0][1] + more)
+    for sample, problem in report.bad:
+        log.warning("skipping bad sample (data.on_bad_sample: skip): %s", problem)
+    bad = {s.id for s, _ in report.bad}
+    reader.samples = [s for s in reader.samples if s.id not in bad]
+    if not reader.samples:
+        raise ConfigError("no usable samples", what, "at least one sample that passes the checks")
+
+
+def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None = None,
+          allow_config_change: bool = False) -> int:
+    """Trains (or resumes) the run in cfg.run_dir. Returns the process exit code.
+
+    Everything that can be checked is checked before anything is written to the run dir, so bad
+    input never changes an existing run.
+    """
+    # ---- setup and checks (nothing written yet) --------------------------------------------------
     n = strategy.num_replicas_in_sync
     check_batch(cfg, n)
-    reader = prepare_data(cfg)
     run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError("run dir is a file", str(run_dir), "a directory (or a path that does not exist yet)")
+    lock = RunLock(run_dir) if run_dir.is_dir() else None
+    if lock:
+        lock.acquire()  # fail fast when another trainer owns the run dir
+    try:
+        return _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change)
+    finally:
+        if lock:
+            lock.release()
+
+
+def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) -> int:
+    n = strategy.num_replicas_in_sync
+    reader = prepare_data(cfg)
+    scan_split(cfg, reader, f"train ({cfg.data.train_split})")
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
+    resuming = tf.train.latest_checkpoint(str(run_dir / "checkpoints")) is not None
+    if resuming:
+        check_resume_config(cfg, run_dir, allow_config_change)
 
     # ---- model, optimizer, restore ----------------------------------------------------------------
     trainer = Trainer(cfg, strategy)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **trainer.checkpoint_objects())
     restored = ckpt.restore_latest()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_lib.dump(cfg, run_dir / "config.yaml")
+    if init_from and not restored:
+        from seg_train.init import load_weights
+        loaded, skipped = load_weights(trainer.model, init_from)
+        log.info("initialised %d weights from %s; skipped %d with other shapes%s", loaded, init_from, len(skipped),
+                 (": " + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")) if skipped else "")
     start = int(trainer.step.numpy())
     if restored:
         log.info("resumed from step %d (%s)", start, restored)
-    elif init_from:
-        from seg_train.init import load_weights
-        loaded, skipped = load_weights(trainer.model, init_from, cfg)
-        log.info("initialised %d weights from %s; skipped %d with other shapes: %s",
-                 loaded, init_from, len(skipped), ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if start >= cfg.train.num_steps:
         log.info("run already complete: step %d of %d (%s)", start, cfg.train.num_steps, run_dir)
         return EXIT_OK
+
+    # From here on the run is known to start: claim the run dir and write the resolved config.
+    if lock is None:
+        lock = RunLock(run_dir)
+        lock.acquire()
+    lock.mark_owner()
+    config_lib.dump(cfg, run_dir / "config.yaml")
 
     # ---- data ---------------------------------------------------------------------------------------
     batch = cfg.data.batch_size
@@ -124,6 +170,7 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
     window_start, window_steps, first = time.perf_counter(), 0, True
     images_per_sec = float("nan")
     status = EXIT_OK
+    skipped = 0
     try:
         with _StopSignals() as stop:
             step = start
@@ -133,10 +180,15 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
                 step += 1
                 finite = out["finite"].numpy()
                 if not finite.all():
+                    # The step applied nothing (see Trainer._train_step): weights, optimizer slots
+                    # and BN statistics are those of the step before.
                     towers = [i for i, f in enumerate(finite) if not f]
                     msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
                            f"(loss {float(out['loss']):.4g}, learning rate {lr:.3g})")
-                    raise NonFiniteError(msg)
+                    if t_cfg.on_nan == "stop":
+                        raise NonFiniteError(msg)
+                    skipped += 1
+                    log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, skipped)
                 if first:  # tracing and the first step never count towards throughput
                     window_start, window_steps, first = time.perf_counter(), 0, False
                 else:
@@ -151,6 +203,8 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
                                "learning_rate": lr}
                     for i, ce in enumerate(out["tower_ce"].numpy()):
                         scalars[f"loss/tower_{i}"] = ce
+                    if skipped:
+                        scalars["train/skipped_steps"] = skipped
                     if not math.isnan(images_per_sec):
                         scalars["throughput/images_per_sec"] = images_per_sec
                     summaries.scalars(step, scalars)
@@ -173,8 +227,8 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
                     status = 128 + stop.signum
                     break
     except NonFiniteError as e:
-        log.error("%s; no checkpoint written for it (newest: %s). Lower train.learning_rate or set "
-                  "train.on_nan: skip_step", e, ckpt.latest)
+        print(f"error: {e}: stopped without applying it; newest checkpoint {ckpt.latest}. Lower "
+              "train.learning_rate, or set train.on_nan: skip_step", file=sys.stderr)
         status = EXIT_NONFINITE
     finally:
         if bar is not None:
@@ -187,7 +241,3 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
                  run_dir / "checkpoints")
         log.info("view with: tensorboard --logdir %s", run_dir)
     return status
-
-
-def weights_finite(model) -> bool:
-    return all(np.isfinite(v.numpy()).all() for v in model.weights)

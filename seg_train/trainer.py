@@ -43,6 +43,7 @@ class Trainer:
             self.optimizer.build(self.model.trainable_variables)
         self.kernels = losses.decay_variables(self.model)
         self.bn_layers = replicas.batchnorm_layers(self.model)
+        self._bn_stats = [v for b in self.bn_layers for v in (b.moving_mean, b.moving_variance)]
         self.train_step = tf.function(self._train_step)
 
     def checkpoint_objects(self) -> dict:
@@ -63,35 +64,61 @@ class Trainer:
         t = self.cfg.train
         return float(poly_lr(self.step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps))
 
-    def _replica_step(self, images, labels):
+    def _forward_backward(self, images, labels):
+        """One tower: loss and gradients on its slice of the global batch (nothing applied yet)."""
         cfg = self.cfg
-        variables = self.model.trainable_variables
+        # BN moving statistics are updated by the forward pass itself; keep the old values so a
+        # skipped (non-finite) step can put them back.
+        bn_before = [tf.identity(v.value) for v in self._bn_stats]
         with tf.GradientTape() as tape:
             logits = self.model(images, training=True)
             ce_sum, count = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
             global_count = replicas.all_reduce_sum(count)
             wd = losses.weight_decay(self.kernels, cfg.model.weight_decay)
-            # THE cross-tower scaling. apply_gradients below SUMs the towers' gradients (Keras 3,
-            # project notes item 2), so each tower's loss is its share of the global objective:
+            # THE cross-tower scaling. apply_gradients (in _apply) SUMs the towers' gradients (Keras
+            # 3, project notes item 2), so each tower's loss is its share of the global objective:
             # its cross-entropy sum over the GLOBAL valid-pixel count (all towers' pixels weigh the
             # same), plus 1/N of the weight decay (the N shares add up to the decay counted once).
             loss = ce_sum / tf.maximum(global_count, 1.0) + wd / self.num_replicas
-        grads = tape.gradient(loss, variables)
+        grads = tape.gradient(loss, self.model.trainable_variables)
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
                                + [tf.math.is_finite(loss)])
-        self.optimizer.apply_gradients(zip(grads, variables))
-        if not cfg.model.sync_batchnorm:
-            replicas.average_bn_moving_stats(self.bn_layers)
         preds = tf.cast(tf.argmax(logits, axis=-1), tf.uint8)
-        return {"ce_sum": ce_sum, "count": count, "wd": wd, "finite": tf.cast(finite, tf.int32),
-                "images": images, "labels": labels, "preds": preds}
+        return grads, bn_before, {"ce_sum": ce_sum, "count": count, "wd": wd, "finite": tf.cast(finite, tf.int32),
+                                  "images": images, "labels": labels, "preds": preds}
+
+    def _apply(self, grads):
+        """One tower: apply the (tower-summed, inside Keras) gradients; make BN statistics agree."""
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        if not self.cfg.model.sync_batchnorm:
+            replicas.average_bn_moving_stats(self.bn_layers)
+
+    def _undo_bn(self, bn_before):
+        for v, old in zip(self._bn_stats, bn_before):
+            v.assign(old)
 
     def _train_step(self, batch):
         images, labels = batch
-        out = self.strategy.run(self._replica_step, (images, labels))
-        self.step.assign_add(1)
         s = self.strategy
+        grads, bn_before, out = s.run(self._forward_backward, (images, labels))
         local = lambda v: s.experimental_local_results(v)  # noqa: E731  (tower order = replica order)
+        finite = tf.stack(local(out["finite"]))
+        # Apply only if every tower is finite: a non-finite step changes no weight, no optimizer
+        # slot and no BN statistic (train.on_nan decides on the host whether to stop or go on).
+        # The cond is in cross-replica context: Keras' apply_gradients synchronises the towers,
+        # which is not allowed inside control flow within a replica function.
+        ok = tf.reduce_all(finite > 0)
+
+        def apply():
+            s.run(self._apply, (grads,))
+            return tf.constant(True)
+
+        def skip():
+            s.run(self._undo_bn, (bn_before,))
+            return tf.constant(False)
+
+        tf.cond(ok, apply, skip)
+        self.step.assign_add(1)
         ce_sums, counts = local(out["ce_sum"]), local(out["count"])
         total_ce = tf.add_n(list(ce_sums)) / tf.maximum(tf.add_n(list(counts)), 1.0)
         wd = local(out["wd"])[0]
@@ -99,7 +126,7 @@ class Trainer:
             "loss": total_ce + wd,
             "weight_decay": wd,
             "tower_ce": tf.stack([c / tf.maximum(n, 1.0) for c, n in zip(ce_sums, counts)]),
-            "finite": tf.stack(local(out["finite"])),
+            "finite": finite,
             "images": local(out["images"]),
             "labels": local(out["labels"]),
             "preds": local(out["preds"]),

@@ -91,7 +91,8 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, demo_root):
         f.unlink()
     tf.compat.v1.train.update_checkpoint_state(str(ckdir), str(ckdir / "ckpt-2"), [str(ckdir / "ckpt-2")])
     r = run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b)
-    assert r.returncode == 0 and "resumed from step 2" in r.stderr, r.stderr
+    assert r.returncode == 0, r.stderr
+    assert "resumed from step 2" in r.stderr, r.stderr
     ra = tf.train.load_checkpoint(str(a / "run" / "checkpoints" / "ckpt-4"))
     rb = tf.train.load_checkpoint(str(b / "run" / "checkpoints" / "ckpt-4"))
     keys = [k for k in ra.get_variable_to_shape_map() if "VARIABLE_VALUE" in k]

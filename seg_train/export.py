@@ -1,0 +1,118 @@
+"""seg-export: a SavedModel that segments one uint8 image of any size, preprocessing in the graph.
+
+The serving function (`serving_module`) is also what seg-predict runs, so the exported model and
+seg-predict compute the same graph and give the same masks. Its preprocessing is the evaluation's:
+(x - mean) / std with the config's data.mean/std, zero padding (the mean colour) to a multiple of 32,
+logits cropped back to the input size.
+
+The SavedModel holds no Python: `tf.saved_model.load(DIR).signatures["serving_default"](image=x)`
+works in a process that never imports seg_train. The model resizes with tf.image.resize to dynamic
+sizes (ResizeLike), so the signature is traced once with unknown height and width (project notes
+item 14: UpSampling2D(bilinear) would fail there).
+
+This module imports TensorFlow only inside its functions: the command line checks its arguments
+before TensorFlow's slow start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from seg_train.config import Config, ConfigError
+
+log = logging.getLogger("seg_train")
+
+PAD_TO = 32
+METADATA_FILE = "seg_train.json"
+
+
+def serving_module(model, mean, std, pad_to: int = PAD_TO):
+    """A tf.Module holding `model`, whose `serve` segments one image.
+
+    `serve(image)`: image uint8 [height, width, 3] (RGB) -> {"classes": int32 [height, width],
+    "probabilities": float32 [height, width, num_classes]}, at the input's size.
+    """
+    import tensorflow as tf
+
+    module = tf.Module()
+    module.model = model  # tracked: its variables are saved with the module
+    mean = tf.constant(mean, tf.float32)
+    std = tf.constant(std, tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, 3], tf.uint8, name="image")])
+    def serve(image):
+        h, w = tf.shape(image)[0], tf.shape(image)[1]
+        # The same ops as ImageReader.normalize and eval_dataset's padding.
+        x = (tf.cast(image, tf.float32) - mean) / std
+        x = tf.pad(x, [[0, (-h) % pad_to], [0, (-w) % pad_to], [0, 0]])
+        logits = model(x[None], training=False)[0, :h, :w]
+        return {"classes": tf.argmax(logits, axis=-1, output_type=tf.int32),
+                "probabilities": tf.nn.softmax(logits, axis=-1)}
+
+    module.serve = serve
+    return module
+
+
+def check_output(path: str | os.PathLike, force: bool) -> Path:
+    """The SavedModel folder: new, empty, or non-empty with `force`; never a file."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("output is a file", str(out), "expected a folder for the SavedModel (new or empty)")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError("output folder is not empty", str(out),
+                          "expected a new or empty folder (pass --force to replace it)")
+    return out
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Moves the finished folder `tmp` to `out`, replacing `out` if it exists."""
+    if out.is_dir() and any(out.iterdir()):
+        # A non-empty folder cannot be renamed over: move it aside first (--force was given).
+        old = out.with_name(f"{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)  # also replaces an empty folder
+
+
+def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike, force: bool = False,
+               progress: bool = True) -> Path:
+    """seg-export: writes the SavedModel of CKPT_OR_RUN_DIR to `output` (via output.tmp, renamed).
+
+    Returns:
+      The SavedModel folder.
+    """
+    import tensorflow as tf
+
+    from seg_train.evaluate import class_names_of, load_trainer, maybe_reestimate_bn
+
+    out = check_output(output, force)
+    names = class_names_of(cfg)
+    trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
+    reestimated = maybe_reestimate_bn(trainer, cfg, progress)
+    module = serving_module(trainer.model, cfg.data.mean, cfg.data.std)
+
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():  # left over by an interrupted export
+        shutil.rmtree(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tf.saved_model.save(module, str(tmp), signatures={"serving_default": module.serve})
+        # Plain metadata beside the graph for serving code (class names, where it came from).
+        (tmp / METADATA_FILE).write_text(json.dumps({
+            "checkpoint": prefix, "step": step, "num_classes": cfg.data.num_classes, "class_names": names,
+            "mean": list(cfg.data.mean), "std": list(cfg.data.std), "bn_stats_reestimated": reestimated,
+            "signature": "serving_default: image uint8 [height, width, 3] -> classes int32 [height, width], "
+                         "probabilities float32 [height, width, num_classes]",
+        }, indent=1) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"exported step {step} ({prefix}) to {out}: serving_default(image uint8 [h, w, 3]) -> classes [h, w]")
+    return out

@@ -1,0 +1,142 @@
+"""seg-predict: class-index PNGs and colour overlays for images of any size.
+
+For each input image `<name>.<ext>` it writes, at the image's original size:
+- `<name>.png`: a palette ('P') PNG whose pixel values are the predicted class indices (VOC colours,
+  so viewers show colours and `np.array(Image.open(p))` gives the classes);
+- `<name>_overlay.jpg`: the prediction's colours blended over the photo.
+The model runs through export.serving_module: the same graph and preprocessing as the exported
+SavedModel (and as evaluation), so the three agree.
+
+Outputs are named by the input's file name without its extension, so two inputs with the same name
+(a/x.jpg and b/x.jpg, or x.jpg and x.png) would overwrite each other: that is refused before anything
+runs. Folders are read one level deep (no recursion), in sorted order.
+
+This module imports TensorFlow only inside `run_predict`: the command line checks the inputs before
+TensorFlow's slow start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from seg_train.config import Config, ConfigError
+from seg_train.palette import save_index_png, voc_colormap
+
+log = logging.getLogger("seg_train")
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+OVERLAY_ALPHA = 0.5
+
+
+def _check_image(path: Path) -> None:
+    """Raises ConfigError unless Pillow can identify `path` as an image (reads the header only)."""
+    try:
+        with Image.open(path):
+            pass
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise ConfigError("unreadable image", str(path), f"expected a JPEG/PNG image ({e})") from None
+
+
+def collect_inputs(paths) -> list[Path]:
+    """Image files from files and folders (folders: images one level deep, sorted), checked.
+
+    Raises:
+      ConfigError: a path that does not exist, a folder without images, an unreadable image, or
+        two inputs that would write the same output names.
+    """
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+            if not found:
+                raise ConfigError("no images in folder", str(p),
+                                  f"expected image files ({', '.join(IMAGE_SUFFIXES)}); folders are not searched "
+                                  "recursively")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise ConfigError("input not found", str(p), "expected an image file or a folder of images")
+    unique, seen, by_name = [], set(), {}
+    for f in files:
+        key = f.resolve()
+        if key in seen:  # the same file given twice (e.g. a file and its folder): predict it once
+            continue
+        seen.add(key)
+        _check_image(f)
+        other = by_name.setdefault(f.stem, f)
+        if other is not f:
+            raise ConfigError("output name collision", f"{other} and {f}",
+                              f"expected inputs with distinct names: both would write {f.stem}.png; "
+                              "rename one or predict them into separate --output folders")
+        unique.append(f)
+    return unique
+
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """The predictions folder: anything but an existing file (created if missing)."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError("output is a file", str(out), "expected a folder for the predictions (created if missing)")
+    return out
+
+
+def overlay(image: np.ndarray, classes: np.ndarray, palette: np.ndarray, alpha: float = OVERLAY_ALPHA) -> np.ndarray:
+    """uint8 [H, W, 3]: the class colours blended over `image` with weight `alpha`."""
+    colours = np.asarray(palette, np.float32)[classes]
+    return np.round((1 - alpha) * image.astype(np.float32) + alpha * colours).astype(np.uint8)
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Calls write(tmp) and renames tmp to `path`, so an interrupted run leaves no truncated file."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os.PathLike,
+                progress: bool = True) -> list[Path]:
+    """seg-predict: segments every input image with CKPT_OR_RUN_DIR and writes PNGs and overlays.
+
+    Returns:
+      The class-index PNGs written (one per input image, in input order).
+    """
+    import tensorflow as tf
+    from tqdm import tqdm
+
+    from seg_train.evaluate import load_trainer, maybe_reestimate_bn
+    from seg_train.export import serving_module
+
+    files = collect_inputs(inputs)
+    out = check_output_dir(output)
+    trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
+    # As in seg-eval and seg-export, so predictions match the exported model and the eval numbers.
+    maybe_reestimate_bn(trainer, cfg, progress)
+    module = serving_module(trainer.model, cfg.data.mean, cfg.data.std)
+    palette = voc_colormap()
+    out.mkdir(parents=True, exist_ok=True)
+
+    written = []
+    for f in tqdm(files, desc="predict", unit="img", dynamic_ncols=True, file=sys.stderr, leave=False,
+                  disable=not (progress and sys.stderr.isatty())):
+        with Image.open(f) as im:
+            image = np.asarray(im.convert("RGB"))
+        classes = module.serve(tf.constant(image))["classes"].numpy()
+        mask_path = out / f"{f.stem}.png"
+        _write_atomic(mask_path, functools.partial(save_index_png, label=classes, palette=palette))
+        blended = Image.fromarray(overlay(image, classes, palette))
+        _write_atomic(out / f"{f.stem}_overlay.jpg", functools.partial(blended.save, format="JPEG", quality=90))
+        written.append(mask_path)
+    print(f"wrote {len(written)} class-index PNG(s) and {len(written)} overlay(s) to {out} "
+          f"(step {step}, {prefix})")
+    return written

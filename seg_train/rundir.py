@@ -1,0 +1,114 @@
+"""The run directory's guards: one trainer at a time, and resuming only with a compatible config."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+
+import yaml
+
+from seg_train.config import Config, ConfigError, flatten
+
+log = logging.getLogger("seg_train")
+
+LOCK_NAME = "train.lock"
+
+# Keys whose change does not change what a checkpoint means; they may differ on resume.
+HARMLESS = {
+    "run_dir", "data.root", "data.val_split", "data.class_names", "data.num_parallel_calls", "data.on_bad_sample",
+    "data.synthetic", "train.summary_every", "train.image_summary_every", "train.checkpoint_every",
+    "train.keep_checkpoints", "train.eval_every", "train.on_nan", "train.deterministic", "eval.bn_reestimate_batches",
+}
+
+
+class RunLock:
+    """An exclusive flock on RUN_DIR/train.lock, released by the kernel when the process dies.
+
+    A lock left by a killed trainer is therefore taken over without any stale-lock heuristics.
+    The file stays (holding the last owner's pid), so checking a run dir never creates files in it.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.fd = None
+        self.owner = False
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError("run dir in use", str(self.path),
+                              f"one trainer per run dir; another seg-train (pid {owner}) is training here "
+                              "(wait for it, or use another --run-dir)") from None
+        previous = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if previous and previous.isdigit() and int(previous) != os.getpid() and not _alive(int(previous)):
+            log.info("taking over the lock left by pid %s (no longer running)", previous)
+        self.fd = fd
+
+    def mark_owner(self) -> None:
+        """Writes our pid into the lock file (only once the run is known to start)."""
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        self.owner = True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            if self.owner:  # a clean exit leaves no pid behind (only a killed trainer does)
+                os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_resume_config(cfg: Config, run_dir: Path, allow_change: bool) -> None:
+    """Refuses to resume with a config that changes what the checkpoint means.
+
+    Harmless keys (HARMLESS) are allowed and reported; a longer train.num_steps is allowed with a
+    warning (the poly schedule is stretched); anything else needs `allow_change`.
+    """
+    saved_path = Path(run_dir) / "config.yaml"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = flatten(yaml.safe_load(saved_path.read_text()) or {})
+    except yaml.YAMLError:
+        raise ConfigError("unreadable run config", str(saved_path), "the YAML that seg-train wrote there") from None
+    new = flatten(cfg.to_dict())
+    changed = sorted(k for k in set(saved) | set(new) if saved.get(k, "<absent>") != new.get(k, "<absent>"))
+    if not changed:
+        return
+    meaningful, harmless = [], []
+    for key in changed:
+        desc = f"{key}: {saved.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}"
+        if key in HARMLESS:
+            harmless.append(desc)
+        elif key == "train.num_steps" and isinstance(saved.get(key), int) and new[key] > saved[key]:
+            log.warning("run extended from %d to %d steps: the poly schedule is stretched to the new length",
+                        saved[key], new[key])
+        else:
+            meaningful.append(desc)
+    if harmless:
+        log.info("config changes on resume (harmless): %s", "; ".join(harmless))
+    if meaningful:
+        if allow_change:
+            log.warning("resuming with a changed config (--allow-config-change): %s", "; ".join(meaningful))
+            return
+        raise ConfigError("config differs from the checkpoint's", str(saved_path),
+                          f"the same meaning to resume; changed: {'; '.join(meaningful)} "
+                          "(use another --run-dir, or --allow-config-change to resume anyway)")

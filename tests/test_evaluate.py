@@ -1,0 +1,200 @@
+"""Evaluation: every labelled pixel counted exactly once at full resolution, the metrics equal an
+independent numpy computation, N towers give the identical confusion matrix as 1 tower, the seg-eval
+record, best-checkpoint keeping and the eval summaries."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from seg_train import checkpoint as ckpt_lib
+from seg_train import evaluate as ev
+from seg_train import metrics as metrics_lib
+from seg_train.config import ConfigError
+from seg_train.palette import read_label, save_index_png, voc_colormap
+from seg_train.reader import ImageReader
+from seg_train.trainer import Trainer
+from tests.helpers import tiny_config
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+NUM_CLASSES = 4
+NAMES = ["sky", "road", "car", "tree"]
+# Sizes that are not multiples of 32 (padding must not be counted); 5 images, so the last step on
+# 2 and 4 towers is partial (a tower without an image must count nothing).
+SIZES = [(37, 53), (64, 17), (33, 32), (50, 41), (29, 29)]
+
+
+def strategy(n):
+    return tf.distribute.MirroredStrategy(DEVICES[:n])
+
+
+def write_split(root, sizes, seed=0):
+    """A VOC-layout folder of random images and labels (with ignored blocks) of the given sizes."""
+    rng = np.random.default_rng(seed)
+    for d in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    ids = []
+    for i, (h, w) in enumerate(sizes):
+        sid = f"img{i}"
+        # Blocks of random colours: spatial structure, so the predictions vary across the image.
+        blocks = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        image = np.repeat(np.repeat(blocks, 8, axis=0), 8, axis=1)[:h, :w]
+        Image.fromarray(image).save(root / "JPEGImages" / f"{sid}.jpg")
+        label = rng.integers(0, NUM_CLASSES, (h, w)).astype(np.uint8)
+        label[: h // 3, : w // 4] = 255
+        save_index_png(root / "SegmentationClass" / f"{sid}.png", label, voc_colormap())
+        ids.append(sid)
+    for split in ("train", "val"):
+        (root / "ImageSets/Segmentation" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    (root / "classes.txt").write_text("\n".join(NAMES) + "\n")
+    return root
+
+
+def calibrate_bn(cfg, model, reader, passes=30):
+    """BN moving statistics for these images (forward passes in training mode): an untrained model
+    with its initial statistics predicts nearly one class everywhere, which would make a weak test."""
+    x = np.stack([np.asarray(Image.open(s.image).convert("RGB").resize((32, 32)), np.float32)
+                  for s in reader.samples])
+    x = (x - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
+    for _ in range(passes):
+        model(x, training=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    root = write_split(tmp / "data", SIZES)
+    cfg = tiny_config(tmp, data_root=root, data={"num_classes": NUM_CLASSES})
+    trainer = Trainer(cfg, strategy(1))
+    reader = ImageReader(cfg.data, "val")
+    calibrate_bn(cfg, trainer.model, reader)
+    return cfg, trainer, reader
+
+
+def reference(cfg, model, reader):
+    """The confusion matrix computed independently: eager model calls and numpy metrics."""
+    cm = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
+    for s in reader.samples:
+        image = np.asarray(Image.open(s.image).convert("RGB"), np.float32)
+        label = read_label(s.label)
+        h, w = label.shape
+        x = (image - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
+        x = np.pad(x, [(0, -h % 32), (0, -w % 32), (0, 0)])
+        logits = model(x[None], training=False).numpy()[0, :h, :w]
+        cm += metrics_lib.confusion_matrix(label, logits.argmax(-1), NUM_CLASSES, 255)
+    return cm
+
+
+def test_evaluate_equals_numpy_reference_and_counts_every_pixel_once(setup):
+    cfg, trainer, reader = setup
+    metrics, num_images = ev.evaluate(trainer, reader, NAMES, progress=False)
+    assert num_images == len(SIZES)
+    labels = [read_label(s.label) for s in reader.samples]
+    # Every non-ignored pixel exactly once: not the padding, not the ignored block, no image twice.
+    assert metrics.confusion_matrix.sum() == sum(int((lb != 255).sum()) for lb in labels)
+    cm = reference(cfg, trainer.model, reader)
+    np.testing.assert_array_equal(metrics.confusion_matrix, cm)
+    expected = metrics_lib.compute_metrics(cm)
+    assert metrics == expected
+    # The predictions really vary (an all-one-class model would make the comparison weak).
+    assert (cm.sum(axis=0) > 100).sum() >= 3
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_n_towers_give_the_identical_confusion_matrix(setup, n):
+    cfg, trainer, reader = setup
+    one, _ = ev.evaluate(trainer, reader, NAMES, progress=False)
+    multi = Trainer(cfg, strategy(n))
+    multi.model.set_weights(trainer.model.get_weights())
+    got, num_images = ev.evaluate(multi, reader, NAMES, progress=False)
+    assert num_images == len(SIZES)
+    np.testing.assert_array_equal(got.confusion_matrix, one.confusion_matrix)
+    # A second call reuses the compiled step and gives the same answer.
+    again, _ = ev.evaluate(multi, reader, NAMES, progress=False)
+    np.testing.assert_array_equal(again.confusion_matrix, one.confusion_matrix)
+
+
+def test_wrong_number_of_class_names_is_refused(setup):
+    _, trainer, reader = setup
+    with pytest.raises(ConfigError, match="class names"):
+        ev.evaluate(trainer, reader, NAMES[:2], progress=False)
+
+
+def test_run_eval_writes_the_record(setup, tmp_path, capsys):
+    cfg, trainer, _ = setup
+    run_dir = tmp_path / "run"
+    trainer.step.assign(7)
+    trainer.bn_stats_step.assign(7)
+    try:
+        ckpt_lib.Checkpointer(run_dir / "checkpoints", 2, **trainer.checkpoint_objects()).save(7)
+    finally:
+        trainer.step.assign(0)
+        trainer.bn_stats_step.assign(-1)
+    record = ev.run_eval(cfg, strategy(2), str(run_dir), progress=False)
+    path = run_dir / "eval" / "val-step7.json"
+    assert json.loads(path.read_text()) == record
+    assert record["step"] == 7 and record["num_images"] == len(SIZES) and record["split"] == "val"
+    assert record["checkpoint"] == str(run_dir / "checkpoints" / "ckpt-7")
+    assert record["bn_stats_reestimated"] is True  # saved with bn_stats_step == step
+    assert list(record["per_class_iou"]) == NAMES
+    cm = reference(cfg, trainer.model, ImageReader(cfg.data, "val"))
+    assert record["confusion_matrix"] == cm.tolist()
+    assert record["miou"] == metrics_lib.compute_metrics(cm).miou
+    out = capsys.readouterr().out
+    assert "| road" in out and "mIoU" in out and str(path) in out
+    assert not list((run_dir / "eval").glob("*.tmp*"))
+
+
+def test_keep_best_saves_only_improvements(setup, tmp_path):
+    cfg, _, _ = setup
+    trainer = Trainer(cfg, strategy(1))
+    calibrate_bn(cfg, trainer.model, ImageReader(cfg.data, "val"), passes=2)  # weights unlike a fresh model's
+    run_dir = tmp_path / "run"
+
+    def m(miou_cm):
+        return metrics_lib.compute_metrics(miou_cm)
+
+    low, mid, high = m([[1, 1], [1, 1]]), m([[3, 1], [1, 3]]), m([[9, 1], [0, 9]])
+    assert low.miou < mid.miou < high.miou
+    for step, metrics, improved in ((10, mid, True), (20, low, False), (30, mid, False), (40, high, True)):
+        trainer.step.assign(step)
+        assert ev.keep_best(run_dir, trainer, step, metrics) is improved
+    best = json.loads((run_dir / "best" / "best.json").read_text())
+    assert best["step"] == 40 and best["miou"] == high.miou
+    prefix = ckpt_lib.resolve(run_dir / "best")
+    assert prefix.endswith("ckpt-40")
+    assert not list((run_dir / "best").glob("ckpt-10*"))  # the superseded best is gone
+    restored = Trainer(cfg, strategy(1))
+    assert restored.restore_weights(prefix) == 40
+    for a, b in zip(restored.model.weights, trainer.model.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_write_eval_summaries(tmp_path):
+    metrics = metrics_lib.compute_metrics([[3, 1, 0], [1, 3, 0], [0, 0, 0]])  # class 2: IoU undefined
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    ev.write_eval_summaries(writer, 5, metrics, ["a", "b", "c"])
+    values = {}
+    for path in tmp_path.glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for v in event.summary.value:
+                values[v.tag] = (event.step, float(tf.make_ndarray(v.tensor)))
+    assert values == {"eval/miou": (5, pytest.approx(0.6)), "eval/pixel_accuracy": (5, pytest.approx(0.75)),
+                      "eval/mean_class_accuracy": (5, pytest.approx(0.75)),
+                      "eval/iou/a": (5, pytest.approx(0.6)), "eval/iou/b": (5, pytest.approx(0.6))}
+
+
+def test_cli_missing_checkpoint_is_a_one_line_user_error(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("data: {root: data, num_classes: 3}\n")
+    exe = os.path.join(os.path.dirname(sys.executable), "seg-eval")
+    proc = subprocess.run([exe, "--config", str(config), "--checkpoint", str(tmp_path / "nope")],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: checkpoint not found ({tmp_path / 'nope'}): "
+                                   "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
