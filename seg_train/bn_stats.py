@@ -43,7 +43,8 @@ from seg_train.config import ConfigError
 log = logging.getLogger("seg_train")
 
 # The re-estimation batches start near sample 2**40 of the training stream: far from any position a
-# run trains on (2**40 samples is ~10**6 GPU-years), yet well inside the reader's 2**62 range.
+# run trains on (2**40 ~ 1.1e12 samples, decades even at 1000 images/s), well inside the reader's
+# 2**62 range.
 STREAM_START_SAMPLE = 2**40
 
 
@@ -158,6 +159,7 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
     """
     if int(trainer.bn_stats_step.numpy()) == int(trainer.step.numpy()):
         return False
+    t0 = time.perf_counter()
     if num_batches < 1:
         raise ConfigError("invalid number of BN re-estimation batches", "eval.bn_reestimate_batches",
                           f"expected a positive number of batches, got {num_batches}")
@@ -174,12 +176,13 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
     start = stream_start_step(batch)
 
     def dataset_fn(ctx: tf.distribute.InputContext):
-        return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                    ctx.num_input_pipelines)
+        ds = reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
+                                  ctx.num_input_pipelines)
+        # Exactly the batches used (each pipeline feeds its towers one batch each per step): an
+        # endless stream would keep prefetching, and tearing that down cost seconds.
+        return ds.take(num_batches * (ctx.num_replicas_in_sync // ctx.num_input_pipelines))
 
     forward = _forward_fn(trainer, layers)
-
-    t0 = time.perf_counter()
     bar = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
@@ -187,11 +190,11 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
                    file=sys.stderr, leave=False)
     for i, layer in enumerate(layers):
         _wrap(layer, i)
-    acc = [None] * len(layers)
+    acc, seen = [None] * len(layers), 0
     try:
-        batches = iter(trainer.distribute(dataset_fn))
-        for _ in range(num_batches):
-            out = forward(next(batches))
+        for dist_batch in trainer.distribute(dataset_fn):
+            out = forward(dist_batch)
+            seen += 1
             for tower_out in strategy.experimental_local_results(out):
                 for i, records in enumerate(tower_out):
                     for count, mean, m2 in records:
@@ -203,6 +206,8 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
             _unwrap(layer)
         if bar is not None:
             bar.close()
+    if seen != num_batches:  # the stream is endless; fewer batches would mean a broken reader
+        raise RuntimeError(f"BN re-estimation read {seen} batches, expected {num_batches}")
 
     # Cross-replica context (eager, outside strategy.run): assigning a MirroredVariable here writes
     # every tower's copy, so all towers (and a checkpoint, which saves tower 0's) agree.

@@ -108,11 +108,14 @@ class TrainConfig:
     deterministic: bool = _c(False, doc="TensorFlow op determinism for reproducible runs")
     eval_every: int = _c(0, check=_non_negative, doc="steps between evaluations on the val split (0: only at the end)")
     on_nan: str = _c("stop", choices=("stop", "skip_step"), doc="a non-finite loss or gradient: stop, or skip the update")
+    precision: str = _c("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"),
+                        doc="compute dtype policy (mixed_float16 uses dynamic loss scaling)")
+    jit_compile: bool = _c(False, doc="XLA-compile each tower's forward/backward pass")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    bn_reestimate_batches: int = _c(0, check=_non_negative, doc="batches used to re-estimate BN statistics before eval (0: off)")
+    bn_reestimate_batches: int = _c(50, check=_non_negative, doc="training batches used to re-estimate BN statistics before eval and export (0: off)")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.palette import voc_colormap
-from seg_train.reader import BadSample, ImageReader
+from seg_train import evaluate
+from seg_train.metrics import format_table
+from seg_train.reader import BadSample, ImageReader, split_file
 from seg_train.rundir import RunLock, check_resume_config
 from seg_train.summaries import Summaries
 from seg_train.trainer import Trainer
@@ -64,12 +66,31 @@ class _StopSignals:
 
 def prepare_data(cfg: Config) -> ImageReader:
     """Generates the synthetic demo data if asked, and opens the training split."""
-    if cfg.data.synthetic:
-        from seg_train import demo_data
-        if not (Path(cfg.data.root) / ".complete").exists():
-            log.info("generating the synthetic demo data set in %s", cfg.data.root)
-        demo_data.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+    if cfg.data.synthetic and not (Path(cfg.data.root) / ".complete").exists():
+        log.info("generating the synthetic demo data set in %s", cfg.data.root)
+    evaluate.ensure_data(cfg)
     return ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+
+
+def open_val(cfg: Config) -> ImageReader | None:
+    """The val split for evaluation during training, or None (with a warning) if there is none."""
+    if not split_file(cfg.data.root, cfg.data.val_split).is_file():
+        log.warning("no val split %r in %s: no evaluation during training", cfg.data.val_split, cfg.data.root)
+        return None
+    return ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
+
+
+def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: list[str], summaries: Summaries,
+                   run_dir: Path, step: int, progress: bool) -> None:
+    """Evaluates on the val split (BN statistics re-estimated first if configured), logs, keeps the best."""
+    reestimated = evaluate.maybe_reestimate_bn(trainer, cfg, progress)
+    metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
+    evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
+    improved = evaluate.keep_best(run_dir, trainer, step, metrics)
+    log.info("eval at step %d on %d %s images (BN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
+             step, count, cfg.data.val_split, "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
+             100 * metrics.pixel_accuracy, " (new best, kept in best/)" if improved else "",
+             format_table(metrics, names))
 
 
 def check_batch(cfg: Config, num_replicas: int) -> None:
@@ -123,6 +144,10 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
     n = strategy.num_replicas_in_sync
     reader = prepare_data(cfg)
     scan_split(cfg, reader, f"train ({cfg.data.train_split})")
+    val_reader = open_val(cfg)
+    if val_reader is not None:
+        scan_split(cfg, val_reader, f"val ({cfg.data.val_split})")
+    names = evaluate.class_names_of(cfg)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
     resuming = tf.train.latest_checkpoint(str(run_dir / "checkpoints")) is not None
@@ -179,7 +204,10 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
                 out = trainer.train_step(next(batches))
                 step += 1
                 finite = out["finite"].numpy()
-                if not finite.all():
+                if not finite.all() and t_cfg.precision == "mixed_float16" and out["loss_finite"].numpy().all():
+                    # A float16 gradient overflow: the step was skipped and the loss scale halved.
+                    log.debug("loss-scale overflow at step %d: scale now %g", step, float(out["loss_scale"]))
+                elif not finite.all():
                     # The step applied nothing (see Trainer._train_step): weights, optimizer slots
                     # and BN statistics are those of the step before.
                     towers = [i for i, f in enumerate(finite) if not f]
@@ -218,6 +246,12 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
                                               zip(out["images"], out["labels"], out["preds"])])
                 if bar is not None:
                     bar.update(1)
+                # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
+                # resumed from this step's checkpoint must hold the same values as one that went on.
+                if val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
+                                               or step == t_cfg.num_steps):
+                    run_evaluation(cfg, trainer, val_reader, names, summaries, run_dir, step, bar is not None)
+                    window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
                 if step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps:
                     ckpt.save(step)
                 if stop.signum is not None and step < t_cfg.num_steps:

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from seg_train import losses, models, replicas
-from seg_train.config import Config
+from seg_train.config import Config, ConfigError
 from seg_train.schedule import poly_lr
 
 
@@ -22,8 +22,23 @@ class Trainer:
         self.cfg, self.strategy = cfg, strategy
         self.num_replicas = strategy.num_replicas_in_sync
         t = cfg.train
+        if t.jit_compile and cfg.model.sync_batchnorm:
+            raise ConfigError("invalid combination", "train.jit_compile",
+                              "false with model.sync_batchnorm: true (synchronized BN all-reduces inside the "
+                              "forward pass, which cannot be XLA-compiled per tower)")
         with strategy.scope():
-            self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
+            # The dtype policy is global in Keras; set it only while this model's layers are built.
+            previous = keras.config.dtype_policy()
+            keras.config.set_dtype_policy("float32" if t.precision == "float32" else t.precision)
+            try:
+                self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
+            finally:
+                keras.config.set_dtype_policy(previous)
+            # Dynamic loss scaling for float16 (bfloat16 has float32's range and needs none).
+            self.loss_scale = tf.Variable(2.0 ** 15 if t.precision == "mixed_float16" else 1.0, trainable=False,
+                                          name="loss_scale", aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps",
+                                          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step",
                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             # The step at which the BN moving statistics were last re-estimated (-1: never); they
@@ -44,12 +59,16 @@ class Trainer:
         self.kernels = losses.decay_variables(self.model)
         self.bn_layers = replicas.batchnorm_layers(self.model)
         self._bn_stats = [v for b in self.bn_layers for v in (b.moving_mean, b.moving_variance)]
+        self._per_tower = tf.function(self._loss_and_grads, jit_compile=True) if t.jit_compile else self._loss_and_grads
         self.train_step = tf.function(self._train_step)
 
     def checkpoint_objects(self) -> dict:
         """What a checkpoint holds (the data position is a pure function of `step`, see reader.py)."""
-        return {"model": self.model, "optimizer": self.optimizer, "step": self.step,
-                "bn_stats_step": self.bn_stats_step}
+        objects = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
+                   "bn_stats_step": self.bn_stats_step}
+        if self.cfg.train.precision == "mixed_float16":
+            objects.update(loss_scale=self.loss_scale, good_steps=self.good_steps)
+        return objects
 
     def restore_weights(self, prefix: str) -> int:
         """Loads model weights, step and bn_stats_step from a checkpoint (for eval/predict/export).
@@ -64,27 +83,39 @@ class Trainer:
         t = self.cfg.train
         return float(poly_lr(self.step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps))
 
-    def _forward_backward(self, images, labels):
-        """One tower: loss and gradients on its slice of the global batch (nothing applied yet)."""
+    def _loss_and_grads(self, images, labels, global_count):
+        """One tower's forward and backward pass; no cross-tower sync inside, so it can be XLA-compiled."""
         cfg = self.cfg
-        # BN moving statistics are updated by the forward pass itself; keep the old values so a
-        # skipped (non-finite) step can put them back.
-        bn_before = [tf.identity(v.value) for v in self._bn_stats]
         with tf.GradientTape() as tape:
             logits = self.model(images, training=True)
             ce_sum, count = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
-            global_count = replicas.all_reduce_sum(count)
             wd = losses.weight_decay(self.kernels, cfg.model.weight_decay)
             # THE cross-tower scaling. apply_gradients (in _apply) SUMs the towers' gradients (Keras
             # 3, project notes item 2), so each tower's loss is its share of the global objective:
             # its cross-entropy sum over the GLOBAL valid-pixel count (all towers' pixels weigh the
             # same), plus 1/N of the weight decay (the N shares add up to the decay counted once).
             loss = ce_sum / tf.maximum(global_count, 1.0) + wd / self.num_replicas
-        grads = tape.gradient(loss, self.model.trainable_variables)
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
-                               + [tf.math.is_finite(loss)])
+            scaled = loss * self.loss_scale
+        grads = tape.gradient(scaled, self.model.trainable_variables)
+        grads = [g / self.loss_scale for g in grads]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
         preds = tf.cast(tf.argmax(logits, axis=-1), tf.uint8)
-        return grads, bn_before, {"ce_sum": ce_sum, "count": count, "wd": wd, "finite": tf.cast(finite, tf.int32),
+        return grads, ce_sum, count, wd, finite, tf.math.is_finite(loss), preds
+
+    def _forward_backward(self, images, labels):
+        """One tower: loss and gradients on its slice of the global batch (nothing applied yet)."""
+        # BN moving statistics are updated by the forward pass itself; keep the old values so a
+        # skipped (non-finite) step can put them back.
+        bn_before = [tf.identity(v.value) for v in self._bn_stats]
+        # The valid-pixel count depends on the labels only, so it is all-reduced before the forward
+        # pass, outside the (optionally XLA-compiled) per-tower computation.
+        count = tf.reduce_sum(tf.cast(tf.not_equal(tf.cast(labels, tf.int32), self.cfg.data.ignore_label),
+                                      tf.float32))
+        global_count = replicas.all_reduce_sum(count)
+        grads, ce_sum, count, wd, finite, loss_finite, preds = self._per_tower(images, labels, global_count)
+        return grads, bn_before, {"ce_sum": ce_sum, "count": count, "wd": wd,
+                                  "finite": tf.cast(finite & loss_finite, tf.int32),
+                                  "loss_finite": tf.cast(loss_finite, tf.int32),
                                   "images": images, "labels": labels, "preds": preds}
 
     def _apply(self, grads):
@@ -117,7 +148,9 @@ class Trainer:
             s.run(self._undo_bn, (bn_before,))
             return tf.constant(False)
 
-        tf.cond(ok, apply, skip)
+        applied = tf.cond(ok, apply, skip)
+        if self.cfg.train.precision == "mixed_float16":
+            self._update_loss_scale(applied)
         self.step.assign_add(1)
         ce_sums, counts = local(out["ce_sum"]), local(out["count"])
         total_ce = tf.add_n(list(ce_sums)) / tf.maximum(tf.add_n(list(counts)), 1.0)
@@ -127,10 +160,28 @@ class Trainer:
             "weight_decay": wd,
             "tower_ce": tf.stack([c / tf.maximum(n, 1.0) for c, n in zip(ce_sums, counts)]),
             "finite": finite,
+            "loss_finite": tf.stack(local(out["loss_finite"])),
+            "loss_scale": tf.identity(self.loss_scale),
             "images": local(out["images"]),
             "labels": local(out["labels"]),
             "preds": local(out["preds"]),
         }
+
+    def _update_loss_scale(self, applied):
+        """Dynamic loss scaling: halve on overflow, double after 2000 finite steps (Keras' defaults)."""
+        def grow():
+            self.good_steps.assign_add(1)
+            done = self.good_steps >= 2000
+            self.loss_scale.assign(tf.where(done, self.loss_scale * 2.0, self.loss_scale))
+            self.good_steps.assign(tf.where(done, tf.constant(0, tf.int64), self.good_steps))
+            return tf.constant(0)
+
+        def shrink():
+            self.loss_scale.assign(tf.maximum(self.loss_scale / 2.0, 1.0))
+            self.good_steps.assign(0)
+            return tf.constant(0)
+
+        tf.cond(applied, grow, shrink)
 
     def distribute(self, dataset_fn):
         """Distributes a per-replica-batched dataset function (see ImageReader.train_dataset)."""
