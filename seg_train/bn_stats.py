@@ -175,12 +175,17 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
         return True
     start = stream_start_step(batch)
 
+    # Every worker reads the same batches, dealt to its own towers with the training per-tower batch
+    # size, so with several workers each computes the same statistics without exchanging them (on
+    # one machine this is simply the global batch split over the towers).
+    n_local = len(strategy.extended.worker_devices)
+    per_tower = batch // n_towers
+
     def dataset_fn(ctx: tf.distribute.InputContext):
-        ds = reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                  ctx.num_input_pipelines)
-        # Exactly the batches used (each pipeline feeds its towers one batch each per step): an
-        # endless stream would keep prefetching, and tearing that down cost seconds.
-        return ds.take(num_batches * (ctx.num_replicas_in_sync // ctx.num_input_pipelines))
+        ds = reader.train_dataset(per_tower * n_local, start, n_local, 0, 1)
+        # Exactly the batches used (the pipeline feeds each tower one batch per step): an endless
+        # stream would keep prefetching, and tearing that down cost seconds.
+        return ds.take(num_batches * n_local)
 
     forward = _forward_fn(trainer, layers)
     bar = None

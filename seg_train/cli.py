@@ -19,7 +19,7 @@ from seg_train.config import ConfigError
 
 log = logging.getLogger("seg_train")
 
-EXIT_USER_ERROR, EXIT_INTERNAL = 2, 1
+EXIT_USER_ERROR, EXIT_INTERNAL, EXIT_PEER_FAILED = 2, 1, 4
 
 
 class _TqdmSafeHandler(logging.StreamHandler):
@@ -99,6 +99,20 @@ def user_error(e: BaseException) -> str | None:
     return None
 
 
+def peer_failure(e: BaseException) -> str | None:
+    """A short description if `e` is a multi-worker collective that lost its peers, else None."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or os.environ.get("TF_CONFIG") is None:
+        return None
+    if isinstance(e, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                      tf.errors.CancelledError)):
+        text = " ".join(e.message.split())
+        m = re.search(r"(The following tasks are unhealthy[^:]*: ?\S*|[Cc]ollective ops is aborted[^.]*|"
+                      r"[Dd]eadline [Ee]xceeded[^.]*)", text)
+        return (m.group(1) if m else text[:200]).strip()
+    return None
+
+
 def run_guarded(main, args) -> int:
     """Runs main(args) and turns user errors into `error: ...` lines and exit code 2."""
     try:
@@ -109,6 +123,11 @@ def run_guarded(main, args) -> int:
     except Exception as e:  # noqa: BLE001 - the boundary where every error becomes an exit code
         if getattr(args, "debug", False):
             traceback.print_exc()
+        peer = peer_failure(e)
+        if peer is not None:
+            print(f"error: a peer worker stopped or cannot be reached ({peer}): the group stops; restart every "
+                  "worker with the same command to resume from the newest checkpoint", file=sys.stderr)
+            return EXIT_PEER_FAILED
         msg = user_error(e)
         if msg is not None:
             print(f"error: {msg}", file=sys.stderr)
@@ -134,11 +153,22 @@ def _setup(args, run_dir_flag=None):
     cfg = config_lib.load(args.config, args.overrides, run_dir_flag)
     if args.gpus < 1:
         raise ConfigError("invalid --gpus", "--gpus", f"expected a positive number of towers, got {args.gpus}")
+    if getattr(args, "worker_index", None) is not None and not getattr(args, "workers", None):
+        raise ConfigError("--worker-index without --workers", "--worker-index", "also --workers HOST:PORT,...")
     import_tensorflow(args.debug)
     from seg_train import replicas
+    if getattr(args, "workers", None):
+        replicas.set_cluster(args.workers, args.worker_index)
+    t = cfg.train
+    if getattr(args, "multiworker_ok", False) and replicas.cluster_from_env() is not None:
+        with quiet_stderr(args.debug):
+            strategy, message = replicas.make_multiworker_strategy(args.gpus, t.allreduce, t.allreduce_pack_mb,
+                                                                   t.collective_timeout)
+        log.info("%s", message)
+        return cfg, strategy
     with quiet_stderr(args.debug):
         devices = replicas.setup_devices(args.gpus)
-        strategy = replicas.make_strategy(devices)
+        strategy = replicas.make_strategy(devices, t.allreduce, t.allreduce_num_packs, t.allreduce_pack_mb)
     log.info("%s", devices.message)
     return cfg, strategy
 
@@ -152,9 +182,13 @@ def train_main(argv=None) -> int:
                         help="initialise weights from a seg-train checkpoint (layers with other shapes are skipped)")
     parser.add_argument("--allow-config-change", action="store_true",
                         help="resume even though the config changes what the checkpoint means")
+    parser.add_argument("--workers", metavar="HOST:PORT,...",
+                        help="train on several machines (MultiWorkerMirroredStrategy); same as setting TF_CONFIG")
+    parser.add_argument("--worker-index", type=int, help="this machine's index in --workers (0 is the chief)")
     parser.add_argument("--check-data", action="store_true",
                         help="scan the train and val splits, report problems and a per-class pixel histogram, exit")
     args = parser.parse_args(argv)
+    args.multiworker_ok = True
 
     def main(args):
         if args.check_data:
@@ -269,6 +303,80 @@ def check_data_main(args) -> int:
         print(f"error: {bad} bad sample(s) ({cfg.data.root}): see the list above", file=sys.stderr)
         return EXIT_USER_ERROR
     return 0
+
+
+def bench_main(argv=None) -> int:
+    """seg-bench: training images/s per tower count, input speed and wait, FLOP utilisation, peak memory."""
+    parser = argparse.ArgumentParser(
+        prog="seg-bench", description="Benchmark the train step: images/s (global and per tower) and scaling "
+        "efficiency for each tower count, the input pipeline alone and the time spent waiting for it, achieved "
+        "FLOP/s against a peak measured in the same run, peak resident memory. See docs/PERFORMANCE.md.")
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (dotted, YAML-typed; repeatable), e.g. --set train.precision=mixed_bfloat16")
+    parser.add_argument("--gpus", default="1", metavar="N[,N...]",
+                        help="tower counts to measure, e.g. 1,2,4 (logical CPU devices if no GPU); default 1")
+    parser.add_argument("--steps", type=int, default=10, metavar="K", help="timed steps per window (default 10)")
+    parser.add_argument("--windows", type=int, default=3, help="timed windows; the median is reported (default 3)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first, tracing included (default 3)")
+    parser.add_argument("--input", choices=("reader", "cached"), default="reader",
+                        help="train from the real ImageReader (default) or from the same batches cached in memory")
+    parser.add_argument("--compare", metavar="KEY=V1,V2[,...]",
+                        help="also time variants, interleaved with the first: a config key (e.g. "
+                        "train.precision=float32,mixed_bfloat16) or input=reader,cached; speedups vs the first")
+    parser.add_argument("--no-input-alone", action="store_true", help="skip timing the input pipeline alone")
+    parser.add_argument("--no-peak", action="store_true", help="skip measuring the device peak FLOP/s")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and TensorFlow's own logs")
+    args = parser.parse_args(argv)
+
+    def main(args):
+        import json
+        from seg_train import config as config_lib
+        from seg_train.bench import format_report, parse_towers
+        setup_logging(args.debug)
+        towers = parse_towers(args.gpus)
+        for name in ("steps", "windows"):
+            if getattr(args, name) < 1:
+                raise ConfigError(f"invalid --{name}", f"--{name}", f"expected a positive integer, got {getattr(args, name)}")
+        if args.warmup < 1:
+            raise ConfigError("invalid --warmup", "--warmup", f"expected at least 1 (tracing is never timed), got {args.warmup}")
+        cfg = config_lib.load(args.config, args.overrides)
+        variants = None
+        if args.compare:
+            key, sep, values = args.compare.partition("=")
+            values = [v.strip() for v in values.split(",") if v.strip()]
+            if not sep or not key.strip() or len(values) < 2:
+                raise ConfigError("invalid --compare", "--compare",
+                                  f"expected KEY=V1,V2 (e.g. train.precision=float32,mixed_bfloat16), got {args.compare!r}")
+            key = key.strip()
+            if key == "input":
+                bad = [v for v in values if v not in ("reader", "cached")]
+                if bad:
+                    raise ConfigError("invalid --compare", "--compare", f"expected input=reader,cached, got {bad[0]!r}")
+                variants = [(f"input={v}", cfg, v) for v in values]
+            else:
+                variants = [(f"{key}={v}", config_lib.load(args.config, args.overrides + [f"{key}={v}"]), args.input)
+                            for v in values]
+        import_tensorflow(args.debug)
+        from seg_train import bench, replicas
+        with quiet_stderr(args.debug):
+            # The logical devices are configured once, for the largest tower count, before TF starts.
+            devices = replicas.setup_devices(max(towers))
+        log.info("%s", devices.message)
+        result = bench.run(cfg, towers, devices, steps=args.steps, windows=args.windows, warmup=args.warmup,
+                           input_mode=args.input, measure_input=not args.no_input_alone,
+                           measure_peak_flops=not args.no_peak, variants=variants)
+        result["config"] = os.path.abspath(args.config)
+        result["overrides"] = list(args.overrides)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(format_report(result))
+        return 0
+
+    return run_guarded(main, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -111,6 +111,15 @@ class TrainConfig:
     precision: str = _c("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"),
                         doc="compute dtype policy (mixed_float16 uses dynamic loss scaling)")
     jit_compile: bool = _c(False, doc="XLA-compile each tower's forward/backward pass")
+    allreduce: str = _c("auto", choices=("auto", "nccl", "hierarchical_copy", "reduction_to_one_device", "ring"),
+                        doc="gradient all-reduce: one machine: nccl, hierarchical_copy, reduction_to_one_device; "
+                            "several: ring or nccl collectives; auto: TensorFlow's choice")
+    allreduce_pack_mb: float = _c(0.0, check=_non_negative,
+                                  doc="multi-worker collectives: pack gradients into chunks of this many MB "
+                                      "(TensorFlow's bytes_per_pack; 0: TensorFlow's default)")
+    allreduce_num_packs: int = _c(1, check=_positive, doc="one machine, nccl/hierarchical_copy: gradient packs")
+    collective_timeout: float = _c(600.0, check=_positive,
+                                   doc="multi-worker: seconds a collective may wait for a peer before the run stops")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,12 @@ def _check(sample: Sample, num_classes: int, ignore_label: int):
         _, label = load_sample(sample.image, sample.label, num_classes, ignore_label)
     except BadSample as e:
         return sample, str(e), None
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. Pillow's DecompressionBombError or a ValueError on a corrupt header
+        # Whatever a decoder raises on a file makes that sample bad; it must be named, not crash the scan.
+        return sample, (f"unreadable sample ({sample.image}, {sample.label}): expected a valid JPEG/PNG image and "
+                        f"PNG label ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"), None
     counts = np.bincount(np.where(label == ignore_label, num_classes, label).ravel(), minlength=num_classes + 1)
     return sample, None, counts
 

@@ -59,6 +59,7 @@ def _make_eval_step(trainer):
         return tf.math.bincount(pairs, minlength=c * c, maxlength=c * c, dtype=tf.int32)
 
     n = strategy.num_replicas_in_sync
+    multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     # One trace for all image sizes: n images and n labels of unknown height and width.
     signature = [[tf.TensorSpec([1, None, None, 3], tf.float32)] * n, [tf.TensorSpec([1, None, None], tf.uint8)] * n]
 
@@ -70,6 +71,9 @@ def _make_eval_step(trainer):
             return tf.identity(images[i]), tf.identity(labels[i])
 
         counts = strategy.run(tower, strategy.experimental_distribute_values_from_function(tower_input))
+        if multiworker:
+            # Each worker holds only its own towers' counts: sum them over the workers too.
+            return tf.cast(strategy.reduce(tf.distribute.ReduceOp.SUM, counts, axis=None), tf.int64)
         return tf.add_n([tf.cast(x, tf.int64) for x in strategy.experimental_local_results(counts)])
 
     return step

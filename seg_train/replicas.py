@@ -8,7 +8,9 @@ unless they are averaged by hand or the BN is synchronized.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass
 
 import tensorflow as tf
@@ -64,19 +66,115 @@ def setup_devices(num_towers: int) -> Devices:
     return Devices(names, "CPU", f"no GPU found: {num_towers} tower(s) on logical CPU devices (the CPU split {num_towers} ways)")
 
 
-def make_strategy(devices: Devices) -> tf.distribute.Strategy:
+def make_strategy(devices: Devices, allreduce: str = "auto", num_packs: int = 1,
+                  pack_mb: float = 0.0) -> tf.distribute.Strategy:
     """One MirroredStrategy over the chosen devices: one set of variables, one replica per tower.
 
-    On logical CPU devices the reductions go through one device (ReductionToOneDevice) rather than
-    collective ops: the towers share memory, so a copy-and-add is all a reduction needs, and
-    collectives keep runtime state keyed by instance numbers that clash between two strategies in
-    one process (seen here: "Shape mismatch in the collective instance" when a second 4-tower
-    strategy ran after the first, as bench and the tests do). GPUs keep TensorFlow's default (NCCL).
+    `allreduce` picks TensorFlow's cross-device implementation. On logical CPU devices `auto` means
+    ReductionToOneDevice rather than collective ops: the towers share memory, so a copy-and-add is
+    all a reduction needs, and collectives keep runtime state keyed by instance numbers that clash
+    between two strategies in one process (seen here: "Shape mismatch in the collective instance"
+    when a second 4-tower strategy ran after the first, as bench and the tests do). GPUs keep
+    TensorFlow's default (NCCL) for `auto`.
     """
-    if devices.kind == "CPU":
-        return tf.distribute.MirroredStrategy(
-            devices.names, cross_device_ops=tf.distribute.ReductionToOneDevice(reduce_to_device=devices.names[0]))
-    return tf.distribute.MirroredStrategy(devices.names)
+    if allreduce == "ring":
+        raise ConfigError("invalid combination", "train.allreduce",
+                          "ring is a cross-machine collective; on one machine use auto, nccl, hierarchical_copy "
+                          "or reduction_to_one_device (or pass --workers)")
+    if pack_mb:
+        raise ConfigError("invalid combination", "train.allreduce_pack_mb",
+                          "0 on one machine (bytes_per_pack applies to multi-worker collectives); "
+                          "use train.allreduce_num_packs with nccl or hierarchical_copy")
+    if allreduce in ("nccl", "hierarchical_copy") and devices.kind != "GPU":
+        raise ConfigError("invalid combination", "train.allreduce",
+                          f"{allreduce} needs GPUs; on CPU towers use auto or reduction_to_one_device")
+    if num_packs != 1 and allreduce not in ("nccl", "hierarchical_copy"):
+        raise ConfigError("invalid combination", "train.allreduce_num_packs",
+                          "1 unless train.allreduce is nccl or hierarchical_copy")
+    if allreduce == "nccl":
+        ops = tf.distribute.NcclAllReduce(num_packs=num_packs)
+    elif allreduce == "hierarchical_copy":
+        ops = tf.distribute.HierarchicalCopyAllReduce(num_packs=num_packs)
+    elif allreduce == "reduction_to_one_device" or devices.kind == "CPU":
+        ops = tf.distribute.ReductionToOneDevice(reduce_to_device=devices.names[0])
+    else:
+        ops = None
+    return tf.distribute.MirroredStrategy(devices.names, cross_device_ops=ops)
+
+
+def cluster_from_env() -> dict | None:
+    """The parsed TF_CONFIG, or None when not set."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        cluster = json.loads(raw)
+        workers = cluster["cluster"].get("worker", []) + cluster["cluster"].get("chief", [])
+        task = cluster["task"]
+        assert task["type"] in ("worker", "chief") and isinstance(task["index"], int) and workers
+    except (ValueError, KeyError, TypeError, AssertionError, AttributeError):
+        raise ConfigError("invalid TF_CONFIG", "TF_CONFIG",
+                          'JSON like {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", '
+                          '"index": 0}}') from None
+    return cluster
+
+
+def set_cluster(workers: str, index: int) -> None:
+    """--workers HOST:PORT,... --worker-index I -> the equivalent TF_CONFIG."""
+    hosts = [w.strip() for w in workers.split(",") if w.strip()]
+    for h in hosts:
+        host, _, port = h.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError("invalid worker address", "--workers", f"HOST:PORT entries, got {h!r}")
+    if not 0 <= index < len(hosts):
+        raise ConfigError("invalid worker index", "--worker-index", f"0..{len(hosts) - 1}, got {index}")
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}})
+
+
+def make_multiworker_strategy(num_gpus: int, allreduce: str, pack_mb: float, timeout: float):
+    """TensorFlow's MultiWorkerMirroredStrategy from TF_CONFIG; returns (strategy, message).
+
+    Each worker uses its first `num_gpus` GPUs; without GPUs, MultiWorkerMirroredStrategy uses one
+    CPU device per worker (project notes, item 10). TensorFlow's health checks abort the collectives
+    within seconds when a peer dies, and `timeout` bounds any collective that waits for a peer.
+    """
+    if allreduce in ("hierarchical_copy", "reduction_to_one_device"):
+        raise ConfigError("invalid combination", "train.allreduce",
+                          f"{allreduce} is a single-machine method; across machines use auto, ring or nccl")
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if len(gpus) < num_gpus:
+            raise ConfigError("not enough GPUs", "--gpus", f"at most {len(gpus)} (GPUs visible), got {num_gpus}")
+        tf.config.set_visible_devices(gpus[:num_gpus], "GPU")
+    elif allreduce == "nccl":
+        raise ConfigError("invalid combination", "train.allreduce", "nccl needs GPUs; on CPU use auto or ring")
+    impl = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+            "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+            "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[allreduce]
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=impl, bytes_per_pack=int(pack_mb * 2**20), timeout_seconds=timeout)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    resolver = strategy.cluster_resolver
+    num_workers = len(resolver.cluster_spec().as_dict().get("worker", [])) + len(
+        resolver.cluster_spec().as_dict().get("chief", []))
+    per_worker = len(strategy.extended.worker_devices)
+    kind = "GPU" if gpus else "CPU"
+    msg = (f"multi-worker: task {resolver.task_type}:{resolver.task_id} of {num_workers} workers, "
+           f"{per_worker} {kind} tower(s) each, {strategy.num_replicas_in_sync} in all")
+    if not gpus and num_gpus > 1:
+        msg += f" (no GPU: --gpus {num_gpus} ignored, one CPU device per worker)"
+    return strategy, msg
+
+
+def is_chief(strategy) -> bool:
+    """True for the process that writes checkpoints, summaries and config (task chief, or worker 0)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.task_type:
+        return True
+    spec = resolver.cluster_spec().as_dict()
+    if "chief" in spec:
+        return resolver.task_type == "chief"
+    return resolver.task_type == "worker" and resolver.task_id == 0
 
 
 def all_reduce_sum(value):
@@ -119,7 +217,9 @@ def average_bn_moving_stats(bn_layers) -> None:
     for layer in bn_layers:
         variables += [layer.moving_mean, layer.moving_variance]
     # One batched all-reduce for all statistics instead of one per variable.
-    values = [tf.convert_to_tensor(v.value) for v in variables]
+    # tf.identity places each read on this tower's device: a collective needs its inputs to have one
+    # (MultiWorkerMirroredStrategy raised "destinations can not be empty" for the bare reads).
+    values = [tf.identity(v.value) for v in variables]
     means = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, values)
     for v, m in zip(variables, means):
         v.assign(m)

@@ -20,7 +20,28 @@ HARMLESS = {
     "run_dir", "data.root", "data.val_split", "data.class_names", "data.num_parallel_calls", "data.on_bad_sample",
     "data.synthetic", "train.summary_every", "train.image_summary_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.eval_every", "train.on_nan", "train.deterministic", "eval.bn_reestimate_batches",
+    # How the towers' gradients are summed and XLA: execution details, not what the weights mean.
+    "train.jit_compile", "train.allreduce", "train.allreduce_pack_mb", "train.allreduce_num_packs",
+    "train.collective_timeout",
 }
+
+_ABSENT = "<absent>"
+
+
+def _default_of(key: str):
+    """The plain default value of a dotted config key, or _ABSENT if it has none (or is unknown)."""
+    import dataclasses
+
+    from seg_train import config as config_lib
+    section, _, name = key.rpartition(".")
+    cls = config_lib._SECTIONS.get(section) if section else config_lib.Config
+    for f in dataclasses.fields(cls) if cls is not None else ():
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return config_lib._to_plain(f.default)
+            if f.default_factory is not dataclasses.MISSING:
+                return config_lib._to_plain(f.default_factory())
+    return _ABSENT
 
 
 class RunLock:
@@ -86,17 +107,29 @@ def check_resume_config(cfg: Config, run_dir: Path, allow_change: bool) -> None:
     if not saved_path.is_file():
         return
     try:
-        saved = flatten(yaml.safe_load(saved_path.read_text()) or {})
-    except yaml.YAMLError:
-        raise ConfigError("unreadable run config", str(saved_path), "the YAML that seg-train wrote there") from None
+        loaded = yaml.safe_load(saved_path.read_text()) or {}
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        loaded = None
+    if not isinstance(loaded, dict):
+        raise ConfigError("unreadable run config", str(saved_path),
+                          "the YAML mapping seg-train wrote there (restore it, or use another --run-dir)")
+    saved = flatten(loaded)
     new = flatten(cfg.to_dict())
-    changed = sorted(k for k in set(saved) | set(new) if saved.get(k, "<absent>") != new.get(k, "<absent>"))
+    changed = []
+    for k in sorted(set(saved) | set(new)):
+        old_value, new_value = saved.get(k, _ABSENT), new.get(k, _ABSENT)
+        # A key added by a newer seg-train is absent from an older run's config.yaml: the older run
+        # behaved as its default, so the default is no change (a run dir survives an upgrade).
+        if old_value == _ABSENT and new_value == _default_of(k):
+            continue
+        if old_value != new_value:
+            changed.append(k)
     if not changed:
         return
     meaningful, harmless = [], []
     for key in changed:
-        desc = f"{key}: {saved.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}"
-        if key in HARMLESS:
+        desc = f"{key}: {saved.get(key, _ABSENT)!r} -> {new.get(key, _ABSENT)!r}"
+        if key in HARMLESS or key not in new:  # a key this version no longer has cannot apply any more
             harmless.append(desc)
         elif key == "train.num_steps" and isinstance(saved.get(key), int) and new[key] > saved[key]:
             log.warning("run extended from %d to %d steps: the poly schedule is stretched to the new length",

@@ -6,6 +6,7 @@ import logging
 import math
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.palette import voc_colormap
-from seg_train import evaluate
+from seg_train import evaluate, replicas
 from seg_train.metrics import format_table
 from seg_train.reader import BadSample, ImageReader, split_file
 from seg_train.rundir import RunLock, check_resume_config
@@ -125,22 +126,28 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
     input never changes an existing run.
     """
     # ---- setup and checks (nothing written yet) --------------------------------------------------
-    n = strategy.num_replicas_in_sync
-    check_batch(cfg, n)
+    check_batch(cfg, strategy.num_replicas_in_sync)
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("run dir is a file", str(run_dir), "a directory (or a path that does not exist yet)")
-    lock = RunLock(run_dir) if run_dir.is_dir() else None
-    if lock:
+    chief = replicas.is_chief(strategy)
+    # Only the chief owns the run dir. Other workers run the same program but write to a
+    # throw-away folder (TensorFlow's multi-worker checkpointing needs every worker to save).
+    lock = RunLock(run_dir) if chief else None
+    if lock and run_dir.is_dir():
         lock.acquire()  # fail fast when another trainer owns the run dir
+    scratch = None if chief else tempfile.TemporaryDirectory(prefix="seg-train-worker-")
     try:
-        return _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change)
+        write_dir = run_dir if chief else Path(scratch.name)
+        return _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change)
     finally:
         if lock:
             lock.release()
+        if scratch:
+            scratch.cleanup()
 
 
-def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) -> int:
+def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change) -> int:
     n = strategy.num_replicas_in_sync
     reader = prepare_data(cfg)
     scan_split(cfg, reader, f"train ({cfg.data.train_split})")
@@ -158,6 +165,8 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
     trainer = Trainer(cfg, strategy)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **trainer.checkpoint_objects())
     restored = ckpt.restore_latest()
+    if write_dir != run_dir:
+        ckpt = ckpt_lib.Checkpointer(write_dir / "checkpoints", 1, **trainer.checkpoint_objects())
     if init_from and not restored:
         from seg_train.init import load_weights
         loaded, skipped = load_weights(trainer.model, init_from)
@@ -171,11 +180,12 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
         return EXIT_OK
 
     # From here on the run is known to start: claim the run dir and write the resolved config.
-    if lock is None:
-        lock = RunLock(run_dir)
-        lock.acquire()
-    lock.mark_owner()
-    config_lib.dump(cfg, run_dir / "config.yaml")
+    if lock is not None:
+        if lock.fd is None:
+            lock.acquire()
+        lock.mark_owner()
+    write_dir.mkdir(parents=True, exist_ok=True)
+    config_lib.dump(cfg, write_dir / "config.yaml")
 
     # ---- data ---------------------------------------------------------------------------------------
     batch = cfg.data.batch_size
@@ -185,7 +195,7 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
                                     ctx.num_input_pipelines)
 
     batches = iter(trainer.distribute(dataset_fn))
-    summaries = Summaries(run_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
+    summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
     log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower), steps %d..%d, run dir %s",
              trainer.model.name, n, len(reader), batch, batch // n, start, cfg.train.num_steps, run_dir)
 
@@ -201,7 +211,7 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
             step = start
             while step < t_cfg.num_steps:
                 lr = trainer.learning_rate()
-                out = trainer.train_step(next(batches))
+                out = trainer.train_step(next(batches), tf.constant(stop.signum is not None))
                 step += 1
                 finite = out["finite"].numpy()
                 if not finite.all() and t_cfg.precision == "mixed_float16" and out["loss_finite"].numpy().all():
@@ -250,15 +260,17 @@ def _train_locked(cfg, strategy, run_dir, lock, init_from, allow_config_change) 
                 # resumed from this step's checkpoint must hold the same values as one that went on.
                 if val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
                                                or step == t_cfg.num_steps):
-                    run_evaluation(cfg, trainer, val_reader, names, summaries, run_dir, step, bar is not None)
+                    run_evaluation(cfg, trainer, val_reader, names, summaries, write_dir, step, bar is not None)
                     window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
                 if step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps:
                     ckpt.save(step)
-                if stop.signum is not None and step < t_cfg.num_steps:
+                if bool(out["stop"]) and step < t_cfg.num_steps:
                     path = ckpt.save(step)
+                    signum = stop.signum or signal.SIGTERM  # a peer worker was signalled
                     log.warning("interrupted by %s at step %d: checkpoint %s written; rerun the same command "
-                                "to resume", signal.Signals(stop.signum).name, step, path)
-                    status = 128 + stop.signum
+                                "to resume", "a peer worker" if stop.signum is None else signal.Signals(signum).name,
+                                step, path if write_dir == run_dir else run_dir / "checkpoints")
+                    status = 128 + signum
                     break
     except NonFiniteError as e:
         print(f"error: {e}: stopped without applying it; newest checkpoint {ckpt.latest}. Lower "

@@ -102,7 +102,7 @@ class Trainer:
         preds = tf.cast(tf.argmax(logits, axis=-1), tf.uint8)
         return grads, ce_sum, count, wd, finite, tf.math.is_finite(loss), preds
 
-    def _forward_backward(self, images, labels):
+    def _forward_backward(self, images, labels, stop):
         """One tower: loss and gradients on its slice of the global batch (nothing applied yet)."""
         # BN moving statistics are updated by the forward pass itself; keep the old values so a
         # skipped (non-finite) step can put them back.
@@ -113,25 +113,32 @@ class Trainer:
                                       tf.float32))
         global_count = replicas.all_reduce_sum(count)
         grads, ce_sum, count, wd, finite, loss_finite, preds = self._per_tower(images, labels, global_count)
-        return grads, bn_before, {"ce_sum": ce_sum, "count": count, "wd": wd,
+        if not self.cfg.model.sync_batchnorm:
+            # Here rather than in _apply: a collective of plain tensors inside the cond's branch has no
+            # device under MultiWorkerMirroredStrategy ("destinations can not be empty"). A skipped
+            # step puts the statistics back from bn_before anyway.
+            replicas.average_bn_moving_stats(self.bn_layers)
+        # Any process asked to stop (a signal) -> all stop after this same step: a worker that went
+        # on alone would wait forever for its peers' collectives.
+        stop_any = replicas.all_reduce_sum(tf.cast(stop, tf.float32))
+        return grads, bn_before, {"stop": stop_any, "ce_sum": ce_sum, "count": count, "wd": wd,
                                   "finite": tf.cast(finite & loss_finite, tf.int32),
                                   "loss_finite": tf.cast(loss_finite, tf.int32),
                                   "images": images, "labels": labels, "preds": preds}
 
     def _apply(self, grads):
-        """One tower: apply the (tower-summed, inside Keras) gradients; make BN statistics agree."""
+        """One tower: apply the gradients (Keras sums them over the towers inside apply_gradients)."""
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
-        if not self.cfg.model.sync_batchnorm:
-            replicas.average_bn_moving_stats(self.bn_layers)
 
     def _undo_bn(self, bn_before):
         for v, old in zip(self._bn_stats, bn_before):
             v.assign(old)
 
-    def _train_step(self, batch):
+    def _train_step(self, batch, stop=False):
+        """One step on a distributed global batch; `stop` is this process's wish to stop after it."""
         images, labels = batch
         s = self.strategy
-        grads, bn_before, out = s.run(self._forward_backward, (images, labels))
+        grads, bn_before, out = s.run(self._forward_backward, (images, labels, tf.convert_to_tensor(stop)))
         local = lambda v: s.experimental_local_results(v)  # noqa: E731  (tower order = replica order)
         finite = tf.stack(local(out["finite"]))
         # Apply only if every tower is finite: a non-finite step changes no weight, no optimizer
@@ -160,6 +167,7 @@ class Trainer:
             "weight_decay": wd,
             "tower_ce": tf.stack([c / tf.maximum(n, 1.0) for c, n in zip(ce_sums, counts)]),
             "finite": finite,
+            "stop": local(out["stop"])[0] > 0,
             "loss_finite": tf.stack(local(out["loss_finite"])),
             "loss_scale": tf.identity(self.loss_scale),
             "images": local(out["images"]),
