@@ -57,6 +57,12 @@ def test_sync_bn_4_towers_equal_1_tower(tmp_path):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
     for a, b in zip(t1.optimizer.variables, t4.optimizer.variables):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=a.path)
+    # Checkpoint variable names do not depend on the number of towers.
+    keys = []
+    for t, d in ((t1, "one"), (t4, "four")):
+        prefix = tf.train.Checkpoint(**t.checkpoint_objects()).write(str(tmp_path / d / "ckpt"))
+        keys.append(dict(tf.train.list_variables(prefix)))
+    assert keys[0] == keys[1] and len(keys[0]) > 50
     # The step really moved the weights (an equality of two no-ops would prove nothing).
     t0 = Trainer(cfg, strategy(1))
     moved = max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(t0.model.trainable_weights,

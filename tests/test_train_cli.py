@@ -115,3 +115,15 @@ def test_user_errors_one_line_exit_2(tmp_path, demo_root, args, expected):
     assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()  # nothing written for a run that never started
+
+
+def test_init_from_skips_layers_with_other_shapes(tmp_path, demo_root):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    write_config(a, demo_root, num_steps=1, image_summary_every=0)
+    assert run(["--config", str(a / "cfg.yaml"), "--set", "eval.bn_reestimate_batches=0"], a).returncode == 0
+    write_config(b, demo_root, num_steps=1, image_summary_every=0)
+    r = run(["--config", str(b / "cfg.yaml"), "--set", "data.num_classes=4", "--set", "eval.bn_reestimate_batches=0",
+             "--set", "data.class_names=[a,b,c,d]", "--init-from", str(a / "run")], b)
+    assert r.returncode == 0, r.stderr
+    assert "skipped 2 with other shapes: logits/kernel, logits/bias" in r.stderr, r.stderr

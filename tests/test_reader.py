@@ -1,0 +1,73 @@
+"""ImageReader: palette labels read as indices, padding with ignore_label, stateless augmentation."""
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from seg_train.palette import save_index_png, voc_colormap
+from seg_train.reader import BadSample, ImageReader, list_samples, load_sample
+from tests.helpers import tiny_config
+
+
+def make_voc(root, labels, size=(20, 30)):
+    (root / "JPEGImages").mkdir(parents=True)
+    (root / "SegmentationClass").mkdir()
+    (root / "ImageSets" / "Segmentation").mkdir(parents=True)
+    ids = []
+    for i, label in enumerate(labels):
+        sid = f"img{i}"
+        rgb = np.full((*label.shape, 3), 100 + 20 * i, np.uint8)
+        Image.fromarray(rgb).save(root / "JPEGImages" / f"{sid}.jpg")
+        save_index_png(root / "SegmentationClass" / f"{sid}.png", label, voc_colormap())
+        ids.append(sid)
+    (root / "ImageSets" / "Segmentation" / "train.txt").write_text("\n".join(ids) + "\n")
+    return root
+
+
+def test_palette_label_read_as_indices(tmp_path):
+    label = np.zeros((20, 30), np.uint8)
+    label[5:10, 5:10] = 1
+    label[12:, :] = 2
+    label[0, :] = 255
+    root = make_voc(tmp_path / "voc", [label])
+    assert Image.open(root / "SegmentationClass" / "img0.png").mode == "P"
+    cfg = tiny_config(tmp_path, data_root=root)
+    reader = ImageReader(cfg.data, "train")
+    image, decoded = reader.decode(0)
+    np.testing.assert_array_equal(decoded.numpy(), label)  # not colours (128,0,0) nor luminance (38)
+    assert image.shape == (20, 30, 3)
+
+
+def test_crop_pads_label_with_ignore_and_is_a_pure_function_of_k(tmp_path):
+    label = np.ones((20, 30), np.uint8)
+    root = make_voc(tmp_path / "voc", [label])
+    cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [40, 40], "random_scale": [1.0, 1.0]})
+    reader = ImageReader(cfg.data, "train", seed=3)
+    image, lbl = reader.decode(0)
+    a_img, a_lbl = reader.augment(image, lbl, np.int64(7))
+    b_img, b_lbl = reader.augment(image, lbl, np.int64(7))
+    np.testing.assert_array_equal(a_img.numpy(), b_img.numpy())
+    a = a_lbl.numpy()
+    assert a.shape == (40, 40)
+    assert (a == 1).sum() == 20 * 30 and (a == 255).sum() == 40 * 40 - 20 * 30
+    # Padded image pixels are the mean colour: zero after normalisation.
+    assert np.allclose(a_img.numpy()[a == 255], 0.0)
+
+
+def test_pair_list_split_and_errors(tmp_path):
+    label = np.zeros((20, 30), np.uint8)
+    root = make_voc(tmp_path / "voc", [label, label])
+    (root / "pairs.txt").write_text("/JPEGImages/img1.jpg /SegmentationClass/img1.png\n")
+    samples = list_samples(root, "pairs.txt")
+    assert len(samples) == 1 and samples[0].image.endswith("img1.jpg")
+    (root / "ImageSets" / "Segmentation" / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="empty split"):
+        list_samples(root, "empty")
+    bad = label.copy()
+    bad[0, 0] = 7
+    save_index_png(root / "SegmentationClass" / "img1.png", bad, voc_colormap())
+    with pytest.raises(BadSample, match=r"label values out of range .*img1.png.*\[7\]"):
+        load_sample(samples[0].image, samples[0].label, 3, 255)
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(root / "SegmentationClass" / "img1.png")
+    with pytest.raises(BadSample, match="colour"):
+        load_sample(samples[0].image, samples[0].label, 3, 255)
