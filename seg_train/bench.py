@@ -244,8 +244,6 @@ def count_train_flops(cfg: Config, batch: int) -> dict:
     if train["unknown_ops"] or fwd["unknown_ops"]:
         log.warning("FLOP count: %d ops with unknown shapes were not counted", train["unknown_ops"])
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-    del model
-    gc.collect()
     return {"train_flops_per_step": train["flops"], "forward_flops_per_step": fwd["flops"],
             "train_gflop_per_image": train["flops"] / batch / 1e9,
             "forward_gflop_per_image": fwd["flops"] / batch / 1e9,
@@ -365,6 +363,62 @@ class TrainRunner:
         gc.collect()
 
 
+def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | None:
+    """Where a runner's step time goes: TensorFlow op time per op type over `steps` profiled steps.
+
+    Uses tf.profiler and reads its XPlane file directly (no TensorBoard plugin needed). Op times are
+    wall times of each op on TensorFlow's executor threads; ops that run concurrently both count, so
+    the shares are of total op time, not of the step. Returns None if the profile cannot be read.
+    """
+    import collections
+    import re
+    import shutil
+    import tempfile
+
+    import tensorflow as tf
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError:  # pragma: no cover - the proto moved
+        return None
+    logdir = tempfile.mkdtemp(prefix="seg-bench-profile-")
+    try:
+        tf.profiler.experimental.start(logdir)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.step()
+        wall = (time.perf_counter() - t0) / steps
+        tf.profiler.experimental.stop()
+        files = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs if f.endswith(".xplane.pb")]
+        if not files:
+            return None
+        space = xplane_pb2.XSpace()
+        with open(files[0], "rb") as f:
+            space.ParseFromString(f.read())
+    except Exception as e:  # noqa: BLE001 - profiling is an extra; never fail the benchmark for it
+        log.warning("op profile unavailable: %s", e)
+        return None
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+    per_type = collections.Counter()
+    pattern = re.compile(r"^[^ :]+:(_?[A-Z][A-Za-z0-9_]+)$")  # "<op name>:<OpType>"
+    for plane in space.planes:
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for ev in line.events:
+                m = pattern.match(names.get(ev.metadata_id, ""))
+                if m:
+                    per_type[m.group(1)] += ev.duration_ps / 1e9 / steps  # ms per step
+    total = sum(per_type.values())
+    if not total:
+        return None
+    conv = sum(v for k, v in per_type.items() if "Conv" in k)
+    return {"profiled_step_ms": 1000.0 * wall, "op_time_ms_per_step": total, "conv_share_of_op_time": conv / total,
+            "top_ops": [[k, round(v, 1), round(v / total, 4)] for k, v in per_type.most_common(top)],
+            "note": "op time summed over TF's executor threads (concurrent ops both count); shares are of op time"}
+
+
 def interleave(runners: list, steps: int, windows: int, warmup: int) -> None:
     """Warms every runner up, then times their windows in turn: A B C, C B A, A B C, ...
 
@@ -390,7 +444,7 @@ def _utilisation(row: dict, flops: dict, peak: dict | None) -> None:
 
 def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: int = 3, warmup: int = 3,
         input_mode: str = "reader", measure_input: bool = True, measure_peak_flops: bool = True,
-        variants: list[tuple[str, Config, str]] | None = None) -> dict:
+        variants: list[tuple[str, Config, str]] | None = None, profile: bool = False) -> dict:
     """The whole benchmark: peak, FLOP count, input alone, then training at each tower count.
 
     Args:
@@ -399,6 +453,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
       all_devices: replicas.Devices for max(towers) towers (set up once, before TensorFlow starts).
       variants: optional [(name, cfg, input_mode)] to compare (e.g. two precisions); every variant is
         run at every tower count, all runners interleaved. The first variant is the reference.
+      profile: after the timing, profile 2 steps of every runner (op time per op type).
     Returns:
       The JSON-able result. Top-level figures are those of the largest tower count (of the first
       variant when comparing).
@@ -465,6 +520,11 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     log.info("timing: %d warm-up steps each, then %d windows of %d steps per runner, interleaved", warmup, windows,
              steps)
     interleave([r for _, _, r in runners], steps, windows, warmup)
+    profiles = {}
+    if profile:
+        for _, _, r in runners:
+            log.info("%s: profiling 2 steps", r.name)
+            profiles[r.name] = profile_ops(r)
 
     per_variant = []
     for vname, vcfg, vinput in variants:
@@ -472,6 +532,8 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         for name, rcfg, r in runners:
             if name == vname:
                 row = r.summary()
+                if profile:
+                    row["op_profile"] = profiles.get(r.name)
                 _utilisation(row, flops_of(vcfg), peaks.get(compute_dtype(vcfg.train.precision)))
                 rows.append(row)
                 log.info("%s: %.2f images/s (%.2f per tower), step %.0f ms, input wait %.1f%%, %.1f GFLOP/s", r.name,
@@ -555,6 +617,13 @@ def format_report(r: dict) -> str:
         lines.append(f"variant {v['name']}: {t['images_per_sec']:.2f} images/s at {t['gpus']} tower(s), step "
                      f"{t['step_time_ms']:.0f} ms, input wait {100 * t['input_wait_fraction']:.1f}%{util}; "
                      f"speedup {r['speedup_vs_first_variant'][v['name']]:.3f}x")
+    for v in r.get("variants") or [{"name": "", "towers": r["towers"]}]:
+        for t in v["towers"]:
+            prof = t.get("op_profile")
+            if prof:
+                top = ", ".join(f"{k} {share:.0%}" for k, _, share in prof["top_ops"][:6])
+                lines.append(f"op time {v['name']} gpus={t['gpus']}: convolutions {prof['conv_share_of_op_time']:.0%} "
+                             f"of {prof['op_time_ms_per_step']:.0f} ms/step; top: {top}")
     lines.append(f"efficiency = {r['efficiency_definition']}")
     lines.append(f"input wait = {r['input_wait_definition']}")
     lines.append(f"peak resident memory: {r['peak_rss_mb']:.0f} MiB ({r['peak_rss_scope']})")

@@ -24,6 +24,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: Path, keep: int, **objects):
+        self.directory = str(directory)
         self.checkpoint = tf.train.Checkpoint(**objects)
         self.manager = tf.train.CheckpointManager(self.checkpoint, str(directory), max_to_keep=keep)
 
@@ -36,23 +37,29 @@ class Checkpointer:
 
         TensorFlow writes a checkpoint's files first and the `checkpoint` state file last (atomically),
         so a process killed mid-write leaves the state pointing at the previous, complete checkpoint.
-        A newest checkpoint that is still unreadable (a truncated file after a full disk) is skipped
-        with a warning in favour of the one before it.
+        A checkpoint that is still unreadable (truncated files after a full disk) is skipped with a
+        warning in favour of the one before it; if checkpoints exist but none is readable, that is
+        an error rather than a silent restart from step 0.
         """
-        # The state file's newest entry first (the manager's own list leaves out entries without
-        # timestamps), then the older ones it lists.
-        candidates = dict.fromkeys([p for p in [self.manager.latest_checkpoint] if p]
-                                   + list(reversed(self.manager.checkpoints)))
+        state = tf.train.get_checkpoint_state(self.directory)
+        if state is None:
+            return None
+        # Newest first: the state's newest entry, then every entry it lists (the manager's own list
+        # leaves out entries without timestamps).
+        paths = [state.model_checkpoint_path] + list(reversed(state.all_model_checkpoint_paths))
+        candidates = dict.fromkeys(p if Path(p).is_absolute() else str(Path(self.directory) / p) for p in paths if p)
         for path in candidates:
             try:
                 # assert_existing_objects_matched: every object we built must find its values, so an
                 # optimizer whose slots were not built (keras#19389) fails loudly instead of silently.
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return path
-            except (tf.errors.NotFoundError, tf.errors.DataLossError, tf.errors.InvalidArgumentError,
-                    tf.errors.OutOfRangeError) as e:
-                log.warning("skipping unreadable checkpoint %s (%s)", path, str(e).splitlines()[0][:200])
-        return None
+            except (tf.errors.OpError, IndexError, ValueError, AssertionError) as e:
+                log.warning("skipping unreadable checkpoint %s (%s)", path, (str(e).splitlines() or [""])[0][:200])
+        from seg_train.config import ConfigError
+        raise ConfigError("no readable checkpoint", str(self.directory),
+                          f"at least one complete checkpoint among {', '.join(Path(p).name for p in candidates)} "
+                          "(move the folder away to start over)")
 
     def save(self, step: int) -> str:
         return self.manager.save(checkpoint_number=step)

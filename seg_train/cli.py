@@ -133,7 +133,8 @@ def run_guarded(main, args) -> int:
             print(f"error: {msg}", file=sys.stderr)
             return EXIT_USER_ERROR
         if not getattr(args, "debug", False):
-            print(f"error: internal error ({type(e).__name__}): {str(e).splitlines()[0] if str(e) else ''} "
+            lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+            print(f"error: internal error ({type(e).__name__}): {lines[-1] if lines else ''} "
                   "-- rerun with --debug for the traceback", file=sys.stderr)
         return EXIT_INTERNAL
 
@@ -163,7 +164,7 @@ def _setup(args, run_dir_flag=None):
     if getattr(args, "multiworker_ok", False) and replicas.cluster_from_env() is not None:
         with quiet_stderr(args.debug):
             strategy, message = replicas.make_multiworker_strategy(args.gpus, t.allreduce, t.allreduce_pack_mb,
-                                                                   t.collective_timeout)
+                                                                   t.collective_timeout, t.allreduce_num_packs)
         log.info("%s", message)
         return cfg, strategy
     with quiet_stderr(args.debug):
@@ -322,11 +323,13 @@ def bench_main(argv=None) -> int:
                         help="untimed steps first, tracing included (default 3)")
     parser.add_argument("--input", choices=("reader", "cached"), default="reader",
                         help="train from the real ImageReader (default) or from the same batches cached in memory")
-    parser.add_argument("--compare", metavar="KEY=V1,V2[,...]",
-                        help="also time variants, interleaved with the first: a config key (e.g. "
-                        "train.precision=float32,mixed_bfloat16) or input=reader,cached; speedups vs the first")
+    parser.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
+                        help="also time the config with KEY=VALUE (a config key, e.g. train.precision=mixed_bfloat16, "
+                        "or input=cached), interleaved with the base config; repeatable; reports speedups vs the base")
     parser.add_argument("--no-input-alone", action="store_true", help="skip timing the input pipeline alone")
     parser.add_argument("--no-peak", action="store_true", help="skip measuring the device peak FLOP/s")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, profile 2 steps of each runner: op time per op type (where the time goes)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and TensorFlow's own logs")
     args = parser.parse_args(argv)
@@ -345,29 +348,33 @@ def bench_main(argv=None) -> int:
         cfg = config_lib.load(args.config, args.overrides)
         variants = None
         if args.compare:
-            key, sep, values = args.compare.partition("=")
-            values = [v.strip() for v in values.split(",") if v.strip()]
-            if not sep or not key.strip() or len(values) < 2:
-                raise ConfigError("invalid --compare", "--compare",
-                                  f"expected KEY=V1,V2 (e.g. train.precision=float32,mixed_bfloat16), got {args.compare!r}")
-            key = key.strip()
-            if key == "input":
-                bad = [v for v in values if v not in ("reader", "cached")]
-                if bad:
-                    raise ConfigError("invalid --compare", "--compare", f"expected input=reader,cached, got {bad[0]!r}")
-                variants = [(f"input={v}", cfg, v) for v in values]
-            else:
-                variants = [(f"{key}={v}", config_lib.load(args.config, args.overrides + [f"{key}={v}"]), args.input)
-                            for v in values]
+            variants = [("base", cfg, args.input)]
+            for spec in args.compare:
+                key, sep, values = spec.partition("=")
+                key, values = key.strip(), [v.strip() for v in values.split(",") if v.strip()]
+                if not sep or not key or not values:
+                    raise ConfigError("invalid --compare", "--compare",
+                                      f"expected KEY=VALUE[,VALUE...] (e.g. train.precision=mixed_bfloat16), got {spec!r}")
+                for v in values:
+                    if key == "input":
+                        if v not in ("reader", "cached"):
+                            raise ConfigError("invalid --compare", "--compare", f"expected input=reader or cached, got {v!r}")
+                        variants.append((f"input={v}", cfg, v))
+                    else:
+                        variants.append((f"{key}={v}", config_lib.load(args.config, args.overrides + [f"{key}={v}"]),
+                                         args.input))
         import_tensorflow(args.debug)
         from seg_train import bench, replicas
         with quiet_stderr(args.debug):
             # The logical devices are configured once, for the largest tower count, before TF starts.
             devices = replicas.setup_devices(max(towers))
         log.info("%s", devices.message)
-        result = bench.run(cfg, towers, devices, steps=args.steps, windows=args.windows, warmup=args.warmup,
-                           input_mode=args.input, measure_input=not args.no_input_alone,
-                           measure_peak_flops=not args.no_peak, variants=variants)
+        # With --json, stdout carries exactly one JSON object: anything else printed goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            result = bench.run(cfg, towers, devices, steps=args.steps, windows=args.windows, warmup=args.warmup,
+                               input_mode=args.input, measure_input=not args.no_input_alone,
+                               measure_peak_flops=not args.no_peak, variants=variants,
+                               profile=args.profile)
         result["config"] = os.path.abspath(args.config)
         result["overrides"] = list(args.overrides)
         if args.json:

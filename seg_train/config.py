@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -192,6 +193,8 @@ def _coerce(value, tp, key: str):
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
+        if abs(value) >= 2**53:
+            raise ConfigError("out of range", key, f"expected an integer below 2**53, got {value!r}")
         return value
     if tp is float:
         # PyYAML (YAML 1.1) reads 1e-3 as a string; users mean a number.
@@ -199,6 +202,8 @@ def _coerce(value, tp, key: str):
             value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
+        if not math.isfinite(value) or abs(value) > 3.4e38:  # float32's range: TF computes in it
+            raise ConfigError("out of range", key, f"expected a finite number within float32 range, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

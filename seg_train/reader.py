@@ -98,7 +98,7 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
     except FileNotFoundError:
         raise BadSample(f"label not found ({label_path}): expected a PNG of class indices") from None
     except ValueError as e:
-        raise BadSample(f"bad label ({label_path}): {e}") from None
+        raise BadSample(f"bad label ({label_path}): {str(e).replace(f'{label_path}: ', '')}") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
         raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({e})") from None
     if label.shape != image.shape[:2]:
@@ -202,7 +202,7 @@ class ImageReader:
         return image, tf.cast(label, tf.uint8)
 
     def train_dataset(self, global_batch: int, start_step: int = 0, num_replicas: int = 1,
-                      pipeline_id: int = 0, num_pipelines: int = 1) -> tf.data.Dataset:
+                      pipeline_id: int = 0, num_pipelines: int = 1, end_step: int | None = None) -> tf.data.Dataset:
         """The endless training stream of one input pipeline, batched per replica.
 
         Args:
@@ -210,6 +210,8 @@ class ImageReader:
           start_step: first step to produce (resume).
           num_replicas: towers in sync over all pipelines.
           pipeline_id, num_pipelines: this input pipeline (one per worker) among all.
+          end_step: the step to stop before (None: endless). A stream that ends with the run leaves
+            no decoding in flight to tear down at exit.
         Returns:
           Per-replica batches (image float32 [b, h, w, 3], label uint8 [b, h, w]); this pipeline's
           R = num_replicas / num_pipelines towers take consecutive batches in turn.
@@ -229,7 +231,7 @@ class ImageReader:
             image, label = self.decode(self._index_of(k))
             return self.augment(image, label, k)
 
-        ds = tf.data.Dataset.range(start_step * per_step, 2**62)
+        ds = tf.data.Dataset.range(start_step * per_step, 2**62 if end_step is None else end_step * per_step)
         ds = ds.map(load, num_parallel_calls=self.cfg.num_parallel_calls, deterministic=True)
         ds = ds.batch(b, drop_remainder=True)
         return ds.prefetch(tf.data.AUTOTUNE)

@@ -131,7 +131,7 @@ def set_cluster(workers: str, index: int) -> None:
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": hosts}, "task": {"type": "worker", "index": index}})
 
 
-def make_multiworker_strategy(num_gpus: int, allreduce: str, pack_mb: float, timeout: float):
+def make_multiworker_strategy(num_gpus: int, allreduce: str, pack_mb: float, timeout: float, num_packs: int = 1):
     """TensorFlow's MultiWorkerMirroredStrategy from TF_CONFIG; returns (strategy, message).
 
     Each worker uses its first `num_gpus` GPUs; without GPUs, MultiWorkerMirroredStrategy uses one
@@ -141,6 +141,9 @@ def make_multiworker_strategy(num_gpus: int, allreduce: str, pack_mb: float, tim
     if allreduce in ("hierarchical_copy", "reduction_to_one_device"):
         raise ConfigError("invalid combination", "train.allreduce",
                           f"{allreduce} is a single-machine method; across machines use auto, ring or nccl")
+    if num_packs != 1:
+        raise ConfigError("invalid combination", "train.allreduce_num_packs",
+                          "1 with several workers (pack with train.allreduce_pack_mb instead)")
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         if len(gpus) < num_gpus:

@@ -94,6 +94,15 @@ def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: li
              format_table(metrics, names))
 
 
+def _check_same_start(strategy, start: int) -> None:
+    """Multi-worker: every worker must have restored the same step (RUN_DIR on shared storage)."""
+    mean = strategy.reduce(tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.constant(float(start))), axis=None)
+    if abs(float(mean) - start) > 1e-6:
+        raise ConfigError("workers restored different steps", "run_dir",
+                          f"a run dir on storage shared by every worker (this worker is at step {start}, "
+                          f"the group's mean is {float(mean):g})")
+
+
 def check_batch(cfg: Config, num_replicas: int) -> None:
     if cfg.data.batch_size % num_replicas:
         raise ConfigError("batch does not divide across towers", "data.batch_size",
@@ -139,7 +148,9 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
     scratch = None if chief else tempfile.TemporaryDirectory(prefix="seg-train-worker-")
     try:
         write_dir = run_dir if chief else Path(scratch.name)
-        return _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change)
+        # Signals are caught from here on, so one arriving during the checks or tracing is handled too.
+        with _StopSignals() as stop:
+            return _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change, stop)
     finally:
         if lock:
             lock.release()
@@ -147,7 +158,7 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
             scratch.cleanup()
 
 
-def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change) -> int:
+def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change, stop) -> int:
     n = strategy.num_replicas_in_sync
     reader = prepare_data(cfg)
     scan_split(cfg, reader, f"train ({cfg.data.train_split})")
@@ -157,11 +168,13 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     names = evaluate.class_names_of(cfg)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
-    resuming = tf.train.latest_checkpoint(str(run_dir / "checkpoints")) is not None
-    if resuming:
+    if any((run_dir / "checkpoints").glob("ckpt-*.index")):
         check_resume_config(cfg, run_dir, allow_config_change)
 
     # ---- model, optimizer, restore ----------------------------------------------------------------
+    if stop.signum is not None:  # signalled during the checks: nothing written yet, nothing to save
+        log.warning("interrupted by %s before training started", signal.Signals(stop.signum).name)
+        return 128 + stop.signum
     trainer = Trainer(cfg, strategy)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **trainer.checkpoint_objects())
     restored = ckpt.restore_latest()
@@ -173,6 +186,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         log.info("initialised %d weights from %s; skipped %d with other shapes%s", loaded, init_from, len(skipped),
                  (": " + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")) if skipped else "")
     start = int(trainer.step.numpy())
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        _check_same_start(strategy, start)
     if restored:
         log.info("resumed from step %d (%s)", start, restored)
     if start >= cfg.train.num_steps:
@@ -192,7 +207,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     def dataset_fn(ctx: tf.distribute.InputContext):
         return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                    ctx.num_input_pipelines)
+                                    ctx.num_input_pipelines, end_step=cfg.train.num_steps)
 
     batches = iter(trainer.distribute(dataset_fn))
     summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
@@ -205,76 +220,91 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     window_start, window_steps, first = time.perf_counter(), 0, True
     images_per_sec = float("nan")
     status = EXIT_OK
-    skipped = 0
+    skipped, saved_at = 0, None
+    multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    state_finite = tf.function(lambda: tf.reduce_all(
+        [tf.reduce_all(tf.math.is_finite(v)) for v in trainer.model.weights + trainer.optimizer.variables
+         if tf.as_dtype(v.dtype).is_floating]))
+
+    def save_checked(at: int) -> str:
+        # The loss and gradients were finite, but an update can still overflow (a huge learning
+        # rate or weight decay): never write such a state.
+        if not bool(state_finite()):
+            raise NonFiniteError(f"non-finite weights or optimizer state after the update of step {at}")
+        return ckpt.save(at)
+
     try:
-        with _StopSignals() as stop:
-            step = start
-            while step < t_cfg.num_steps:
-                lr = trainer.learning_rate()
-                out = trainer.train_step(next(batches), tf.constant(stop.signum is not None))
-                step += 1
-                finite = out["finite"].numpy()
-                if not finite.all() and t_cfg.precision == "mixed_float16" and out["loss_finite"].numpy().all():
-                    # A float16 gradient overflow: the step was skipped and the loss scale halved.
-                    log.debug("loss-scale overflow at step %d: scale now %g", step, float(out["loss_scale"]))
-                elif not finite.all():
-                    # The step applied nothing (see Trainer._train_step): weights, optimizer slots
-                    # and BN statistics are those of the step before.
-                    towers = [i for i, f in enumerate(finite) if not f]
-                    msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
-                           f"(loss {float(out['loss']):.4g}, learning rate {lr:.3g})")
-                    if t_cfg.on_nan == "stop":
-                        raise NonFiniteError(msg)
-                    skipped += 1
-                    log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, skipped)
-                if first:  # tracing and the first step never count towards throughput
-                    window_start, window_steps, first = time.perf_counter(), 0, False
+        step = start
+        while step < t_cfg.num_steps:
+            lr = trainer.learning_rate()
+            out = trainer.train_step(next(batches), tf.constant(stop.signum is not None))
+            step += 1
+            finite = out["finite"].numpy()
+            if not finite.all() and t_cfg.precision == "mixed_float16" and out["loss_finite"].numpy().all():
+                # A float16 gradient overflow: the step was skipped and the loss scale halved.
+                log.debug("loss-scale overflow at step %d: scale now %g", step, float(out["loss_scale"]))
+            elif not finite.all():
+                # The step applied nothing (see Trainer._train_step): weights, optimizer slots
+                # and BN statistics are those of the step before.
+                towers = [i for i, f in enumerate(finite) if not f]
+                msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
+                       f"(loss {float(out['loss']):.4g}, learning rate {lr:.3g})")
+                if t_cfg.on_nan == "stop":
+                    raise NonFiniteError(msg)
+                skipped += 1
+                log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, skipped)
+            if first:  # tracing and the first step never count towards throughput
+                window_start, window_steps, first = time.perf_counter(), 0, False
+            else:
+                window_steps += 1
+            if step % t_cfg.summary_every == 0 or step == t_cfg.num_steps:
+                elapsed = time.perf_counter() - window_start
+                if window_steps:
+                    images_per_sec = window_steps * batch / max(elapsed, 1e-9)
+                window_start, window_steps = time.perf_counter(), 0
+                loss = float(out["loss"])
+                scalars = {"loss/total": loss, "loss/weight_decay": float(out["weight_decay"]),
+                           "learning_rate": lr}
+                for i, ce in enumerate(out["tower_ce"].numpy()):
+                    scalars[f"loss/tower_{i}"] = ce
+                if skipped:
+                    scalars["train/skipped_steps"] = skipped
+                if not math.isnan(images_per_sec):
+                    scalars["throughput/images_per_sec"] = images_per_sec
+                summaries.scalars(step, scalars)
+                if bar is None:
+                    log.info("step %d/%d  loss %.4f  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, lr,
+                             images_per_sec)
                 else:
-                    window_steps += 1
-                if step % t_cfg.summary_every == 0 or step == t_cfg.num_steps:
-                    elapsed = time.perf_counter() - window_start
-                    if window_steps:
-                        images_per_sec = window_steps * batch / max(elapsed, 1e-9)
-                    window_start, window_steps = time.perf_counter(), 0
-                    loss = float(out["loss"])
-                    scalars = {"loss/total": loss, "loss/weight_decay": float(out["weight_decay"]),
-                               "learning_rate": lr}
-                    for i, ce in enumerate(out["tower_ce"].numpy()):
-                        scalars[f"loss/tower_{i}"] = ce
-                    if skipped:
-                        scalars["train/skipped_steps"] = skipped
-                    if not math.isnan(images_per_sec):
-                        scalars["throughput/images_per_sec"] = images_per_sec
-                    summaries.scalars(step, scalars)
-                    if bar is None:
-                        log.info("step %d/%d  loss %.4f  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, lr,
-                                 images_per_sec)
-                    else:
-                        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_sec:.1f}")
-                if t_cfg.image_summary_every and (step % t_cfg.image_summary_every == 0 or step == start + 1):
-                    summaries.triplets(step, [(im.numpy(), lb.numpy(), pr.numpy()) for im, lb, pr in
-                                              zip(out["images"], out["labels"], out["preds"])])
-                if bar is not None:
-                    bar.update(1)
-                # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
-                # resumed from this step's checkpoint must hold the same values as one that went on.
-                if val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
-                                               or step == t_cfg.num_steps):
-                    run_evaluation(cfg, trainer, val_reader, names, summaries, write_dir, step, bar is not None)
-                    window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
-                if step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps:
-                    ckpt.save(step)
-                if bool(out["stop"]) and step < t_cfg.num_steps:
-                    path = ckpt.save(step)
-                    signum = stop.signum or signal.SIGTERM  # a peer worker was signalled
-                    log.warning("interrupted by %s at step %d: checkpoint %s written; rerun the same command "
-                                "to resume", "a peer worker" if stop.signum is None else signal.Signals(signum).name,
-                                step, path if write_dir == run_dir else run_dir / "checkpoints")
-                    status = 128 + signum
-                    break
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_sec:.1f}")
+            if t_cfg.image_summary_every and (step % t_cfg.image_summary_every == 0 or step == start + 1):
+                summaries.triplets(step, [(im.numpy(), lb.numpy(), pr.numpy()) for im, lb, pr in
+                                          zip(out["images"], out["labels"], out["preds"])])
+            if bar is not None:
+                bar.update(1)
+            # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
+            # resumed from this step's checkpoint must hold the same values as one that went on.
+            if val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
+                                           or step == t_cfg.num_steps):
+                run_evaluation(cfg, trainer, val_reader, names, summaries, write_dir, step, bar is not None)
+                window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
+            if step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps:
+                save_checked(step)
+                saved_at = step
+            # On one machine the host's own flag is enough (no peer to agree with), so a signal
+            # never costs an extra step; with several workers the all-reduced flag decides.
+            stopping = bool(out["stop"]) or (stop.signum is not None and not multiworker)
+            if stopping and step < t_cfg.num_steps:
+                path = ckpt.latest if saved_at == step else save_checked(step)
+                signum = stop.signum or signal.SIGTERM  # a peer worker was signalled
+                log.warning("interrupted by %s at step %d: checkpoint %s written; rerun the same command "
+                            "to resume", "a peer worker" if stop.signum is None else signal.Signals(signum).name,
+                            step, path if write_dir == run_dir else run_dir / "checkpoints")
+                status = 128 + signum
+                break
     except NonFiniteError as e:
-        print(f"error: {e}: stopped without applying it; newest checkpoint {ckpt.latest}. Lower "
-              "train.learning_rate, or set train.on_nan: skip_step", file=sys.stderr)
+        print(f"error: {e} (not saved; newest checkpoint: {ckpt.latest}): a finite loss; lower "
+              "train.learning_rate, or set train.on_nan: skip_step to skip such steps", file=sys.stderr)
         status = EXIT_NONFINITE
     finally:
         if bar is not None:

@@ -121,7 +121,10 @@ class Trainer:
         # Any process asked to stop (a signal) -> all stop after this same step: a worker that went
         # on alone would wait forever for its peers' collectives.
         stop_any = replicas.all_reduce_sum(tf.cast(stop, tf.float32))
-        return grads, bn_before, {"stop": stop_any, "ce_sum": ce_sum, "count": count, "wd": wd,
+        # Every process must take the same branch (apply or skip) below, so the finiteness verdict is
+        # all-reduced too: with several workers, one worker's towers alone would not do.
+        bad_towers = replicas.all_reduce_sum(1.0 - tf.cast(finite & loss_finite, tf.float32))
+        return grads, bn_before, {"stop": stop_any, "bad_towers": bad_towers, "ce_sum": ce_sum, "count": count, "wd": wd,
                                   "finite": tf.cast(finite & loss_finite, tf.int32),
                                   "loss_finite": tf.cast(loss_finite, tf.int32),
                                   "images": images, "labels": labels, "preds": preds}
@@ -145,7 +148,7 @@ class Trainer:
         # slot and no BN statistic (train.on_nan decides on the host whether to stop or go on).
         # The cond is in cross-replica context: Keras' apply_gradients synchronises the towers,
         # which is not allowed inside control flow within a replica function.
-        ok = tf.reduce_all(finite > 0)
+        ok = local(out["bad_towers"])[0] < 0.5
 
         def apply():
             s.run(self._apply, (grads,))
@@ -160,7 +163,9 @@ class Trainer:
             self._update_loss_scale(applied)
         self.step.assign_add(1)
         ce_sums, counts = local(out["ce_sum"]), local(out["count"])
-        total_ce = tf.add_n(list(ce_sums)) / tf.maximum(tf.add_n(list(counts)), 1.0)
+        # Over all towers of all workers (local results would be this worker's share only).
+        total_ce = (s.reduce(tf.distribute.ReduceOp.SUM, out["ce_sum"], axis=None)
+                    / tf.maximum(s.reduce(tf.distribute.ReduceOp.SUM, out["count"], axis=None), 1.0))
         wd = local(out["wd"])[0]
         return {
             "loss": total_ce + wd,

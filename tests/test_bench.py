@@ -1,0 +1,104 @@
+"""seg-bench: the JSON contract on a tiny config, the FLOP counter, argument errors. No timing assertions."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from seg_train import demo_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(args, cwd, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    code = "import sys; from seg_train.cli import bench_main; sys.exit(bench_main())"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    root = demo_data.generate(tmp / "data", num_train=12, num_val=4, size=(40, 48), num_classes=3)
+    raw = {"seed": 0, "run_dir": "run",
+           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
+                    "num_parallel_calls": 2},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4}}
+    path = tmp / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def positive(x):
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_bench_json_tiny(tiny_cfg):
+    r = run_bench(["--config", str(tiny_cfg), "--gpus", "1,2", "--steps", "3", "--windows", "2", "--warmup", "1",
+                   "--json"], tiny_cfg.parent)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON object on stdout (json.loads refuses trailing text)
+    for key in ("train_images_per_sec", "input_images_per_sec", "input_wait_fraction", "towers",
+                "flops_utilization", "peak_rss_mb", "top_level_figures_for_gpus", "step_time_ms", "peak_gflops"):
+        assert key in out, key
+    assert out["top_level_figures_for_gpus"] == 2
+    assert [t["gpus"] for t in out["towers"]] == [1, 2]
+    assert out["towers"][0]["efficiency"] == 1.0
+    for t in out["towers"]:
+        assert positive(t["images_per_sec"]) and positive(t["efficiency"]) and positive(t["step_time_ms"])
+        assert t["images_per_sec_per_tower"] == pytest.approx(t["images_per_sec"] / t["gpus"])
+        assert 0.0 <= t["input_wait_fraction"] <= 1.0
+    assert out["train_images_per_sec"] == out["towers"][-1]["images_per_sec"]
+    assert positive(out["input_images_per_sec"])
+    assert 0.0 <= out["input_wait_fraction"] <= 1.0
+    assert positive(out["flops_utilization"]) and positive(out["peak_gflops"]) and positive(out["achieved_gflops"])
+    assert positive(out["peak_rss_mb"])
+    # The tiny model: 3x3 convs only, so the graph count of training is exactly 3x the forward pass.
+    assert out["flops"]["train_to_forward"] == pytest.approx(3.0)
+    assert out["precision"] == "float32" and out["jit_compile"] is False
+
+
+def test_bench_bad_gpus_is_a_user_error(tiny_cfg):
+    r = run_bench(["--config", str(tiny_cfg), "--gpus", "1,x"], tiny_cfg.parent, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: invalid --gpus (--gpus)")
+
+
+def test_bench_bad_compare_is_a_user_error(tiny_cfg):
+    r = run_bench(["--config", str(tiny_cfg), "--compare", "train.precision"], tiny_cfg.parent, timeout=60)
+    assert r.returncode == 2
+    assert "error: invalid --compare" in r.stderr
+
+
+def test_op_flops_counts_conv_and_matmul():
+    import tensorflow as tf
+
+    from seg_train.bench import graph_flops
+
+    @tf.function
+    def f(x, k, dw, a, b):
+        y = tf.nn.conv2d(x, k, 1, "SAME")                         # 2 * 2*8*8 * 4 * 3*3*3
+        z = tf.nn.depthwise_conv2d(y, dw, [1, 1, 1, 1], "SAME")   # 2 * 2*8*8 * 4 * 3*3
+        return z, tf.matmul(a, b)                                 # 2 * 5*7 * 6
+
+    g = f.get_concrete_function(tf.TensorSpec([2, 8, 8, 3]), tf.TensorSpec([3, 3, 3, 4]), tf.TensorSpec([3, 3, 4, 1]),
+                                tf.TensorSpec([5, 6]), tf.TensorSpec([6, 7])).graph
+    counted = graph_flops(g)
+    assert counted["unknown_ops"] == 0
+    assert counted["by_type"] == {"Conv2D": 2 * 128 * 4 * 27, "DepthwiseConv2dNative": 2 * 128 * 4 * 9,
+                                  "MatMul": 2 * 35 * 6}
+
+
+def test_parse_towers():
+    from seg_train.bench import parse_towers
+    from seg_train.config import ConfigError
+    assert parse_towers("4,1,2,2") == [1, 2, 4]
+    for bad in ("", "0", "a", "1,-2"):
+        with pytest.raises(ConfigError):
+            parse_towers(bad)

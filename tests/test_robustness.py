@@ -1,0 +1,650 @@
+"""Issue 4 through the real command: exact, crash-safe resume and clean handling of bad input.
+
+- SIGTERM mid-run -> exit 143 with a checkpoint; SIGKILL at any moment -> the rerun resumes from the
+  newest complete checkpoint (a stale lock is taken over, partial checkpoint files are ignored); the
+  end result is bitwise equal (weights AND optimizer slots) to an uninterrupted run.
+- One trainer per run dir; config changes on resume refused unless harmless.
+- Bad input: one `error: <what> (<where>): <expected>` line on stderr, exit 2, no traceback, and an
+  existing run dir left byte-for-byte unchanged (no event file created, nothing appended).
+- Non-finite losses: exit 3 naming the step and tower(s), or `train.on_nan: skip_step`; never a
+  non-finite tensor in a checkpoint.
+
+Cost: TensorFlow start-up and tracing take ~15-25 s per process on a small CPU, so
+- processes that must be separate (the uninterrupted baseline and the SIGTERM -> SIGKILL -> resume
+  chain, whose signals and exit codes are the point) are real subprocesses;
+- config errors are rejected before TensorFlow is imported: one fast subprocess each;
+- every other case (data errors, lock, config changes, a corrupt checkpoint, NaN runs) runs in ONE
+  helper process that imports TensorFlow once and calls the console entry point
+  `seg_train.cli.train_main(argv)` once per case (its return value is the exit code of the
+  `seg-train` script), capturing stderr (see _DRIVER and the `batch` fixture).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+from PIL import Image
+
+from seg_train import demo_data
+
+STEPS = 6
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d [DIWEC] ")
+ERROR_LINE = re.compile(r"^error: [^()\n]+ \(.+\): .+$")
+TARGET = "demo_00003"  # the train sample the bad-data cases break
+VAL_TARGET = "demo_00013"  # a val sample (num_train=12)
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+def _env():
+    return dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def cli(args, cwd, timeout=600):
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "seg_train.cli", *map(str, args)], cwd=cwd, env=_env(),
+                       capture_output=True, text=True, timeout=timeout, check=False)
+    r.seconds = time.perf_counter() - t0
+    return r
+
+
+def run_until(args, cwd, pattern, sig, after=None, timeout=600):
+    """Runs seg-train, sends `sig` at the first stderr line matching `pattern` (only once a line
+    matching `after` was seen, if given); returns (exit code, stderr, pid)."""
+    proc = subprocess.Popen([sys.executable, "-m", "seg_train.cli", *map(str, args)], cwd=cwd, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    lines, armed, sent = [], after is None, False
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if not armed and re.search(after, line):
+                armed = True
+            elif armed and not sent and re.search(pattern, line):
+                proc.send_signal(sig)
+                sent = True
+        rc = proc.wait()
+    finally:
+        watchdog.cancel()
+    text = "".join(lines)
+    assert sent, f"never saw {pattern!r}:\n{text}"
+    return rc, text, proc.pid
+
+
+def write_config(directory: Path, root: Path, drop=(), **train) -> Path:
+    raw = {"seed": 1, "run_dir": "run",
+           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
+                    "num_parallel_calls": 2},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": STEPS, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
+                     "learning_rate": 0.01, "deterministic": True, **train},
+           "eval": {"bn_reestimate_batches": 0}}
+    for dotted in drop:
+        section, key = dotted.split(".")
+        del raw[section][key]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the log lines (HH:MM:SS L message) and the indented/table lines that follow them."""
+    return [l for l in stderr.splitlines() if l.strip() and not LOG_LINE.match(l) and l[0] not in "|+ "]
+
+
+def assert_user_error(rc, stderr, expected: str):
+    assert rc == 2, f"exit {rc}:\n{stderr}"
+    assert "Traceback" not in stderr, stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1, f"expected one error line:\n{stderr}"
+    assert lines[0].startswith(expected), f"expected {expected!r}, got:\n{stderr}"
+    assert ERROR_LINE.match(lines[0]), lines[0]
+
+
+def tree_hash(directory: Path) -> dict:
+    """Every file (sha256) and folder under `directory`."""
+    out = {}
+    for p in sorted(Path(directory).rglob("*")):
+        rel = str(p.relative_to(directory))
+        out[rel] = "<dir>" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def ckpt_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_step(run_dir: Path) -> int | None:
+    latest = tf.train.latest_checkpoint(str(ckpt_dir(run_dir)))
+    return int(latest.rsplit("-", 1)[1]) if latest else None
+
+
+def assert_bitwise_equal(prefix_a, prefix_b):
+    ra, rb = tf.train.load_checkpoint(str(prefix_a)), tf.train.load_checkpoint(str(prefix_b))
+    keys = sorted(ra.get_variable_to_shape_map())
+    assert keys == sorted(rb.get_variable_to_shape_map())
+    values = [k for k in keys if "VARIABLE_VALUE" in k]
+    assert len(values) > 50 and any(k.startswith("optimizer/") for k in values), values
+    for k in keys:
+        if k.startswith("save_counter/"):  # how many times save() was called, not training state
+            continue
+        a, b = ra.get_tensor(k), rb.get_tensor(k)
+        if isinstance(a, bytes):  # the object graph proto
+            assert a == b, k
+            continue
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert a.tobytes() == b.tobytes(), f"{k} differs (max |diff| {np.max(np.abs(a.astype(float) - b)):.3g})"
+
+
+def checkpoint_prefixes(run_dir: Path) -> list[str]:
+    return sorted(str(p)[: -len(".index")] for p in ckpt_dir(run_dir).glob("ckpt-*.index"))
+
+
+def nonfinite_tensors(prefix: str) -> list[str]:
+    reader = tf.train.load_checkpoint(prefix)
+    dtypes = reader.get_variable_to_dtype_map()
+    return [k for k in dtypes if dtypes[k].is_floating and not np.all(np.isfinite(reader.get_tensor(k)))]
+
+
+def rewind(run_dir: Path, step: int) -> None:
+    """Makes a finished run look like it was killed right after writing ckpt-`step`."""
+    d = ckpt_dir(run_dir)
+    for p in d.glob("ckpt-*"):
+        if int(p.name.split(".")[0].split("_")[0][len("ckpt-"):]) > step:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    kept = [str(d / f"ckpt-{k}") for k in range(1, step + 1) if (d / f"ckpt-{k}.index").is_file()]
+    tf.compat.v1.train.update_checkpoint_state(str(d), kept[-1], kept)
+
+
+def clone(run_dir: Path, dest: Path, root: Path) -> Path:
+    """A copy of a run dir at dest/run with its command's config at dest/cfg.yaml."""
+    shutil.copytree(run_dir, dest / "run")
+    write_config(dest, root)
+    return dest / "run"
+
+
+def truncate(path: Path, fraction=0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * fraction)])
+
+
+# ---- fixtures ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
+                              num_classes=3)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, demo_root):
+    """An uninterrupted deterministic 2-tower run of STEPS steps (checkpoints 2, 4, 6)."""
+    d = tmp_path_factory.mktemp("baseline")
+    r = cli(["--config", write_config(d, demo_root), "--gpus", 2], d)
+    print(f"baseline run: {r.seconds:.1f}s")
+    assert r.returncode == 0, r.stderr
+    assert latest_step(d / "run") == STEPS
+    return d / "run"
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, baseline, demo_root):
+    """A run dir that stopped at step 4 of 6 (its command would resume): the bad-input target."""
+    run_dir = clone(baseline, tmp_path_factory.mktemp("stopped"), demo_root)
+    rewind(run_dir, 4)
+    return run_dir
+
+
+def _bad_roots(base: Path, demo_root: Path) -> dict[str, Path]:
+    """One copy of the demo data per defect."""
+    img = lambda r, sid=TARGET: r / "JPEGImages" / f"{sid}.jpg"
+    lbl = lambda r, sid=TARGET: r / "SegmentationClass" / f"{sid}.png"
+    split = lambda r: r / "ImageSets" / "Segmentation" / "train.txt"
+
+    def label_resized(r):
+        with Image.open(lbl(r)) as im:
+            im.resize((24, 20), Image.NEAREST).save(lbl(r))
+
+    def label_rgb(r):
+        with Image.open(lbl(r)) as im:
+            im.convert("RGB").save(lbl(r))
+
+    def label_values(r, sid=TARGET):
+        with Image.open(lbl(r, sid)) as im:
+            a = np.array(im)
+        a[:3, :5] = 7
+        Image.fromarray(a, mode="L").save(lbl(r, sid))
+
+    defects = {
+        "split_missing": lambda r: split(r).unlink(),
+        "split_empty": lambda r: split(r).write_text("\n# no samples\n\n"),
+        "image_missing": lambda r: img(r).unlink(),
+        "label_missing": lambda r: lbl(r).unlink(),
+        "jpeg_truncated": lambda r: truncate(img(r)),
+        "jpeg_garbage": lambda r: img(r).write_bytes(b"this is not a JPEG" * 20),
+        "label_size": label_resized,
+        "label_rgb": label_rgb,
+        "label_values": label_values,
+        "val_label_values": lambda r: label_values(r, VAL_TARGET),
+    }
+    roots = {}
+    for name, defect in defects.items():
+        root = base / name
+        shutil.copytree(demo_root, root)
+        defect(root)
+        roots[name] = root
+    return roots
+
+
+# One process, TensorFlow imported once, the CLI entry point called once per case.
+_DRIVER = r'''
+import contextlib, hashlib, io, json, sys, time, traceback
+from pathlib import Path
+
+def tree(d):
+    return {str(p.relative_to(d)): "<dir>" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(d).rglob("*"))}
+
+cases = json.loads(Path(sys.argv[1]).read_text())
+from seg_train import cli
+results = {}
+for case in cases:
+    before = tree(case["unchanged"]) if case.get("unchanged") else None
+    buf, t0 = io.StringIO(), time.perf_counter()
+    try:
+        with contextlib.redirect_stderr(buf):
+            rc = cli.train_main(case["argv"])
+    except BaseException as e:  # a crash of the entry point itself is a test failure, not a driver failure
+        rc = f"raised {type(e).__name__}"
+        buf.write(traceback.format_exc())
+    results[case["name"]] = {"rc": rc, "stderr": buf.getvalue(), "seconds": time.perf_counter() - t0,
+                             "before": before, "after": tree(case["unchanged"]) if before is not None else None}
+    Path(sys.argv[2]).write_text(json.dumps(results))  # after every case: a hard crash keeps the rest
+'''
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory, baseline, stopped_run, demo_root):
+    """Runs every in-process case in one helper process; returns {case name: result}."""
+    base = tmp_path_factory.mktemp("batch")
+    roots = _bad_roots(base / "roots", demo_root)
+    cfg = stopped_run.parent / "cfg.yaml"
+    cases = []
+
+    def case(name, argv, unchanged=None):
+        cases.append({"name": name, "argv": [str(a) for a in argv], "unchanged": str(unchanged) if unchanged else None})
+
+    # Bad data and flags on the stopped run (each must leave it byte-for-byte unchanged).
+    case("root_missing", ["--config", cfg, "--gpus", 2, "--set", f"data.root={base / 'no' / 'such' / 'root'}"],
+         stopped_run)
+    for name, root in roots.items():
+        case(name, ["--config", cfg, "--gpus", 2, "--set", f"data.root={root}"], stopped_run)
+    case("batch_indivisible", ["--config", cfg, "--gpus", 2, "--set", "data.batch_size=3"], stopped_run)
+    # Config changes that change what the checkpoint means.
+    case("config_changed", ["--config", cfg, "--gpus", 2, "--set", "data.num_classes=4",
+                            "--set", "data.class_names=[a, b, c, d]", "--set", "model.aspp_channels=16",
+                            "--set", "data.batch_size=2"], stopped_run)
+    case("shorter_run", ["--config", cfg, "--gpus", 2, "--set", "train.num_steps=3"], stopped_run)
+
+    # A run dir in use: this test process holds the flock, as a running trainer would.
+    held = clone(baseline, base / "held", demo_root)
+    rewind(held, 4)
+    case("lock_held", ["--config", held.parent / "cfg.yaml", "--gpus", 2], held)
+
+    # A finished run whose state file points at newer checkpoints whose files are truncated
+    # (disk full / killed copy): skipped with a warning, the newest complete one is used.
+    corrupt = clone(baseline, base / "corrupt", demo_root)
+    d = ckpt_dir(corrupt)
+    for k, part in ((7, "data-00000-of-00001"), (8, "index")):
+        for suffix in ("index", "data-00000-of-00001"):
+            shutil.copy(d / f"ckpt-{STEPS}.{suffix}", d / f"ckpt-{k}.{suffix}")
+        truncate(d / f"ckpt-{k}.{part}")
+    tf.compat.v1.train.update_checkpoint_state(str(d), str(d / "ckpt-8"),
+                                               [str(d / f"ckpt-{k}") for k in (2, 4, 6, 7, 8)])
+    case("corrupt_newest", ["--config", corrupt.parent / "cfg.yaml", "--gpus", 2])
+
+    # Harmless changes on resume, a stale lock (dead pid) and a bad sample skipped: one run.
+    stale = clone(baseline, base / "stale", demo_root)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (stale / "train.lock").write_text(str(dead.pid))
+    case("harmless", ["--config", stale.parent / "cfg.yaml", "--gpus", 1, "--set", "train.summary_every=2",
+                      "--set", f"train.num_steps={STEPS + 2}", "--set", "data.on_bad_sample=skip",
+                      "--set", f"data.root={roots['jpeg_truncated']}", "--set", "data.val_split=none"])
+
+    # Non-finite losses: Adam with a huge learning rate blows the weights up at step 1, so step 2's
+    # loss is non-finite.
+    nan_cfg = write_config(base / "nan", demo_root)
+    # (No val split: evaluation is not the point and costs a trace.)
+    explode = ["--set", "train.learning_rate=1e30", "--set", "train.checkpoint_every=1", "--set", "data.val_split=none"]
+    case("nan_stop", ["--config", nan_cfg, "--gpus", 1, "--run-dir", base / "nan" / "stop", *explode])
+    case("nan_skip", ["--config", nan_cfg, "--gpus", 1, "--run-dir", base / "nan" / "skip", *explode,
+                      "--set", "train.on_nan=skip_step", "--set", "train.num_steps=4"])
+    # A finite gradient whose UPDATE overflows: SGD on a huge weight decay.
+    case("nan_overflow", ["--config", nan_cfg, "--gpus", 1, "--run-dir", base / "nan" / "overflow",
+                          "--set", "train.optimizer=sgd", "--set", "model.weight_decay=1e30",
+                          "--set", "data.val_split=none",
+                          "--set", "train.learning_rate=1e10", "--set", "train.checkpoint_every=1",
+                          "--set", "train.num_steps=3"])
+
+    (base / "cases.json").write_text(json.dumps(cases))
+    (base / "driver.py").write_text(_DRIVER)
+    lock_fd = os.open(held / "train.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, str(os.getpid()).encode(), 0)
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, base / "driver.py", base / "cases.json", base / "results.json"],
+                           cwd=base, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+        print(f"in-process cases: {time.perf_counter() - t0:.1f}s")
+    finally:
+        os.close(lock_fd)
+    assert (base / "results.json").is_file(), r.stderr
+    results = json.loads((base / "results.json").read_text())
+    for name, res in results.items():
+        print(f"  {name}: exit {res['rc']} in {res['seconds']:.1f}s")
+    missing = [c["name"] for c in cases if c["name"] not in results]
+    assert not missing, f"driver died before {missing}:\n{r.stderr[-3000:]}"
+    return {"results": results, "roots": roots, "held": held, "corrupt": corrupt, "stale": stale,
+            "stale_pid": dead.pid, "base": base}
+
+
+def _unchanged(res):
+    before, after = res["before"], res["after"]
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, f"run dir changed: {changed}"
+
+
+# ---- SIGTERM, SIGKILL, partial checkpoint files, exact resume -----------------------------------------
+def test_sigterm_then_sigkill_then_resume_is_bitwise_exact(tmp_path, baseline, demo_root):
+    """SIGTERM mid-run -> 143 + checkpoint; the rerun SIGKILLed after its first step; partial files of a
+    newer checkpoint left on disk; the final rerun ends bitwise equal to the uninterrupted run."""
+    cfg = write_config(tmp_path, demo_root)
+    args = ["--config", cfg, "--gpus", 2]
+    run_dir = tmp_path / "run"
+    t0 = time.perf_counter()
+
+    # 1. SIGTERM once step 2 is logged: the current step finishes, a checkpoint is written, exit 143.
+    rc, err, _ = run_until(args, tmp_path, rf"step 2/{STEPS}\b", signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "error:" not in err, err
+    m = re.search(r"interrupted by SIGTERM at step (\d+): checkpoint (\S+) written", err)
+    assert m, err
+    k = int(m.group(1))
+    assert 2 <= k < STEPS and latest_step(run_dir) == k, (k, err)
+    steps_logged = [int(s) for s in re.findall(rf"step (\d+)/{STEPS}", err)]
+    assert steps_logged == list(range(1, k + 1)), err  # every step that ran was logged: none lost
+    if k % 2 == 0:  # the baseline has this checkpoint too
+        assert_bitwise_equal(ckpt_dir(run_dir) / f"ckpt-{k}", ckpt_dir(baseline) / f"ckpt-{k}")
+    assert (run_dir / "train.lock").read_text() == "", "a clean exit leaves no pid in the lock file"
+
+    # 2. Rerun, SIGKILLed at its first step line: no handler runs, the lock file keeps its pid.
+    rc, err, pid = run_until(args, tmp_path, rf"step \d+/{STEPS}\b", signal.SIGKILL, after=r"resumed from step")
+    assert rc == -signal.SIGKILL, err
+    assert f"resumed from step {k} " in err, err
+    assert (run_dir / "train.lock").read_text() == str(pid)
+    newest = latest_step(run_dir)
+    assert k <= newest < STEPS, newest
+
+    # 3. Files of a newer checkpoint whose write was killed midway: not in the state file, so ignored.
+    d = ckpt_dir(run_dir)
+    for suffix in ("index", "data-00000-of-00001"):
+        shutil.copy(d / f"ckpt-{newest}.{suffix}", d / f"ckpt-{STEPS}.{suffix}")
+        truncate(d / f"ckpt-{STEPS}.{suffix}", 0.3)
+    (d / f"ckpt-{STEPS}_temp").mkdir(exist_ok=True)
+    (d / f"ckpt-{STEPS}_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"\0" * 100)
+
+    # 4. The same command again: takes the dead trainer's lock over, resumes, ends bitwise equal.
+    r = cli(args, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"taking over the lock left by pid {pid}" in r.stderr, r.stderr
+    assert f"resumed from step {newest} " in r.stderr, r.stderr
+    assert "skipping unreadable checkpoint" not in r.stderr, r.stderr
+    assert latest_step(run_dir) == STEPS
+    for step in (4, STEPS):
+        if (d / f"ckpt-{step}.index").is_file():
+            assert_bitwise_equal(d / f"ckpt-{step}", ckpt_dir(baseline) / f"ckpt-{step}")
+    assert (run_dir / "train.lock").read_text() == ""
+    print(f"SIGTERM at step {k}, SIGKILL with ckpt-{newest} newest; chain {time.perf_counter() - t0:.1f}s")
+
+
+def test_corrupt_newest_checkpoint_is_skipped(batch):
+    """The state file points at ckpt-8 (truncated index) and lists ckpt-7 (truncated data): both are
+    skipped with a warning and the run resumes from ckpt-6 (then: already complete)."""
+    res = batch["results"]["corrupt_newest"]
+    err = res["stderr"]
+    assert res["rc"] == 0, err
+    assert "Traceback" not in err, err
+    for k in (8, 7):
+        assert re.search(rf"W skipping unreadable checkpoint \S*ckpt-{k}\b", err), err
+    assert "resumed from step 6 " in err and "run already complete" in err, err
+
+
+# ---- one trainer per run dir -----------------------------------------------------------------------------
+def test_run_dir_in_use_is_refused(batch):
+    res = batch["results"]["lock_held"]
+    assert_user_error(res["rc"], res["stderr"], f"error: run dir in use ({batch['held'] / 'train.lock'}): ")
+    assert f"pid {os.getpid()}" in res["stderr"]
+    _unchanged(res)
+
+
+# ---- config changes on resume ----------------------------------------------------------------------------
+def test_meaningful_config_change_is_refused(batch, stopped_run):
+    res = batch["results"]["config_changed"]
+    assert_user_error(res["rc"], res["stderr"], f"error: config differs from the checkpoint's ({stopped_run}")
+    line = error_lines(res["stderr"])[0]
+    for key in ("data.num_classes", "model.aspp_channels", "data.batch_size"):
+        assert key in line, line
+    assert "data.class_names" not in line and "--allow-config-change" in line, line
+    _unchanged(res)
+
+    res = batch["results"]["shorter_run"]
+    assert_user_error(res["rc"], res["stderr"], "error: config differs from the checkpoint's")
+    assert f"train.num_steps: {STEPS} -> 3" in error_lines(res["stderr"])[0]
+    _unchanged(res)
+
+
+def test_harmless_changes_stale_lock_and_skipped_sample(batch):
+    """Resuming a finished run with a longer num_steps and another summary_every is allowed; the lock
+    of a dead trainer is taken over; data.on_bad_sample: skip names the file and goes on."""
+    res = batch["results"]["harmless"]
+    err, stale = res["stderr"], batch["stale"]
+    assert res["rc"] == 0, err
+    assert f"taking over the lock left by pid {batch['stale_pid']}" in err, err
+    assert re.search(rf"W run extended from {STEPS} to {STEPS + 2} steps", err), err
+    assert re.search(r"I config changes on resume \(harmless\): .*train\.summary_every: 1 -> 2", err), err
+    bad_image = batch["roots"]["jpeg_truncated"] / "JPEGImages" / f"{TARGET}.jpg"
+    skip_line = r"W skipping bad sample \(data\.on_bad_sample: skip\): unreadable image \("
+    assert re.search(skip_line + re.escape(str(bad_image)) + r"\)", err), err
+    assert f"resumed from step {STEPS} " in err, err
+    assert f"step {STEPS + 2}/{STEPS + 2}" in err and f"step {STEPS + 1}/" not in err, err  # summary_every: 2
+    assert latest_step(stale) == STEPS + 2
+    assert (stale / "train.lock").read_text() == ""
+
+
+# ---- bad input: one error line, exit 2, run dir unchanged -----------------------------------------------
+DATA_CASES = {
+    "root_missing": "error: data root not found (data.root): ",
+    "split_missing": "error: split not found ({root}/ImageSets/Segmentation/train.txt): ",
+    "split_empty": "error: empty split ({root}/ImageSets/Segmentation/train.txt): ",
+    "image_missing": f"error: image not found ({{root}}/JPEGImages/{TARGET}.jpg): ",
+    "label_missing": f"error: label not found ({{root}}/SegmentationClass/{TARGET}.png): ",
+    "jpeg_truncated": f"error: unreadable image ({{root}}/JPEGImages/{TARGET}.jpg): ",
+    "jpeg_garbage": f"error: unreadable image ({{root}}/JPEGImages/{TARGET}.jpg): ",
+    "label_size": f"error: label size differs from image ({{root}}/SegmentationClass/{TARGET}.png): ",
+    "label_rgb": f"error: bad label ({{root}}/SegmentationClass/{TARGET}.png): ",
+    "label_values": f"error: label values out of range ({{root}}/SegmentationClass/{TARGET}.png): ",
+    "val_label_values": f"error: label values out of range ({{root}}/SegmentationClass/{VAL_TARGET}.png): ",
+    "batch_indivisible": "error: batch does not divide across towers (data.batch_size): ",
+}
+
+
+@pytest.mark.parametrize("name", list(DATA_CASES))
+def test_bad_data_and_flags(batch, name):
+    res = batch["results"][name]
+    root = batch["roots"].get(name, "")
+    assert_user_error(res["rc"], res["stderr"], DATA_CASES[name].format(root=root))
+    line = error_lines(res["stderr"])[0]
+    if name == "label_rgb":
+        assert "colour (RGB)" in line, line
+    if name in ("label_values", "val_label_values"):
+        assert "got [7]" in line, line
+    _unchanged(res)
+
+
+def _config_case(name, tmp_path, cfg, run_dir):
+    """(argv, expected error prefix) of a config-level case; files written into tmp_path."""
+    good = yaml.safe_load(cfg.read_text())
+    good["run_dir"] = str(run_dir)
+
+    def write(text):
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(text)
+        return p
+
+    if name == "yaml_syntax":
+        text = yaml.safe_dump(good, sort_keys=False).splitlines()
+        line = next(i for i, l in enumerate(text) if l.strip().startswith("batch_size:"))
+        text[line] = text[line] + ": 5"  # "batch_size: 4: 5"
+        p = write("\n".join(text) + "\n")
+        return ["--config", p, "--run-dir", run_dir], f"error: YAML syntax error ({p}:{line + 1}): "
+    if name == "unknown_key":
+        good["train"]["checkpoint_evry"] = 2
+        p = write(yaml.safe_dump(good))
+        return ["--config", p], "error: unknown key (train.checkpoint_evry): did you mean 'checkpoint_every'?"
+    if name == "wrong_type":
+        return (["--config", cfg, "--set", "train.num_steps=many"],
+                "error: wrong type (train.num_steps): expected an integer, got 'many'")
+    if name == "missing_required":
+        del good["data"]["num_classes"]
+        p = write(yaml.safe_dump(good))
+        return ["--config", p], "error: missing required value (data.num_classes): expected an integer"
+    if name == "out_of_range":
+        return (["--config", cfg, "--set", "data.num_classes=1"],
+                "error: out of range (data.num_classes): expected an integer in [2, 255], got 1")
+    if name == "python_tag":
+        marker = tmp_path / "PWNED"
+        del good["seed"]
+        p = write(yaml.safe_dump(good) + f"seed: !!python/object/apply:os.system ['touch {marker}']\n")
+        return ["--config", p], f"error: refused YAML tag ({p}:"
+    if name == "gpus_zero":
+        return (["--config", cfg, "--gpus", 0],
+                "error: invalid --gpus (--gpus): expected a positive number of towers, got 0")
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["yaml_syntax", "unknown_key", "wrong_type", "missing_required", "out_of_range",
+                                  "python_tag", "gpus_zero"])
+def test_bad_config(tmp_path, stopped_run, name):
+    """Rejected before TensorFlow starts (fast), the stopped run's dir unchanged, nothing executed."""
+    args, expected = _config_case(name, tmp_path, stopped_run.parent / "cfg.yaml", stopped_run)
+    before = tree_hash(stopped_run)
+    r = cli(args, tmp_path)
+    assert_user_error(r.returncode, r.stderr, expected)
+    assert tree_hash(stopped_run) == before
+    assert not (tmp_path / "PWNED").exists()
+    assert "no GPU found" not in r.stderr  # refused before TensorFlow picked devices
+
+
+# ---- non-finite losses --------------------------------------------------------------------------------------
+def _all_checkpoints_finite(run_dir: Path) -> list[str]:
+    prefixes = checkpoint_prefixes(run_dir)
+    for p in prefixes:
+        bad = nonfinite_tensors(p)
+        assert not bad, f"{p}: non-finite {bad[:5]}"
+    return prefixes
+
+
+def test_nonfinite_loss_stops_with_exit_3(batch):
+    res = batch["results"]["nan_stop"]
+    err = res["stderr"]
+    assert res["rc"] == 3, err
+    assert "Traceback" not in err, err
+    lines = error_lines(err)
+    assert len(lines) == 1, err
+    assert re.match(r"error: non-finite loss or gradient at step 2 on tower\(s\) \[0\]", lines[0]), err
+    run_dir = batch["base"] / "nan" / "stop"
+    prefixes = _all_checkpoints_finite(run_dir)
+    assert [Path(p).name for p in prefixes] == ["ckpt-1"], prefixes  # nothing saved for the bad step
+
+
+def test_nonfinite_loss_skip_step_continues(batch):
+    res = batch["results"]["nan_skip"]
+    err = res["stderr"]
+    assert res["rc"] == 0, err
+    assert "Traceback" not in err, err
+    skipped = re.findall(r"W non-finite loss or gradient at step (\d+) on tower\(s\) \[0\].*update skipped", err)
+    assert skipped and skipped[0] == "2", err
+    run_dir = batch["base"] / "nan" / "skip"
+    assert latest_step(run_dir) == 4
+    assert _all_checkpoints_finite(run_dir)
+
+
+def test_overflowing_update_never_reaches_a_checkpoint(batch):
+    res = batch["results"]["nan_overflow"]
+    err = res["stderr"]
+    assert "Traceback" not in err, err
+    _all_checkpoints_finite(batch["base"] / "nan" / "overflow")
+    assert res["rc"] == 3 and re.search(r"error: non-finite .* step \d+", err), err
+
+
+# ---- guards, without TensorFlow runs ---------------------------------------------------------------------
+def test_resume_config_check_tolerates_keys_of_other_versions(tmp_path, demo_root, caplog):
+    """A key added by a newer seg-train (absent from an older run's config.yaml) is no change at its
+    default; a key this version no longer has is harmless; anything else meaningful is refused."""
+    from seg_train import config as config_lib
+    from seg_train.config import ConfigError
+    from seg_train.rundir import check_resume_config
+
+    cfg = config_lib.load(write_config(tmp_path, demo_root))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = cfg.to_dict()
+    del old["train"]["jit_compile"], old["train"]["precision"]  # "written by an older version"
+    old["train"]["retired_option"] = 3  # "an option this version dropped"
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old))
+    check_resume_config(cfg, run_dir, allow_change=False)  # no error
+
+    changed = config_lib.replace(cfg, "train.precision", "mixed_float16")  # not the default: a real change
+    with pytest.raises(ConfigError, match=r"changed: train\.precision: '<absent>' -> 'mixed_float16'"):
+        check_resume_config(changed, run_dir, allow_change=False)
+    check_resume_config(changed, run_dir, allow_change=True)
+
+    (run_dir / "config.yaml").write_text("- not\n- a mapping\n")
+    with pytest.raises(ConfigError, match=r"^unreadable run config"):
+        check_resume_config(cfg, run_dir, allow_change=False)
+
+
+def test_scan_names_the_file_whatever_the_decoder_raises(monkeypatch, demo_root):
+    from seg_train import datacheck
+    from seg_train.reader import list_samples
+
+    samples = list_samples(demo_root, "val")
+    real = datacheck.load_sample
+
+    def flaky(image, label, num_classes, ignore_label):
+        if image == samples[1].image:
+            raise ValueError("tile cannot extend outside image")  # what Pillow raises on some corrupt headers
+        return real(image, label, num_classes, ignore_label)
+
+    monkeypatch.setattr(datacheck, "load_sample", flaky)
+    report = datacheck.scan(samples, 3, 255)
+    assert [s.id for s, _ in report.bad] == [samples[1].id]
+    assert report.bad[0][1].startswith(f"unreadable sample ({samples[1].image}, {samples[1].label}): expected")
