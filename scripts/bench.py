@@ -59,7 +59,7 @@ data:
   synthetic: {str(synthetic).lower()}
   num_classes: {num_classes}
   batch_size: 8              # GLOBAL batch: 8 on 1 tower, 4 x 2 on 2, 2 x 4 on 4
-  crop_size: [160, 160]
+  crop_size: [128, 128]
   random_scale: [0.5, 2.0]
   random_mirror: true
 model:
@@ -70,12 +70,12 @@ train:
 """
 
 
-def run_json(name: str, cmd: list[str], log_lines: list[str]) -> dict:
+def run_json(name: str, cmd: list[str], log_lines: list[str], out_dir: Path = OUT) -> dict:
     """Runs a command (from the repo root) that prints one JSON object; stderr goes to the terminal."""
     shown = display(cmd)
     print(f"\n=== {name}: {shown}", file=sys.stderr, flush=True)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"error: benchmark {name!r} failed with exit code {proc.returncode}: {shown}")
@@ -83,8 +83,7 @@ def run_json(name: str, cmd: list[str], log_lines: list[str]) -> dict:
     result["_command"] = shown
     result["_wall_s"] = wall
     result["_loadavg_1min_before_after"] = [load0, os.getloadavg()[0]]
-    (ROOT / OUT).mkdir(parents=True, exist_ok=True)
-    (ROOT / OUT / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (ROOT / out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     log_lines.append(f"{name}: {wall:.0f}s, load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     return result
 
@@ -99,20 +98,27 @@ def display(cmd: list[str]) -> str:
     return " ".join(out)
 
 
-def run_accuracy(precision: str, log_lines: list[str]) -> dict:
-    run_dir = OUT / f"acc-{precision}"
-    if (ROOT / run_dir).exists():
-        shutil.rmtree(ROOT / run_dir)  # our own run dir: a fresh run, not a resume
-    cmd = [str(BIN / "seg-train"), "--config", "configs/demo.yaml", "--gpus", "1", "--run-dir", str(run_dir),
-           "--set", f"train.precision={precision}"]
+def accuracy_command(precision: str, out_dir: Path, num_steps: int | None) -> list[str]:
+    cmd = [str(BIN / "seg-train"), "--config", "configs/demo.yaml", "--gpus", "1", "--run-dir",
+           str(out_dir / f"acc-{precision}"), "--set", f"train.precision={precision}"]
+    if num_steps:
+        cmd += ["--set", f"train.num_steps={num_steps}"]
+    return cmd
+
+
+def run_accuracy(precision: str, log_lines: list[str], out_dir: Path = OUT, num_steps: int | None = None) -> dict:
+    run_dir = ROOT / out_dir / f"acc-{precision}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # our own run dir: a fresh run, not a resume
+    cmd = accuracy_command(precision, out_dir, num_steps)
     shown = display(cmd)
     print(f"\n=== accuracy {precision}: {shown}", file=sys.stderr, flush=True)
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"error: accuracy run failed with exit code {proc.returncode}: {shown}")
-    best = json.loads((ROOT / run_dir / "best" / "best.json").read_text())
+    best = json.loads((run_dir / "best" / "best.json").read_text())
     log_lines.append(f"accuracy {precision}: {wall:.0f}s, load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     return {"precision": precision, "miou": best["miou"], "pixel_accuracy": best.get("pixel_accuracy"),
             "step": best["step"], "wall_s": wall, "_command": shown}
@@ -127,84 +133,103 @@ def met(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "**missed**")
 
 
+def _profile_line(name: str, prof: dict | None) -> str:
+    if not prof:
+        return f"| {name} | n/a | n/a | n/a |"
+    top = ", ".join(f"{k.replace('_MklNative', '')} {share:.0%}" for k, _, share in prof["top_ops"][:7])
+    return (f"| {name} | {prof['profiled_step_ms']:.0f} | {prof['conv_share_of_op_time']:.0%} | {top} |")
+
+
 def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log: list[str], started: str,
-                 total_s: float) -> None:
+                 total_s: float, config_path: str = str(CONFIG)) -> None:
     tw, va, ke, acc = r["towers"], r["variants"], r["keras"], r["accuracy"]
     m = tw["machine"]
     c = lambda res: f"`{res['_command']}`"
-    rows1 = {t["gpus"]: t for t in tw["towers"]}
-    t1, tn = rows1[1], tw["towers"][-1]
-    sp = va["speedup_vs_first_variant"]
+    rows = {t["gpus"]: t for t in tw["towers"]}
+    t1, tn = rows[1], tw["towers"][-1]
+    sp, cpu_sp = va["speedup_vs_first_variant"], va["cpu_speedup_vs_first_variant"]
     v = {x["name"]: x for x in va["variants"]}
-    base, jit = v["base"], v["train.jit_compile=true"]
-    jit_speed = sp["train.jit_compile=true"]
-    bf16_speed = sp["train.precision=mixed_bfloat16"]
+    base, bf16, jit = v["base"], v["train.precision=mixed_bfloat16"], v["train.jit_compile=true"]
+    b1, bf1, jit1 = base["towers"][0], bf16["towers"][0], jit["towers"][0]
+    jit_speed, bf16_speed, cached_speed = sp["train.jit_compile=true"], sp["train.precision=mixed_bfloat16"], sp["input=cached"]
     miou = {a["precision"]: a["miou"] for a in acc}
     dmiou = 100 * (miou["mixed_bfloat16"] - miou["float32"])
-    jit_first = jit["towers"][0]["first_step_s"]
-    base_first = base["towers"][0]["first_step_s"]
-    if jit_speed >= 1.05:
-        jit_verdict = (f"XLA is {jit_speed:.2f}x faster per step here; worth turning on by default once its "
-                       f"one-off compile ({jit_first:.0f}s first step vs {base_first:.0f}s) is acceptable")
+    if jit_speed >= 1.05 and cpu_sp["train.jit_compile=true"] >= 1.05:
+        jit_verdict = (f"XLA is {jit_speed:.2f}x faster per step here (by CPU time {cpu_sp['train.jit_compile=true']:.2f}x); "
+                       f"worth turning on by default if its one-off compile ({jit1['first_step_s']:.0f}s first step vs "
+                       f"{b1['first_step_s']:.0f}s) is acceptable")
     elif jit_speed <= 0.95:
-        jit_verdict = f"XLA is slower here ({jit_speed:.2f}x): keep `train.jit_compile: false` as the default"
+        jit_verdict = (f"XLA is slower here ({jit_speed:.2f}x wall, {cpu_sp['train.jit_compile=true']:.2f}x by CPU time) "
+                       f"and its first step takes {jit1['first_step_s']:.0f}s instead of {b1['first_step_s']:.0f}s: keep "
+                       "`train.jit_compile: false` as the default on this CPU")
     else:
-        jit_verdict = (f"no clear gain ({jit_speed:.2f}x, within noise) for a longer start ({jit_first:.0f}s first "
-                       f"step vs {base_first:.0f}s): keep `train.jit_compile: false` as the default")
+        jit_verdict = (f"no clear gain ({jit_speed:.2f}x wall, {cpu_sp['train.jit_compile=true']:.2f}x by CPU time) for a "
+                       f"longer start ({jit1['first_step_s']:.0f}s first step vs {b1['first_step_s']:.0f}s): keep "
+                       "`train.jit_compile: false` as the default")
     util1 = t1["flops_utilization"]
-    flops = tw["flops"]
-    peak = tw["peak"]
+    flops, peak = tw["flops"], tw["peak"]
     bf16_peak = va["peaks"].get("bfloat16")
     keras_speed = ke["speedup_seg_train_vs_keras_fit"]
     load_vals = [x for res in (tw, va, ke) for x in res["_loadavg_1min_before_after"]]
+    cores = [t["cores_busy"] for t in tw["towers"]] + [x["towers"][0]["cores_busy"] for x in va["variants"]]
+    ncpu = m["usable_cpus"]
 
-    lines = [
+    L = [
         "# Performance",
         "",
-        "Generated by `make bench` (`scripts/bench.py`); do not edit by hand, rerun it. Every figure below",
-        "comes from ONE run of the script; each comparison was timed inside one process with the compared",
-        "set-ups interleaved (windows A B, B A, ...), so a change of machine load during the run hits both",
-        "sides. Each table names the command that produced it (run from the repo root after",
-        "`make bench` has written the config; `--json` gives every number, `runs/bench/*.json` keeps them).",
+        "Generated by `make bench` (`scripts/bench.py`); rerun it rather than editing by hand",
+        "(`python scripts/bench.py --report-only` rewrites this file from the last run's `runs/bench/*.json`).",
+        "Every figure below comes from ONE run of the script. Each comparison was timed inside one process",
+        "with the compared set-ups interleaved (windows A B, B A, ...), so a change of machine load during",
+        "the run hits both sides. Each table names the command that produced it (run from the repo root once",
+        f"`make bench` has written `{config_path}`; `--json` prints every number).",
         "",
-        f"Run started {started}, took {total_s / 60:.1f} min. 1-minute load average during the speed runs: "
-        f"{min(load_vals):.1f} to {max(load_vals):.1f} on {m['usable_cpus']} CPUs (other processes shared the "
-        "machine; absolute images/s move with that load, interleaved ratios much less).",
-        "",
-        "## Machine",
-        "",
-        f"- CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs ({m['usable_cpus']} usable), "
-        f"ISA: {', '.join(m['isa'])}",
-        f"- TensorFlow {m['tensorflow']}, Keras {m['keras']}, Python {m['python']}; no GPU: towers are logical",
-        "  CPU devices (the CPU split N ways; they share the same cores, so the ideal N-tower speed is",
-        "  the 1-tower speed, not N times it)",
-        f"- measured peak ({peak['dtype']}): matmul {peak['matmul_gflops']:.0f} GFLOP/s, 3x3 conv "
-        f"{peak['conv3x3_gflops']:.0f} GFLOP/s"
-        + (f"; bfloat16: matmul {bf16_peak['matmul_gflops']:.0f}, 3x3 conv {bf16_peak['conv3x3_gflops']:.0f} GFLOP/s"
-           if bf16_peak else ""),
+        f"Run started {started} and took {total_s / 60:.1f} min. The machine was shared: the 1-minute load",
+        f"average was {min(load_vals):.1f} to {max(load_vals):.1f} on {ncpu} CPUs during the speed runs, and the",
+        f"benchmark process kept {min(cores):.2f} to {max(cores):.2f} cores busy (`cores` columns). Absolute",
+        "images/s move with that load; interleaved ratios much less. Ratios are also given by CPU time per step",
+        "(`by CPU`), which other processes inflate far less than wall time: where the two disagree, trust",
+        "neither to better than that difference.",
         "",
         "## Summary",
         "",
-        "| comparison | target | measured | |",
-        "| --- | --- | --- | --- |",
-        f"| seg-train step vs plain Keras `model.fit` (1 device) | {TARGETS['keras']} | "
-        f"{keras_speed:.2f}x ({ke['seg_train_images_per_sec']:.2f} vs {ke['keras_fit_images_per_sec']:.2f} images/s) | "
-        f"{met(keras_speed >= 1.0)} |",
-        f"| real ImageReader vs the same batches cached in memory | {TARGETS['input']} | wait "
-        f"{pct(base['input_wait_fraction'])} of the step; cached is {sp['input=cached']:.2f}x the reader's speed | "
-        f"{met(base['input_wait_fraction'] < 0.05)} |",
-        f"| 4 logical towers vs 1, same global batch | {TARGETS['towers']} | efficiency {tn['efficiency']:.2f} "
-        f"({tn['images_per_sec']:.2f} vs {t1['images_per_sec']:.2f} images/s) | {met(tn['efficiency'] >= 0.85)} |",
-        f"| train.precision mixed_bfloat16 vs float32 | {TARGETS['bf16']} | {bf16_speed:.2f}x; demo mIoU "
-        f"{100 * miou['mixed_bfloat16']:.1f}% vs {100 * miou['float32']:.1f}% ({dmiou:+.1f} points) | "
-        f"speed {met(bf16_speed >= 1.5)}, accuracy {met(abs(dmiou) <= 1.0)} |",
-        f"| train.jit_compile true vs false | {TARGETS['jit']} | {jit_speed:.2f}x | see below |",
-        f"| achieved FLOP/s / measured peak (float32, 1 tower) | {TARGETS['flops']} | "
-        f"{t1['achieved_gflops']:.0f} / {peak['peak_gflops']:.0f} GFLOP/s = {pct(util1)} | {met(util1 >= 0.40)} |",
+        "| comparison | target | measured (wall clock) | by CPU | |",
+        "| --- | --- | --- | --- | --- |",
+        (f"| seg-train step vs plain Keras `model.fit`, 1 device | {TARGETS['keras']} | {keras_speed:.2f}x "
+         f"({ke['seg_train_images_per_sec']:.2f} vs {ke['keras_fit_images_per_sec']:.2f} images/s) | "
+         f"{ke['cpu_speedup_seg_train_vs_keras_fit']:.2f}x | {met(keras_speed >= 1.0)} |"),
+        (f"| real ImageReader vs the same batches cached in memory | {TARGETS['input']} | wait "
+         f"{pct(b1['input_wait_fraction'])} of the step (1 tower), {pct(tn['input_wait_fraction'])} "
+         f"({tn['gpus']} towers); cached runs {cached_speed:.2f}x the reader's speed | "
+         f"{cpu_sp['input=cached']:.2f}x | {met(max(b1['input_wait_fraction'], tn['input_wait_fraction']) < 0.05)} |"),
+        (f"| {tn['gpus']} logical towers vs 1, same global batch | {TARGETS['towers']} | efficiency "
+         f"{tn['efficiency']:.2f} ({tn['images_per_sec']:.2f} vs {t1['images_per_sec']:.2f} images/s) | "
+         f"{t1['cpu_ms_per_step'] / tn['cpu_ms_per_step']:.2f} | {met(tn['efficiency'] >= 0.85)} |"),
+        (f"| train.precision mixed_bfloat16 vs float32 | {TARGETS['bf16']} | {bf16_speed:.2f}x; demo mIoU "
+         f"{100 * miou['mixed_bfloat16']:.1f}% vs {100 * miou['float32']:.1f}% ({dmiou:+.1f} points) | "
+         f"{cpu_sp['train.precision=mixed_bfloat16']:.2f}x | speed {met(bf16_speed >= 1.5)}, "
+         f"accuracy {met(abs(dmiou) <= 1.0)} |"),
+        (f"| train.jit_compile true vs false | {TARGETS['jit']} | {jit_speed:.2f}x | "
+         f"{cpu_sp['train.jit_compile=true']:.2f}x | default: {'on' if jit_speed >= 1.05 else 'off'} (below) |"),
+        (f"| achieved FLOP/s / measured peak, float32, 1 tower | {TARGETS['flops']} | {t1['achieved_gflops']:.0f} / "
+         f"{peak['peak_gflops']:.0f} GFLOP/s = {pct(util1)} | | {met(util1 >= 0.40)} |"),
+        (f"| the same, mixed_bfloat16, 1 tower | | {bf1['achieved_gflops']:.0f} / {bf16['peak_gflops']:.0f} GFLOP/s "
+         f"= {pct(bf1['flops_utilization'])} | | |" if bf16["peak_gflops"] else ""),
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs ({ncpu} usable); ISA: {', '.join(m['isa'])}",
+        f"- TensorFlow {m['tensorflow']}, Keras {m['keras']}, Python {m['python']}. No GPU: towers are logical CPU",
+        "  devices (the CPU split N ways). They share the same cores, so the ideal N-tower speed is the",
+        "  1-tower speed, not N times it.",
+        (f"- measured peak, float32: matmul {peak['matmul_gflops']:.0f} GFLOP/s, 3x3 conv {peak['conv3x3_gflops']:.0f} "
+         f"GFLOP/s" + (f"; bfloat16: matmul {bf16_peak['matmul_gflops']:.0f}, 3x3 conv "
+                       f"{bf16_peak['conv3x3_gflops']:.0f} GFLOP/s (AMX)" if bf16_peak else "")
+         + " (measured in this run, under the load above)"),
         "",
         "## Benchmark config",
         "",
-        f"`{CONFIG}` ({data_note}):",
+        f"`{config_path}` ({data_note}):",
         "",
         "```yaml",
         config_text.rstrip(),
@@ -213,76 +238,107 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "## How each figure is measured",
         "",
         "- **images/s**: the real `Trainer.train_step`, fed by the real `ImageReader` through",
-        "  `distribute_datasets_from_function`, exactly as `seg-train` runs it (the host reads the loss every",
-        "  step). Warm-up steps (tracing, first steps, tf.data autotuning) are never timed; then windows of",
-        "  K steps are timed and the MEDIAN window is reported; images/s = global batch x K / window time,",
-        "  per tower = that / N, step time = window time / K.",
+        "  `distribute_datasets_from_function`, as `seg-train` runs it (the host reads the loss every step).",
+        f"  Warm-up steps ({tw['warmup_steps']}; tracing, first steps, tf.data autotuning) are never timed; then "
+        f"{tw['windows']} windows",
+        f"  of {tw['steps_per_window']} steps per set-up are timed (each window after an untimed pick-up step "
+        "when set-ups alternate),",
+        "  and the MEDIAN window is reported: images/s = global batch x steps / window time; per tower =",
+        "  that / N; step ms = window time / steps.",
         "- **scaling efficiency** at N towers = images/s at N / images/s at 1 tower, same global batch.",
         "- **input wait** = time blocked in `next(iterator)` / total time of the timed steps.",
-        "- **input images/s alone**: the same reader pipeline iterated without training.",
-        "- **cached**: the same first batches of the reader decoded and augmented once, then served from",
-        "  memory (`seg-bench --input cached`); reader vs cached is the whole cost of the input pipeline",
-        "  (waiting AND the CPU it takes from the step).",
-        f"- **FLOPs**: {flops['method']}; {flops['train_gflop_per_image']:.2f} GFLOP per training image "
-        f"(forward {flops['forward_gflop_per_image']:.2f}, ratio {flops['train_to_forward']:.2f}; runtime pruning",
-        "  of the first conv's unused input gradient makes the executed count a little lower).",
+        "- **input images/s alone**: the same reader pipeline (global batches) iterated without training.",
+        "- **cached**: the first 8 steps' batches of the same reader, decoded and augmented once, then served",
+        "  from memory (`seg-bench --input cached`): reader vs cached is the whole cost of the input pipeline,",
+        "  the waiting AND the CPU it takes from the step.",
+        "- **CPU ms/step**: this process's CPU time (all threads) over a window / steps; **cores** = CPU",
+        "  time / wall time. **by CPU** ratios = CPU ms/step of the reference / of the variant.",
+        f"- **FLOPs**: {flops['method']}: {flops['train_gflop_per_image']:.2f} GFLOP per training image",
+        f"  (forward {flops['forward_gflop_per_image']:.2f}; training / forward = {flops['train_to_forward']:.2f} "
+        "in the graph; the first conv's unused input",
+        "  gradient is pruned at run time, so slightly less is executed).",
         "- **achieved FLOP/s** = counted FLOPs per step / median step time; **peak** = the faster of a",
-        "  2048^3 matmul and a 3x3 conv (4x56x56x256 -> 256) timed in the same process, in the compute dtype",
-        "  of train.precision.",
+        "  2048^3 matmul and a 3x3 conv (4x56x56x256 -> 256, SAME) timed in the same process, in the compute",
+        "  dtype of train.precision.",
         "- **peak memory**: VmHWM of the benchmark process (all its runners alive at once).",
-        "- **plain Keras baseline**: the same `seg_train.models.build` model and precision, the same reader",
-        "  batches, `compile(Adam, SparseCategoricalCrossentropy(from_logits=True, ignore_class=255))`,",
-        "  `model.fit(ds, steps_per_epoch=K+1, epochs=W+1)` on one device; a callback times each epoch after",
-        "  its first step and runs one seg-train window between Keras epochs (interleaved).",
+        "- **plain Keras baseline**: the same `seg_train.models.build` model and precision policy, the same",
+        "  reader batches, `compile(Adam, SparseCategoricalCrossentropy(from_logits=True, ignore_class=255))`",
+        "  with Keras' defaults otherwise, `model.fit(ds, steps_per_epoch=K+1, epochs=W+1)` on one device",
+        "  (no strategy); epoch 0 is its warm-up; a callback times each later epoch after its first step and",
+        "  runs one seg-train window between Keras epochs (interleaved).",
         "",
         "## Towers (logical CPU devices, same global batch)",
         "",
         c(tw),
         "",
-        "| towers | images/s | per tower | step ms | efficiency | input wait | GFLOP/s | of peak |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| towers | images/s | per tower | step ms | efficiency | input wait | GFLOP/s | of peak | CPU ms/step | cores |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for t in tw["towers"]:
-        lines.append(f"| {t['gpus']} | {t['images_per_sec']:.2f} | {t['images_per_sec_per_tower']:.2f} | "
-                     f"{t['step_time_ms']:.0f} | {t['efficiency']:.3f} | {pct(t['input_wait_fraction'])} | "
-                     f"{t['achieved_gflops']:.1f} | {pct(t['flops_utilization'])} |")
-    lines += [
+        L.append(f"| {t['gpus']} | {t['images_per_sec']:.2f} | {t['images_per_sec_per_tower']:.2f} | "
+                 f"{t['step_time_ms']:.0f} | {t['efficiency']:.3f} | {pct(t['input_wait_fraction'])} | "
+                 f"{t['achieved_gflops']:.1f} | {pct(t['flops_utilization'])} | {t['cpu_ms_per_step']:.0f} | "
+                 f"{t['cores_busy']:.2f} |")
+    L += [
         "",
-        f"Input pipeline alone: {tw['input_images_per_sec']:.1f} images/s (global batches of "
-        f"{tw['global_batch']}, no training). Peak resident memory of this process: {tw['peak_rss_mb']:.0f} MiB "
-        f"({len(tw['towers'])} trainers alive at once).",
+        (f"Input pipeline alone: {tw['input_images_per_sec']:.1f} images/s (global batches of {tw['global_batch']}, "
+         f"no training), i.e. {tw['input_images_per_sec'] / t1['images_per_sec']:.0f}x what 1-tower training "
+         f"consumes. Peak resident memory: {tw['peak_rss_mb']:.0f} MiB ({len(tw['towers'])} trainers alive at once)."),
         "",
         "## Input, precision and XLA (1 tower)",
         "",
         c(va),
         "",
-        "| variant | images/s | step ms | vs base | input wait | GFLOP/s | of peak (own dtype) | first step s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | images/s | step ms | vs base | by CPU | input wait | GFLOP/s | of peak (own dtype) | "
+        "CPU ms/step | cores | first step s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for x in va["variants"]:
         t = x["towers"][0]
-        lines.append(f"| {x['name']} | {t['images_per_sec']:.2f} | {t['step_time_ms']:.0f} | {sp[x['name']]:.2f}x | "
-                     f"{pct(t['input_wait_fraction'])} | {t['achieved_gflops']:.1f} | {pct(t['flops_utilization'])} | "
-                     f"{t['first_step_s']:.0f} |")
-    lines += [
+        L.append(f"| {x['name']} | {t['images_per_sec']:.2f} | {t['step_time_ms']:.0f} | {sp[x['name']]:.2f}x | "
+                 f"{cpu_sp[x['name']]:.2f}x | {pct(t['input_wait_fraction'])} | {t['achieved_gflops']:.1f} | "
+                 f"{pct(t['flops_utilization'])} | {t['cpu_ms_per_step']:.0f} | {t['cores_busy']:.2f} | "
+                 f"{t['first_step_s']:.0f} |")
+    L += [
         "",
         f"Peak resident memory of this process: {va['peak_rss_mb']:.0f} MiB ({len(va['variants'])} trainers).",
         "",
-        f"XLA: {jit_verdict}.",
+        f"**XLA**: {jit_verdict}.",
+        "",
+        "## Where the time goes",
+        "",
+        "TensorFlow op time per step by op type, from `seg-bench --profile` (2 steps profiled after the",
+        "timing; op times are summed over TensorFlow's executor threads, so concurrent ops both count and",
+        "the shares are of op time, not of the step; XLA runs are not broken down).",
+        "",
+        "| set-up | profiled step ms | convolutions | largest op types (share of op time) |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for x in va["variants"]:
+        if x["jit_compile"]:
+            continue
+        L.append(_profile_line(f"{x['name']}, 1 tower", x["towers"][0].get("op_profile")))
+    for t in tw["towers"]:
+        if t.get("op_profile") and t["gpus"] > 1:
+            L.append(_profile_line(f"base, {t['gpus']} towers", t["op_profile"]))
+    L += [
         "",
         "## seg-train vs plain Keras model.fit (1 device)",
         "",
         c(ke),
         "",
-        "| | images/s | step ms | jit_compile | first epoch / first step s |",
-        "| --- | ---: | ---: | --- | ---: |",
-        f"| seg-train `Trainer.train_step` | {ke['seg_train_images_per_sec']:.2f} | {ke['seg_train_step_time_ms']:.0f} | "
-        f"{ke['seg_train_jit_compile']} | {ke['seg_train_first_step_s']:.0f} |",
-        f"| Keras `model.fit` | {ke['keras_fit_images_per_sec']:.2f} | {ke['keras_fit_step_time_ms']:.0f} | "
-        f"{ke['keras_fit_jit_compile']} (Keras' `auto`) | {ke['keras_first_epoch_s']:.0f} |",
+        "| | images/s | step ms | CPU ms/step | jit_compile | warm-up s |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
+        (f"| seg-train `Trainer.train_step` | {ke['seg_train_images_per_sec']:.2f} | {ke['seg_train_step_time_ms']:.0f} | "
+         f"{ke['seg_train_cpu_ms_per_step']:.0f} | {ke['seg_train_jit_compile']} | {ke['seg_train_first_step_s']:.0f} "
+         "(first step) |"),
+        (f"| Keras `model.fit` | {ke['keras_fit_images_per_sec']:.2f} | {ke['keras_fit_step_time_ms']:.0f} | "
+         f"{ke['keras_fit_cpu_ms_per_step']:.0f} | {ke['keras_fit_jit_compile']} (Keras' `auto`) | "
+         f"{ke['keras_first_epoch_s']:.0f} (epoch 0) |"),
         "",
-        f"seg-train / Keras = {keras_speed:.3f}x. seg-train's step also computes weight decay, non-finite checks",
-        "and the predictions it returns for image summaries; the Keras baseline does none of these.",
+        (f"seg-train / Keras = {keras_speed:.3f}x (by CPU time {ke['cpu_speedup_seg_train_vs_keras_fit']:.3f}x). "
+         "seg-train's step does more than the baseline: weight decay, non-finite checks, the predictions it returns "
+         "for image summaries."),
         "",
         "## bfloat16 accuracy check (demo data)",
         "",
@@ -290,13 +346,13 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "| --- | ---: | ---: | ---: | --- |",
     ]
     for a in acc:
-        lines.append(f"| {a['precision']} | {100 * a['miou']:.2f}% | {pct(a['pixel_accuracy'])} | {a['step']} | "
-                     f"`{a['_command']}` |")
-    lines += [
+        L.append(f"| {a['precision']} | {100 * a['miou']:.2f}% | {pct(a['pixel_accuracy'])} | {a['step']} | "
+                 f"`{a['_command']}` |")
+    L += [
         "",
-        f"Difference: {dmiou:+.2f} points (target: within 1). The mIoU is the final evaluation of each run",
-        "(`seg_train.evaluate` on the demo val split at full resolution, BN statistics re-estimated),",
-        "as kept in `RUN_DIR/best/best.json`.",
+        f"Difference: {dmiou:+.2f} points (target: within 1). Each mIoU is the final evaluation of its run",
+        "(`seg_train.evaluate` on the demo val split at full resolution, BN statistics re-estimated), as kept in",
+        "`RUN_DIR/best/best.json`.",
         "",
         "## Run log",
         "",
@@ -305,43 +361,81 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "```",
         "",
     ]
-    path.write_text("\n".join(lines))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(x for x in L if x is not None))
+
+
+def smoke_config() -> str:
+    return """# Smoke-test config for scripts/bench.py --smoke (checks the script, measures nothing useful).
+seed: 0
+run_dir: smoke-run
+data:
+  root: smoke-data
+  synthetic: true
+  num_classes: 3
+  batch_size: 4
+  crop_size: [32, 32]
+model:
+  backbone: tiny
+  aspp_channels: 8
+  decoder_channels: 8
+  low_level_channels: 4
+"""
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Run the standard benchmarks and write docs/PERFORMANCE.md.")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)} (the report is not rewritten)")
-    p.add_argument("--output", default="docs/PERFORMANCE.md")
+    p.add_argument("--output", help="the report (default docs/PERFORMANCE.md; with --smoke runs/bench/smoke.md)")
     p.add_argument("--data", default="../shared/data/camvid", help="VOC-layout data for the speed benchmarks")
     p.add_argument("--steps", type=int, default=5, help="timed steps per window (default 5)")
     p.add_argument("--windows", type=int, default=3, help="timed windows per runner (default 3)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the report from the JSON results of the last run (runs/bench/*.json), run nothing")
+    p.add_argument("--smoke", action="store_true",
+                   help="check this script end to end in a few minutes: tiny model, 2 steps, 10-step accuracy runs")
     args = p.parse_args(argv)
     only = set(args.only.split(",")) if args.only else set(SECTIONS)
     unknown = only - set(SECTIONS)
     if unknown:
         raise SystemExit(f"error: unknown --only section(s) {sorted(unknown)}: expected {','.join(SECTIONS)}")
+    out_dir = OUT / "smoke" if args.smoke else OUT
+    output = ROOT / (args.output or (out_dir / "PERFORMANCE.md" if args.smoke else "docs/PERFORMANCE.md"))
 
-    # ---- the medium config -----------------------------------------------------------------------
-    data = (ROOT / args.data).resolve()
-    if (data / "ImageSets" / "Segmentation" / "train.txt").is_file() and (data / "classes.txt").is_file():
-        num_classes = len([x for x in (data / "classes.txt").read_text().splitlines() if x.strip()])
-        data_root, synthetic = os.path.relpath(data, ROOT / OUT), False
-        data_note = f"data: {args.data}, {num_classes} classes"
+    if args.report_only:
+        meta = json.loads((ROOT / out_dir / "meta.json").read_text())
+        results = {name: json.loads((ROOT / out_dir / f"{name}.json").read_text()) for name in SECTIONS}
+        write_report(output, results, meta["config_text"], meta["data_note"], meta["run_log"], meta["started"],
+                     meta["total_s"], meta["config_path"])
+        print(f"wrote {output.relative_to(ROOT)}", file=sys.stderr)
+        return 0
+
+    # ---- the config -----------------------------------------------------------------------------------
+    (ROOT / out_dir).mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        config_path = out_dir / "smoke.yaml"
+        config_text, data_note = smoke_config(), "synthetic demo data, tiny model: a smoke test, not a benchmark"
+        args.steps, args.windows, warmup, acc_steps = 2, 1, 1, 10
     else:
-        data_root, synthetic, num_classes = "synthetic-240x180", True, 5
-        data_note = f"{args.data} not found: a synthetic demo data set with 240x180 images instead"
-        from seg_train import demo_data
-        demo_data.generate(ROOT / OUT / data_root, num_classes=5, size=(180, 240), seed=0)
-    config_text = medium_config(data_root, num_classes, synthetic)
-    (ROOT / OUT).mkdir(parents=True, exist_ok=True)
-    (ROOT / CONFIG).write_text(config_text)
+        config_path, warmup, acc_steps = CONFIG, 3, None
+        data = (ROOT / args.data).resolve()
+        if (data / "ImageSets" / "Segmentation" / "train.txt").is_file() and (data / "classes.txt").is_file():
+            num_classes = len([x for x in (data / "classes.txt").read_text().splitlines() if x.strip()])
+            data_root, synthetic = os.path.relpath(data, ROOT / OUT), False
+            data_note = f"data: {args.data}, {num_classes} classes"
+        else:
+            data_root, synthetic, num_classes = "synthetic-240x180", True, 5
+            data_note = f"{args.data} not found: a synthetic demo data set with 240x180 images instead"
+        config_text = medium_config(data_root, num_classes, synthetic)
+    (ROOT / config_path).write_text(config_text)
 
     seg_bench = str(BIN / "seg-bench")
-    common = ["--config", str(CONFIG), "--steps", str(args.steps), "--windows", str(args.windows), "--json"]
+    common = ["--config", str(config_path), "--steps", str(args.steps), "--windows", str(args.windows),
+              "--warmup", str(warmup), "--json"]
     commands = {
-        "towers": [seg_bench, *common, "--gpus", "1,2,4"],
-        "variants": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--compare", "input=cached",
+        "towers": [seg_bench, *common, "--gpus", "1,2,4", "--profile"],
+        "variants": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--profile", "--compare", "input=cached",
                      "--compare", "train.precision=mixed_bfloat16", "--compare", "train.jit_compile=true"],
         "keras": [str(BIN / "python"), "scripts/keras_fit_baseline_speed.py", *common],
     }
@@ -351,8 +445,7 @@ def main(argv=None) -> int:
                 print(display(commands[name]))
             else:
                 for prec in ("float32", "mixed_bfloat16"):
-                    print(f".venv/bin/seg-train --config configs/demo.yaml --gpus 1 --run-dir runs/bench/acc-{prec} "
-                          f"--set train.precision={prec}")
+                    print(display(accuracy_command(prec, out_dir, acc_steps)))
         return 0
 
     started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
@@ -361,19 +454,21 @@ def main(argv=None) -> int:
     results = {}
     for name in ("towers", "variants", "keras"):
         if name in only:
-            results[name] = run_json(name, commands[name], run_log)
+            results[name] = run_json(name, commands[name], run_log, out_dir)
     if "accuracy" in only:
-        results["accuracy"] = [run_accuracy(prec, run_log) for prec in ("float32", "mixed_bfloat16")]
-        (ROOT / OUT / "accuracy.json").write_text(json.dumps(results["accuracy"], indent=1) + "\n")
+        results["accuracy"] = [run_accuracy(prec, run_log, out_dir, acc_steps) for prec in ("float32", "mixed_bfloat16")]
+        (ROOT / out_dir / "accuracy.json").write_text(json.dumps(results["accuracy"], indent=1) + "\n")
     total = time.perf_counter() - t0
     run_log.append(f"total: {total:.0f}s")
     print("\n".join(run_log), file=sys.stderr)
     if only != set(SECTIONS):
-        print(json.dumps({k: v for k, v in results.items()}, indent=1, default=str))
+        print(json.dumps(results, indent=1, default=str))
         return 0
-    out = ROOT / args.output
-    write_report(out, results, config_text, data_note, run_log, started, total)
-    print(f"wrote {out.relative_to(ROOT)}", file=sys.stderr)
+    meta = {"config_text": config_text, "data_note": data_note, "run_log": run_log, "started": started,
+            "total_s": total, "config_path": str(config_path)}
+    (ROOT / out_dir / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_report(output, results, config_text, data_note, run_log, started, total, str(config_path))
+    print(f"wrote {output.relative_to(ROOT)}", file=sys.stderr)
     return 0
 
 

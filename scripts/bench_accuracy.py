@@ -76,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, default=1, help="seg-train towers (default 1: fastest on a 2-core CPU)")
     p.add_argument("--out", default="runs/bench-accuracy", help="parent folder of the run folders")
     p.add_argument("--probe-steps", type=int, default=30, help="steps of the seg-train timing probe (default 30)")
-    p.add_argument("--margin", type=float, default=0.03, help="fraction of the budget left unplanned (default 0.03)")
+    p.add_argument("--margin", type=float, default=0.02, help="fraction of the budget left unplanned (default 0.02)")
     p.add_argument("--baseline-bn-reestimate", type=int, default=50, metavar="K",
                    help="also report the baseline after re-estimating its BN statistics from K batches (0: off)")
     p.add_argument("--skip-baseline", action="store_true", help="run seg-train only")

@@ -82,17 +82,18 @@ def main(args) -> int:
                   jit_compile=True if cfg.train.jit_compile else "auto")
     ds = reader.train_dataset(batch, 0, 1)
 
-    keras_rates, keras_ms, keras_losses = [], [], []
+    keras_rates, keras_ms, keras_cpu_ms, keras_losses = [], [], [], []
     first_epoch_s = []
 
     class Interleave(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            self.t_begin, self.ends = time.perf_counter(), []
+            self.t_begin, self.ends, self.cpu = time.perf_counter(), [], []
 
         def on_train_batch_end(self, batch_index, logs=None):
             if logs and "loss" in logs:
                 keras_losses.append(float(logs["loss"]))  # a host read per step, like seg-train's
             self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
         def on_epoch_end(self, epoch, logs=None):
             if epoch == 0:
@@ -102,6 +103,7 @@ def main(args) -> int:
                 dt = self.ends[-1] - self.ends[0]  # the first step of the epoch is the untimed pick-up step
                 keras_rates.append(k * batch / dt)
                 keras_ms.append(1000.0 * dt / k)
+                keras_cpu_ms.append(1000.0 * (self.cpu[-1] - self.cpu[0]) / k)
                 log.info("keras window %d: %.2f images/s", epoch, keras_rates[-1])
             if epoch < windows:
                 seg.window(k, reentry=1)
@@ -123,6 +125,9 @@ def main(args) -> int:
         "seg_train_jit_compile": cfg.train.jit_compile,
         "keras_fit_images_per_sec": keras_rate, "keras_fit_step_time_ms": statistics.median(keras_ms),
         "keras_fit_window_images_per_sec": keras_rates,
+        "seg_train_cpu_ms_per_step": s["cpu_ms_per_step"],
+        "keras_fit_cpu_ms_per_step": statistics.median(keras_cpu_ms),
+        "cpu_speedup_seg_train_vs_keras_fit": statistics.median(keras_cpu_ms) / s["cpu_ms_per_step"],
         "keras_fit_jit_compile": bool(model.jit_compile),
         "keras_first_epoch_s": first_epoch_s[0] if first_epoch_s else None,
         "seg_train_first_step_s": s["first_step_s"],

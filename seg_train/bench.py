@@ -13,6 +13,9 @@ What is measured, and how (docs/PERFORMANCE.md quotes these definitions):
   logical CPU devices (which share the same cores) the ideal is 1.0, not N.
 - **Input wait fraction**: time spent blocked in `next(iterator)` / total time of the timed steps
   (median over the windows).
+- **CPU time per step**: this process's CPU time (all threads, time.process_time) over a window /
+  its steps, and `cores_busy` = CPU time / wall time. Other processes on the machine inflate wall
+  time far more than CPU time, so CPU-time ratios are a cross-check of the wall-time ratios.
 - **Input images/s**: the same ImageReader pipeline (global batches) iterated alone, no training,
   after warm-up; median over windows.
 - **FLOPs of the train step**: counted once from the graph of one tower's forward + backward pass
@@ -319,6 +322,7 @@ class TrainRunner:
         self.batches = iter(self.trainer.distribute(dataset_fn))
         self.first_step_s = None
         self.rates, self.waits, self.step_ms, self.losses = [], [], [], []
+        self.cpu_ms, self.cores = [], []
 
     def step(self) -> tuple[float, float]:
         """One training step as train.py runs it; returns (seconds blocked in next(), total seconds)."""
@@ -342,12 +346,16 @@ class TrainRunner:
         for _ in range(reentry):
             self.step()
         wait = total = 0.0
+        cpu0 = time.process_time()
         for _ in range(steps):
             w, t = self.step()
             wait, total = wait + w, total + t
+        cpu = time.process_time() - cpu0
         self.rates.append(steps * self.batch / total)
         self.waits.append(wait / total)
         self.step_ms.append(1000.0 * total / steps)
+        self.cpu_ms.append(1000.0 * cpu / steps)
+        self.cores.append(cpu / total)
 
     def summary(self) -> dict:
         rate = _median(self.rates)
@@ -355,6 +363,7 @@ class TrainRunner:
             log.warning("%s: non-finite loss while benchmarking", self.name)
         return {"gpus": self.num_towers, "images_per_sec": rate, "images_per_sec_per_tower": rate / self.num_towers,
                 "step_time_ms": _median(self.step_ms), "input_wait_fraction": _median(self.waits),
+                "cpu_ms_per_step": _median(self.cpu_ms), "cores_busy": _median(self.cores),
                 "window_images_per_sec": list(self.rates), "window_input_wait_fraction": list(self.waits),
                 "first_step_s": self.first_step_s, "last_loss": self.losses[-1] if self.losses else None}
 
@@ -522,7 +531,9 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     interleave([r for _, _, r in runners], steps, windows, warmup)
     profiles = {}
     if profile:
-        for _, _, r in runners:
+        for _, vcfg, r in runners:
+            if vcfg.train.jit_compile:
+                continue  # XLA runs the step as one fused cluster: no per-op times to show
             log.info("%s: profiling 2 steps", r.name)
             profiles[r.name] = profile_ops(r)
 
@@ -577,6 +588,10 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             v["name"]: v["train_images_per_sec"] / first["train_images_per_sec"] for v in per_variant}
         result["speedup_definition"] = ("train images/s of the variant / train images/s of the first variant, at "
                                         f"{first['top_level_figures_for_gpus']} tower(s), interleaved windows")
+        result["cpu_speedup_vs_first_variant"] = {
+            v["name"]: first["towers"][-1]["cpu_ms_per_step"] / v["towers"][-1]["cpu_ms_per_step"] for v in per_variant}
+        result["cpu_speedup_definition"] = ("process CPU time per step of the first variant / that of the variant "
+                                            "(less sensitive to other processes' load than wall time)")
     result.update({
         "peak_rss_mb": peak_rss_mb(),
         "peak_rss_scope": "whole process: every runner above was alive at once (interleaved timing)",
@@ -594,13 +609,13 @@ def format_report(r: dict) -> str:
         f"timing: {r['warmup_steps']} warm-up steps, then the median of {r['windows']} windows of "
         f"{r['steps_per_window']} steps",
         "",
-        "towers  images/s  per tower  step ms  efficiency  input wait  GFLOP/s  of peak",
+        "towers  images/s  per tower  step ms  efficiency  input wait  GFLOP/s  of peak  cpu ms/step  cores",
     ]
     for t in r["towers"]:
         util = f"{100 * t['flops_utilization']:6.1f}%" if t["flops_utilization"] is not None else "     -"
         lines.append(f"{t['gpus']:6d}  {t['images_per_sec']:8.2f}  {t['images_per_sec_per_tower']:9.2f}  "
                      f"{t['step_time_ms']:7.0f}  {t['efficiency']:10.3f}  {100 * t['input_wait_fraction']:9.1f}%  "
-                     f"{t['achieved_gflops']:7.1f}  {util}")
+                     f"{t['achieved_gflops']:7.1f}  {util}  {t['cpu_ms_per_step']:11.0f}  {t['cores_busy']:5.2f}")
     lines.append("")
     if r["input_images_per_sec"] is not None:
         lines.append(f"input pipeline alone: {r['input_images_per_sec']:.1f} images/s")
@@ -616,7 +631,8 @@ def format_report(r: dict) -> str:
         util = f", {100 * t['flops_utilization']:.1f}% of peak" if t["flops_utilization"] is not None else ""
         lines.append(f"variant {v['name']}: {t['images_per_sec']:.2f} images/s at {t['gpus']} tower(s), step "
                      f"{t['step_time_ms']:.0f} ms, input wait {100 * t['input_wait_fraction']:.1f}%{util}; "
-                     f"speedup {r['speedup_vs_first_variant'][v['name']]:.3f}x")
+                     f"speedup {r['speedup_vs_first_variant'][v['name']]:.3f}x "
+                     f"(by CPU time {r['cpu_speedup_vs_first_variant'][v['name']]:.3f}x)")
     for v in r.get("variants") or [{"name": "", "towers": r["towers"]}]:
         for t in v["towers"]:
             prof = t.get("op_profile")

@@ -189,9 +189,16 @@ def maybe_reestimate_bn(trainer, cfg: Config, progress: bool = True) -> bool:
     Returns:
       Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
     """
-    if cfg.eval.bn_reestimate_batches > 0:
+    if cfg.eval.bn_reestimate_batches > 0 and int(trainer.bn_stats_step.numpy()) != int(trainer.step.numpy()):
         from seg_train import bn_stats
+        from seg_train.reader import split_file
         ensure_data(cfg)  # the re-estimation reads the training split
+        if not split_file(cfg.data.root, cfg.data.train_split).is_file():
+            # Predicting or exporting where the training data is not at hand: go on with the
+            # statistics as trained, and say so.
+            log.warning("BN statistics not re-estimated: training split %r not found under %s "
+                        "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
+            return False
         train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
         bn_stats.reestimate(trainer, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
     return int(trainer.bn_stats_step.numpy()) == int(trainer.step.numpy())
