@@ -33,7 +33,9 @@ def write_config(tmp_path, root, **train):
                     "num_parallel_calls": 2},
            "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
            "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 2,
-                     "learning_rate": 0.01, **train}}
+                     "learning_rate": 0.01, **train},
+           # Small: the final evaluation re-estimates BN statistics (exercised, not measured, here).
+           "eval": {"bn_reestimate_batches": 2}}
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(raw))
     return p
