@@ -77,9 +77,3 @@ def resolve(path: str | Path) -> str:
         return str(p)
     from seg_train.config import ConfigError
     raise ConfigError("checkpoint not found", str(path), "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
-
-
-def step_of(prefix: str) -> int:
-    """The step saved in checkpoint `prefix`."""
-    reader = tf.train.load_checkpoint(prefix)
-    return int(reader.get_tensor("step/.ATTRIBUTES/VARIABLE_VALUE"))

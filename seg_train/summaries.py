@@ -38,9 +38,5 @@ class Summaries:
                 tf.summary.image(f"tower_{i}/prediction", np.stack(
                     [colorize(p, self.palette, self.ignore_label) for p in marked]), max_outputs=k)
 
-    def text(self, step: int, tag: str, text: str) -> None:
-        with self.writer.as_default(step=step):
-            tf.summary.text(tag, text)
-
     def flush(self) -> None:
         self.writer.flush()
