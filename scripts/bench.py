@@ -11,11 +11,11 @@ from the same run (and each command times its own comparison interleaved in one 
   variants  seg-bench --gpus 1 --compare input=cached --compare train.precision=mixed_bfloat16
                       --compare train.jit_compile=true  reader vs cached, bf16 vs fp32, XLA vs not
   keras     scripts/keras_fit_baseline_speed.py         seg-train step vs plain Keras model.fit
-  accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower; the final
+  accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
             evaluation of each run (seg_train.evaluate, BN statistics re-estimated) gives val mIoU
 
 The speed benchmarks use a medium config written to runs/bench/camvid-medium.yaml (shown in the
-report): DeepLabV3+ on MobileNetV2, output stride 16, crop 160x160, global batch 8, CamVid
+report): DeepLabV3+ on MobileNetV2, output stride 16, crop 128x128, global batch 8, CamVid
 (../shared/data/camvid, 240x180 JPEGs, 11 classes); without CamVid, a synthetic demo set of the same
 image size is generated instead and the report says so. JSON results go to runs/bench/*.json.
 With --only, the selected benchmarks run and print, and the report is NOT rewritten.
@@ -106,22 +106,33 @@ def accuracy_command(precision: str, out_dir: Path, num_steps: int | None) -> li
     return cmd
 
 
-def run_accuracy(precision: str, log_lines: list[str], out_dir: Path = OUT, num_steps: int | None = None) -> dict:
-    run_dir = ROOT / out_dir / f"acc-{precision}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # our own run dir: a fresh run, not a resume
-    cmd = accuracy_command(precision, out_dir, num_steps)
-    shown = display(cmd)
-    print(f"\n=== accuracy {precision}: {shown}", file=sys.stderr, flush=True)
+def run_accuracy(log_lines: list[str], out_dir: Path = OUT, num_steps: int | None = None) -> list[dict]:
+    """Trains the demo in float32 and in mixed_bfloat16 (both at once: only their accuracy is compared)."""
+    procs = []
+    for precision in ("float32", "mixed_bfloat16"):
+        run_dir = ROOT / out_dir / f"acc-{precision}"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # our own run dir: a fresh run, not a resume
+        cmd = accuracy_command(precision, out_dir, num_steps)
+        print(f"\n=== accuracy {precision}: {display(cmd)}", file=sys.stderr, flush=True)
+        log_file = open(ROOT / out_dir / f"acc-{precision}.log", "w")
+        procs.append((precision, run_dir, cmd, log_file, subprocess.Popen(cmd, cwd=ROOT, stdout=log_file,
+                                                                          stderr=subprocess.STDOUT)))
     load0, t0 = os.getloadavg()[0], time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, check=False)
+    results = []
+    for precision, run_dir, cmd, log_file, proc in procs:
+        code = proc.wait()
+        log_file.close()
+        if code != 0:
+            raise SystemExit(f"error: accuracy run failed with exit code {code}: {display(cmd)} "
+                             f"(log: {out_dir}/acc-{precision}.log)")
+        best = json.loads((run_dir / "best" / "best.json").read_text())
+        results.append({"precision": precision, "miou": best["miou"], "pixel_accuracy": best.get("pixel_accuracy"),
+                        "step": best["step"], "_command": display(cmd)})
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"error: accuracy run failed with exit code {proc.returncode}: {shown}")
-    best = json.loads((run_dir / "best" / "best.json").read_text())
-    log_lines.append(f"accuracy {precision}: {wall:.0f}s, load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    return {"precision": precision, "miou": best["miou"], "pixel_accuracy": best.get("pixel_accuracy"),
-            "step": best["step"], "wall_s": wall, "_command": shown}
+    log_lines.append(f"accuracy (float32 and mixed_bfloat16 side by side): {wall:.0f}s, load {load0:.1f} -> "
+                     f"{os.getloadavg()[0]:.1f}")
+    return results
 
 
 # ---- the report ----------------------------------------------------------------------------------------
@@ -418,7 +429,7 @@ def main(argv=None) -> int:
         config_text, data_note = smoke_config(), "synthetic demo data, tiny model: a smoke test, not a benchmark"
         args.steps, args.windows, warmup, acc_steps = 2, 1, 1, 10
     else:
-        config_path, warmup, acc_steps = CONFIG, 3, None
+        config_path, warmup, acc_steps = CONFIG, 2, None
         data = (ROOT / args.data).resolve()
         if (data / "ImageSets" / "Segmentation" / "train.txt").is_file() and (data / "classes.txt").is_file():
             num_classes = len([x for x in (data / "classes.txt").read_text().splitlines() if x.strip()])
@@ -427,6 +438,8 @@ def main(argv=None) -> int:
         else:
             data_root, synthetic, num_classes = "synthetic-240x180", True, 5
             data_note = f"{args.data} not found: a synthetic demo data set with 240x180 images instead"
+            from seg_train import demo_data  # generated here: seg-bench would make 96x96 images
+            demo_data.generate(ROOT / OUT / data_root, num_classes=num_classes, size=(180, 240), seed=0)
         config_text = medium_config(data_root, num_classes, synthetic)
     (ROOT / config_path).write_text(config_text)
 
@@ -456,7 +469,7 @@ def main(argv=None) -> int:
         if name in only:
             results[name] = run_json(name, commands[name], run_log, out_dir)
     if "accuracy" in only:
-        results["accuracy"] = [run_accuracy(prec, run_log, out_dir, acc_steps) for prec in ("float32", "mixed_bfloat16")]
+        results["accuracy"] = run_accuracy(run_log, out_dir, acc_steps)
         (ROOT / out_dir / "accuracy.json").write_text(json.dumps(results["accuracy"], indent=1) + "\n")
     total = time.perf_counter() - t0
     run_log.append(f"total: {total:.0f}s")
