@@ -76,7 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, default=1, help="seg-train towers (default 1: fastest on a 2-core CPU)")
     p.add_argument("--out", default="runs/bench-accuracy", help="parent folder of the run folders")
     p.add_argument("--probe-steps", type=int, default=30, help="steps of the seg-train timing probe (default 30)")
-    p.add_argument("--margin", type=float, default=0.02, help="fraction of the budget left unplanned (default 0.02)")
+    p.add_argument("--margin", type=float, default=0.0,
+                   help="fraction of the budget left unplanned (default 0: a run that turns out slower than the probe "
+                        "is stopped by SIGINT at the deadline, with its learning rate already near 0)")
     p.add_argument("--baseline-bn-reestimate", type=int, default=50, metavar="K",
                    help="also report the baseline after re-estimating its BN statistics from K batches (0: off)")
     p.add_argument("--skip-baseline", action="store_true", help="run seg-train only")
@@ -132,7 +134,7 @@ def loadavg() -> list[float]:
 def fmt_time(seconds) -> str:
     if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
         return "-"
-    m, s = divmod(int(round(seconds)), 60)
+    m, s = divmod(round(seconds), 60)
     return f"{m}m{s:02d}s"
 
 
@@ -148,7 +150,7 @@ class Child:
         self.lines: list[tuple[float, str]] = []
         self.on_line = on_line
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()
         self._log.write(f"# {quote(cmd)}\n")
         self._log.flush()
         self._echo = echo
@@ -363,6 +365,11 @@ def summary_markdown(s: dict) -> str:
     lines.append(f"Run {s['started']} ({title}); {s['cpus']} CPUs; load average (1/5/15 min) at start "
                  f"{s['loadavg_start']}, at end {s['loadavg_end']}; budget {s['minutes']:g} min per side; "
                  f"results in `{s['out']}`.")
+    if s["loadavg_start"] and s["loadavg_start"][0] > 0.5 * (s["cpus"] or 1):
+        lines.append("")
+        lines.append(f"**Warning: the machine was busy when this run started (1-minute load average "
+                     f"{s['loadavg_start'][0]} on {s['cpus']} CPUs): both sides got less than the whole CPU, "
+                     f"and the figures are not comparable with a run on an idle machine.**")
     lines.append("")
     lines.append("| | seg-train | Keras `model.fit` baseline |")
     lines.append("| --- | ---: | ---: |")

@@ -37,16 +37,16 @@ import time
 
 T_START = time.monotonic()  # the budget counts from here: imports and data loading are part of it
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
+import numpy as np
+from PIL import Image
 
 
 def parse_args(argv=None):
