@@ -7,9 +7,11 @@
 Every figure comes from one of the commands below, run by this script in one go, so all ratios are
 from the same run (and each command times its own comparison interleaved in one process):
 
-  towers    seg-bench --gpus 1,2,4                      tower scaling, input alone/wait, FLOP/s, memory
+  towers    seg-bench --gpus 1,4                        tower scaling, input alone/wait, FLOP/s, memory
   variants  seg-bench --gpus 1 --compare input=cached --compare train.precision=mixed_bfloat16
-                      --compare train.jit_compile=true  reader vs cached, bf16 vs fp32, XLA vs not
+                      --compare train.jit_compile=true --compare model.fast_atrous=false
+                                                        reader vs cached, bf16 vs fp32, XLA vs not,
+                                                        seg-train's dilated conv vs Keras' Conv2D
   keras     scripts/keras_fit_baseline_speed.py         seg-train step vs plain Keras model.fit
   accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
             evaluation of each run (seg_train.evaluate, BN statistics re-estimated) gives val mIoU
@@ -151,6 +153,77 @@ def _profile_line(name: str, prof: dict | None) -> str:
     return (f"| {name} | {prof['profiled_step_ms']:.0f} | {prof['conv_share_of_op_time']:.0%} | {top} |")
 
 
+def _share(prof: dict | None, *names: str) -> float:
+    """Share of op time of the op types whose name contains any of `names`."""
+    if not prof:
+        return float("nan")
+    return sum(share for k, _, share in prof["top_ops"] if any(n in k for n in names))
+
+
+def slowest(prof: dict, n: int = 4) -> str:
+    """The n slowest single ops of a profile: 'layer (OpType) share', layer = the name part after the model."""
+    out = []
+    for name, _, share in prof.get("top_op_instances", [])[:n]:
+        path, _, typ = name.rpartition(":")
+        parts = [p for p in path.split("/") if p and not p.startswith(("gradient_tape", "deeplabv3plus", "convolution"))]
+        if len(parts) > 1 and parts[-1] == typ.replace("_MklNative", ""):
+            parts = parts[:-1]  # the op's own name: the layer is the part before it
+        layer = parts[-1] if parts else path
+        out.append(f"{layer.removesuffix('_1')} ({typ.replace('_MklNative', '')}) {share:.0%}")
+    return ", ".join(out) or "n/a"
+
+
+BN_OPS = ("Mean", "Sum", "Mul", "SquaredDifference", "Tile", "RealDiv", "Rsqrt", "Sub")
+
+
+def notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed) -> list[str]:
+    """Generated remarks: what each missed target most likely comes from, with this run's numbers."""
+    out = []
+    p1, pb = b1.get("op_profile"), bf1.get("op_profile")
+    if tn["efficiency"] < 0.85:
+        out.append(
+            f"- **Towers**: {tn['gpus']} logical towers reach {tn['efficiency']:.2f} of 1-tower speed (CPU time per step "
+            f"{t1['cpu_ms_per_step']:.0f} -> {tn['cpu_ms_per_step']:.0f} ms). The towers share the same {tw['machine']['usable_cpus']} "
+            f"cores, each convolves batch {tw['global_batch'] // tn['gpus']} instead of {tw['global_batch']} (smaller ops "
+            "parallelise worse), and each step adds cross-tower work: the gradient sum through one device and the "
+            "BN moving-statistics average. This measures the one-graph overhead, not GPU scaling: on GPUs each "
+            "tower has a device of its own.")
+    else:
+        out.append(f"- **Towers**: {tn['gpus']} logical towers reach {tn['efficiency']:.2f} of 1-tower speed on the same "
+                   "cores: the one-graph multi-tower step costs little beyond the work itself.")
+    if p1:
+        out.append(
+            f"- **FLOP/s**: {pct(t1['flops_utilization'])} of the measured float32 peak at 1 tower. Convolutions take "
+            f"{p1['conv_share_of_op_time']:.0%} of op time; most of the rest is BatchNormalization and element-wise "
+            f"work (Keras 3's BatchNormalization is not a fused op on TensorFlow: it runs as Mean/Sum/Mul/"
+            f"SquaredDifference/Tile/RealDiv and their gradients; these op types, other element-wise work included, "
+            f"take {_share(p1, *BN_OPS):.0%} of op time among the largest ones), and this model's convolutions are small ({tw['backbone']} backbone, a "
+            f"{tw['crop_size'][0] // tw['output_stride']}x{tw['crop_size'][1] // tw['output_stride']} ASPP map at output "
+            f"stride {tw['output_stride']} on {tw['crop_size'][0]}x{tw['crop_size'][1]} crops, batch {tw['global_batch']}), "
+            f"far from the 2048^3 matmul / large 3x3 conv the peak is measured with. Slowest single ops: {slowest(p1)}.")
+    if pb:
+        out.append(
+            f"- **bfloat16**: convolutions on AMX reach {va['peaks'].get('bfloat16', {}).get('conv3x3_gflops', float('nan')):.0f} "
+            f"GFLOP/s in the peak test (float32: {va['peaks']['float32']['conv3x3_gflops']:.0f}), but the step gains "
+            f"{bf16_speed:.2f}x: in bf16 the convolutions' filter gradients dominate "
+            f"({_share(pb, 'Conv2DBackpropFilter'):.0%} of op time; slowest single ops: {slowest(pb)}), BN stays "
+            "float32 (with a cast in and out of every BN layer) and element-wise work does not shrink. The ratio "
+            "also moves a lot on this shared machine (see the per-window ratios).")
+    atrous = va["speedup_vs_first_variant"].get("model.fast_atrous=false")
+    out.append(
+        f"- **Keras baseline**: {keras_speed:.2f}x wall clock, {ke['cpu_speedup_seg_train_vs_keras_fit']:.2f}x by CPU time "
+        "(per-window ratios "
+        f"{ke['speedup_window_range'][0]:.2f}-{ke['speedup_window_range'][1]:.2f}x). The baseline's model is the "
+        "same network built from plain Keras layers; seg-train runs its dilated convolutions as one native "
+        "dilated conv with the taps that only ever read padding dropped (`model.fast_atrous`, on by default, "
+        "exact: tests/test_atrous.py)"
+        + (f", worth {1 / atrous:.2f}x on its own in the variants table (seg-train with and without it). "
+           f"With the same Keras layers seg-train's step would run at about {keras_speed * atrous:.2f}x the "
+           "baseline: the cost or gain of the trainer's own work (tower machinery, weight decay, "
+           "non-finite checks, returning predictions)." if atrous else "."))
+    return out
+
+
 def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log: list[str], started: str,
                  total_s: float, config_path: str = str(CONFIG)) -> None:
     tw, va, ke, acc = r["towers"], r["variants"], r["keras"], r["accuracy"]
@@ -159,6 +232,7 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
     rows = {t["gpus"]: t for t in tw["towers"]}
     t1, tn = rows[1], tw["towers"][-1]
     sp, cpu_sp = va["speedup_vs_first_variant"], va["cpu_speedup_vs_first_variant"]
+    rng = {k: f"windows {a:.2f}-{b:.2f}x" for k, (a, b) in va["speedup_window_range"].items()}
     v = {x["name"]: x for x in va["variants"]}
     base, bf16, jit = v["base"], v["train.precision=mixed_bfloat16"], v["train.jit_compile=true"]
     b1, bf1, jit1 = base["towers"][0], bf16["towers"][0], jit["towers"][0]
@@ -207,25 +281,35 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "| comparison | target | measured (wall clock) | by CPU | |",
         "| --- | --- | --- | --- | --- |",
         (f"| seg-train step vs plain Keras `model.fit`, 1 device | {TARGETS['keras']} | {keras_speed:.2f}x "
-         f"({ke['seg_train_images_per_sec']:.2f} vs {ke['keras_fit_images_per_sec']:.2f} images/s) | "
+         f"({ke['seg_train_images_per_sec']:.2f} vs {ke['keras_fit_images_per_sec']:.2f} images/s; windows "
+         f"{ke['speedup_window_range'][0]:.2f}-{ke['speedup_window_range'][1]:.2f}x) | "
          f"{ke['cpu_speedup_seg_train_vs_keras_fit']:.2f}x | {met(keras_speed >= 1.0)} |"),
         (f"| real ImageReader vs the same batches cached in memory | {TARGETS['input']} | wait "
          f"{pct(b1['input_wait_fraction'])} of the step (1 tower), {pct(tn['input_wait_fraction'])} "
-         f"({tn['gpus']} towers); cached runs {cached_speed:.2f}x the reader's speed | "
+         f"({tn['gpus']} towers); cached runs {cached_speed:.2f}x the reader's speed ({rng['input=cached']}) | "
          f"{cpu_sp['input=cached']:.2f}x | {met(max(b1['input_wait_fraction'], tn['input_wait_fraction']) < 0.05)} |"),
         (f"| {tn['gpus']} logical towers vs 1, same global batch | {TARGETS['towers']} | efficiency "
-         f"{tn['efficiency']:.2f} ({tn['images_per_sec']:.2f} vs {t1['images_per_sec']:.2f} images/s) | "
+         f"{tn['efficiency']:.2f} ({tn['images_per_sec']:.2f} vs {t1['images_per_sec']:.2f} images/s; windows "
+         f"{tn['efficiency_window_range'][0]:.2f}-{tn['efficiency_window_range'][1]:.2f}) | "
          f"{t1['cpu_ms_per_step'] / tn['cpu_ms_per_step']:.2f} | {met(tn['efficiency'] >= 0.85)} |"),
-        (f"| train.precision mixed_bfloat16 vs float32 | {TARGETS['bf16']} | {bf16_speed:.2f}x; demo mIoU "
+        (f"| train.precision mixed_bfloat16 vs float32 | {TARGETS['bf16']} | {bf16_speed:.2f}x "
+         f"({rng['train.precision=mixed_bfloat16']}); demo mIoU "
          f"{100 * miou['mixed_bfloat16']:.1f}% vs {100 * miou['float32']:.1f}% ({dmiou:+.1f} points) | "
          f"{cpu_sp['train.precision=mixed_bfloat16']:.2f}x | speed {met(bf16_speed >= 1.5)}, "
          f"accuracy {met(abs(dmiou) <= 1.0)} |"),
-        (f"| train.jit_compile true vs false | {TARGETS['jit']} | {jit_speed:.2f}x | "
+        (f"| train.jit_compile true vs false | {TARGETS['jit']} | {jit_speed:.2f}x ({rng['train.jit_compile=true']}) | "
          f"{cpu_sp['train.jit_compile=true']:.2f}x | default: {'on' if jit_speed >= 1.05 else 'off'} (below) |"),
+        (f"| seg-train's dilated conv (`model.fast_atrous: true`, the default) vs Keras' Conv2D, 1 tower | exact "
+         f"(same logits) | {1 / sp['model.fast_atrous=false']:.2f}x | {1 / cpu_sp['model.fast_atrous=false']:.2f}x | |"
+         if "model.fast_atrous=false" in sp else ""),
         (f"| achieved FLOP/s / measured peak, float32, 1 tower | {TARGETS['flops']} | {t1['achieved_gflops']:.0f} / "
          f"{peak['peak_gflops']:.0f} GFLOP/s = {pct(util1)} | | {met(util1 >= 0.40)} |"),
         (f"| the same, mixed_bfloat16, 1 tower | | {bf1['achieved_gflops']:.0f} / {bf16['peak_gflops']:.0f} GFLOP/s "
          f"= {pct(bf1['flops_utilization'])} | | |" if bf16["peak_gflops"] else ""),
+        "",
+        "## Reading the results",
+        "",
+        *notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed),
         "",
         "## Machine",
         "",
@@ -257,6 +341,8 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "  and the MEDIAN window is reported: images/s = global batch x steps / window time; per tower =",
         "  that / N; step ms = window time / steps.",
         "- **scaling efficiency** at N towers = images/s at N / images/s at 1 tower, same global batch.",
+        "- **per-window ratios**: the ratio of two set-ups within each pair of neighbouring windows; their",
+        "  range shows how much the machine's load moved the result.",
         "- **input wait** = time blocked in `next(iterator)` / total time of the timed steps.",
         "- **input images/s alone**: the same reader pipeline (global batches) iterated without training.",
         "- **cached**: the first 8 steps' batches of the same reader, decoded and augmented once, then served",
@@ -267,12 +353,16 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         f"- **FLOPs**: {flops['method']}: {flops['train_gflop_per_image']:.2f} GFLOP per training image",
         f"  (forward {flops['forward_gflop_per_image']:.2f}; training / forward = {flops['train_to_forward']:.2f} "
         "in the graph; the first conv's unused input",
-        "  gradient is pruned at run time, so slightly less is executed).",
+        "  gradient is pruned at run time, so slightly less is executed). Dilated convolutions count as",
+        "  executed: seg-train's (`model.fast_atrous`) as one conv over the taps that can read the map; the",
+        "  backbone's dilated depthwise convs (and every dilated conv with `fast_atrous: false`) as",
+        "  `tf.nn.convolution` runs them, SpaceToBatchND + a dense conv + BatchToSpaceND, padding included.",
         "- **achieved FLOP/s** = counted FLOPs per step / median step time; **peak** = the faster of a",
         "  2048^3 matmul and a 3x3 conv (4x56x56x256 -> 256, SAME) timed in the same process, in the compute",
         "  dtype of train.precision.",
         "- **peak memory**: VmHWM of the benchmark process (all its runners alive at once).",
-        "- **plain Keras baseline**: the same `seg_train.models.build` model and precision policy, the same",
+        "- **plain Keras baseline**: the same `seg_train.models.build` network and precision policy, built from",
+        "  plain Keras layers (`model.fast_atrous: false`), the same",
         "  reader batches, `compile(Adam, SparseCategoricalCrossentropy(from_logits=True, ignore_class=255))`",
         "  with Keras' defaults otherwise, `model.fit(ds, steps_per_epoch=K+1, epochs=W+1)` on one device",
         "  (no strategy); epoch 0 is its warm-up; a callback times each later epoch after its first step and",
@@ -282,12 +372,14 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "",
         c(tw),
         "",
-        "| towers | images/s | per tower | step ms | efficiency | input wait | GFLOP/s | of peak | CPU ms/step | cores |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| towers | images/s | per tower | step ms | efficiency | per-window | input wait | GFLOP/s | of peak | "
+        "CPU ms/step | cores |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for t in tw["towers"]:
         L.append(f"| {t['gpus']} | {t['images_per_sec']:.2f} | {t['images_per_sec_per_tower']:.2f} | "
-                 f"{t['step_time_ms']:.0f} | {t['efficiency']:.3f} | {pct(t['input_wait_fraction'])} | "
+                 f"{t['step_time_ms']:.0f} | {t['efficiency']:.3f} | {t['efficiency_window_range'][0]:.2f}-"
+                 f"{t['efficiency_window_range'][1]:.2f} | {pct(t['input_wait_fraction'])} | "
                  f"{t['achieved_gflops']:.1f} | {pct(t['flops_utilization'])} | {t['cpu_ms_per_step']:.0f} | "
                  f"{t['cores_busy']:.2f} |")
     L += [
@@ -300,14 +392,15 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "",
         c(va),
         "",
-        "| variant | images/s | step ms | vs base | by CPU | input wait | GFLOP/s | of peak (own dtype) | "
-        "CPU ms/step | cores | first step s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | images/s | step ms | vs base | per-window ratios | by CPU | input wait | GFLOP/s | "
+        "of peak (own dtype) | CPU ms/step | cores | first step s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for x in va["variants"]:
         t = x["towers"][0]
+        lo, hi = va["speedup_window_range"][x["name"]]
         L.append(f"| {x['name']} | {t['images_per_sec']:.2f} | {t['step_time_ms']:.0f} | {sp[x['name']]:.2f}x | "
-                 f"{cpu_sp[x['name']]:.2f}x | {pct(t['input_wait_fraction'])} | {t['achieved_gflops']:.1f} | "
+                 f"{lo:.2f}-{hi:.2f}x | {cpu_sp[x['name']]:.2f}x | {pct(t['input_wait_fraction'])} | {t['achieved_gflops']:.1f} | "
                  f"{pct(t['flops_utilization'])} | {t['cpu_ms_per_step']:.0f} | {t['cores_busy']:.2f} | "
                  f"{t['first_step_s']:.0f} |")
     L += [
@@ -348,8 +441,9 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
          f"{ke['keras_first_epoch_s']:.0f} (epoch 0) |"),
         "",
         (f"seg-train / Keras = {keras_speed:.3f}x (by CPU time {ke['cpu_speedup_seg_train_vs_keras_fit']:.3f}x). "
-         "seg-train's step does more than the baseline: weight decay, non-finite checks, the predictions it returns "
-         "for image summaries."),
+         "seg-train's step does more than the baseline (weight decay, non-finite checks, the predictions it returns "
+         "for image summaries) and runs the same network's dilated convolutions faster (`model.fast_atrous`; the "
+         "baseline has Keras' Conv2D)."),
         "",
         "## bfloat16 accuracy check (demo data)",
         "",
@@ -399,8 +493,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)} (the report is not rewritten)")
     p.add_argument("--output", help="the report (default docs/PERFORMANCE.md; with --smoke runs/bench/smoke.md)")
     p.add_argument("--data", default="../shared/data/camvid", help="VOC-layout data for the speed benchmarks")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per window (default 5)")
-    p.add_argument("--windows", type=int, default=3, help="timed windows per runner (default 3)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per window (default 3)")
+    p.add_argument("--windows", type=int, default=4, help="timed windows per runner (default 4)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite the report from the JSON results of the last run (runs/bench/*.json), run nothing")
@@ -447,9 +541,10 @@ def main(argv=None) -> int:
     common = ["--config", str(config_path), "--steps", str(args.steps), "--windows", str(args.windows),
               "--warmup", str(warmup), "--json"]
     commands = {
-        "towers": [seg_bench, *common, "--gpus", "1,2,4", "--profile"],
+        "towers": [seg_bench, *common, "--gpus", "1,4", "--profile"],
         "variants": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--profile", "--compare", "input=cached",
-                     "--compare", "train.precision=mixed_bfloat16", "--compare", "train.jit_compile=true"],
+                     "--compare", "train.precision=mixed_bfloat16", "--compare", "train.jit_compile=true",
+                     "--compare", "model.fast_atrous=false"],
         "keras": [str(BIN / "python"), "scripts/keras_fit_baseline_speed.py", *common],
     }
     if args.dry_run:

@@ -408,7 +408,7 @@ def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | 
         return None
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
-    per_type = collections.Counter()
+    per_type, per_op = collections.Counter(), collections.Counter()
     pattern = re.compile(r"^[^ :]+:(_?[A-Z][A-Za-z0-9_]+)$")  # "<op name>:<OpType>"
     for plane in space.planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
@@ -418,28 +418,31 @@ def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | 
             for ev in line.events:
                 m = pattern.match(names.get(ev.metadata_id, ""))
                 if m:
-                    per_type[m.group(1)] += ev.duration_ps / 1e9 / steps  # ms per step
+                    ms = ev.duration_ps / 1e9 / steps  # ms per step
+                    per_type[m.group(1)] += ms
+                    per_op[names[ev.metadata_id]] += ms
     total = sum(per_type.values())
     if not total:
         return None
     conv = sum(v for k, v in per_type.items() if "Conv" in k)
     return {"profiled_step_ms": 1000.0 * wall, "op_time_ms_per_step": total, "conv_share_of_op_time": conv / total,
             "top_ops": [[k, round(v, 1), round(v / total, 4)] for k, v in per_type.most_common(top)],
+            "top_op_instances": [[k, round(v, 1), round(v / total, 4)] for k, v in per_op.most_common(8)],
             "note": "op time summed over TF's executor threads (concurrent ops both count); shares are of op time"}
 
 
-def interleave(runners: list, steps: int, windows: int, warmup: int) -> None:
+def interleave(runners: list, steps: int, windows: int, warmup: int, pickup: int = 1) -> None:
     """Warms every runner up, then times their windows in turn: A B C, C B A, A B C, ...
 
     Interleaving makes the ratios between runners robust to load that changes during the run (other
-    processes on the machine); with several runners each window starts with one untimed step, so
-    a runner never pays for picking up after another.
+    processes on the machine); with several runners each window starts with `pickup` untimed steps,
+    so a runner need not pay for picking up after another (caches, its input buffer).
     """
     for r in runners:
         log.info("%s: warming up (%d steps, the first one traces)", r.name, warmup)
         r.warmup(warmup)
         log.info("%s: first step %.1fs", r.name, r.first_step_s)
-    reentry = 1 if len(runners) > 1 else 0
+    reentry = pickup if len(runners) > 1 else 0
     for w in range(windows):
         for r in (runners if w % 2 == 0 else runners[::-1]):
             r.window(steps, reentry)
@@ -453,7 +456,7 @@ def _utilisation(row: dict, flops: dict, peak: dict | None) -> None:
 
 def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: int = 3, warmup: int = 3,
         input_mode: str = "reader", measure_input: bool = True, measure_peak_flops: bool = True,
-        variants: list[tuple[str, Config, str]] | None = None, profile: bool = False) -> dict:
+        variants: list[tuple[str, Config, str]] | None = None, profile: bool = False, pickup: int = 1) -> dict:
     """The whole benchmark: peak, FLOP count, input alone, then training at each tower count.
 
     Args:
@@ -463,6 +466,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
       variants: optional [(name, cfg, input_mode)] to compare (e.g. two precisions); every variant is
         run at every tower count, all runners interleaved. The first variant is the reference.
       profile: after the timing, profile 2 steps of every runner (op time per op type).
+      pickup: untimed steps at the start of each window when several runners alternate.
     Returns:
       The JSON-able result. Top-level figures are those of the largest tower count (of the first
       variant when comparing).
@@ -486,6 +490,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         "crop_size": list(cfg.data.crop_size), "global_batch": batch, "num_classes": cfg.data.num_classes,
         "data_root": str(cfg.data.root), "num_train_images": len(reader), "input": input_mode,
         "device_kind": all_devices.kind, "steps_per_window": steps, "windows": windows, "warmup_steps": warmup,
+        "pickup_steps": pickup,
         "efficiency_definition": EFFICIENCY_DEFINITION, "input_wait_definition": WAIT_DEFINITION,
         "machine": machine_info(),
     }
@@ -528,7 +533,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             runners.append((vname, vcfg, TrainRunner(name, vcfg, devices, vreader, vinput)))
     log.info("timing: %d warm-up steps each, then %d windows of %d steps per runner, interleaved", warmup, windows,
              steps)
-    interleave([r for _, _, r in runners], steps, windows, warmup)
+    interleave([r for _, _, r in runners], steps, windows, warmup, pickup)
     profiles = {}
     if profile:
         for _, vcfg, r in runners:
@@ -553,6 +558,8 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         ref = next((x for x in rows if x["gpus"] == 1), rows[0])
         for x in rows:
             x["efficiency"] = x["images_per_sec"] / ref["images_per_sec"]
+            ratios = [a / b for a, b in zip(x["window_images_per_sec"], ref["window_images_per_sec"])]
+            x["efficiency_window_range"] = [min(ratios), max(ratios)]
         top = rows[-1]
         peak = peaks.get(compute_dtype(vcfg.train.precision))
         per_variant.append({
@@ -588,6 +595,12 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             v["name"]: v["train_images_per_sec"] / first["train_images_per_sec"] for v in per_variant}
         result["speedup_definition"] = ("train images/s of the variant / train images/s of the first variant, at "
                                         f"{first['top_level_figures_for_gpus']} tower(s), interleaved windows")
+        result["speedup_window_range"] = {
+            v["name"]: [min(a / b for a, b in zip(v["towers"][-1]["window_images_per_sec"],
+                                                  first["towers"][-1]["window_images_per_sec"])),
+                        max(a / b for a, b in zip(v["towers"][-1]["window_images_per_sec"],
+                                                  first["towers"][-1]["window_images_per_sec"]))]
+            for v in per_variant}
         result["cpu_speedup_vs_first_variant"] = {
             v["name"]: first["towers"][-1]["cpu_ms_per_step"] / v["towers"][-1]["cpu_ms_per_step"] for v in per_variant}
         result["cpu_speedup_definition"] = ("process CPU time per step of the first variant / that of the variant "

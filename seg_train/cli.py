@@ -321,6 +321,8 @@ def bench_main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=3, help="timed windows; the median is reported (default 3)")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps first, tracing included (default 3)")
+    parser.add_argument("--pickup", type=int, default=1,
+                        help="untimed steps at the start of each window when several set-ups alternate (default 1)")
     parser.add_argument("--input", choices=("reader", "cached"), default="reader",
                         help="train from the real ImageReader (default) or from the same batches cached in memory")
     parser.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
@@ -343,6 +345,8 @@ def bench_main(argv=None) -> int:
         for name in ("steps", "windows"):
             if getattr(args, name) < 1:
                 raise ConfigError(f"invalid --{name}", f"--{name}", f"expected a positive integer, got {getattr(args, name)}")
+        if args.pickup < 0:
+            raise ConfigError("invalid --pickup", "--pickup", f"expected an integer >= 0, got {args.pickup}")
         if args.warmup < 1:
             raise ConfigError("invalid --warmup", "--warmup", f"expected at least 1 (tracing is never timed), got {args.warmup}")
         cfg = config_lib.load(args.config, args.overrides)
@@ -374,7 +378,7 @@ def bench_main(argv=None) -> int:
             result = bench.run(cfg, towers, devices, steps=args.steps, windows=args.windows, warmup=args.warmup,
                                input_mode=args.input, measure_input=not args.no_input_alone,
                                measure_peak_flops=not args.no_peak, variants=variants,
-                               profile=args.profile)
+                               profile=args.profile, pickup=args.pickup)
         result["config"] = os.path.abspath(args.config)
         result["overrides"] = list(args.overrides)
         if args.json:
