@@ -16,6 +16,7 @@ import keras
 from keras import layers
 
 from seg_train.config import ConfigError
+from seg_train.models.atrous import conv2d_class
 
 
 def _bn(name, momentum, sync):
@@ -27,8 +28,9 @@ def tiny(output_stride: int, bn_momentum: float, sync_bn: bool, width: int = 16)
     inp = keras.Input((None, None, 3), name="image")
 
     def block(x, filters, stride, dilation, name):
-        x = layers.Conv2D(filters, 3, strides=stride, dilation_rate=dilation, padding="same", use_bias=False,
-                          name=f"{name}_conv")(x)
+        conv = conv2d_class(dilation)  # dilated: fast and exact (models/atrous.py)
+        x = conv(filters, 3, strides=stride, dilation_rate=dilation, padding="same", use_bias=False,
+                 name=f"{name}_conv")(x)
         x = _bn(f"{name}_bn", bn_momentum, sync_bn)(x)
         return layers.ReLU(name=f"{name}_relu")(x)
 
@@ -105,6 +107,9 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
         cfg.update(changes.get(layer.name, {}))
         if isinstance(layer, layers.BatchNormalization):
             cfg.update(momentum=bn_momentum, synchronized=sync_bn)
+        if type(layer) is layers.Conv2D:
+            # ResNet's dilated 3x3 convs: fast and exact (models/atrous.py)
+            return conv2d_class(cfg["dilation_rate"]).from_config(cfg)
         return layer.__class__.from_config(cfg)
 
     model = keras.models.clone_model(base, clone_function=clone)

@@ -6,6 +6,8 @@ import keras
 import tensorflow as tf
 from keras import layers
 
+from seg_train.models.atrous import conv2d_class
+
 
 class ResizeLike(layers.Layer):
     """Bilinear resize of x to the spatial size of `ref`.
@@ -23,7 +25,8 @@ class ResizeLike(layers.Layer):
 
 
 def _conv_bn_relu(x, filters, kernel, name, dilation=1, momentum=0.9, sync=False):
-    x = layers.Conv2D(filters, kernel, padding="same", dilation_rate=dilation, use_bias=False, name=f"{name}_conv")(x)
+    conv = conv2d_class(dilation)  # dilated: fast and exact (models/atrous.py)
+    x = conv(filters, kernel, padding="same", dilation_rate=dilation, use_bias=False, name=f"{name}_conv")(x)
     x = layers.BatchNormalization(momentum=momentum, epsilon=1e-5, synchronized=sync, name=f"{name}_bn")(x)
     return layers.ReLU(name=f"{name}_relu")(x)
 
