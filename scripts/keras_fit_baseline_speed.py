@@ -5,9 +5,11 @@
         [--windows W] [--warmup N] [--json]
 
 The baseline is what a Keras user would write: the same DeepLabV3+ (`seg_train.models.build`, the
-config's precision policy) built from plain Keras layers (`model.fast_atrous: false`: dilated convs
-are keras.layers.Conv2D, not seg-train's exact fast rewrite, models/atrous.py; make bench's variants
-table times that rewrite on its own, so the trainer's share of the ratio can be read off), the same batches (`ImageReader.train_dataset(global_batch,
+config's precision policy) built from plain Keras layers (`model.fast_atrous: false` and
+`model.fused_batchnorm: false`: keras.layers.Conv2D for the dilated convs and
+keras.layers.BatchNormalization, not seg-train's fast equivalents in models/atrous.py and
+models/fused_bn.py; make bench's variants table times each of those on its own, so the trainer's
+share of the ratio can be read off), the same batches (`ImageReader.train_dataset(global_batch,
 num_replicas=1)`: (image, label) pairs), `model.compile(Adam(learning_rate), SparseCategorical
 Crossentropy(from_logits=True, ignore_class=ignore_label))` with Keras' defaults otherwise
 (jit_compile="auto", which Keras resolves to False on a CPU-only machine; it is reported), and
@@ -76,8 +78,9 @@ def main(args) -> int:
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("float32" if cfg.train.precision == "float32" else cfg.train.precision)
     try:
-        # What a Keras user has: keras.layers.Conv2D for the dilated convs (module doc).
-        model = models.build(dataclasses.replace(cfg.model, fast_atrous=False), cfg.data.num_classes, cfg.seed)
+        # What a Keras user has: Keras' Conv2D for the dilated convs and Keras' BN (module doc).
+        model = models.build(dataclasses.replace(cfg.model, fast_atrous=False, fused_batchnorm=False),
+                             cfg.data.num_classes, cfg.seed)
     finally:
         keras.config.set_dtype_policy(previous)
     model.compile(optimizer=keras.optimizers.Adam(learning_rate=cfg.train.learning_rate),
@@ -139,8 +142,9 @@ def main(args) -> int:
         "speedup_window_range": [min(a / b for a, b in zip(s["window_images_per_sec"], keras_rates)),
                                  max(a / b for a, b in zip(s["window_images_per_sec"], keras_rates))],
         "speedup_definition": "seg-train images/s / keras model.fit images/s (median windows, interleaved)",
-        "keras_model": "seg_train.models.build with model.fast_atrous=false (plain keras.layers.Conv2D)",
-        "seg_train_fast_atrous": cfg.model.fast_atrous,
+        "keras_model": ("seg_train.models.build with model.fast_atrous=false, model.fused_batchnorm=false "
+                        "(plain keras.layers.Conv2D and BatchNormalization)"),
+        "seg_train_fast_atrous": cfg.model.fast_atrous, "seg_train_fused_batchnorm": cfg.model.fused_batchnorm,
         "keras_last_loss": keras_losses[-1] if keras_losses else None, "seg_train_last_loss": s["last_loss"],
         "machine": bench.machine_info(),
         "peak_rss_mb": bench.peak_rss_mb(),

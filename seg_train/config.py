@@ -92,6 +92,7 @@ class ModelConfig:
     aspp_channels: int = _c(256, check=_positive, doc="channels of the ASPP branches")
     decoder_channels: int = _c(256, check=_positive, doc="channels of the decoder convolutions")
     low_level_channels: int = _c(48, check=_positive, doc="channels the low-level features are projected to")
+    fused_batchnorm: bool = _c(True, doc="BN as TensorFlow's fused kernel, Keras' semantics (models/fused_bn.py); false: Keras' unfused BN")
     fast_atrous: bool = _c(True, doc="dilated convs as one native conv, taps that only read padding dropped (exact; models/atrous.py)")
 
 
