@@ -10,8 +10,9 @@ from the same run (and each command times its own comparison interleaved in one 
   towers    seg-bench --gpus 1,4                        tower scaling, input alone/wait, FLOP/s, memory
   variants  seg-bench --gpus 1 --compare input=cached --compare train.precision=mixed_bfloat16
                       --compare train.jit_compile=true --compare model.fast_atrous=false
+                      --compare model.fused_batchnorm=false
                                                         reader vs cached, bf16 vs fp32, XLA vs not,
-                                                        seg-train's dilated conv vs Keras' Conv2D
+                                                        seg-train's dilated conv and BN vs Keras' own
   keras     scripts/keras_fit_baseline_speed.py         seg-train step vs plain Keras model.fit
   accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
             evaluation of each run (seg_train.evaluate, BN statistics re-estimated) gives val mIoU
@@ -173,7 +174,6 @@ def slowest(prof: dict, n: int = 4) -> str:
     return ", ".join(out) or "n/a"
 
 
-BN_OPS = ("Mean", "Sum", "Mul", "SquaredDifference", "Tile", "RealDiv", "Rsqrt", "Sub")
 
 
 def notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed) -> list[str]:
@@ -194,10 +194,9 @@ def notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed) -> list[str]:
     if p1:
         out.append(
             f"- **FLOP/s**: {pct(t1['flops_utilization'])} of the measured float32 peak at 1 tower. Convolutions take "
-            f"{p1['conv_share_of_op_time']:.0%} of op time; most of the rest is BatchNormalization and element-wise "
-            f"work (Keras 3's BatchNormalization is not a fused op on TensorFlow: it runs as Mean/Sum/Mul/"
-            f"SquaredDifference/Tile/RealDiv and their gradients; these op types, other element-wise work included, "
-            f"take {_share(p1, *BN_OPS):.0%} of op time among the largest ones), and this model's convolutions are small ({tw['backbone']} backbone, a "
+            f"{p1['conv_share_of_op_time']:.0%} of op time; BatchNormalization (fused, `model.fused_batchnorm`) "
+            f"{_share(p1, 'FusedBatchNorm'):.0%}; the rest is element-wise work, the loss and the optimizer. "
+            f"This model's convolutions are small ({tw['backbone']} backbone, depthwise convs, a "
             f"{tw['crop_size'][0] // tw['output_stride']}x{tw['crop_size'][1] // tw['output_stride']} ASPP map at output "
             f"stride {tw['output_stride']} on {tw['crop_size'][0]}x{tw['crop_size'][1]} crops, batch {tw['global_batch']}), "
             f"far from the 2048^3 matmul / large 3x3 conv the peak is measured with. Slowest single ops: {slowest(p1)}.")
@@ -205,22 +204,27 @@ def notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed) -> list[str]:
         out.append(
             f"- **bfloat16**: convolutions on AMX reach {va['peaks'].get('bfloat16', {}).get('conv3x3_gflops', float('nan')):.0f} "
             f"GFLOP/s in the peak test (float32: {va['peaks']['float32']['conv3x3_gflops']:.0f}), but the step gains "
-            f"{bf16_speed:.2f}x: in bf16 the convolutions' filter gradients dominate "
-            f"({_share(pb, 'Conv2DBackpropFilter'):.0%} of op time; slowest single ops: {slowest(pb)}), BN stays "
-            "float32 (with a cast in and out of every BN layer) and element-wise work does not shrink. The ratio "
-            "also moves a lot on this shared machine (see the per-window ratios).")
-    atrous = va["speedup_vs_first_variant"].get("model.fast_atrous=false")
-    out.append(
-        f"- **Keras baseline**: {keras_speed:.2f}x wall clock, {ke['cpu_speedup_seg_train_vs_keras_fit']:.2f}x by CPU time "
-        "(per-window ratios "
-        f"{ke['speedup_window_range'][0]:.2f}-{ke['speedup_window_range'][1]:.2f}x). The baseline's model is the "
-        "same network built from plain Keras layers; seg-train runs its dilated convolutions as one native "
-        "dilated conv with the taps that only ever read padding dropped (`model.fast_atrous`, on by default, "
-        "exact: tests/test_atrous.py)"
-        + (f", worth {1 / atrous:.2f}x on its own in the variants table (seg-train with and without it). "
-           f"With the same Keras layers seg-train's step would run at about {keras_speed * atrous:.2f}x the "
-           "baseline: the cost or gain of the trainer's own work (tower machinery, weight decay, "
-           "non-finite checks, returning predictions)." if atrous else "."))
+            f"{bf16_speed:.2f}x. In bfloat16 the dense convolutions shrink, but the depthwise convolutions' and "
+            f"BatchNormalization's gradients, the element-wise ops and the casts do not (on this CPU some are "
+            f"slower in bfloat16 than in float32): depthwise convs take {_share(pb, 'Depthwise'):.0%} of op time in "
+            f"bfloat16 vs {_share(p1, 'Depthwise'):.0%} in float32, casts {_share(pb, 'Cast'):.0%}; slowest single ops: "
+            f"{slowest(pb)}. The fast atrous convs and the fused BN (both on by default) made the float32 step "
+            "itself much cheaper, which leaves bfloat16 less to win. The ratio also moves on this shared machine "
+            "(see the per-window ratios).")
+    plain = {k: va["speedup_vs_first_variant"].get(k) for k in ("model.fast_atrous=false", "model.fused_batchnorm=false")}
+    text = (f"- **Keras baseline**: {keras_speed:.2f}x wall clock, {ke['cpu_speedup_seg_train_vs_keras_fit']:.2f}x by CPU "
+            "time (per-window ratios "
+            f"{ke['speedup_window_range'][0]:.2f}-{ke['speedup_window_range'][1]:.2f}x). The baseline's model is the "
+            "same network built from plain Keras layers. seg-train, by default, runs dilated convolutions as one "
+            "native dilated conv with the taps that only ever read padding dropped (`model.fast_atrous`, exact: "
+            "tests/test_atrous.py) and BatchNormalization as TensorFlow's fused kernel (`model.fused_batchnorm`, "
+            "Keras' semantics: tests/test_fused_bn.py)")
+    if all(plain.values()):
+        text += (f"; on their own they are worth {1 / plain['model.fast_atrous=false']:.2f}x and "
+                 f"{1 / plain['model.fused_batchnorm=false']:.2f}x (variants table: seg-train with each one off). "
+                 "The rest of the difference is the trainer's own work (tower machinery, weight decay, non-finite "
+                 "checks, returning predictions) against Keras' `fit` loop.")
+    out.append(text + ("" if text.endswith(".") else "."))
     return out
 
 
@@ -302,6 +306,9 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         (f"| seg-train's dilated conv (`model.fast_atrous: true`, the default) vs Keras' Conv2D, 1 tower | exact "
          f"(same logits) | {1 / sp['model.fast_atrous=false']:.2f}x | {1 / cpu_sp['model.fast_atrous=false']:.2f}x | |"
          if "model.fast_atrous=false" in sp else ""),
+        (f"| seg-train's fused BN (`model.fused_batchnorm: true`, the default) vs Keras' BatchNormalization, 1 tower | "
+         f"Keras' semantics | {1 / sp['model.fused_batchnorm=false']:.2f}x | {1 / cpu_sp['model.fused_batchnorm=false']:.2f}x | |"
+         if "model.fused_batchnorm=false" in sp else ""),
         (f"| achieved FLOP/s / measured peak, float32, 1 tower | {TARGETS['flops']} | {t1['achieved_gflops']:.0f} / "
          f"{peak['peak_gflops']:.0f} GFLOP/s = {pct(util1)} | | {met(util1 >= 0.40)} |"),
         (f"| the same, mixed_bfloat16, 1 tower | | {bf1['achieved_gflops']:.0f} / {bf16['peak_gflops']:.0f} GFLOP/s "
@@ -362,7 +369,7 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "  dtype of train.precision.",
         "- **peak memory**: VmHWM of the benchmark process (all its runners alive at once).",
         "- **plain Keras baseline**: the same `seg_train.models.build` network and precision policy, built from",
-        "  plain Keras layers (`model.fast_atrous: false`), the same",
+        "  plain Keras layers (`model.fast_atrous: false`, `model.fused_batchnorm: false`), the same",
         "  reader batches, `compile(Adam, SparseCategoricalCrossentropy(from_logits=True, ignore_class=255))`",
         "  with Keras' defaults otherwise, `model.fit(ds, steps_per_epoch=K+1, epochs=W+1)` on one device",
         "  (no strategy); epoch 0 is its warm-up; a callback times each later epoch after its first step and",
@@ -442,8 +449,8 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
         "",
         (f"seg-train / Keras = {keras_speed:.3f}x (by CPU time {ke['cpu_speedup_seg_train_vs_keras_fit']:.3f}x). "
          "seg-train's step does more than the baseline (weight decay, non-finite checks, the predictions it returns "
-         "for image summaries) and runs the same network's dilated convolutions faster (`model.fast_atrous`; the "
-         "baseline has Keras' Conv2D)."),
+         "for image summaries) and runs the same network's dilated convolutions and BatchNormalization faster "
+         "(`model.fast_atrous`, `model.fused_batchnorm`; the baseline has Keras' own layers)."),
         "",
         "## bfloat16 accuracy check (demo data)",
         "",
@@ -544,7 +551,7 @@ def main(argv=None) -> int:
         "towers": [seg_bench, *common, "--gpus", "1,4", "--profile"],
         "variants": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--profile", "--compare", "input=cached",
                      "--compare", "train.precision=mixed_bfloat16", "--compare", "train.jit_compile=true",
-                     "--compare", "model.fast_atrous=false"],
+                     "--compare", "model.fast_atrous=false", "--compare", "model.fused_batchnorm=false"],
         "keras": [str(BIN / "python"), "scripts/keras_fit_baseline_speed.py", *common],
     }
     if args.dry_run:
