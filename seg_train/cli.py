@@ -329,6 +329,8 @@ def bench_main(argv=None) -> int:
                         help="also time the config with KEY=VALUE (a config key, e.g. train.precision=mixed_bfloat16, "
                         "or input=cached), interleaved with the base config; repeatable; reports speedups vs the base")
     parser.add_argument("--no-input-alone", action="store_true", help="skip timing the input pipeline alone")
+    parser.add_argument("--input-only", action="store_true",
+                        help="time the input pipeline alone and nothing else (e.g. with --set data.cache=true)")
     parser.add_argument("--no-peak", action="store_true", help="skip measuring the device peak FLOP/s")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, profile 2 steps of each runner: op time per op type (where the time goes)")
@@ -374,6 +376,16 @@ def bench_main(argv=None) -> int:
             devices = replicas.setup_devices(max(towers))
         log.info("%s", devices.message)
         # With --json, stdout carries exactly one JSON object: anything else printed goes to stderr.
+        if args.input_only:
+            with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+                result = bench.run_input_only(cfg, steps=args.steps, windows=args.windows, warmup=args.warmup)
+            result["config"], result["overrides"] = os.path.abspath(args.config), list(args.overrides)
+            inp = result["input"]
+            print(json.dumps(result) if args.json else
+                  f"input pipeline alone: {inp['images_per_sec']:.1f} images/s (global batch {result['global_batch']}, "
+                  f"data.cache {result['cache']}" + (f"; first pass {inp['first_pass_images_per_sec']:.1f} images/s, "
+                  f"cache {inp['cache_mb']:.0f} MiB" if result["cache"] else "") + ")")
+            return 0
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             result = bench.run(cfg, towers, devices, steps=args.steps, windows=args.windows, warmup=args.warmup,
                                input_mode=args.input, measure_input=not args.no_input_alone,

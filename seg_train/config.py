@@ -79,6 +79,7 @@ class DataConfig:
     synthetic: bool = _c(False, doc="generate the synthetic demo data set at data.root if it is not there")
     num_parallel_calls: int = _c(-1, check=lambda v: None if v == -1 or v > 0 else "-1 (autotune) or a positive integer", doc="parallel decode/augment workers")
     on_bad_sample: str = _c("error", choices=("error", "skip"), doc="a sample that fails to decode during training: stop or skip it")
+    cache: bool = _c(False, doc="keep each decoded image and label in memory after its first read (RAM: ~4 bytes per pixel)")
 
 
 @dataclass(frozen=True)

@@ -126,13 +126,36 @@ class ImageReader:
         self.samples = list_samples(cfg.root, split)
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        # data.cache: decoded (image, label) by sample index. Decoding is a pure function of the
+        # file, so a cached sample is the same array a fresh decode gives: the stream, resume and
+        # the random augmentation (keyed by the sample counter) do not change.
+        self._cache: dict[int, tuple[np.ndarray, np.ndarray]] | None = {} if cfg.cache else None
+        self._sample_locks: dict[int, threading.Lock] = {}
 
     def __len__(self) -> int:
         return len(self.samples)
 
     # ---- decoding -------------------------------------------------------------------------------
     def _decode_py(self, index):
-        s = self.samples[int(index)]
+        index = int(index)
+        if self._cache is None:
+            return self._decode_uncached(index)
+        hit = self._cache.get(index)
+        if hit is None:
+            with self._lock:  # one lock per sample: tf.data's parallel calls never decode a file twice
+                sample_lock = self._sample_locks.setdefault(index, threading.Lock())
+            with sample_lock:
+                hit = self._cache.get(index)
+                if hit is None:
+                    hit = self._cache[index] = self._decode_uncached(index)
+        return hit
+
+    def cache_bytes(self) -> int:
+        """Memory held by data.cache so far."""
+        return sum(a.nbytes + b.nbytes for a, b in list((self._cache or {}).values()))
+
+    def _decode_uncached(self, index: int):
+        s = self.samples[index]
         try:
             return load_sample(s.image, s.label, self.cfg.num_classes, self.cfg.ignore_label)
         except BadSample as e:

@@ -23,6 +23,8 @@ HARMLESS = {
     # How the towers' gradients are summed and XLA: execution details, not what the weights mean.
     "train.jit_compile", "train.allreduce", "train.allreduce_pack_mb", "train.allreduce_num_packs",
     "train.collective_timeout",
+    # Same maths, faster kernels (models/atrous.py, models/fused_bn.py); the same data, cached.
+    "model.fast_atrous", "model.fused_batchnorm", "data.cache",
 }
 
 _ABSENT = "<absent>"

@@ -102,3 +102,13 @@ def test_parse_towers():
     for bad in ("", "0", "a", "1,-2"):
         with pytest.raises(ConfigError):
             parse_towers(bad)
+
+
+def test_bench_input_only_with_cache(tiny_cfg):
+    r = run_bench(["--config", str(tiny_cfg), "--input-only", "--set", "data.cache=true", "--steps", "2",
+                   "--windows", "2", "--warmup", "1", "--json"], tiny_cfg.parent)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["cache"] is True and positive(out["input_images_per_sec"])
+    assert positive(out["input"]["first_pass_images_per_sec"]) and positive(out["input"]["cache_mb"])
+    assert "towers" not in out  # nothing but the reader was run
