@@ -203,7 +203,7 @@ def notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed) -> list[str]:
     if pb:
         out.append(
             f"- **bfloat16**: convolutions on AMX reach {va['peaks'].get('bfloat16', {}).get('conv3x3_gflops', float('nan')):.0f} "
-            f"GFLOP/s in the peak test (float32: {va['peaks']['float32']['conv3x3_gflops']:.0f}), but the step gains "
+            f"GFLOP/s in the peak test (float32: {va['peaks']['float32']['conv3x3_gflops']:.0f}); the whole step gains "
             f"{bf16_speed:.2f}x. In bfloat16 the dense convolutions shrink, but the depthwise convolutions' and "
             f"BatchNormalization's gradients, the element-wise ops and the casts do not (on this CPU some are "
             f"slower in bfloat16 than in float32): depthwise convs take {_share(pb, 'Depthwise'):.0%} of op time in "
