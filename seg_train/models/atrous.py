@@ -23,12 +23,13 @@ are interchangeable with a plain Conv2D.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import keras
 import tensorflow as tf
 from keras import layers
+
+from seg_train.models.switch import Switch
 
 
 @functools.cache
@@ -72,21 +73,11 @@ class AtrousConv2D(layers.Conv2D):
         return keras.ops.conv(inputs, kernel, strides=1, padding="same", dilation_rate=(rh, rw))
 
 
-_plain_keras = False
-
-
-@contextlib.contextmanager
-def plain_keras():
-    """Models built inside use keras.layers.Conv2D for dilated convs (`model.fast_atrous: false`)."""
-    global _plain_keras
-    before, _plain_keras = _plain_keras, True
-    try:
-        yield
-    finally:
-        _plain_keras = before
+# Models built inside `with plain_keras():` use keras.layers.Conv2D for dilated convs (`model.fast_atrous: false`).
+plain_keras = Switch()
 
 
 def conv2d_class(dilation) -> type:
     """The Conv2D class for a stride-1 'same' conv at this dilation: AtrousConv2D where it matters."""
     rates = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
-    return layers.Conv2D if _plain_keras or rates == (1, 1) else AtrousConv2D
+    return layers.Conv2D if plain_keras.on or rates == (1, 1) else AtrousConv2D

@@ -20,11 +20,12 @@ input.
 
 from __future__ import annotations
 
-import contextlib
 
 import keras
 import tensorflow as tf
 from keras import layers
+
+from seg_train.models.switch import Switch
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -58,20 +59,10 @@ class FusedBatchNormalization(layers.BatchNormalization):
         return tf.cast(y, self.compute_dtype)
 
 
-_plain_keras = False
-
-
-@contextlib.contextmanager
-def plain_keras():
-    """Models built inside use keras.layers.BatchNormalization (`model.fused_batchnorm: false`)."""
-    global _plain_keras
-    before, _plain_keras = _plain_keras, True
-    try:
-        yield
-    finally:
-        _plain_keras = before
+# Models built inside `with plain_keras():` use keras.layers.BatchNormalization (`model.fused_batchnorm: false`).
+plain_keras = Switch()
 
 
 def bn_class() -> type:
     """The BatchNormalization class models are built with."""
-    return layers.BatchNormalization if _plain_keras else FusedBatchNormalization
+    return layers.BatchNormalization if plain_keras.on else FusedBatchNormalization
