@@ -97,6 +97,10 @@ class ModelConfig:
     fast_atrous: bool = _c(True, doc="dilated convs as one native conv, taps that only read padding dropped (exact; models/atrous.py)")
 
 
+# train.allreduce_pack_mb's default, chosen by measurement (docs/PERFORMANCE.md, "packing").
+PACK_MB_DEFAULT = 32.0
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     num_steps: int = _c(30000, check=_positive, doc="total optimizer steps")
@@ -118,9 +122,16 @@ class TrainConfig:
     allreduce: str = _c("auto", choices=("auto", "nccl", "hierarchical_copy", "reduction_to_one_device", "ring"),
                         doc="gradient all-reduce: one machine: nccl, hierarchical_copy, reduction_to_one_device; "
                             "several: ring or nccl collectives; auto: TensorFlow's choice")
-    allreduce_pack_mb: float = _c(0.0, check=_non_negative,
-                                  doc="multi-worker collectives: pack gradients into chunks of this many MB "
-                                      "(TensorFlow's bytes_per_pack; 0: TensorFlow's default)")
+    allreduce_pack_mb: float = _c(PACK_MB_DEFAULT, check=_non_negative,
+                                  doc="gradients (and BN statistics) cross the towers flattened into packs of at "
+                                      "most this many MB, one all-reduce per pack, on one machine and across "
+                                      "machines; 0: one all-reduce per tensor")
+    accumulate_steps: int = _c(1, check=_positive,
+                               doc="micro-batches per update: each step sums the gradients of this many global "
+                                   "batches of data.batch_size on every tower, then all-reduces once")
+    clip_global_norm: Optional[float] = _c(None, check=_positive,
+                                           doc="clip the update's all-reduced gradient to this global L2 norm "
+                                               "(null: no clipping)")
     allreduce_num_packs: int = _c(1, check=_positive, doc="one machine, nccl/hierarchical_copy: gradient packs")
     collective_timeout: float = _c(600.0, check=_positive,
                                    doc="multi-worker: seconds a collective may wait for a peer before the run stops")

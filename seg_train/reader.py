@@ -225,29 +225,39 @@ class ImageReader:
         return image, tf.cast(label, tf.uint8)
 
     def train_dataset(self, global_batch: int, start_step: int = 0, num_replicas: int = 1,
-                      pipeline_id: int = 0, num_pipelines: int = 1, end_step: int | None = None) -> tf.data.Dataset:
+                      pipeline_id: int = 0, num_pipelines: int = 1, end_step: int | None = None,
+                      micro_batches: int = 1) -> tf.data.Dataset:
         """The endless training stream of one input pipeline, batched per replica.
 
         Args:
-          global_batch: the GLOBAL batch size (all towers of all workers).
+          global_batch: the GLOBAL batch size of one micro-batch (all towers of all workers).
           start_step: first step to produce (resume).
           num_replicas: towers in sync over all pipelines.
           pipeline_id, num_pipelines: this input pipeline (one per worker) among all.
           end_step: the step to stop before (None: endless). A stream that ends with the run leaves
             no decoding in flight to tear down at exit.
+          micro_batches: K micro-batches per step (train.accumulate_steps): step s consumes global
+            micro-batches s*K .. s*K+K-1 of the same stream, so K micro-batches of batch B on N
+            towers see exactly the samples of one step of batch K*B on K*N towers.
         Returns:
-          Per-replica batches (image float32 [b, h, w, 3], label uint8 [b, h, w]); this pipeline's
-          R = num_replicas / num_pipelines towers take consecutive batches in turn.
+          Per-replica batches (image float32 [K*b, h, w, 3], label uint8 [K*b, h, w], micro-batch m
+          in rows m*b .. m*b+b-1); this pipeline's R = num_replicas / num_pipelines towers take
+          consecutive batches in turn.
         """
         b = global_batch // num_replicas
         r_local = num_replicas // num_pipelines
-        per_step = r_local * b
-        first = pipeline_id * per_step
+        k_micro = micro_batches
+        per_replica = k_micro * b
+        per_step = r_local * per_replica
+        first = pipeline_id * r_local * b
 
         def counter(t):
-            # t-th element of this pipeline -> global sample counter k (see the module docstring).
+            # t-th element of this pipeline -> global sample counter k (see the module docstring):
+            # step s, local replica r, micro-batch m, row i -> sample (s*K + m)*B + first + r*b + i.
             s, rem = t // per_step, t % per_step
-            return s * global_batch + first + rem
+            r, q = rem // per_replica, rem % per_replica
+            m, i = q // b, q % b
+            return (s * k_micro + m) * global_batch + first + r * b + i
 
         def load(t):
             k = counter(t)
@@ -256,7 +266,7 @@ class ImageReader:
 
         ds = tf.data.Dataset.range(start_step * per_step, 2**62 if end_step is None else end_step * per_step)
         ds = ds.map(load, num_parallel_calls=self.cfg.num_parallel_calls, deterministic=True)
-        ds = ds.batch(b, drop_remainder=True)
+        ds = ds.batch(per_replica, drop_remainder=True)
         return ds.prefetch(tf.data.AUTOTUNE)
 
     # ---- evaluation -------------------------------------------------------------------------------

@@ -82,10 +82,6 @@ def make_strategy(devices: Devices, allreduce: str = "auto", num_packs: int = 1,
         raise ConfigError("invalid combination", "train.allreduce",
                           "ring is a cross-machine collective; on one machine use auto, nccl, hierarchical_copy "
                           "or reduction_to_one_device (or pass --workers)")
-    if pack_mb:
-        raise ConfigError("invalid combination", "train.allreduce_pack_mb",
-                          "0 on one machine (bytes_per_pack applies to multi-worker collectives); "
-                          "use train.allreduce_num_packs with nccl or hierarchical_copy")
     if allreduce in ("nccl", "hierarchical_copy") and devices.kind != "GPU":
         raise ConfigError("invalid combination", "train.allreduce",
                           f"{allreduce} needs GPUs; on CPU towers use auto or reduction_to_one_device")

@@ -1,20 +1,29 @@
-"""Poly learning-rate schedule with optional linear warmup, a pure function of the step."""
+"""Poly learning-rate schedule with optional linear warmup, a pure function of the step.
+
+The train step receives the learning rate as an input computed here on the host from the step
+counter, instead of reading a schedule evaluated on the device: reading a device value back every
+step would make the host wait for the step to finish before it could dispatch the next one.
+"""
 
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 
-def poly_lr(step, base: float, num_steps: int, power: float = 0.9, warmup_steps: int = 0):
-    """Learning rate at `step` (0-based), as a float32 tensor.
+def lr_at(step: int, base: float, num_steps: int, power: float = 0.9, warmup_steps: int = 0) -> float:
+    """Learning rate of the update made at `step` (0-based), as a Python float.
 
-    Warmup: base * (step + 1) / warmup_steps for step < warmup_steps. Then
-    base * (1 - step / num_steps) ** power, through Keras' PolynomialDecay (end rate 0).
+    Warmup: base * (step + 1) / warmup_steps for step < warmup_steps. Then Keras' PolynomialDecay
+    with end rate 0: base * (1 - min(step, num_steps) / num_steps) ** power (the same formula,
+    evaluated in float64; tests/test_schedule.py checks it against Keras to float32 precision).
     """
-    step = tf.cast(step, tf.float32)
-    poly = keras.optimizers.schedules.PolynomialDecay(base, num_steps, end_learning_rate=0.0, power=power)(step)
-    if warmup_steps > 0:
-        warm = base * (step + 1.0) / float(warmup_steps)
-        return tf.where(step < warmup_steps, warm, poly)
-    return poly
+    if warmup_steps > 0 and step < warmup_steps:
+        return base * (step + 1.0) / float(warmup_steps)
+    frac = 1.0 - min(float(step), float(num_steps)) / float(num_steps)
+    return base * frac ** power
+
+
+def keras_poly_lr(step: int, base: float, num_steps: int, power: float = 0.9) -> float:
+    """The same decay through keras.optimizers.schedules.PolynomialDecay (the reference for lr_at)."""
+    schedule = keras.optimizers.schedules.PolynomialDecay(base, num_steps, end_learning_rate=0.0, power=power)
+    return float(schedule(step))

@@ -38,5 +38,9 @@ class Summaries:
                 tf.summary.image(f"tower_{i}/prediction", np.stack(
                     [colorize(p, self.palette, self.ignore_label) for p in marked]), max_outputs=k)
 
+    def histogram(self, step: int, tag: str, values) -> None:
+        with self.writer.as_default(step=step):
+            tf.summary.histogram(tag, np.asarray(values, np.float32))
+
     def flush(self) -> None:
         self.writer.flush()

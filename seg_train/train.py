@@ -127,6 +127,92 @@ def scan_split(cfg: Config, reader: ImageReader, what: str) -> None:
         raise ConfigError("no usable samples", what, "at least one sample that passes the checks")
 
 
+class _Loop:
+    """The host side of each step: reads its outputs, logs, writes summaries, decides on non-finite steps."""
+
+    def __init__(self, cfg: Config, trainer: Trainer, summaries: Summaries, bar, num_towers: int):
+        self.cfg, self.trainer, self.summaries, self.bar = cfg, trainer, summaries, bar
+        self.images_per_step = cfg.data.batch_size * cfg.train.accumulate_steps
+        self.skipped = 0
+        self.first = True
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.images_per_sec = float("nan")
+        self.last_loss = float("nan")
+        self.micro = cfg.data.batch_size // num_towers  # rows of micro-batch 0 in each tower's slice
+
+    def restart_clock(self) -> None:
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def finish(self, pending) -> bool:
+        """Bookkeeping of one dispatched step; returns whether the group asked to stop after it."""
+        step, out, dist_batch, lr, want_images = pending
+        t_cfg = self.cfg.train
+        applied = bool(out["applied"])
+        loss = float(out["loss"])
+        self.last_loss = loss
+        if not applied:
+            finite = out["finite"].numpy()
+            if t_cfg.precision == "mixed_float16" and bool(out["loss_finite"]):
+                # A float16 gradient overflow: the step was skipped and the loss scale halved.
+                log.debug("loss-scale overflow at step %d: scale now %g", step, float(out["loss_scale"]))
+            else:
+                # The step applied nothing (see Trainer): weights, optimizer slots and BN statistics
+                # are those of the step before.
+                towers = [i for i, f in enumerate(finite) if not f] or list(range(len(finite)))
+                msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
+                       f"(loss {loss:.4g}, learning rate {lr:.3g})")
+                if t_cfg.on_nan == "stop":
+                    raise NonFiniteError(msg)
+                self.skipped += 1
+                log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, self.skipped)
+        if self.first:  # tracing and the first step never count towards throughput
+            self.restart_clock()
+            self.first = False
+        else:
+            self.window_steps += 1
+        if step % t_cfg.summary_every == 0 or step == t_cfg.num_steps:
+            self._scalars(step, out, lr, loss)
+        if want_images:
+            self._images(step, out, dist_batch)
+        if self.bar is not None:
+            self.bar.update(1)
+        return bool(out["stop"])
+
+    def _scalars(self, step, out, lr, loss) -> None:
+        elapsed = time.perf_counter() - self.window_start
+        if self.window_steps:
+            self.images_per_sec = self.window_steps * self.images_per_step / max(elapsed, 1e-9)
+        self.restart_clock()
+        gnorm = float(out["global_norm"])
+        scalars = {"loss/total": loss, "loss/weight_decay": float(out["weight_decay"]), "learning_rate": lr,
+                   "gradients/global_norm": gnorm, "gradients/clipped": float(bool(out["clipped"]))}
+        # Every tower of the group (all workers): the values travel in the step's all-reduce.
+        for i, ce in enumerate(out["tower_ce"].numpy()):
+            scalars[f"loss/tower_{i}"] = ce
+        for i, g in enumerate(out["tower_grad_norm"].numpy()):
+            scalars[f"gradients/norm/tower_{i}"] = g
+        if self.skipped:
+            scalars["train/skipped_steps"] = self.skipped
+        if not math.isnan(self.images_per_sec):
+            scalars["throughput/images_per_sec"] = self.images_per_sec
+        self.summaries.scalars(step, scalars)
+        t_cfg = self.cfg.train
+        if self.bar is None:
+            log.info("step %d/%d  loss %.4f  gnorm %.3g  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, gnorm, lr,
+                     self.images_per_sec)
+        else:
+            self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{gnorm:.3g}", lr=f"{lr:.2e}",
+                                 img_s=f"{self.images_per_sec:.1f}")
+
+    def _images(self, step, out, dist_batch) -> None:
+        images, labels = dist_batch
+        local = self.trainer.strategy.experimental_local_results
+        b = self.micro
+        self.summaries.triplets(step, [(im.numpy()[:b], lb.numpy()[:b], pr.numpy()) for im, lb, pr in
+                                       zip(local(images), local(labels), out["preds"])])
+        self.summaries.histogram(step, "gradients/per_variable_norm", out["var_grad_norms"].numpy())
+
+
 def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None = None,
           allow_config_change: bool = False) -> int:
     """Trains (or resumes) the run in cfg.run_dir. Returns the process exit code.
@@ -204,27 +290,31 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     # ---- data ---------------------------------------------------------------------------------------
     batch = cfg.data.batch_size
+    k_micro = cfg.train.accumulate_steps
 
     def dataset_fn(ctx: tf.distribute.InputContext):
         return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                    ctx.num_input_pipelines, end_step=cfg.train.num_steps)
+                                    ctx.num_input_pipelines, end_step=cfg.train.num_steps, micro_batches=k_micro)
 
     batches = iter(trainer.distribute(dataset_fn))
     summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
-    log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower), steps %d..%d, run dir %s",
-             trainer.model.name, n, len(reader), batch, batch // n, start, cfg.train.num_steps, run_dir)
+    log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower)%s, steps %d..%d, run dir %s",
+             trainer.model.name, n, len(reader), batch, batch // n,
+             f" x {k_micro} micro-batches per update" if k_micro > 1 else "", start, cfg.train.num_steps, run_dir)
 
     # ---- loop ---------------------------------------------------------------------------------------
+    # The host never waits for a step before dispatching the next one: step k's outputs (losses,
+    # finiteness, norms) are read after step k+1 has been dispatched, so a GPU is never idle
+    # between steps. The learning rate comes from the host's step counter. Only before a
+    # checkpoint, an evaluation, the last step or a stop does the loop wait for the step itself.
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
-    window_start, window_steps, first = time.perf_counter(), 0, True
-    images_per_sec = float("nan")
-    status = EXIT_OK
-    skipped, saved_at = 0, None
+    loop = _Loop(cfg, trainer, summaries, bar, n)
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     state_finite = tf.function(lambda: tf.reduce_all(
         [tf.reduce_all(tf.math.is_finite(v)) for v in trainer.model.weights + trainer.optimizer.variables
          if tf.as_dtype(v.dtype).is_floating]))
+    status, saved_at, out = EXIT_OK, None, None
 
     def save_checked(at: int) -> str:
         # The loss and gradients were finite, but an update can still overflow (a huge learning
@@ -235,65 +325,35 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     try:
         step = start
+        pending = None
         while step < t_cfg.num_steps:
-            lr = trainer.learning_rate()
-            out = trainer.train_step(next(batches), tf.constant(stop.signum is not None))
+            dist_batch = next(batches)
+            want_images = bool(t_cfg.image_summary_every) and (
+                (step + 1) % t_cfg.image_summary_every == 0 or step == start)
+            lr = trainer.learning_rate(step)
+            out = trainer.train_step(dist_batch, lr, stop.signum is not None, want_images)
             step += 1
-            finite = out["finite"].numpy()
-            if not finite.all() and t_cfg.precision == "mixed_float16" and out["loss_finite"].numpy().all():
-                # A float16 gradient overflow: the step was skipped and the loss scale halved.
-                log.debug("loss-scale overflow at step %d: scale now %g", step, float(out["loss_scale"]))
-            elif not finite.all():
-                # The step applied nothing (see Trainer._train_step): weights, optimizer slots
-                # and BN statistics are those of the step before.
-                towers = [i for i, f in enumerate(finite) if not f]
-                msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
-                       f"(loss {float(out['loss']):.4g}, learning rate {lr:.3g})")
-                if t_cfg.on_nan == "stop":
-                    raise NonFiniteError(msg)
-                skipped += 1
-                log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, skipped)
-            if first:  # tracing and the first step never count towards throughput
-                window_start, window_steps, first = time.perf_counter(), 0, False
-            else:
-                window_steps += 1
-            if step % t_cfg.summary_every == 0 or step == t_cfg.num_steps:
-                elapsed = time.perf_counter() - window_start
-                if window_steps:
-                    images_per_sec = window_steps * batch / max(elapsed, 1e-9)
-                window_start, window_steps = time.perf_counter(), 0
-                loss = float(out["loss"])
-                scalars = {"loss/total": loss, "loss/weight_decay": float(out["weight_decay"]),
-                           "learning_rate": lr}
-                for i, ce in enumerate(out["tower_ce"].numpy()):
-                    scalars[f"loss/tower_{i}"] = ce
-                if skipped:
-                    scalars["train/skipped_steps"] = skipped
-                if not math.isnan(images_per_sec):
-                    scalars["throughput/images_per_sec"] = images_per_sec
-                summaries.scalars(step, scalars)
-                if bar is None:
-                    log.info("step %d/%d  loss %.4f  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, lr,
-                             images_per_sec)
-                else:
-                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_sec:.1f}")
-            if t_cfg.image_summary_every and (step % t_cfg.image_summary_every == 0 or step == start + 1):
-                summaries.triplets(step, [(im.numpy(), lb.numpy(), pr.numpy()) for im, lb, pr in
-                                          zip(out["images"], out["labels"], out["preds"])])
-            if bar is not None:
-                bar.update(1)
+            group_stop = loop.finish(pending) if pending is not None else False  # the step before this one
+            pending = (step, out, dist_batch, lr, want_images)
+            evaluate_now = val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
+                                                       or step == t_cfg.num_steps)
+            checkpoint_now = step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps
+            # On one machine the host's own flag is enough (no peer to agree with); with several
+            # workers the all-reduced flag decides, so that every worker stops after the same step.
+            stopping = group_stop or (stop.signum is not None and not multiworker)
+            if not (evaluate_now or checkpoint_now or stopping):
+                continue
+            group_stop = loop.finish(pending) or group_stop
+            pending = None
+            stopping = group_stop or (stop.signum is not None and not multiworker)
             # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
             # resumed from this step's checkpoint must hold the same values as one that went on.
-            if val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
-                                           or step == t_cfg.num_steps):
+            if evaluate_now:
                 run_evaluation(cfg, trainer, val_reader, names, summaries, write_dir, step, bar is not None)
-                window_start, window_steps = time.perf_counter(), 0  # evaluation is not training time
-            if step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps:
+                loop.restart_clock()  # evaluation is not training time
+            if checkpoint_now:
                 save_checked(step)
                 saved_at = step
-            # On one machine the host's own flag is enough (no peer to agree with), so a signal
-            # never costs an extra step; with several workers the all-reduced flag decides.
-            stopping = bool(out["stop"]) or (stop.signum is not None and not multiworker)
             if stopping and step < t_cfg.num_steps:
                 path = ckpt.latest if saved_at == step else save_checked(step)
                 signum = stop.signum or signal.SIGTERM  # a peer worker was signalled
@@ -302,6 +362,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                             step, path if write_dir == run_dir else run_dir / "checkpoints")
                 status = 128 + signum
                 break
+        if pending is not None:
+            loop.finish(pending)
     except NonFiniteError as e:
         print(f"error: {e} (not saved; newest checkpoint: {ckpt.latest}): a finite loss; lower "
               "train.learning_rate, or set train.on_nan: skip_step to skip such steps", file=sys.stderr)
@@ -313,7 +375,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     # ---- final ----------------------------------------------------------------------------------------
     if status == EXIT_OK:
-        log.info("done: step %d, loss %.4f; checkpoints in %s", t_cfg.num_steps, float(out["loss"]),
+        log.info("done: step %d, loss %.4f; checkpoints in %s", t_cfg.num_steps, loop.last_loss,
                  run_dir / "checkpoints")
         log.info("view with: tensorboard --logdir %s", run_dir)
     return status

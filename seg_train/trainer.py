@@ -1,13 +1,76 @@
-"""The model, optimizer and the one-graph multi-tower train step (reused by train, bench and tests)."""
+"""The model, the optimizer and the one-graph multi-tower train step (used by train, bench and tests).
+
+One step is one optimizer update, in ONE tf.function over the strategy:
+
+  each tower (replica function):
+    tower function: for each of the K micro-batches (train.accumulate_steps) of its slice:
+        forward pass (Keras' stateless_call: BN moving statistics come back as values, so nothing
+        is assigned before the update is known to be finite), loss sum and normaliser (losses.py),
+        backward pass; gradients and new BN statistics summed over the micro-batches
+    ONE all-reduce (SUM) of flat packs (train.allreduce_pack_mb) holding: the gradients, the BN
+        statistics / (K * towers), and a few scalars per tower in one-hot slots (loss sum,
+        normaliser, squared gradient norm, finiteness, the stop request)
+    apply function: gradient = reduced sum / global normaliser + weight decay (once), global norm,
+        clipping (train.clip_global_norm); if finite (a verdict computed from reduced values, so
+        identical on every tower), TensorFlow's fused update ops on Keras' slot variables and the
+        averaged BN statistics assigned
+  then: step += 1, optimizer iterations += 1 if applied, dynamic loss scale (float16)
+
+The maths is that of "K x N towers" (K micro-batches on N towers): every micro-batch's loss sum is
+divided by the normaliser of ALL micro-batches on all towers (the valid pixels, or the weights of
+the kept pixels with loss options), weight decay is counted once per update, each micro-batch's
+BN update starts from the same statistics and the K x N results are averaged. So K micro-batches
+on N towers equal one step on K x N towers (tests/test_accumulation.py).
+
+Why it is built this way (each point measured on MobileNetV2 DeepLabV3+, 64x64 crops, global
+batch 8, 2-core CPU, 4 logical towers; docs/PERFORMANCE.md):
+- Keras' optimizer.apply_gradients inside strategy.run SUMs the towers' gradients itself, clips
+  each tower's partial gradient (clipnorm / global_clipnorm), and builds ~25 graph ops per variable
+  per tower: the apply branch alone had more graph nodes than the 4 towers' forward and backward
+  passes. So the reduction is ours (one packed all-reduce, never a second one) and the update is
+  TensorFlow's fused ResourceApplyAdam / ResourceApplyKerasMomentum on Keras' own slot variables,
+  which compute exactly Keras' Adam / SGD-with-momentum formulas, one op per variable.
+- Under MirroredStrategy a replica function is traced once per tower. The tower's forward and
+  backward pass is therefore a tf.function traced ONCE and called by every tower with its own
+  variable handles, and marked not to be inlined, so TensorFlow also optimises its graph once per
+  device instead of one whole graph N times the size. Process start to the end of step 1 went
+  from 60.7 s to 21.2 s at 4 towers (1 tower: 18.8 s -> 13.4 s).
+- With synchronized BN on several towers the BN layers all-reduce inside the forward and backward
+  passes, which needs each tower's own replica context: the tower function is then traced per
+  tower (models/sync_bn.py keeps that trace cheap), and micro-batches are unrolled in Python,
+  because a cross-tower reduction inside a tf.while_loop is refused by MirroredStrategy.
+- The apply decision is a tf.cond in replica context with no collective inside (all-reduces
+  inside control flow of a replica function are not allowed); the verdict is identical on every
+  tower because it is computed from reduced values.
+"""
 
 from __future__ import annotations
 
+import math
+
 import keras
+import numpy as np
 import tensorflow as tf
 
-from seg_train import losses, models, replicas
+from seg_train import collectives, losses, models, replicas
 from seg_train.config import Config, ConfigError
-from seg_train.schedule import poly_lr
+from seg_train.schedule import lr_at
+
+# Per-tower scalars carried in one-hot slots of the all-reduce (see _tower).
+TOWER_FIELDS = ("loss_sum", "normalizer", "grad_sq", "finite")
+_NF = len(TOWER_FIELDS)
+
+
+def _read(handle, like):
+    """A variable's value from its resource handle (inside a function traced once for every tower)."""
+    value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=like.dtype)
+    value.set_shape(like.shape)
+    return value
+
+
+def _handles(variables) -> list:
+    """The resource handles of (Keras) variables on the calling tower (replica context)."""
+    return [getattr(v, "value", v).handle for v in variables]
 
 
 class Trainer:
@@ -26,6 +89,9 @@ class Trainer:
             raise ConfigError("invalid combination", "train.jit_compile",
                               "false with model.sync_batchnorm: true (synchronized BN all-reduces inside the "
                               "forward pass, which cannot be XLA-compiled per tower)")
+        if t.optimizer == "sgd" and t.momentum == 0:
+            raise ConfigError("invalid value", "train.momentum", "a momentum in (0, 1) for sgd (Keras' plain SGD "
+                              "keeps no slot the fused update needs), got 0")
         with strategy.scope():
             # The dtype policy is global in Keras; set it only while this model's layers are built.
             previous = keras.config.dtype_policy()
@@ -45,23 +111,46 @@ class Trainer:
             # match the weights only while this equals `step` (see bn_stats.py).
             self.bn_stats_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bn_stats_step",
                                              aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-
-            def lr():
-                return poly_lr(self.step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps)
-
+            # Keras' optimizer holds the slots and the iteration count (checkpoint layout unchanged);
+            # the update itself is ours (module doc). The learning rate is fed per step.
             if t.optimizer == "adam":
-                self.optimizer = keras.optimizers.Adam(learning_rate=lr)
+                self.optimizer = keras.optimizers.Adam(learning_rate=t.learning_rate)
             else:
-                self.optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=t.momentum)
-            # Build the slots now: an unbuilt optimizer fails on the first distributed step and a
-            # checkpoint restored into it silently skips its slots (project notes, item 1).
+                self.optimizer = keras.optimizers.SGD(learning_rate=t.learning_rate, momentum=t.momentum)
+            # Build the slots now: a checkpoint restored into an unbuilt optimizer silently skips
+            # its slots (keras#19389).
             self.optimizer.build(self.model.trainable_variables)
-        self.kernels = losses.decay_variables(self.model)
+        self.variables = list(self.model.trainable_variables)
+        self.state = list(self.model.non_trainable_variables)
         self.bn_layers = replicas.batchnorm_layers(self.model)
-        self._bn_stats = [v for b in self.bn_layers for v in (b.moving_mean, b.moving_variance)]
-        self._per_tower = tf.function(self._loss_and_grads, jit_compile=True) if t.jit_compile else self._loss_and_grads
-        self.train_step = tf.function(self._train_step)
+        self.kernels = losses.decay_variables(self.model)
+        decay_ids = {id(v) for v in self.kernels}
+        self._decay = [id(v) in decay_ids for v in self.variables]
+        # The BN moving statistics the forward pass updates (frozen layers update nothing), as
+        # positions in model.non_trainable_variables (the order stateless_call returns them in).
+        state_pos = {id(v): i for i, v in enumerate(self.state)}
+        self._bn_pos = [state_pos[id(v)] for b in self.bn_layers if b.trainable
+                        for v in (b.moving_mean, b.moving_variance)]
+        opt = self.optimizer
+        if t.optimizer == "adam":
+            self._slots = [[opt._momentums[opt._get_variable_index(v)], opt._velocities[opt._get_variable_index(v)]]
+                           for v in self.variables]
+        else:
+            self._slots = [[opt.momentums[opt._get_variable_index(v)]] for v in self.variables]
+        self._lr_mult = [1.0] * len(self.variables)
+        self.accumulate = t.accumulate_steps
+        self.pack_bytes = int(t.allreduce_pack_mb * 2 ** 20)
+        # Synchronized BN across towers needs each tower's replica context while tracing (module doc).
+        self.per_tower_trace = cfg.model.sync_batchnorm and self.num_replicas > 1
+        attrs = {"_noinline": True}
+        self._tower_fn = tf.function(self._tower_from_handles, jit_compile=t.jit_compile or None,
+                                     experimental_attributes=attrs)
+        self._apply_fn = tf.function(self._apply_from_handles, experimental_attributes=attrs)
+        self._concrete: dict = {}
+        self._grad_layout = self._state_layout = None
+        self._step_fn = tf.function(self._train_step)
 
+    # ---- checkpoints -------------------------------------------------------------------------------
     def checkpoint_objects(self) -> dict:
         """What a checkpoint holds (the data position is a pure function of `step`, see reader.py)."""
         objects = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
@@ -79,112 +168,238 @@ class Trainer:
         ckpt.read(prefix).expect_partial().assert_existing_objects_matched()
         return int(self.step.numpy())
 
-    def learning_rate(self) -> float:
+    def learning_rate(self, step: int | None = None) -> float:
+        """The learning rate of the update made at `step` (default: the next one), computed on the host."""
         t = self.cfg.train
-        return float(poly_lr(self.step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps))
+        step = int(self.step.numpy()) if step is None else step
+        return lr_at(step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps)
 
-    def _loss_and_grads(self, images, labels, global_count):
-        """One tower's forward and backward pass; no cross-tower sync inside, so it can be XLA-compiled."""
+    # ---- the tower: forward and backward over the micro-batches --------------------------------------
+    @staticmethod
+    def _pixel_scale(b: int, h: int, w: int) -> float:
+        """P: a power of two near one micro-batch's pixel count on one tower.
+
+        Each tower differentiates loss_sum * loss_scale / P; the reduced sum is multiplied back by
+        P / loss_scale / (global normaliser). Any P common to all towers gives the same maths; a
+        power of two makes the two scalings exact in floating point, and a P near the pixel count
+        keeps the backward pass's magnitudes those of a mean (float16 needs that).
+        """
+        return float(2.0 ** round(math.log2(max(b * h * w, 1))))
+
+    def _micro(self, tv, st, images, labels, scale, want_preds):
+        """One micro-batch on this tower: (gradients of loss_sum * scale, new BN statistics, loss_sum, normalizer, preds)."""
         cfg = self.cfg
         with tf.GradientTape() as tape:
-            logits = self.model(images, training=True)
-            ce_sum, count = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
-            wd = losses.weight_decay(self.kernels, cfg.model.weight_decay)
-            # THE cross-tower scaling. apply_gradients (in _apply) SUMs the towers' gradients (Keras
-            # 3, project notes item 2), so each tower's loss is its share of the global objective:
-            # its cross-entropy sum over the GLOBAL valid-pixel count (all towers' pixels weigh the
-            # same), plus 1/N of the weight decay (the N shares add up to the decay counted once).
-            loss = ce_sum / tf.maximum(global_count, 1.0) + wd / self.num_replicas
-            scaled = loss * self.loss_scale
-        grads = tape.gradient(scaled, self.model.trainable_variables)
-        grads = [g / self.loss_scale for g in grads]
-        # One reduce_sum per gradient instead of is_finite + reduce_all over every element: a sum is
-        # inf/nan iff an element is (or the sum itself overflows float32, i.e. gradients past ~1e38,
-        # where skipping the step is right anyway). It cost 4% of the step's op time the other way.
-        finite = tf.reduce_all(tf.math.is_finite(tf.stack([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads])))
-        preds = tf.cast(tf.argmax(logits, axis=-1), tf.uint8)
-        return grads, ce_sum, count, wd, finite, tf.math.is_finite(loss), preds
+            tape.watch(tv)
+            logits, new_state = self.model.stateless_call(tv, st, images, training=True)
+            loss_sum, normalizer = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
+            scaled = loss_sum * scale
+        grads = tape.gradient(scaled, tv, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [tf.cast(g, tf.float32) for g in grads]
+        bn = [new_state[i] for i in self._bn_pos]
+        if want_preds is None:
+            preds = None
+        else:
+            preds = tf.cond(want_preds, lambda: tf.cast(tf.argmax(logits, axis=-1), tf.uint8),
+                            lambda: tf.zeros(tf.shape(labels), tf.uint8))
+        return grads, bn, loss_sum, normalizer, preds
 
-    def _forward_backward(self, images, labels, stop):
-        """One tower: loss and gradients on its slice of the global batch (nothing applied yet)."""
-        # BN moving statistics are updated by the forward pass itself; keep the old values so a
-        # skipped (non-finite) step can put them back.
-        bn_before = [tf.identity(v.value) for v in self._bn_stats]
-        # The valid-pixel count depends on the labels only, so it is all-reduced before the forward
-        # pass, outside the (optionally XLA-compiled) per-tower computation.
-        count = tf.reduce_sum(tf.cast(tf.not_equal(tf.cast(labels, tf.int32), self.cfg.data.ignore_label),
-                                      tf.float32))
-        global_count = replicas.all_reduce_sum(count)
-        grads, ce_sum, count, wd, finite, loss_finite, preds = self._per_tower(images, labels, global_count)
-        if not self.cfg.model.sync_batchnorm:
-            # Here rather than in _apply: a collective of plain tensors inside the cond's branch has no
-            # device under MultiWorkerMirroredStrategy ("destinations can not be empty"). A skipped
-            # step puts the statistics back from bn_before anyway.
-            replicas.average_bn_moving_stats(self.bn_layers)
-        # Any process asked to stop (a signal) -> all stop after this same step: a worker that went
-        # on alone would wait forever for its peers' collectives.
-        stop_any = replicas.all_reduce_sum(tf.cast(stop, tf.float32))
-        # Every process must take the same branch (apply or skip) below, so the finiteness verdict is
-        # all-reduced too: with several workers, one worker's towers alone would not do.
-        bad_towers = replicas.all_reduce_sum(1.0 - tf.cast(finite & loss_finite, tf.float32))
-        return grads, bn_before, {"stop": stop_any, "bad_towers": bad_towers, "ce_sum": ce_sum, "count": count, "wd": wd,
-                                  "finite": tf.cast(finite & loss_finite, tf.int32),
-                                  "loss_finite": tf.cast(loss_finite, tf.int32),
-                                  "images": images, "labels": labels, "preds": preds}
+    def _tower(self, tv, st, images, labels, loss_scale, tower_index, stop, want_preds, unrolled: bool):
+        """One tower's share of the update: the flat packs to all-reduce, and its predictions.
 
-    def _apply(self, grads):
-        """One tower: apply the gradients (Keras sums them over the towers inside apply_gradients)."""
-        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        images [K * b, h, w, 3], labels [K * b, h, w]: micro-batch m is rows m*b .. m*b+b-1.
+        """
+        k, n = self.accumulate, self.num_replicas
+        b = images.shape[0] // k
+        shape_i, shape_l = [k, b] + images.shape[1:].as_list(), [k, b] + labels.shape[1:].as_list()
+        images, labels = tf.reshape(images, shape_i), tf.reshape(labels, shape_l)
+        scale = loss_scale / self._pixel_scale(b, shape_i[2], shape_i[3])
+        grads, bn, loss_sum, norm, preds = self._micro(tv, st, images[0], labels[0], scale, want_preds)
+        if k > 1:
+            def body(m, grads, bn, loss_sum, norm):
+                g, s, l, z, _ = self._micro(tv, st, images[m], labels[m], scale, None)
+                return (m + 1, [a + x for a, x in zip(grads, g)], [a + x for a, x in zip(bn, s)], loss_sum + l,
+                        norm + z)
 
-    def _undo_bn(self, bn_before):
-        for v, old in zip(self._bn_stats, bn_before):
-            v.assign(old)
+            if unrolled:  # synchronized BN: all-reduces cannot sit inside a while loop (module doc)
+                m = tf.constant(1)
+                for _ in range(1, k):
+                    m, grads, bn, loss_sum, norm = body(m, grads, bn, loss_sum, norm)
+            else:
+                _, grads, bn, loss_sum, norm = tf.while_loop(
+                    lambda m, *_: m < k, body, (tf.constant(1), grads, bn, loss_sum, norm),
+                    parallel_iterations=1)
+        # BN statistics: the mean over micro-batches and towers of each one's updated statistics
+        # (with synchronized BN the towers' values are already equal, and their mean is that value).
+        bn = [x / float(k * n) for x in bn]
+        grad_packs = collectives.pack(grads, self._grad_layout)
+        grad_sq = tf.add_n([tf.reduce_sum(tf.square(p)) for p in grad_packs])
+        finite = tf.cast(tf.math.is_finite(grad_sq) & tf.math.is_finite(loss_sum), tf.float32)
+        row = collectives.one_hot_row(tf.stack([loss_sum, norm, grad_sq, finite]), tower_index, n)
+        scalars = tf.concat([row, tf.reshape(tf.cast(stop, tf.float32), [1])], axis=0)
+        # The BN statistics and the scalars ride in one more pack (or tensor by tensor with packing off).
+        state_packs = collectives.pack(bn + [scalars], self._state_layout)
+        return grad_packs + state_packs, preds
 
-    def _train_step(self, batch, stop=False):
-        """One step on a distributed global batch; `stop` is this process's wish to stop after it."""
-        images, labels = batch
-        s = self.strategy
-        grads, bn_before, out = s.run(self._forward_backward, (images, labels, tf.convert_to_tensor(stop)))
-        local = lambda v: s.experimental_local_results(v)  # noqa: E731  (tower order = replica order)
-        finite = tf.stack(local(out["finite"]))
-        # Apply only if every tower is finite: a non-finite step changes no weight, no optimizer
-        # slot and no BN statistic (train.on_nan decides on the host whether to stop or go on).
-        # The cond is in cross-replica context: Keras' apply_gradients synchronises the towers,
-        # which is not allowed inside control flow within a replica function.
-        ok = local(out["bad_towers"])[0] < 0.5
+    def _tower_from_handles(self, var_handles, state_handles, images, labels, loss_scale, tower_index, stop,
+                            want_preds):
+        """_tower on variables read from this tower's handles (traced once, called by every tower)."""
+        tv = [_read(h, v) for h, v in zip(var_handles, self.variables)]
+        st = [_read(h, v) for h, v in zip(state_handles, self.state)]
+        return self._tower(tv, st, images, labels, loss_scale, tower_index, stop, want_preds, unrolled=False)
+
+    # ---- after the all-reduce: normalise, decay, clip, apply ------------------------------------------
+    def _apply_from_handles(self, packs, var_handles, slot_handles, state_handles, lr, t, loss_scale, want_details):
+        """Turns the reduced packs into the update and applies it on this tower's variables (traced once).
+
+        The arithmetic runs on the flat packs (a handful of ops per pack, not per variable): graph
+        size is what tracing and TensorFlow's graph optimisation pay for.
+        """
+        cfg, n = self.cfg, self.num_replicas
+        n_grad_packs = len(self._grad_layout) if self._grad_layout is not None else len(self.variables)
+        grad_packs, state_flat = packs[:n_grad_packs], collectives.unpack(packs[n_grad_packs:], self._state_layout)
+        bn, scalars = state_flat[:-1], state_flat[-1]
+        towers = tf.reshape(scalars[:-1], [n, _NF])
+        loss_total, norm_total = tf.reduce_sum(towers[:, 0]), tf.reduce_sum(towers[:, 1])
+        to_mean = self._scale_back / loss_scale / tf.maximum(norm_total, 1.0)
+        coeff = cfg.model.weight_decay
+        # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
+        decayed = [_read(h, v) if d else tf.zeros(v.shape) for h, v, d in zip(var_handles, self.variables, self._decay)]
+        w_packs = collectives.pack(decayed, self._grad_layout)
+        update = [g * to_mean + coeff * w for g, w in zip(grad_packs, w_packs)] if coeff else \
+            [g * to_mean for g in grad_packs]
+        weight_decay = 0.5 * coeff * tf.add_n([tf.reduce_sum(tf.square(w)) for w in w_packs])
+        global_norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in update]))
+        finite = tf.math.is_finite(global_norm) & tf.math.is_finite(loss_total)
+        clip = cfg.train.clip_global_norm
+        clipped = global_norm > clip if clip else tf.constant(False)
+        factor = tf.where(clipped, clip / tf.maximum(global_norm, 1e-30), 1.0) if clip else tf.constant(1.0)
+        if clip:
+            update = [u * factor for u in update]
+        grads = collectives.unpack(update, self._grad_layout)
+        opt = self.optimizer
+        if cfg.train.optimizer == "adam":
+            b1p, b2p = tf.pow(opt.beta_1, t), tf.pow(opt.beta_2, t)
+        rates = {m: (lr * m if m != 1.0 else lr) for m in set(self._lr_mult)}
 
         def apply():
-            s.run(self._apply, (grads,))
-            return tf.constant(True)
+            ops = []
+            for g, h, slots, mult in zip(grads, var_handles, slot_handles, self._lr_mult):
+                if cfg.train.optimizer == "adam":
+                    ops.append(tf.raw_ops.ResourceApplyAdam(
+                        var=h, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=rates[mult],
+                        beta1=opt.beta_1, beta2=opt.beta_2, epsilon=opt.epsilon, grad=g))
+                else:
+                    ops.append(tf.raw_ops.ResourceApplyKerasMomentum(
+                        var=h, accum=slots[0], lr=rates[mult], grad=g, momentum=cfg.train.momentum))
+            for pos, value in zip(self._bn_pos, bn):
+                ops.append(tf.raw_ops.AssignVariableOp(resource=state_handles[pos], value=value))
+            with tf.control_dependencies(ops):
+                return tf.constant(True)
 
-        def skip():
-            s.run(self._undo_bn, (bn_before,))
-            return tf.constant(False)
+        applied = tf.cond(finite, apply, lambda: tf.constant(False))
+        # Per-variable norms of the update's gradient (before clipping), for the histogram.
+        var_norms = tf.cond(want_details, lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
+                            lambda: tf.zeros([len(grads)]))
+        return {"applied": applied, "global_norm": global_norm, "clipped": clipped & applied,
+                "loss_total": loss_total, "norm_total": norm_total, "weight_decay": weight_decay,
+                "towers": towers, "stop": scalars[-1], "tower_grad_norm": tf.sqrt(towers[:, 2]) * to_mean,
+                "var_grad_norms": var_norms}
 
-        applied = tf.cond(ok, apply, skip)
+    # ---- the step ------------------------------------------------------------------------------------
+    def _signatures(self, images):
+        """Traces the tower and apply functions once for this per-tower input shape (module doc)."""
+        key = tuple(images.shape.as_list())
+        if key in self._concrete:
+            return self._concrete[key]
+        res = tf.TensorSpec([], tf.resource)
+        spec_i = tf.TensorSpec(images.shape, images.dtype)
+        spec_l = tf.TensorSpec(images.shape[:3], tf.uint8)
+        scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
+        k = self.accumulate
+        self._scale_back = self._pixel_scale(images.shape[0] // k, images.shape[1], images.shape[2])
+        grad_shapes = [v.shape for v in self.variables]
+        state_shapes = [self.state[i].shape for i in self._bn_pos] + [[self.num_replicas * _NF + 1]]
+        self._grad_layout = collectives.pack_layout(grad_shapes, self.pack_bytes)
+        self._state_layout = collectives.pack_layout(state_shapes, self.pack_bytes)
+        tower = None
+        if not self.per_tower_trace:
+            tower = self._tower_fn.get_concrete_function(
+                [res] * len(self.variables), [res] * len(self.state), spec_i, spec_l, scalar(tf.float32),
+                scalar(tf.int32), scalar(tf.bool), scalar(tf.bool))
+
+        pack_specs = [tf.TensorSpec(x, tf.float32) for x in
+                      collectives.pack_sizes(grad_shapes, self._grad_layout) +
+                      collectives.pack_sizes(state_shapes, self._state_layout)]
+        apply = self._apply_fn.get_concrete_function(
+            pack_specs, [res] * len(self.variables), [[res] * len(s) for s in self._slots], [res] * len(self.state),
+            scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool))
+        self._concrete[key] = (tower, apply)
+        return tower, apply
+
+    def _replica(self, images, labels, lr, t, loss_scale, stop, want_images):
+        """One tower's part of the step (replica context)."""
+        tower, apply = self._signatures(images)  # traced in _train_step already; a lookup here
+        index = collectives.replica_id()
+        if tower is not None:
+            packs, preds = tower(_handles(self.variables), _handles(self.state), images, labels, loss_scale, index,
+                                 stop, want_images)
+        else:
+            tv = [tf.convert_to_tensor(getattr(v, "value", v)) for v in self.variables]
+            st = [tf.convert_to_tensor(getattr(v, "value", v)) for v in self.state]
+            packs, preds = self._tower(tv, st, images, labels, loss_scale, index, stop, want_images, unrolled=True)
+        with tf.name_scope("cross_tower"):
+            packs = collectives.all_reduce_sum(packs)
+        out = apply(packs, _handles(self.variables), [_handles(s) for s in self._slots], _handles(self.state), lr, t,
+                    loss_scale, want_images)
+        out["preds"] = preds
+        return out
+
+    def _train_step(self, batch, lr, stop=False, want_images=False):
+        """One update on a distributed global batch.
+
+        Args:
+          batch: (images, labels) per tower, [K * b, h, w, 3] and [K * b, h, w] (reader.train_dataset).
+          lr: this update's learning rate (computed on the host, see schedule.py).
+          stop: this process's wish to stop after this step (signals); all-reduced.
+          want_images: also return the towers' predictions of their first micro-batch, and
+            per-variable gradient norms (image-summary steps only).
+        """
+        images, labels = batch
+        s = self.strategy
+        # Trace the shared functions here, in cross-replica context, not inside a tower's thread.
+        self._signatures(s.experimental_local_results(images)[0])
+        t = tf.cast(self.optimizer.iterations + 1, tf.float32)
+        loss_scale = tf.identity(self.loss_scale)
+        out = s.run(self._replica, (images, labels, tf.cast(lr, tf.float32), t, loss_scale,
+                                    tf.convert_to_tensor(stop), tf.convert_to_tensor(want_images)))
+        first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731  (identical on every tower)
+        applied = first(out["applied"])
+        self.optimizer.iterations.assign_add(tf.cast(applied, tf.int64))
+        towers = first(out["towers"])
+        loss_finite = tf.math.is_finite(first(out["loss_total"]))
         if self.cfg.train.precision == "mixed_float16":
-            self._update_loss_scale(applied)
+            self._update_loss_scale(applied, loss_finite)
         self.step.assign_add(1)
-        ce_sums, counts = local(out["ce_sum"]), local(out["count"])
-        # Over all towers of all workers (local results would be this worker's share only).
-        total_ce = (s.reduce(tf.distribute.ReduceOp.SUM, out["ce_sum"], axis=None)
-                    / tf.maximum(s.reduce(tf.distribute.ReduceOp.SUM, out["count"], axis=None), 1.0))
-        wd = local(out["wd"])[0]
+        norm = tf.maximum(towers[:, 1], 1.0)
         return {
-            "loss": total_ce + wd,
-            "weight_decay": wd,
-            "tower_ce": tf.stack([c / tf.maximum(n, 1.0) for c, n in zip(ce_sums, counts)]),
-            "finite": finite,
-            "stop": local(out["stop"])[0] > 0,
-            "loss_finite": tf.stack(local(out["loss_finite"])),
+            "loss": first(out["loss_total"]) / tf.maximum(first(out["norm_total"]), 1.0) + first(out["weight_decay"]),
+            "weight_decay": first(out["weight_decay"]),
+            "tower_ce": towers[:, 0] / norm,  # each tower's own loss (its sum over its own normaliser)
+            "tower_grad_norm": first(out["tower_grad_norm"]),
+            "finite": towers[:, 3] > 0.5,
+            "loss_finite": loss_finite,
+            "applied": applied,
+            "global_norm": first(out["global_norm"]),
+            "clipped": first(out["clipped"]),
+            "stop": first(out["stop"]) > 0.5,
             "loss_scale": tf.identity(self.loss_scale),
-            "images": local(out["images"]),
-            "labels": local(out["labels"]),
-            "preds": local(out["preds"]),
+            "preds": s.experimental_local_results(out["preds"]),
+            "var_grad_norms": first(out["var_grad_norms"]),
         }
 
-    def _update_loss_scale(self, applied):
-        """Dynamic loss scaling: halve on overflow, double after 2000 finite steps (Keras' defaults)."""
+    def _update_loss_scale(self, applied, loss_finite):
+        """Dynamic loss scaling: halve on a gradient overflow, double after 2000 applied steps (Keras' defaults)."""
         def grow():
             self.good_steps.assign_add(1)
             done = self.good_steps >= 2000
@@ -202,3 +417,16 @@ class Trainer:
     def distribute(self, dataset_fn):
         """Distributes a per-replica-batched dataset function (see ImageReader.train_dataset)."""
         return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    def train_step(self, batch, lr: float | None = None, stop=False, want_images=False) -> dict:
+        """One update on a distributed global batch (see _train_step for the outputs).
+
+        Args:
+          batch: an element of a distributed dataset (`distribute`).
+          lr: the learning rate; default: the schedule's value at the current step, computed on
+            the host (so the host never waits for the device to read it).
+          stop, want_images: bools or bool tensors (see _train_step).
+        """
+        if lr is None:
+            lr = self.learning_rate()
+        return self._step_fn(batch, tf.constant(lr, tf.float32), tf.constant(stop), tf.constant(want_images))

@@ -17,11 +17,11 @@ from keras import layers
 
 from seg_train.config import ConfigError
 from seg_train.models.atrous import conv2d_class
-from seg_train.models.fused_bn import bn_class
+from seg_train.models.bn import bn_class
 
 
 def _bn(name, momentum, sync):
-    return bn_class()(momentum=momentum, epsilon=1e-3, synchronized=sync, name=name)  # models/fused_bn.py
+    return bn_class(sync)(momentum=momentum, epsilon=1e-3, synchronized=sync, name=name)  # models/bn.py
 
 
 def tiny(output_stride: int, bn_momentum: float, sync_bn: bool, width: int = 16) -> keras.Model:
@@ -108,7 +108,7 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
         cfg.update(changes.get(layer.name, {}))
         if isinstance(layer, layers.BatchNormalization):
             cfg.update(momentum=bn_momentum, synchronized=sync_bn)
-            return bn_class().from_config(cfg)  # fused where exact (models/fused_bn.py)
+            return bn_class(sync_bn).from_config(cfg)  # fused where exact (models/fused_bn.py)
         if type(layer) is layers.Conv2D:
             # ResNet's dilated 3x3 convs: fast and exact (models/atrous.py)
             return conv2d_class(cfg["dilation_rate"]).from_config(cfg)

@@ -7,7 +7,7 @@ import tensorflow as tf
 from keras import layers
 
 from seg_train.models.atrous import conv2d_class
-from seg_train.models.fused_bn import bn_class
+from seg_train.models.bn import bn_class
 
 
 class ResizeLike(layers.Layer):
@@ -28,7 +28,7 @@ class ResizeLike(layers.Layer):
 def _conv_bn_relu(x, filters, kernel, name, dilation=1, momentum=0.9, sync=False):
     conv = conv2d_class(dilation)  # dilated: fast and exact (models/atrous.py)
     x = conv(filters, kernel, padding="same", dilation_rate=dilation, use_bias=False, name=f"{name}_conv")(x)
-    x = bn_class()(momentum=momentum, epsilon=1e-5, synchronized=sync, name=f"{name}_bn")(x)  # models/fused_bn.py
+    x = bn_class(sync)(momentum=momentum, epsilon=1e-5, synchronized=sync, name=f"{name}_bn")(x)  # models/bn.py
     return layers.ReLU(name=f"{name}_relu")(x)
 
 

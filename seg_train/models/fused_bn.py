@@ -59,10 +59,6 @@ class FusedBatchNormalization(layers.BatchNormalization):
         return tf.cast(y, self.compute_dtype)
 
 
-# Models built inside `with plain_keras():` use keras.layers.BatchNormalization (`model.fused_batchnorm: false`).
+# Models built inside `with plain_keras():` use keras.layers.BatchNormalization (`model.fused_batchnorm: false`;
+# models/bn.py picks the class).
 plain_keras = Switch()
-
-
-def bn_class() -> type:
-    """The BatchNormalization class models are built with."""
-    return layers.BatchNormalization if plain_keras.on else FusedBatchNormalization

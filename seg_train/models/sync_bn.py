@@ -1,0 +1,97 @@
+"""Synchronized BatchNormalization: one all-reduce per layer forward, one backward, gradient written out.
+
+Written by hand because Keras 3's `BatchNormalization(synchronized=True)` makes three all-reduces
+per layer (sum, sum of squares, count) through `ReplicaContext.all_reduce`, whose
+`tf.custom_gradient` wrapper walks the graph backwards at trace time, across every tower's graph
+(see collectives.py): a 4-tower MobileNetV2 DeepLabV3+ step was still tracing after 17 minutes.
+
+Here, in training mode across several towers:
+- forward: each tower sums, per channel, x - s and (x - s)^2 over its pixels, with s the layer's
+  moving mean (identical on every tower; shifting by a value near the mean keeps
+  E[(x-s)^2] - E[x-s]^2 accurate in float32). Those sums and the pixel count travel in ONE
+  all-reduce; every tower then normalises with the same global mean and (biased) variance and
+  updates the moving statistics with them, as Keras' synchronized BN does;
+- backward: the gradient of the towers' summed loss w.r.t. this tower's input is
+  dx = gamma / sqrt(var + eps) * (dy - sum_g(dy) / n - xhat * sum_g(dy * xhat) / n),
+  where sum_g runs over the pixels of ALL towers: the two per-channel sums travel in one
+  all-reduce. gamma's and beta's gradients are this tower's own sums (the train step sums the
+  towers' gradients afterwards, like every other weight's).
+The custom gradient's inputs are the layer's input and its weights, and the global moments are
+computed outside it, so TensorFlow's walk for it stays inside this one layer.
+
+On one tower (or outside a strategy) the same code runs without the all-reduces, so 1 tower and N
+towers compute the same function. Inference mode runs the fused kernel (models/fused_bn.py); masks
+and frozen layers use Keras' own path.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from seg_train import collectives
+from seg_train.models.fused_bn import FusedBatchNormalization
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class SyncBatchNormalization(FusedBatchNormalization):
+    """keras.layers.BatchNormalization(synchronized=True) with one all-reduce per layer (module doc).
+
+    A subclass of FusedBatchNormalization (so of keras' BatchNormalization): same variables, and
+    inference runs the fused kernel.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs["synchronized"] = False  # the synchronisation is ours; Keras' own path stays local
+        super().__init__(*args, **kwargs)
+
+    def get_config(self):
+        return {**super().get_config(), "synchronized": True}
+
+    def call(self, inputs, training=None, mask=None):
+        rank = inputs.shape.rank
+        if not (training and self.trainable) or mask is not None or rank != 4 or self.axis not in (-1, 3) \
+                or self.renorm or not (self.scale and self.center):
+            return super().call(inputs, training=training, mask=mask)
+        x = tf.cast(inputs, tf.float32)
+        shift = tf.stop_gradient(tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32))
+        xs = x - shift
+        count = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), tf.float32)
+        local = tf.concat([tf.reduce_sum(xs, [0, 1, 2]), tf.reduce_sum(tf.square(xs), [0, 1, 2]),
+                           tf.reshape(count, [1])], axis=0)
+        (total,) = collectives.all_reduce_sum([local])
+        c = x.shape[-1]
+        n = tf.maximum(total[2 * c], 1.0)
+        mean_s = total[:c] / n
+        var = tf.maximum(total[c:2 * c] / n - tf.square(mean_s), 0.0)
+        mean = mean_s + shift
+        gamma = tf.cast(tf.convert_to_tensor(self.gamma), tf.float32)
+        beta = tf.cast(tf.convert_to_tensor(self.beta), tf.float32)
+        y = _normalize(x, gamma, beta, tf.stop_gradient(mean), tf.stop_gradient(var), n, self.epsilon)
+        m = self.momentum
+        self.moving_mean.assign(self.moving_mean * m + tf.stop_gradient(mean) * (1.0 - m))
+        self.moving_variance.assign(self.moving_variance * m + tf.stop_gradient(var) * (1.0 - m))
+        return tf.cast(y, self.compute_dtype)
+
+
+def _normalize(x, gamma, beta, mean, var, n, epsilon):
+    """y = gamma * (x - mean) / sqrt(var + eps) + beta with the cross-tower gradient of module doc."""
+
+    @tf.custom_gradient
+    def f(x, gamma, beta):
+        inv = tf.math.rsqrt(var + epsilon)
+        xhat = (x - mean) * inv
+        y = xhat * gamma + beta
+
+        def grad(dy):
+            dbeta = tf.reduce_sum(dy, [0, 1, 2])
+            dgamma = tf.reduce_sum(dy * xhat, [0, 1, 2])
+            (sums,) = collectives.all_reduce_sum([tf.concat([dbeta, dgamma], axis=0)])
+            c = x.shape[-1]
+            g_sum, gx_sum = sums[:c], sums[c:]
+            dx = (gamma * inv) * (dy - g_sum / n - xhat * (gx_sum / n))
+            return dx, dgamma, dbeta
+
+        return y, grad
+
+    return f(x, gamma, beta)
