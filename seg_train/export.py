@@ -65,6 +65,9 @@ def check_output(path: str | os.PathLike, force: bool) -> Path:
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ConfigError("output folder is not empty", str(out),
                           "expected a new or empty folder (pass --force to replace it)")
+    # The SavedModel is written next to `out` and renamed into place: its parent must be writable.
+    from seg_train.preflight import check_creatable_dir
+    check_creatable_dir(Path(os.path.abspath(out)).parent, "output's parent folder", "choose another --output")
     return out
 
 
