@@ -247,6 +247,8 @@ def train_main(argv=None) -> int:
     def main(args):
         if args.check_data:
             return check_data_main(args)
+        if args.init_from:
+            _precheck_checkpoint(args.init_from)
         cfg, strategy = _setup(args, args.run_dir, checks=preflight.for_training)
         from seg_train.train import train
         return train(cfg, strategy, init_from=args.init_from, allow_config_change=args.allow_config_change)
