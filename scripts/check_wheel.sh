@@ -49,8 +49,9 @@ step "seg-train --version"
 step "seg-train: 3 steps on 2 towers from an empty folder"
 "$BIN/seg-train" --config demo.yaml --gpus 2 --set train.num_steps=3 --set train.summary_every=1 \
     --set train.image_summary_every=3 --set eval.bn_reestimate_batches=2
-# The summaries are what a missing TensorBoard breaks: read them back with the installed TensorBoard.
-"$BIN/python" - <<'EOF'
+# The summaries are what a missing TensorBoard breaks: read them back with the installed TensorBoard
+# (it starts TensorFlow, whose start-up noise is shown only if the check fails).
+"$BIN/python" - 2>"$WORK/tags.err" <<'EOF' || { cat "$WORK/tags.err" >&2; exit 1; }
 import sys
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
