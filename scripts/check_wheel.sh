@@ -41,7 +41,9 @@ fi
 mkdir "$WORK/empty"
 cp "$REPO/configs/demo.yaml" "$WORK/empty/"
 cd "$WORK/empty"
-"$BIN/python" -c "import seg_train, sys; sys.exit(0 if '/site-packages/' in seg_train.__file__ else 'check_wheel: seg_train imported from ' + seg_train.__file__)"
+"$BIN/python" -c "import seg_train, sys
+if '/site-packages/' not in seg_train.__file__:
+    sys.exit('check_wheel: seg_train imported from ' + seg_train.__file__)"
 
 step "seg-train --version"
 "$BIN/seg-train" --version
@@ -58,7 +60,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 acc = EventAccumulator("runs/demo", size_guidance={"tensors": 0})
 acc.Reload()
 tags = set(acc.Tags()["tensors"])
-need = {"loss/total", "loss/tower_0", "loss/tower_1", "learning_rate", "tower_0/image", "tower_1/prediction", "eval/miou"}
+need = {"loss/total", "loss/tower_0", "loss/tower_1", "learning_rate", "tower_0/image", "tower_1/prediction",
+        "eval/miou"}
 if need - tags:
     sys.exit(f"check_wheel: TensorBoard tags missing from runs/demo: {sorted(need - tags)}")
 steps = [e.step for e in acc.Tensors("loss/total")]

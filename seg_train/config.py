@@ -64,8 +64,9 @@ def _label_value(v):
 
 @dataclass(frozen=True)
 class DataConfig:
-    root: Path = _c(check=None, path=True, doc="VOC-layout folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/); "
-                    "with synthetic: true, default data/<config name> in the current folder")
+    root: Path = _c(check=None, path=True,
+                    doc="VOC-layout folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/); "
+                        "with synthetic: true, default data/<config name> in the current folder")
     num_classes: int = _c(check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]", doc="number of classes")
     train_split: str = _c("train", doc="split name under ImageSets/Segmentation/, or a list file of 'image label' pairs")
     val_split: str = _c("val", doc="split used for evaluation")

@@ -58,7 +58,8 @@ def check_summary_backend() -> None:
 def _broken(e: Exception, pin: str):
     detail = (str(e).strip().splitlines() or [""])[0][:200]
     raise ConfigError("TensorBoard cannot be imported", "python package 'tensorboard'",
-                      f"a working install: pip install --force-reinstall '{pin}' ({type(e).__name__}: {detail})") from None
+                      f"a working install: pip install --force-reinstall '{pin}' "
+                      f"({type(e).__name__}: {detail})") from None
 
 
 def _nearest_existing(path: Path) -> Path:
