@@ -37,7 +37,7 @@ def main() -> int:
     args = p.parse_args()
     shutil.rmtree(args.run_dir, ignore_errors=True)
     cmd = [str(Path(sys.executable).with_name("seg-train")), "--config", str(ROOT / "configs" / "demo.yaml"),
-           "--gpus", str(args.gpus), "--run-dir", args.run_dir,
+           "--gpus", str(args.gpus), "--run-dir", args.run_dir, "--set", f"data.root={ROOT / 'data' / 'demo'}",
            "--set", f"train.num_steps={args.steps}", "--set", "data.crop_size=[48,48]",
            "--set", "train.summary_every=100", "--set", "train.image_summary_every=500",
            "--set", "train.checkpoint_every=1000", "--set", "eval.bn_reestimate_batches=0"]

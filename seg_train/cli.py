@@ -15,6 +15,7 @@ import sys
 import tempfile
 import traceback
 
+from seg_train import preflight
 from seg_train.config import ConfigError
 
 log = logging.getLogger("seg_train")
@@ -87,8 +88,10 @@ def user_error(e: BaseException) -> str | None:
     """The one-line message for an exception caused by user input, or None for a bug."""
     if isinstance(e, ConfigError):
         return str(e)
-    from seg_train.reader import BadSample
-    if isinstance(e, BadSample):
+    # Only once the reader is loaded can `e` be one of its BadSamples; importing it here would start
+    # TensorFlow (and its start-up noise) just to report an error raised before it was needed.
+    reader = sys.modules.get("seg_train.reader")
+    if reader is not None and isinstance(e, reader.BadSample):
         return str(e)
     tf = sys.modules.get("tensorflow")
     if tf is not None and isinstance(e, tf.errors.OpError):
@@ -139,7 +142,54 @@ def run_guarded(main, args) -> int:
         return EXIT_INTERNAL
 
 
+def version_text(debug: bool = False) -> str:
+    """seg-train's version, then TensorFlow's and Keras' (and TensorBoard's), one per line.
+
+    Read from the installed packages' metadata: importing TensorFlow just to print its version takes
+    seconds. TensorFlow is imported (quietly) only if its distribution is not found under its usual
+    name.
+    """
+    from importlib import metadata
+
+    import seg_train
+
+    def installed(dist: str, module: str | None = None) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+        if module is None:
+            return "not installed"
+        try:
+            with quiet_stderr(debug):
+                return __import__(module).__version__
+        except Exception:  # noqa: BLE001 - a version line must never fail
+            return "not installed"
+
+    return "\n".join([f"seg-train {seg_train.__version__}",
+                      f"TensorFlow {installed('tensorflow', 'tensorflow')}",
+                      f"Keras {installed('keras', 'keras')}",
+                      f"TensorBoard {installed('tensorboard')}"])
+
+
+class _VersionAction(argparse.Action):
+    """--version: the versions, exit 0 (before the required arguments are checked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit(0)
+
+
+def _version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the seg-train, TensorFlow, Keras and TensorBoard versions and exit")
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
+    _version(parser)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (dotted, YAML-typed; repeatable), e.g. --set train.num_steps=100")
@@ -147,8 +197,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show tracebacks and TensorFlow's own logs")
 
 
-def _setup(args, run_dir_flag=None):
-    """Loads the config (no TF), imports TF quietly, picks devices and builds the strategy."""
+def _setup(args, run_dir_flag=None, checks=None):
+    """Loads the config (no TF), runs `checks(cfg)` (seg_train.preflight, no TF), imports TF quietly,
+    picks devices and builds the strategy."""
     from seg_train import config as config_lib
     setup_logging(args.debug)
     cfg = config_lib.load(args.config, args.overrides, run_dir_flag)
@@ -156,6 +207,8 @@ def _setup(args, run_dir_flag=None):
         raise ConfigError("invalid --gpus", "--gpus", f"expected a positive number of towers, got {args.gpus}")
     if getattr(args, "worker_index", None) is not None and not getattr(args, "workers", None):
         raise ConfigError("--worker-index without --workers", "--worker-index", "also --workers HOST:PORT,...")
+    if checks is not None:
+        checks(cfg)
     import_tensorflow(args.debug)
     from seg_train import replicas
     if getattr(args, "workers", None):
@@ -194,7 +247,9 @@ def train_main(argv=None) -> int:
     def main(args):
         if args.check_data:
             return check_data_main(args)
-        cfg, strategy = _setup(args, args.run_dir)
+        if args.init_from:
+            _precheck_checkpoint(args.init_from)
+        cfg, strategy = _setup(args, args.run_dir, checks=preflight.for_training)
         from seg_train.train import train
         return train(cfg, strategy, init_from=args.init_from, allow_config_change=args.allow_config_change)
 
@@ -225,7 +280,7 @@ def eval_main(argv=None) -> int:
 
     def main(args):
         _precheck_checkpoint(args.checkpoint)
-        cfg, strategy = _setup(args)
+        cfg, strategy = _setup(args, checks=preflight.for_evaluation)
         from seg_train.evaluate import run_eval
         run_eval(cfg, strategy, args.checkpoint, args.split)
         return 0
@@ -249,7 +304,7 @@ def predict_main(argv=None) -> int:
         collect_inputs(args.inputs)  # fail fast on a bad input, before TensorFlow starts
         check_output_dir(args.output)
         _precheck_checkpoint(args.checkpoint)
-        cfg, strategy = _setup(args)
+        cfg, strategy = _setup(args, checks=preflight.for_evaluation)
         from seg_train.predict import run_predict
         run_predict(cfg, strategy, args.checkpoint, args.inputs, args.output)
         return 0
@@ -271,7 +326,7 @@ def export_main(argv=None) -> int:
         from seg_train.export import check_output
         check_output(args.output, args.force)  # fail fast, before TensorFlow starts
         _precheck_checkpoint(args.checkpoint)
-        cfg, strategy = _setup(args)
+        cfg, strategy = _setup(args, checks=preflight.for_evaluation)
         from seg_train.export import run_export
         run_export(cfg, strategy, args.checkpoint, args.output, args.force)
         return 0
@@ -312,6 +367,7 @@ def bench_main(argv=None) -> int:
         prog="seg-bench", description="Benchmark the train step: images/s (global and per tower) and scaling "
         "efficiency for each tower count, the input pipeline alone and the time spent waiting for it, achieved "
         "FLOP/s against a peak measured in the same run, peak resident memory. See docs/PERFORMANCE.md.")
+    _version(parser)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (dotted, YAML-typed; repeatable), e.g. --set train.precision=mixed_bfloat16")
@@ -369,6 +425,7 @@ def bench_main(argv=None) -> int:
                     else:
                         variants.append((f"{key}={v}", config_lib.load(args.config, args.overrides + [f"{key}={v}"]),
                                          args.input))
+        preflight.for_evaluation(cfg)
         import_tensorflow(args.debug)
         from seg_train import bench, replicas
         with quiet_stderr(args.debug):

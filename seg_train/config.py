@@ -64,7 +64,9 @@ def _label_value(v):
 
 @dataclass(frozen=True)
 class DataConfig:
-    root: Path = _c(check=None, path=True, doc="VOC-layout folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/)")
+    root: Path = _c(check=None, path=True,
+                    doc="VOC-layout folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/); "
+                        "with synthetic: true, default data/<config name> in the current folder")
     num_classes: int = _c(check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]", doc="number of classes")
     train_split: str = _c("train", doc="split name under ImageSets/Segmentation/, or a list file of 'image label' pairs")
     val_split: str = _c("val", doc="split used for evaluation")
@@ -306,6 +308,9 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError("config file not found", str(path), "expected an existing YAML file") from None
     except OSError as e:
         raise ConfigError("cannot read config", str(path), str(e.strerror or e)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("cannot read config", str(path),
+                          f"a UTF-8 text YAML file (byte {e.start} is not UTF-8)") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.constructor.ConstructorError as e:
@@ -342,6 +347,11 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
         key, value = parse_override(text)
         _set_dotted(raw, key, value)
         cli_paths[key] = value
+    data = raw.get("data")
+    if isinstance(data, dict) and data.get("synthetic") is True and data.get("root") is None:
+        # Generated data needs no place of its own: like the default run dir, it goes under the
+        # current folder, so a copied demo config works wherever it is run.
+        data["root"] = str(cwd / "data" / path.stem)
     cfg = _build(Config, raw, "", base_dir)
     for key, value in cli_paths.items():
         if key in ("run_dir", "data.root", "model.backbone_weights") and isinstance(value, str) and value:

@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         root = generate(args.out_dir, args.num_train, args.num_val, tuple(args.size), args.num_classes, args.seed)
     except (ValueError, FileExistsError) as exc:
         parser.exit(2, f"error: {exc}\n")
+    except OSError as exc:  # a read-only or full disk
+        parser.exit(2, f"error: cannot write the data set ({args.out_dir}): {exc.strerror or exc}\n")
     print(root)
     return 0
 

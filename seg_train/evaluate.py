@@ -31,6 +31,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
+from seg_train import preflight
 from seg_train.config import Config, ConfigError
 from seg_train.metrics import SegMetrics, compute_metrics, format_table, metrics_to_json
 from seg_train.palette import load_class_names
@@ -145,7 +146,12 @@ def ensure_data(cfg: Config) -> None:
     """Generates the synthetic demo data set at data.root if the config asks for it."""
     if cfg.data.synthetic:
         from seg_train import demo_data
-        demo_data.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+        preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
+        try:
+            demo_data.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+        except OSError as e:  # e.g. the disk filled up while writing
+            raise ConfigError("cannot generate the synthetic data set", str(cfg.data.root),
+                              f"a folder with room to write it ({e.strerror or e})") from None
 
 
 def run_dir_of(prefix: str) -> Path:
@@ -228,6 +234,9 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
       The JSON record that was written.
     """
     split = split or cfg.data.val_split
+    # The JSON goes next to the checkpoint's run dir: check it can be written before the work.
+    out_dir = run_dir_of(os.path.abspath(ckpt_lib.resolve(checkpoint))) / "eval"
+    preflight.check_creatable_dir(out_dir, "eval output folder", "write access to the checkpoint's run dir")
     ensure_data(cfg)
     reader = ImageReader(cfg.data, split, cfg.seed)
     names = class_names_of(cfg)
@@ -241,7 +250,7 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
     metrics, num_images = evaluate(trainer, reader, names, progress)
     record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
               "bn_stats_reestimated": reestimated, **metrics_to_json(metrics, names)}
-    path = run_dir_of(prefix) / "eval" / f"{_split_tag(split)}-step{step}.json"
+    path = out_dir / f"{_split_tag(split)}-step{step}.json"
     write_json(path, record)
     print(format_table(metrics, names))
     print(f"{num_images} images, step {step}: mIoU {100 * metrics.miou:.2f}%; wrote {path}")

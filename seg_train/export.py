@@ -65,6 +65,13 @@ def check_output(path: str | os.PathLike, force: bool) -> Path:
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ConfigError("output folder is not empty", str(out),
                           "expected a new or empty folder (pass --force to replace it)")
+    from seg_train.preflight import check_creatable_dir
+    check_creatable_dir(out, "output folder", "choose another --output")
+    # The SavedModel is written beside `out` and renamed into place: the parent must be writable too.
+    parent = Path(os.path.abspath(out)).parent
+    if parent.is_dir() and not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("output's parent folder is not writable", str(parent),
+                          "a folder you can write to: the SavedModel is written beside --output, then renamed")
     return out
 
 

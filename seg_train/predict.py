@@ -85,6 +85,8 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise ConfigError("output is a file", str(out), "expected a folder for the predictions (created if missing)")
+    from seg_train.preflight import check_creatable_dir
+    check_creatable_dir(out, "output folder", "choose another --output")
     return out
 
 

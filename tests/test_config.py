@@ -1,5 +1,7 @@
 """Config loading: strict keys, types, ranges, paths relative to the file, --set overrides. No TF."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -97,3 +99,26 @@ def test_resolved_config_round_trips(tmp_path):
     out = tmp_path / "resolved.yaml"
     C.dump(cfg, out)
     assert C.from_dict(yaml.safe_load(out.read_text())) == cfg
+
+
+def test_synthetic_data_root_defaults_to_current_folder(tmp_path, monkeypatch):
+    """A copied demo config (no paths in it) keeps its data and run under the folder it is run from."""
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    demo = (Path(__file__).resolve().parents[1] / "configs" / "demo.yaml").read_text()
+    cfg = C.load(write(tmp_path, demo, "demo.yaml"))
+    assert cfg.data.root == cwd / "data" / "demo"
+    assert cfg.run_dir == cwd / "runs" / "demo"
+    # Given, it is relative to the config file as always; without synthetic data it is required.
+    assert C.load(write(tmp_path, {"data": {"synthetic": True, "root": "d", "num_classes": 3}})).data.root == \
+        tmp_path / "d"
+    assert err(tmp_path, {"data": {"num_classes": 3}}).startswith("missing required value (data.root)")
+
+
+def test_non_utf8_config_is_a_user_error(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"data:\n  root: \xff\xfe\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p)
+    assert str(e.value) == f"cannot read config ({p}): a UTF-8 text YAML file (byte 14 is not UTF-8)"

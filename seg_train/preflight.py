@@ -1,0 +1,141 @@
+"""Checks made before a command does any work, for what a plain install or an ordinary config can miss.
+
+Each check raises ConfigError (one line on stderr, exit 2) instead of letting the command fail part
+way through with an internal error. Nothing here imports TensorFlow or writes anything: the checks
+run before TensorFlow's slow start and leave the file system as they found it (a run directory is
+only created once training is known to start).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from seg_train.config import Config, ConfigError
+
+
+def _requirement(name: str) -> str:
+    """`name` with the version pin seg-train is installed with (e.g. 'tensorboard==2.21.*')."""
+    from importlib import metadata
+    try:
+        for req in metadata.requires("seg-train") or ():
+            if re.match(rf"{re.escape(name)}\s*[=<>!~]", req) and ";" not in req:
+                return req.replace(" ", "")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        pass
+    if name == "tensorboard":  # TensorBoard's releases follow TensorFlow's minor versions
+        try:
+            return "tensorboard==" + ".".join(metadata.version("tensorflow").split(".")[:2]) + ".*"
+        except metadata.PackageNotFoundError:
+            pass
+    return name
+
+
+def check_summary_backend() -> None:
+    """TensorBoard's summary ops import, so tf.summary can write.
+
+    tf.summary.scalar/image live in the `tensorboard` package; without it TensorFlow only fails at
+    the first summary, a step into training, with its own TBNotInstalledError. The imports below are
+    the ones tf.summary makes, without importing TensorFlow.
+    """
+    pin = _requirement("tensorboard")
+    try:
+        import tensorboard  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name == "tensorboard":
+            raise ConfigError("TensorBoard is not installed", "python package 'tensorboard'",
+                              f"pip install '{pin}' (tf.summary needs it to write the run's summaries)") from None
+        _broken(e, pin)
+    except Exception as e:  # noqa: BLE001 - a broken install fails in many ways; all mean "reinstall"
+        _broken(e, pin)
+    try:
+        from tensorboard.summary.v2 import image, scalar  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        _broken(e, pin)
+
+
+def _broken(e: Exception, pin: str):
+    detail = (str(e).strip().splitlines() or [""])[0][:200]
+    raise ConfigError("TensorBoard cannot be imported", "python package 'tensorboard'",
+                      f"a working install: pip install --force-reinstall '{pin}' "
+                      f"({type(e).__name__}: {detail})") from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_creatable_dir(path: str | os.PathLike, what: str, hint: str) -> Path:
+    """`path` is a folder we can write in, or can be created as one; nothing is created.
+
+    Args:
+      path: the folder.
+      what: how the message names it ("run dir", ...).
+      hint: what to do instead, for the message.
+    Returns:
+      The absolute path.
+    """
+    path = Path(os.path.abspath(path))
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{what} is a file", str(path), "a directory (or a path that does not exist yet)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what} is not writable", str(path), f"a folder you can write to ({hint})")
+        return path
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise ConfigError(f"{what} cannot be created", str(path), f"{base} is a file, not a folder ({hint})")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} cannot be created", str(path),
+                          f"a location you can write to; {base} is not writable ({hint})")
+    return path
+
+
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """The run dir, and what training rewrites inside an existing one, can be written."""
+    hint = "set run_dir or pass --run-dir"
+    path = check_creatable_dir(run_dir, "run dir", hint)
+    for name in ("checkpoints", "best", "train.lock"):
+        p = path / name
+        if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
+            raise ConfigError("run dir is not writable", str(p), f"write access to what seg-train keeps there ({hint})")
+
+
+def check_synthetic_data(cfg: Config) -> None:
+    """With data.synthetic, the demo data set is either complete at data.root or can be generated there."""
+    from seg_train.demo_data import COMPLETE_MARKER
+
+    root = Path(cfg.data.root)
+    if not cfg.data.synthetic or (root / COMPLETE_MARKER).is_file():
+        return
+    if root.is_dir() and any(root.iterdir()):
+        raise ConfigError("not the synthetic data set", f"data.root: {root}",
+                          f"an empty or new folder for data.synthetic: true (this one has files but no "
+                          f"{COMPLETE_MARKER}; never overwritten), or data.synthetic: false for your own data")
+    check_creatable_dir(root, "synthetic data folder", "set data.root to a folder you can write to")
+
+
+def check_data_root(cfg: Config) -> None:
+    """data.root is a folder (or the synthetic data set can be generated there)."""
+    if cfg.data.synthetic:
+        check_synthetic_data(cfg)
+        return
+    root = Path(cfg.data.root)
+    if not root.is_dir():
+        raise ConfigError("data root not found", "data.root", f"expected a VOC-layout folder, got {str(root)!r}")
+
+
+def for_training(cfg: Config) -> None:
+    """Everything seg-train needs that can be checked before TensorFlow starts."""
+    check_summary_backend()
+    check_data_root(cfg)
+    check_run_dir(cfg.run_dir)
+
+
+def for_evaluation(cfg: Config) -> None:
+    """seg-eval, seg-predict, seg-export, seg-bench: the synthetic data they may generate can be."""
+    check_synthetic_data(cfg)

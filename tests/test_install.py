@@ -1,0 +1,136 @@
+"""What an installed seg-train does before any work: --version, and the pre-flight checks (seg_train.preflight)
+for a bad install or an unwritable place, through the real console scripts. No training here (scripts/check_wheel.sh
+trains from a built wheel)."""
+
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+import seg_train
+from seg_train import preflight
+from seg_train.config import ConfigError
+from tests.helpers import tiny_config
+
+COMMANDS = {"seg-train": "train_main", "seg-eval": "eval_main", "seg-predict": "predict_main",
+            "seg-export": "export_main", "seg-bench": "bench_main"}
+
+
+def command(name):
+    """The installed console script next to this Python, else the same entry point through -c."""
+    script = Path(sys.executable).with_name(name)
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", f"import sys; from seg_train.cli import {COMMANDS[name]} as m; sys.exit(m())"]
+
+
+def run(name, args, cwd, pythonpath=None):
+    env = dict(os.environ)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run(command(name) + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_version_on_every_command(tmp_path, name):
+    r = run(name, ["--version"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[:3] == [f"seg-train {seg_train.__version__}",
+                                         f"TensorFlow {metadata.version('tensorflow')}",
+                                         f"Keras {metadata.version('keras')}"], r.stdout
+    assert r.stderr == ""  # read from package metadata: TensorFlow is not even started
+
+
+def synthetic_config(tmp_path):
+    """A tiny synthetic-data config in tmp_path/cfg; its data and run would go under tmp_path."""
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    raw = {"run_dir": "../run", "data": {"root": "../data", "synthetic": True, "num_classes": 3, "batch_size": 2,
+                                          "crop_size": [32, 32]},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": 1}}
+    (folder / "c.yaml").write_text(yaml.safe_dump(raw))
+    return folder / "c.yaml"
+
+
+def assert_one_line_error(r, start, tmp_path):
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith(start), r.stderr
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr
+    # Checked before any work: neither the run dir nor the synthetic data set was created.
+    assert not (tmp_path / "run").exists() and not (tmp_path / "data").exists()
+
+
+def test_missing_tensorboard_is_one_line_before_any_work(tmp_path):
+    # What `pip uninstall tensorboard` leaves: `import tensorboard` raises ModuleNotFoundError (None in
+    # sys.modules is how Python itself marks a module as absent).
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "sitecustomize.py").write_text("import sys\nsys.modules['tensorboard'] = None\n")
+    r = run("seg-train", ["--config", str(synthetic_config(tmp_path)), "--gpus", "2"], tmp_path, pythonpath=stub)
+    pin = "tensorboard==" + ".".join(metadata.version("tensorflow").split(".")[:2]) + ".*"
+    assert_one_line_error(r, f"error: TensorBoard is not installed (python package 'tensorboard'): pip install '{pin}'",
+                          tmp_path)
+
+
+def test_broken_tensorboard_is_one_line(tmp_path):
+    stub = tmp_path / "stub" / "tensorboard"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('cannot import name builder (a protobuf mismatch)')\n")
+    r = run("seg-train", ["--config", str(synthetic_config(tmp_path))], tmp_path, pythonpath=stub.parent)
+    assert_one_line_error(r, "error: TensorBoard cannot be imported (python package 'tensorboard'): a working "
+                          "install: pip install --force-reinstall 'tensorboard==", tmp_path)
+    assert "(ImportError: cannot import name builder (a protobuf mismatch))" in r.stderr
+
+
+@pytest.mark.parametrize("name, args, expected", [
+    ("seg-train", ["--run-dir", "cfg/c.yaml/run"], "error: run dir cannot be created ({tmp}/cfg/c.yaml/run): "
+                                                   "{tmp}/cfg/c.yaml is a file, not a folder"),
+    ("seg-train", ["--set", "data.root=cfg"], "error: not the synthetic data set (data.root: {tmp}/cfg): an empty "
+                                              "or new folder"),
+    ("seg-predict", ["--checkpoint", "cfg", "--output", "cfg/c.yaml/out", "cfg/img.png"],
+     "error: output folder cannot be created ({tmp}/cfg/c.yaml/out): {tmp}/cfg/c.yaml is a file, not a folder"),
+    ("seg-export", ["--checkpoint", "cfg", "--output", "cfg/c.yaml/out"],
+     "error: output folder cannot be created ({tmp}/cfg/c.yaml/out): {tmp}/cfg/c.yaml is a file, not a folder"),
+])
+def test_unwritable_places_are_one_line_errors(tmp_path, name, args, expected):
+    cfg = synthetic_config(tmp_path)
+    from PIL import Image
+    Image.new("RGB", (8, 8)).save(tmp_path / "cfg" / "img.png")
+    r = run(name, ["--config", str(cfg), *args], tmp_path)
+    assert_one_line_error(r, expected.format(tmp=tmp_path), tmp_path)
+
+
+def test_check_run_dir(tmp_path):
+    preflight.check_run_dir(tmp_path / "new" / "deeper")  # creatable: fine, and not created
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=r"^run dir is a file \("):
+        preflight.check_run_dir(tmp_path / "f")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only folder")
+def test_read_only_run_dir(tmp_path):
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o555)
+    try:
+        with pytest.raises(ConfigError, match=r"^run dir is not writable \("):
+            preflight.check_run_dir(tmp_path / "ro")
+        with pytest.raises(ConfigError, match=r"^run dir cannot be created \(.*is not writable"):
+            preflight.check_run_dir(tmp_path / "ro" / "run")
+    finally:
+        os.chmod(tmp_path / "ro", 0o755)
+
+
+def test_synthetic_data_folder_in_the_way(tmp_path):
+    cfg = tiny_config(tmp_path, data_root=tmp_path / "mine", data={"synthetic": True})
+    preflight.check_synthetic_data(cfg)  # absent: will be generated
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match=r"^not the synthetic data set \(data.root: "):
+        preflight.check_synthetic_data(cfg)
