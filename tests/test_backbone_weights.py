@@ -168,6 +168,18 @@ def test_file_layer_order_does_not_matter(keras2_files, tmp_path):
     np.testing.assert_array_equal(layer.moving_variance.numpy(), expected["block_1_project_BN/moving_variance:0"])
 
 
+
+def test_a_with_top_file_loads_without_its_classifier(tmp_path):
+    ref_model = tf_keras.applications.MobileNetV2(weights=None, include_top=True)
+    _perturb(ref_model, seed=5)
+    path = tmp_path / "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224.h5"
+    ref_model.save_weights(str(path))
+    assert "predictions" in _read_h5(path)
+    model = models.build(ModelConfig(backbone="mobilenetv2", backbone_weights=path, aspp_channels=8,
+                                     decoder_channels=8, low_level_channels=4), 3)
+    layer = models.backbone_of(model).get_layer("block_16_project")
+    np.testing.assert_array_equal(layer.kernel.numpy(), ref_model.get_layer("block_16_project").get_weights()[0])
+
 def test_wrong_files_are_refused_with_the_expected_file_named(keras2_files, tmp_path):
     cfg = ModelConfig(backbone="resnet50", backbone_weights=keras2_files["mobilenetv2"]["path"])
     with pytest.raises(ConfigError, match="does not match the backbone") as e:
