@@ -89,7 +89,7 @@ class ModelConfig:
     sync_batchnorm: bool = _c(False, doc="synchronized BN across towers (else per-tower statistics, moving stats averaged)")
     bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)", doc="momentum of every BatchNormalization layer")
     weight_decay: float = _c(4e-5, check=_non_negative, doc="L2 coefficient on conv/dense kernels")
-    backbone_weights: Optional[Path] = _c(None, path=True, doc="Keras ImageNet weights file for the backbone (.h5)")
+    backbone_weights: Optional[Path] = _c(None, path=True, doc="the Keras ImageNet weights file of the backbone (the include_top=False .h5 keras.applications downloads)")
     aspp_channels: int = _c(256, check=_positive, doc="channels of the ASPP branches")
     decoder_channels: int = _c(256, check=_positive, doc="channels of the decoder convolutions")
     low_level_channels: int = _c(48, check=_positive, doc="channels the low-level features are projected to")
