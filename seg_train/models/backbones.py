@@ -122,36 +122,50 @@ def _short_name(weight_name: str) -> str:
     return "kernel" if short == "depthwise_kernel" else short
 
 
-def load_keras_h5(model: keras.Model, path: Path, name: str) -> int:
-    """Copies a Keras 2 legacy .h5 weights file (what keras-applications publishes) into `model`.
-
-    Written by hand because Keras 3's `load_weights` reads these files topologically: the n-th
-    layer with weights in the file goes to the n-th layer with weights in the model, whatever the
-    names, so a file of another architecture with the same sequence of shapes loads silently, and
-    a file not named *.h5 is refused. Here layers are matched by name, every layer of the model
-    must be in the file and every layer of the file in the model (the ImageNet classifier of an
-    include_top=True file excepted), and each array must have the variable's shape. Within a
-    layer, arrays are matched by variable name (gamma, beta, moving_mean, ...), or in order when
-    the file's names are not Keras ones. Returns the number of arrays loaded.
-    """
+def read_keras_h5(path: Path, name: str) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """layer name -> [(weight name, array)] of a Keras 2 legacy .h5 weights file (layers with weights)."""
     where = str(path)
-    expected = f"expected the {name} ImageNet weights of keras-applications ({WEIGHT_FILES[name]})"
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        raise ConfigError("cannot read backbone weights", where, f"{expected}, an HDF5 file ({e})") from None
+        raise ConfigError("cannot read backbone weights", where, f"{_expected(name)}, an HDF5 file ({e})") from None
     with f:
         group = f["model_weights"] if "model_weights" in f else f  # a whole model saved with model.save()
         if "layer_names" not in group.attrs and "layer_names0" not in group.attrs:
             raise ConfigError("not a Keras 2 weights file", where,
-                              f"{expected}: a legacy Keras .h5 file with a 'layer_names' attribute "
+                              f"{_expected(name)}: a legacy Keras .h5 file with a 'layer_names' attribute "
                               "(Keras 3 '.weights.h5' files have another layout)")
         in_file = {}
-        for layer_name in _h5_names(group, "layer_names"):
-            layer_group = group[layer_name]
-            weight_names = _h5_names(layer_group, "weight_names")
-            if weight_names:
-                in_file[layer_name] = [(w, np.asarray(layer_group[w])) for w in weight_names]
+        try:
+            for layer_name in _h5_names(group, "layer_names"):
+                layer_group = group[layer_name]
+                weight_names = _h5_names(layer_group, "weight_names")
+                if weight_names:
+                    in_file[layer_name] = [(w, np.asarray(layer_group[w])) for w in weight_names]
+        except (KeyError, OSError, ValueError) as e:  # a listed layer or array missing, a truncated file
+            raise ConfigError("corrupt backbone weights file", where, f"{_expected(name)} ({e})") from None
+    return in_file
+
+
+def _expected(name: str) -> str:
+    return f"expected the {name} ImageNet weights of keras-applications ({WEIGHT_FILES[name]})"
+
+
+def load_keras_h5(model: keras.Model, in_file: dict, path: Path, name: str) -> int:
+    """Copies a Keras 2 legacy .h5 weights file (what keras-applications publishes) into `model`.
+
+    `in_file` is the file as `read_keras_h5` returns it (read before the model is built, so a bad
+    file is reported at once). Written by hand because Keras 3's `load_weights` reads these files
+    topologically: the n-th layer with weights in the file goes to the n-th layer with weights in
+    the model, whatever the names, so a file of another architecture with the same sequence of
+    shapes loads silently, and a file not named *.h5 is refused. Here layers are matched by name,
+    every layer of the model must be in the file and every layer of the file in the model (the
+    ImageNet classifier of an include_top=True file excepted), and each array must have the
+    variable's shape. Within a layer, arrays are matched by variable name (gamma, beta,
+    moving_mean, ...), or in order when the file's names are not Keras ones. Returns the number
+    of arrays loaded.
+    """
+    where, expected = str(path), _expected(name)
     in_model = {layer.name: layer for layer in model.layers if layer.weights}
     missing = [n for n in in_model if n not in in_file]
     extra = [n for n in in_file if n not in in_model and n not in _CLASSIFIER_LAYERS]
@@ -190,9 +204,12 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
               weights: Path | None = None) -> keras.Model:
     """A keras.applications backbone rebuilt as an atrous feature extractor with the configured BN."""
     ctor, low_name, high_name, plan = _APPS[name]
-    if weights is not None and not Path(weights).is_file():
-        raise ConfigError("backbone weights not found", "model.backbone_weights",
-                          f"expected a Keras ImageNet weights file ({WEIGHT_FILES[name]}), got {str(weights)!r}")
+    in_file = None
+    if weights is not None:
+        if not Path(weights).is_file():
+            raise ConfigError("backbone weights not found", "model.backbone_weights",
+                              f"expected a Keras ImageNet weights file ({WEIGHT_FILES[name]}), got {str(weights)!r}")
+        in_file = read_keras_h5(Path(weights), name)
     base = ctor()
     changes = plan(output_stride)
 
@@ -209,7 +226,7 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
 
     model = keras.models.clone_model(base, clone_function=clone)
     if weights is not None:
-        n = load_keras_h5(model, Path(weights), name)
+        n = load_keras_h5(model, in_file, Path(weights), name)
         log.info("loaded %d ImageNet weight arrays into the %s backbone from %s", n, name, weights)
     inputs = model.input
     if name.startswith("resnet"):
