@@ -91,12 +91,16 @@ class ModelConfig:
     sync_batchnorm: bool = _c(False, doc="synchronized BN across towers (else per-tower statistics, moving stats averaged)")
     bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)", doc="momentum of every BatchNormalization layer")
     weight_decay: float = _c(4e-5, check=_non_negative, doc="L2 coefficient on conv/dense kernels")
-    backbone_weights: Optional[Path] = _c(None, path=True, doc="Keras ImageNet weights file for the backbone (.h5)")
+    backbone_weights: Optional[Path] = _c(None, path=True, doc="the Keras ImageNet weights file of the backbone (the include_top=False .h5 keras.applications downloads)")
     aspp_channels: int = _c(256, check=_positive, doc="channels of the ASPP branches")
     decoder_channels: int = _c(256, check=_positive, doc="channels of the decoder convolutions")
     low_level_channels: int = _c(48, check=_positive, doc="channels the low-level features are projected to")
     fused_batchnorm: bool = _c(True, doc="BN as TensorFlow's fused kernel, Keras' semantics (models/fused_bn.py); false: Keras' unfused BN")
     fast_atrous: bool = _c(True, doc="dilated convs as one native conv, taps that only read padding dropped (exact; models/atrous.py)")
+    freeze_batchnorm: bool = _c(False, doc="every BN layer of the BACKBONE runs in inference mode with its loaded "
+                                           "statistics, gamma/beta frozen (Keras trainable=False; DeepLab's "
+                                           "fine_tune_batch_norm: false, for per-GPU batches too small for BN); "
+                                           "the head's BN layers train as usual")
 
 
 # train.allreduce_pack_mb's default, chosen by measurement (docs/PERFORMANCE.md, "packing").
@@ -137,6 +141,31 @@ class TrainConfig:
     allreduce_num_packs: int = _c(1, check=_positive, doc="one machine, nccl/hierarchical_copy: gradient packs")
     collective_timeout: float = _c(600.0, check=_positive,
                                    doc="multi-worker: seconds a collective may wait for a peer before the run stops")
+    backbone_lr_multiplier: float = _c(1.0, check=_positive,
+                                       doc="the backbone's variables learn at this multiple of the learning rate "
+                                           "(e.g. 0.1 when fine-tuning ImageNet weights); the head at 1x")
+
+
+def _class_weights(v):
+    if isinstance(v, str):
+        return None if v == "median_frequency" else "null, a list of per-class weights or 'median_frequency'"
+    if any(w < 0 for w in v):
+        return "weights >= 0"
+    if not any(w > 0 for w in v):
+        return "at least one weight above 0"
+    return None
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    class_weights: Optional[typing.Union[list[float], str]] = _c(
+        None, check=_class_weights,
+        doc="per-class loss weights: null (all 1), a list of data.num_classes weights >= 0, or 'median_frequency' "
+            "(SegNet's median frequency balancing from the train split's pixel counts); the loss is divided by "
+            "the sum of the weights of the pixels it counts")
+    top_k_percent_pixels: float = _c(1.0, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
+                                     doc="hard-pixel mining: the loss counts only this fraction of each image's "
+                                         "valid pixels, the ones with the largest (weighted) loss (1.0: all)")
 
 
 @dataclass(frozen=True)
@@ -149,6 +178,7 @@ class Config:
     data: DataConfig
     model: ModelConfig = _c(factory=ModelConfig)
     train: TrainConfig = _c(factory=TrainConfig)
+    loss: LossConfig = _c(factory=LossConfig)
     eval: EvalConfig = _c(factory=EvalConfig)
     seed: int = _c(0, check=_non_negative, doc="one seed for weights, data order and augmentation")
     run_dir: Optional[Path] = _c(None, path=True, doc="checkpoints, events and the resolved config (default runs/<config name>)")
@@ -158,7 +188,7 @@ class Config:
         return _to_plain(self)
 
 
-_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "eval": EvalConfig}
+_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "loss": LossConfig, "eval": EvalConfig}
 
 
 def _to_plain(obj):
@@ -171,6 +201,11 @@ def _to_plain(obj):
     return obj
 
 
+def _plural(tp) -> str:
+    """float -> 'numbers' (for 'a list of numbers')."""
+    return re.sub(r"^an? ", "", _type_name(tp)) + "s"
+
+
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -178,9 +213,9 @@ def _type_name(tp) -> str:
         return " or ".join(_type_name(a) for a in args) + " (or null)"
     if origin is tuple:
         args = typing.get_args(tp)
-        return f"a list of {len(args)} {_type_name(args[0])}s"
+        return f"a list of {len(args)} {_plural(args[0])}"
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+        return f"a list of {_plural(typing.get_args(tp)[0])}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}.get(tp, str(tp))
 
 
@@ -190,8 +225,19 @@ def _coerce(value, tp, key: str):
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(value, inner, key)
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        for option in inner[:-1]:  # several types (e.g. a list of weights or a name): the first that fits
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                if e.what != "wrong type":
+                    raise
+        try:
+            return _coerce(value, inner[-1], key)
+        except ConfigError as e:
+            if e.what != "wrong type":
+                raise
+            raise ConfigError("wrong type", key, f"expected {_type_name(tp)}, got {value!r}") from None
     bad = ConfigError("wrong type", key, f"expected {_type_name(tp)}, got {value!r}")
     if origin is tuple:
         args = typing.get_args(tp)
@@ -265,7 +311,7 @@ def _build(cls, raw: Any, prefix: str, base_dir: Path):
                 raise ConfigError("invalid value", key, f"expected one of {', '.join(map(str, meta['choices']))}, got {value!r}")
             problem = meta["check"](value) if meta.get("check") else None
             if problem:
-                raise ConfigError("out of range", key, f"expected {problem}, got {_to_plain(value)!r}")
+                raise ConfigError("invalid value" if isinstance(value, str) else "out of range", key, f"expected {problem}, got {_to_plain(value)!r}")
             if meta.get("path"):
                 value = Path(os.path.normpath(base_dir / Path(value).expanduser()))
         kwargs[name] = value
@@ -373,7 +419,12 @@ BACKBONE_NORMALIZATION = {
 
 
 def resolve_defaults(cfg: Config) -> Config:
-    """Fills defaults that depend on other keys (normalisation from the backbone)."""
+    """Fills defaults that depend on other keys (normalisation from the backbone); checks keys that depend on others."""
+    weights = cfg.loss.class_weights
+    if isinstance(weights, list) and len(weights) != cfg.data.num_classes:
+        raise ConfigError("wrong number of class weights", "loss.class_weights",
+                          f"expected one weight per class ({cfg.data.num_classes}, data.num_classes), "
+                          f"got {len(weights)}")
     mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
     if cfg.data.mean is None:
         cfg = replace(cfg, "data.mean", mean)

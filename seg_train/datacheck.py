@@ -26,6 +26,9 @@ class ScanReport:
     bad: list[tuple[Sample, str]] = field(default_factory=list)
     # Pixels per class; the last entry counts ignore_label pixels.
     histogram: np.ndarray | None = None
+    # Per class: the labelled (not ignore_label) pixels of the images where the class is present
+    # (the denominator of median frequency balancing, losses.median_frequency_weights).
+    image_pixels: np.ndarray | None = None
     seconds: float = 0.0
 
 
@@ -48,7 +51,8 @@ def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str =
          workers: int = 4) -> ScanReport:
     """Decodes and checks every sample (threads: Pillow releases the GIL while decoding)."""
     t0 = time.perf_counter()
-    report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64))
+    report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64),
+                        image_pixels=np.zeros(num_classes, np.int64))
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm
@@ -59,6 +63,8 @@ def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str =
                 report.bad.append((sample, problem))
             else:
                 report.histogram += counts
+                labelled = counts[:num_classes]
+                report.image_pixels += np.where(labelled > 0, labelled.sum(), 0)
             if bar is not None:
                 bar.update(1)
     if bar is not None:

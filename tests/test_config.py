@@ -122,3 +122,56 @@ def test_non_utf8_config_is_a_user_error(tmp_path):
     with pytest.raises(C.ConfigError) as e:
         C.load(p)
     assert str(e.value) == f"cannot read config ({p}): a UTF-8 text YAML file (byte 14 is not UTF-8)"
+
+
+def test_loss_section_and_fine_tuning_keys(tmp_path):
+    cfg = C.load(write(tmp_path, BASE))
+    assert cfg.loss == C.LossConfig(class_weights=None, top_k_percent_pixels=1.0)
+    assert cfg.model.freeze_batchnorm is False and cfg.train.backbone_lr_multiplier == 1.0
+    cfg = C.load(write(tmp_path, {**BASE, "loss": {"class_weights": [1, 2.5, 0], "top_k_percent_pixels": 0.25},
+                                  "model": {"freeze_batchnorm": True}, "train": {"backbone_lr_multiplier": 0.1}}))
+    assert cfg.loss.class_weights == [1.0, 2.5, 0.0] and cfg.loss.top_k_percent_pixels == 0.25
+    assert cfg.model.freeze_batchnorm is True and cfg.train.backbone_lr_multiplier == 0.1
+    cfg = C.load(write(tmp_path, BASE), ["loss.class_weights=median_frequency"])
+    assert cfg.loss.class_weights == "median_frequency"
+    out = tmp_path / "resolved.yaml"
+    C.dump(cfg, out)
+    assert C.from_dict(yaml.safe_load(out.read_text())) == cfg
+
+
+@pytest.mark.parametrize("loss, expected", [
+    ({"class_weights": "median"}, "invalid value (loss.class_weights): expected null, a list of per-class weights "
+                                  "or 'median_frequency', got 'median'"),
+    ({"class_weights": [1, 2]}, "wrong number of class weights (loss.class_weights): expected one weight per "
+                                "class (3, data.num_classes), got 2"),
+    ({"class_weights": [1, -1, 2]}, "out of range (loss.class_weights): expected weights >= 0, got [1.0, -1.0, 2.0]"),
+    ({"class_weights": [0, 0, 0]}, "out of range (loss.class_weights): expected at least one weight above 0"),
+    ({"class_weights": 2}, "wrong type (loss.class_weights): expected a list of numbers or a string (or null), got 2"),
+    ({"class_weights": ["a", "b", "c"]}, "wrong type (loss.class_weights): expected a list of numbers or a string"),
+    ({"top_k_percent_pixels": 0}, "out of range (loss.top_k_percent_pixels): expected a number in (0, 1], got 0.0"),
+    ({"top_k_percent_pixels": 1.5}, "out of range (loss.top_k_percent_pixels): expected a number in (0, 1]"),
+    ({"top_k_percent_pixel": 0.5}, "unknown key (loss.top_k_percent_pixel): did you mean 'top_k_percent_pixels'?"),
+])
+def test_loss_errors_name_key_and_expected(tmp_path, loss, expected):
+    assert err(tmp_path, {**BASE, "loss": loss}).startswith(expected)
+
+
+def test_backbone_lr_multiplier_must_be_positive(tmp_path):
+    msg = err(tmp_path, {**BASE, "train": {"backbone_lr_multiplier": 0}})
+    assert msg.startswith("out of range (train.backbone_lr_multiplier): expected a positive number")
+
+
+@pytest.mark.parametrize("key, value", [("model.freeze_batchnorm", True), ("train.backbone_lr_multiplier", 0.1),
+                                        ("loss.class_weights", "median_frequency"),
+                                        ("loss.class_weights", [1.0, 2.0, 3.0]),
+                                        ("loss.top_k_percent_pixels", 0.5)])
+def test_new_keys_change_what_a_checkpoint_means(tmp_path, key, value):
+    from seg_train.rundir import check_resume_config
+
+    cfg = C.load(write(tmp_path, BASE))
+    old = cfg.to_dict()
+    del old["loss"], old["model"]["freeze_batchnorm"], old["train"]["backbone_lr_multiplier"]  # an older run
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    check_resume_config(cfg, tmp_path, allow_change=False)  # absent = the default: no change
+    with pytest.raises(C.ConfigError, match=f"changed: {key}"):
+        check_resume_config(C.replace(cfg, key, value), tmp_path, allow_change=False)

@@ -11,18 +11,66 @@ from seg_train.models import atrous, fused_bn
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 
-__all__ = ["build", "ResizeLike"]
+__all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "freeze_batchnorm"]
 
 
 def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     """DeepLabV3+ on the configured backbone; call inside `strategy.scope()` for one set of variables.
 
     The seed fixes the initial weights, so every run with the same config starts from the same model.
+    With `cfg.freeze_batchnorm` the backbone's BN layers are frozen (see `freeze_batchnorm`) before
+    anything reads `model.trainable_variables`.
     """
     keras.utils.set_random_seed(seed)
     with (contextlib.nullcontext() if cfg.fast_atrous else atrous.plain_keras(),
           contextlib.nullcontext() if cfg.fused_batchnorm else fused_bn.plain_keras()):
         backbone = build_backbone(cfg.backbone, cfg.output_stride, cfg.bn_momentum, cfg.sync_batchnorm,
                                   cfg.backbone_weights)
-        return deeplabv3plus(backbone, num_classes, cfg.output_stride, cfg.aspp_channels, cfg.decoder_channels,
-                             cfg.low_level_channels, cfg.bn_momentum, cfg.sync_batchnorm)
+        model = deeplabv3plus(backbone, num_classes, cfg.output_stride, cfg.aspp_channels, cfg.decoder_channels,
+                              cfg.low_level_channels, cfg.bn_momentum, cfg.sync_batchnorm)
+    if cfg.freeze_batchnorm:
+        freeze_batchnorm(backbone)
+    return model
+
+
+def _walk(layer):
+    yield layer
+    for child in getattr(layer, "layers", None) or []:
+        yield from _walk(child)
+
+
+def freeze_batchnorm(backbone: keras.Model) -> int:
+    """Sets `trainable = False` on every BatchNormalization layer of `backbone`; returns how many.
+
+    In Keras 3 that makes a BN layer normalise with its moving statistics even when called with
+    training=True, stop updating them, and move gamma/beta out of the trainable variables: the
+    layer is a fixed per-channel affine map (the loaded ImageNet statistics, DeepLab's
+    `fine_tune_batch_norm: false`). Precise BN (bn_stats.py) leaves such layers alone.
+
+    The backbone only: the head's BN layers have no loaded statistics (moving mean 0, variance 1),
+    and freezing them would also pin their gamma/beta at 1/0, leaving the head's bias-free convs
+    with neither normalisation nor a bias (DeepLab keeps gamma/beta trainable there, which Keras'
+    trainable flag cannot express).
+    """
+    layers = [layer for layer in _walk(backbone) if isinstance(layer, keras.layers.BatchNormalization)]
+    for layer in layers:
+        layer.trainable = False
+    return len(layers)
+
+
+def backbone_of(model: keras.Model) -> keras.Model:
+    """The backbone inside a model from `build` (its only nested keras.Model)."""
+    nested = [layer for layer in model.layers if isinstance(layer, keras.Model)]
+    if len(nested) != 1:
+        raise ValueError(f"expected one backbone model inside {model.name}, found {len(nested)}")
+    return nested[0]
+
+
+def backbone_variable_mask(model: keras.Model) -> list[bool]:
+    """For each of `model.trainable_variables`, in order: whether it belongs to the backbone.
+
+    What `train.backbone_lr_multiplier` scales. Compared by identity, so it holds for the
+    distributed variables of a model built in a strategy scope too.
+    """
+    backbone = {id(v) for v in backbone_of(model).trainable_variables}
+    return [id(v) in backbone for v in model.trainable_variables]

@@ -4,20 +4,25 @@ keras.applications models are built with plain strides (output stride 32) and th
 (momentum 0.999, unsynchronised). They are rebuilt here with `keras.models.clone_model`: the last
 stages lose their stride and gain dilation (DeepLab's atrous backbone, so output_stride is real),
 and every BatchNormalization layer gets the configured momentum and `synchronized` flag (setting it
-on the head alone would leave the backbone's BN per tower). Cloning re-initialises the weights, so
-ImageNet weights, if given, are copied over afterwards by layer name.
+on the head alone would leave the backbone's BN per tower). ImageNet weights, if given, are loaded
+into the rebuilt model by layer name (`load_keras_h5`).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import h5py
 import keras
+import numpy as np
 from keras import layers
 
 from seg_train.config import ConfigError
 from seg_train.models.atrous import conv2d_class
 from seg_train.models.bn import bn_class
+
+log = logging.getLogger("seg_train")
 
 
 def _bn(name, momentum, sync):
@@ -87,20 +92,125 @@ _APPS = {
 }
 
 
+# The include_top=False ImageNet files keras.applications downloads for each backbone (from
+# https://storage.googleapis.com/tensorflow/keras-applications/<model>/): Keras 2 legacy .h5 files.
+WEIGHT_FILES = {
+    "mobilenetv2": "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224_no_top.h5",
+    "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
+    "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
+}
+# The ImageNet classifier of the include_top=True files (keras-applications' and Keras' names for it):
+# not part of a backbone, so skipped when a user gives the file with the top.
+_CLASSIFIER_LAYERS = {"Logits", "predictions", "probs"}
+
+
+def _h5_names(group, attr: str) -> list[str]:
+    """A list attribute of a Keras legacy h5 group; Keras splits long ones into attr0, attr1, ..."""
+    if attr in group.attrs:
+        values = list(group.attrs[attr])
+    else:
+        values, i = [], 0
+        while f"{attr}{i}" in group.attrs:
+            values.extend(group.attrs[f"{attr}{i}"])
+            i += 1
+    return [v.decode("utf8") if isinstance(v, bytes) else str(v) for v in values]
+
+
+def _short_name(weight_name: str) -> str:
+    """'block_1_depthwise/depthwise_kernel:0' -> 'kernel': the variable's name as Keras 3 gives it."""
+    short = weight_name.split("/")[-1].split(":")[0]
+    return "kernel" if short == "depthwise_kernel" else short
+
+
+def read_keras_h5(path: Path, name: str) -> dict[str, list[tuple[str, np.ndarray]]]:
+    """layer name -> [(weight name, array)] of a Keras 2 legacy .h5 weights file (layers with weights)."""
+    where = str(path)
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise ConfigError("cannot read backbone weights", where, f"{_expected(name)}, an HDF5 file ({e})") from None
+    with f:
+        group = f["model_weights"] if "model_weights" in f else f  # a whole model saved with model.save()
+        if "layer_names" not in group.attrs and "layer_names0" not in group.attrs:
+            raise ConfigError("not a Keras 2 weights file", where,
+                              f"{_expected(name)}: a legacy Keras .h5 file with a 'layer_names' attribute "
+                              "(Keras 3 '.weights.h5' files have another layout)")
+        in_file = {}
+        try:
+            for layer_name in _h5_names(group, "layer_names"):
+                layer_group = group[layer_name]
+                weight_names = _h5_names(layer_group, "weight_names")
+                if weight_names:
+                    in_file[layer_name] = [(w, np.asarray(layer_group[w])) for w in weight_names]
+        except (KeyError, OSError, ValueError) as e:  # a listed layer or array missing, a truncated file
+            raise ConfigError("corrupt backbone weights file", where, f"{_expected(name)} ({e})") from None
+    return in_file
+
+
+def _expected(name: str) -> str:
+    return f"expected the {name} ImageNet weights of keras-applications ({WEIGHT_FILES[name]})"
+
+
+def load_keras_h5(model: keras.Model, in_file: dict, path: Path, name: str) -> int:
+    """Copies a Keras 2 legacy .h5 weights file (what keras-applications publishes) into `model`.
+
+    `in_file` is the file as `read_keras_h5` returns it (read before the model is built, so a bad
+    file is reported at once). Written by hand because Keras 3's `load_weights` reads these files
+    topologically: the n-th layer with weights in the file goes to the n-th layer with weights in
+    the model, whatever the names, so a file of another architecture with the same sequence of
+    shapes loads silently, and a file not named *.h5 is refused. Here layers are matched by name,
+    every layer of the model must be in the file and every layer of the file in the model (the
+    ImageNet classifier of an include_top=True file excepted), and each array must have the
+    variable's shape. Within a layer, arrays are matched by variable name (gamma, beta,
+    moving_mean, ...), or in order when the file's names are not Keras ones. Returns the number
+    of arrays loaded.
+    """
+    where, expected = str(path), _expected(name)
+    in_model = {layer.name: layer for layer in model.layers if layer.weights}
+    missing = [n for n in in_model if n not in in_file]
+    extra = [n for n in in_file if n not in in_model and n not in _CLASSIFIER_LAYERS]
+    if missing or extra:
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} of the backbone's {len(in_model)} layers are not in the file "
+                            f"(e.g. {', '.join(missing[:3])})")
+        if extra:
+            problems.append(f"the file has {len(extra)} layers the backbone has not (e.g. {', '.join(extra[:3])})")
+        raise ConfigError("weights file does not match the backbone", where, f"{expected}; {'; '.join(problems)}")
+    pairs = []
+    for layer_name, layer in in_model.items():
+        variables, arrays = list(layer.weights), in_file[layer_name]
+        if len(arrays) != len(variables):
+            raise ConfigError("weights file does not match the backbone", where,
+                              f"{expected}; layer {layer_name} has {len(variables)} weights, "
+                              f"the file {len(arrays)}")
+        by_name = {_short_name(w): a for w, a in arrays}
+        if len(by_name) == len(arrays) and set(by_name) == {v.name for v in variables}:
+            matched = [(v, by_name[v.name]) for v in variables]
+        else:
+            matched = list(zip(variables, (a for _, a in arrays)))
+        for v, a in matched:
+            if tuple(a.shape) != tuple(v.shape):
+                raise ConfigError("weights file does not match the backbone", where,
+                                  f"{expected}; {layer_name}/{v.name} has shape {tuple(v.shape)}, "
+                                  f"the file {tuple(a.shape)}")
+        pairs.extend(matched)
+    for v, a in pairs:
+        v.assign(a.astype(v.dtype))
+    return len(pairs)
+
+
 def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
               weights: Path | None = None) -> keras.Model:
     """A keras.applications backbone rebuilt as an atrous feature extractor with the configured BN."""
     ctor, low_name, high_name, plan = _APPS[name]
-    base = ctor()
+    in_file = None
     if weights is not None:
         if not Path(weights).is_file():
             raise ConfigError("backbone weights not found", "model.backbone_weights",
-                              f"expected a Keras ImageNet weights file (no_top .h5), got {str(weights)!r}")
-        try:
-            base.load_weights(str(weights))
-        except Exception as e:  # Keras raises several types for a wrong file; all mean the same to a user
-            raise ConfigError("cannot load backbone weights", str(weights),
-                              f"expected {name} include_top=False weights ({str(e).splitlines()[0][:200]})") from None
+                              f"expected a Keras ImageNet weights file ({WEIGHT_FILES[name]}), got {str(weights)!r}")
+        in_file = read_keras_h5(Path(weights), name)
+    base = ctor()
     changes = plan(output_stride)
 
     def clone(layer):
@@ -116,9 +226,8 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
 
     model = keras.models.clone_model(base, clone_function=clone)
     if weights is not None:
-        for src in base.layers:
-            if src.weights:
-                model.get_layer(src.name).set_weights(src.get_weights())
+        n = load_keras_h5(model, in_file, Path(weights), name)
+        log.info("loaded %d ImageNet weight arrays into the %s backbone from %s", n, name, weights)
     inputs = model.input
     if name.startswith("resnet"):
         # Keras' ResNet ImageNet weights expect BGR ('caffe' preprocessing); the reader gives RGB minus
