@@ -249,7 +249,8 @@ class Trainer:
         return self._tower(tv, st, images, labels, loss_scale, tower_index, stop, want_preds, unrolled=False)
 
     # ---- after the all-reduce: normalise, decay, clip, apply ------------------------------------------
-    def _apply_from_handles(self, packs, var_handles, slot_handles, state_handles, lr, t, loss_scale, want_details):
+    def _apply_from_handles(self, packs, var_handles, slot_handles, state_handles, lr, t, loss_scale, want_details,
+                            apply_update):
         """Turns the reduced packs into the update and applies it on this tower's variables (traced once).
 
         The arithmetic runs on the flat packs (a handful of ops per pack, not per variable): graph
@@ -297,14 +298,16 @@ class Trainer:
             with tf.control_dependencies(ops):
                 return tf.constant(True)
 
-        applied = tf.cond(finite, apply, lambda: tf.constant(False))
+        applied = tf.cond(finite & apply_update, apply, lambda: tf.constant(False))
         # Per-variable norms of the update's gradient (before clipping), for the histogram.
         var_norms = tf.cond(want_details, lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
                             lambda: tf.zeros([len(grads)]))
         return {"applied": applied, "global_norm": global_norm, "clipped": clipped & applied,
                 "loss_total": loss_total, "norm_total": norm_total, "weight_decay": weight_decay,
                 "towers": towers, "stop": scalars[-1], "tower_grad_norm": tf.sqrt(towers[:, 2]) * to_mean,
-                "var_grad_norms": var_norms}
+                "var_grad_norms": var_norms, "finite_update": finite,
+                # For probe(): the update's gradient (after clipping) and the BN statistics it would set.
+                "gradients": grads, "bn_stats": bn}
 
     # ---- the step ------------------------------------------------------------------------------------
     def _signatures(self, images):
@@ -333,11 +336,11 @@ class Trainer:
                       collectives.pack_sizes(state_shapes, self._state_layout)]
         apply = self._apply_fn.get_concrete_function(
             pack_specs, [res] * len(self.variables), [[res] * len(s) for s in self._slots], [res] * len(self.state),
-            scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool))
+            scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool), scalar(tf.bool))
         self._concrete[key] = (tower, apply)
         return tower, apply
 
-    def _replica(self, images, labels, lr, t, loss_scale, stop, want_images):
+    def _replica(self, images, labels, lr, t, loss_scale, stop, want_images, apply_update=True):
         """One tower's part of the step (replica context)."""
         tower, apply = self._signatures(images)  # traced in _train_step already; a lookup here
         index = collectives.replica_id()
@@ -351,7 +354,7 @@ class Trainer:
         with tf.name_scope("cross_tower"):
             packs = collectives.all_reduce_sum(packs)
         out = apply(packs, _handles(self.variables), [_handles(s) for s in self._slots], _handles(self.state), lr, t,
-                    loss_scale, want_images)
+                    loss_scale, want_images, tf.constant(apply_update))
         out["preds"] = preds
         return out
 
@@ -373,6 +376,11 @@ class Trainer:
         loss_scale = tf.identity(self.loss_scale)
         out = s.run(self._replica, (images, labels, tf.cast(lr, tf.float32), t, loss_scale,
                                     tf.convert_to_tensor(stop), tf.convert_to_tensor(want_images)))
+        return self._finish_step(out)
+
+    def _finish_step(self, out) -> dict:
+        """Cross-replica end of a step: counters, loss scale, and the outputs the host reads."""
+        s = self.strategy
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731  (identical on every tower)
         applied = first(out["applied"])
         self.optimizer.iterations.assign_add(tf.cast(applied, tf.int64))
@@ -397,6 +405,32 @@ class Trainer:
             "preds": s.experimental_local_results(out["preds"]),
             "var_grad_norms": first(out["var_grad_norms"]),
         }
+
+    def _probe(self, batch):
+        """The update's gradient and new BN statistics for a batch, computed as train_step does, nothing applied."""
+        images, labels = batch
+        s = self.strategy
+        self._signatures(s.experimental_local_results(images)[0])
+        t = tf.cast(self.optimizer.iterations + 1, tf.float32)
+        out = s.run(self._replica, (images, labels, tf.constant(0.0), t, tf.identity(self.loss_scale),
+                                    tf.constant(False), tf.constant(False), False))
+        first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731
+        return {"loss": first(out["loss_total"]) / tf.maximum(first(out["norm_total"]), 1.0),
+                "gradients": [first(g) for g in out["gradients"]], "bn_stats": [first(b) for b in out["bn_stats"]],
+                "global_norm": first(out["global_norm"])}
+
+    def probe(self, batch) -> dict:
+        """The update's gradient (list, aligned with model.trainable_variables, after clipping), the BN
+        moving statistics it would set (aligned with `bn_variables`), the loss and the global norm, for
+        one distributed batch; nothing is applied and no counter moves (seg-bench --verify-towers)."""
+        if not hasattr(self, "_probe_fn"):
+            self._probe_fn = tf.function(self._probe)
+        return self._probe_fn(batch)
+
+    @property
+    def bn_variables(self) -> list:
+        """The BN moving statistics the step updates, in the order probe() returns them."""
+        return [self.state[i] for i in self._bn_pos]
 
     def _update_loss_scale(self, applied, loss_finite):
         """Dynamic loss scaling: halve on a gradient overflow, double after 2000 applied steps (Keras' defaults)."""
