@@ -30,6 +30,8 @@ import logging
 import numpy as np
 import tensorflow as tf
 
+from seg_train.config import ConfigError
+
 log = logging.getLogger("seg_train")
 
 
@@ -133,8 +135,6 @@ def class_weights_for(cfg, scan_report, class_names=None) -> np.ndarray | None:
     `scan_report` is datacheck.scan's report of the TRAIN split (its pixel counts give
     'median_frequency'); `class_names` only name classes in warnings.
     """
-    from seg_train.config import ConfigError
-
     weights = cfg.loss.class_weights
     if weights is None:
         return None

@@ -16,7 +16,8 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.palette import voc_colormap
-from seg_train import evaluate, replicas
+from seg_train import evaluate, losses, replicas
+from seg_train.evaluate import write_json
 from seg_train.metrics import format_table
 from seg_train.reader import BadSample, ImageReader, split_file
 from seg_train.rundir import RunLock, check_resume_config
@@ -109,13 +110,16 @@ def check_batch(cfg: Config, num_replicas: int) -> None:
                           f"expected a multiple of the {num_replicas} towers, got {cfg.data.batch_size}")
 
 
-def scan_split(cfg: Config, reader: ImageReader, what: str) -> None:
-    """Checks every sample of the reader's split before training; drops bad ones if on_bad_sample: skip."""
+def scan_split(cfg: Config, reader: ImageReader, what: str):
+    """Checks every sample of the reader's split before training; drops bad ones if on_bad_sample: skip.
+
+    Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
+    """
     from seg_train.datacheck import scan
     report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, what)
     log.info("checked %d %s samples in %.1fs: %d bad", report.num_samples, what, report.seconds, len(report.bad))
     if not report.bad:
-        return
+        return report
     if cfg.data.on_bad_sample == "error":
         more = f" (and {len(report.bad) - 1} more bad samples)" if len(report.bad) > 1 else ""
         raise BadSample(report.bad[0][1] + more)
@@ -125,6 +129,7 @@ def scan_split(cfg: Config, reader: ImageReader, what: str) -> None:
     reader.samples = [s for s in reader.samples if s.id not in bad]
     if not reader.samples:
         raise ConfigError("no usable samples", what, "at least one sample that passes the checks")
+    return report
 
 
 class _Loop:
@@ -247,11 +252,12 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
 def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change, stop) -> int:
     n = strategy.num_replicas_in_sync
     reader = prepare_data(cfg)
-    scan_split(cfg, reader, f"train ({cfg.data.train_split})")
+    train_report = scan_split(cfg, reader, f"train ({cfg.data.train_split})")
     val_reader = open_val(cfg)
     if val_reader is not None:
         scan_split(cfg, val_reader, f"val ({cfg.data.val_split})")
     names = evaluate.class_names_of(cfg)
+    class_weights = losses.class_weights_for(cfg, train_report, names)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
     if any((run_dir / "checkpoints").glob("ckpt-*.index")):
@@ -261,7 +267,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if stop.signum is not None:  # signalled during the checks: nothing written yet, nothing to save
         log.warning("interrupted by %s before training started", signal.Signals(stop.signum).name)
         return 128 + stop.signum
-    trainer = Trainer(cfg, strategy)
+    trainer = Trainer(cfg, strategy, class_weights=class_weights)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **trainer.checkpoint_objects())
     restored = ckpt.restore_latest()
     if write_dir != run_dir:
@@ -287,6 +293,12 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         lock.mark_owner()
     write_dir.mkdir(parents=True, exist_ok=True)
     config_lib.dump(cfg, write_dir / "config.yaml")
+    if class_weights is not None:
+        log.info("loss class weights (%s): %s", cfg.loss.class_weights if isinstance(cfg.loss.class_weights, str)
+                 else "given", ", ".join(f"{n} {w:.3g}" for n, w in zip(names, class_weights)))
+        write_json(write_dir / "class_weights.json",
+                   {"source": cfg.loss.class_weights if isinstance(cfg.loss.class_weights, str) else "config",
+                    "weights": {n: float(w) for n, w in zip(names, class_weights)}})
 
     # ---- data ---------------------------------------------------------------------------------------
     batch = cfg.data.batch_size

@@ -79,9 +79,11 @@ class Trainer:
     Args:
       cfg: the resolved config.
       strategy: a tf.distribute strategy (one replica per tower).
+      class_weights: the per-class loss weights (losses.class_weights_for), needed when
+        loss.class_weights is 'median_frequency' (computed from the train split's histogram).
     """
 
-    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy):
+    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, class_weights=None):
         self.cfg, self.strategy = cfg, strategy
         self.num_replicas = strategy.num_replicas_in_sync
         t = cfg.train
@@ -137,7 +139,15 @@ class Trainer:
                            for v in self.variables]
         else:
             self._slots = [[opt.momentums[opt._get_variable_index(v)]] for v in self.variables]
-        self._lr_mult = [1.0] * len(self.variables)
+        # train.backbone_lr_multiplier scales the learning rate (not the gradient: Adam would undo that).
+        self._lr_mult = [t.backbone_lr_multiplier if in_backbone else 1.0
+                         for in_backbone in models.backbone_variable_mask(self.model)]
+        if class_weights is None and cfg.loss.class_weights is not None:
+            if isinstance(cfg.loss.class_weights, str):
+                raise ConfigError("class weights not computed", "loss.class_weights",
+                                  "the weights from the train split's histogram (losses.class_weights_for)")
+            class_weights = cfg.loss.class_weights
+        self.class_weights = None if class_weights is None else np.asarray(class_weights, np.float32)
         self.accumulate = t.accumulate_steps
         self.pack_bytes = int(t.allreduce_pack_mb * 2 ** 20)
         # Synchronized BN across towers needs each tower's replica context while tracing (module doc).
@@ -192,7 +202,8 @@ class Trainer:
         with tf.GradientTape() as tape:
             tape.watch(tv)
             logits, new_state = self.model.stateless_call(tv, st, images, training=True)
-            loss_sum, normalizer = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
+            loss_sum, normalizer = losses.pixel_loss_sum(logits, labels, cfg.data.ignore_label, self.class_weights,
+                                                         cfg.loss.top_k_percent_pixels)
             scaled = loss_sum * scale
         grads = tape.gradient(scaled, tv, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = [tf.cast(g, tf.float32) for g in grads]
@@ -262,7 +273,9 @@ class Trainer:
         bn, scalars = state_flat[:-1], state_flat[-1]
         towers = tf.reshape(scalars[:-1], [n, _NF])
         loss_total, norm_total = tf.reduce_sum(towers[:, 0]), tf.reduce_sum(towers[:, 1])
-        to_mean = self._scale_back / loss_scale / tf.maximum(norm_total, 1.0)
+        # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
+        # when nothing counts, and then the loss gradient is 0, not a division by zero.
+        to_mean = tf.math.divide_no_nan(self._scale_back / loss_scale, norm_total)
         coeff = cfg.model.weight_decay
         # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
         decayed = [_read(h, v) if d else tf.zeros(v.shape) for h, v, d in zip(var_handles, self.variables, self._decay)]
@@ -389,11 +402,12 @@ class Trainer:
         if self.cfg.train.precision == "mixed_float16":
             self._update_loss_scale(applied, loss_finite)
         self.step.assign_add(1)
-        norm = tf.maximum(towers[:, 1], 1.0)
         return {
-            "loss": first(out["loss_total"]) / tf.maximum(first(out["norm_total"]), 1.0) + first(out["weight_decay"]),
+            "loss": tf.math.divide_no_nan(first(out["loss_total"]), first(out["norm_total"])) +
+            first(out["weight_decay"]),
             "weight_decay": first(out["weight_decay"]),
-            "tower_ce": towers[:, 0] / norm,  # each tower's own loss (its sum over its own normaliser)
+            # Each tower's own loss: its sum over its own normaliser.
+            "tower_ce": tf.math.divide_no_nan(towers[:, 0], towers[:, 1]),
             "tower_grad_norm": first(out["tower_grad_norm"]),
             "finite": towers[:, 3] > 0.5,
             "loss_finite": loss_finite,
@@ -415,7 +429,7 @@ class Trainer:
         out = s.run(self._replica, (images, labels, tf.constant(0.0), t, tf.identity(self.loss_scale),
                                     tf.constant(False), tf.constant(False), False))
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731
-        return {"loss": first(out["loss_total"]) / tf.maximum(first(out["norm_total"]), 1.0),
+        return {"loss": tf.math.divide_no_nan(first(out["loss_total"]), first(out["norm_total"])),
                 "gradients": [first(g) for g in out["gradients"]], "bn_stats": [first(b) for b in out["bn_stats"]],
                 "global_norm": first(out["global_norm"])}
 

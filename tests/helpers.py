@@ -27,6 +27,7 @@ def tiny_config(tmp_path: Path, data_root: Path | str = "data", **sections) -> c
             raw.setdefault(section, {}).update(values)
         else:
             raw[section] = values
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
     path = Path(tmp_path) / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     return config_lib.load(path)

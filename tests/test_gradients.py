@@ -1,0 +1,246 @@
+"""The gradient path: accumulation equals towers, clipping and gradient norms independent of the tower
+count, packed all-reduce exact, loss options tower-invariant.
+
+Each test would fail for a known wrong answer: micro-batches normalised by their own pixels or
+averaged (Keras' gradient_accumulation_steps), BN statistics carried from one micro-batch to the
+next, weight decay counted per micro-batch, per-tower clipping (Keras' clipnorm / global_clipnorm
+under a strategy), a norm taken before the all-reduce, a second reduction after packing.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from seg_train import demo_data, losses, replicas
+from seg_train.reader import ImageReader
+from seg_train.trainer import Trainer
+from tests.helpers import random_batch, tiny_config
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def strategy(n):
+    return replicas.make_strategy(replicas.Devices(DEVICES[:n], "CPU", ""))
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=20, num_val=2, size=(40, 48),
+                              num_classes=3)
+
+
+def run(cfg, towers, steps):
+    """`steps` updates through the real reader stream, as train.py feeds them."""
+    trainer = Trainer(cfg, strategy(towers))
+    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    k, b = cfg.train.accumulate_steps, cfg.data.batch_size
+    it = iter(trainer.distribute(lambda ctx: reader.train_dataset(
+        b, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id, ctx.num_input_pipelines, micro_batches=k)))
+    outs = [trainer.train_step(next(it)) for _ in range(steps)]
+    return trainer, outs
+
+
+def state(trainer):
+    """Weights (BN moving statistics included) and optimizer slots, by path."""
+    out = {v.path: np.asarray(v) for v in trainer.model.weights}
+    # Keras names each optimizer instance apart (adam, adam_1, ...): key slots by position.
+    out.update({f"optimizer/{i}": np.asarray(v) for i, v in enumerate(trainer.optimizer.variables)})
+    return out
+
+
+def assert_states_close(a, b, atol=None, rtol=None):
+    assert a.keys() == b.keys() and len(a) > 50
+    for key in a:
+        if rtol is not None:
+            scale = max(float(np.abs(a[key]).max()), 1e-6)
+            assert float(np.abs(a[key] - b[key]).max()) <= rtol * scale, key
+        else:
+            np.testing.assert_allclose(a[key], b[key], atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("towers, k, batch", [(1, 4, 2), (2, 2, 4)])
+def test_accumulation_equals_towers(tmp_path, data_root, towers, k, batch):
+    """K micro-batches of batch B on T towers == one step of batch K*B on K*T towers (no sync BN).
+
+    SGD with momentum: Adam's first steps are lr * g / |g| elementwise, which turns float rounding
+    in near-zero gradient elements into O(lr) differences and would hide the comparison.
+    """
+    common = dict(data_root=data_root, model={"sync_batchnorm": False, "bn_momentum": 0.5, "weight_decay": 0.05})
+    sgd = {"optimizer": "sgd", "learning_rate": 0.1}
+    ref_cfg = tiny_config(tmp_path / "ref", data={"batch_size": 8}, train=sgd, **common)
+    acc_cfg = tiny_config(tmp_path / "acc", data={"batch_size": batch}, train={**sgd, "accumulate_steps": k}, **common)
+    ref, ref_out = run(ref_cfg, 4, 2)
+    acc, acc_out = run(acc_cfg, towers, 2)
+    assert_states_close(state(ref), state(acc), atol=1e-5)
+    for a, b in zip(ref_out, acc_out):
+        np.testing.assert_allclose(float(a["loss"]), float(b["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(float(a["global_norm"]), float(b["global_norm"]), rtol=1e-4)
+    # It trained (an equality of two no-ops proves nothing), and the BN statistics moved.
+    fresh = Trainer(ref_cfg, strategy(1))
+    moved = max(float(np.abs(np.asarray(v) - np.asarray(w)).max())
+                for v, w in zip(fresh.model.weights, acc.model.weights))
+    assert moved > 1e-3
+
+
+def test_accumulation_equals_towers_mobilenetv2(tmp_path, data_root):
+    """The same on a real backbone, to the relative tolerance deep nets allow (summation order)."""
+    common = dict(data_root=data_root, model={"backbone": "mobilenetv2", "aspp_channels": 16, "decoder_channels": 16,
+                                              "low_level_channels": 8, "weight_decay": 1e-4},
+                  train={"optimizer": "sgd", "learning_rate": 0.05})
+    ref = run(tiny_config(tmp_path / "ref", data={"batch_size": 4}, **common), 4, 1)[0]
+    acc = run(tiny_config(tmp_path / "acc", data={"batch_size": 2},
+                          **{**common, "train": {**common["train"], "accumulate_steps": 2}}), 2, 1)[0]
+    a, b = state(ref), state(acc)
+    num = sum(float(np.sum((a[k] - b[k]) ** 2)) for k in a)
+    fresh = state(Trainer(tiny_config(tmp_path / "f", data={"batch_size": 4}, **common), strategy(1)))
+    step = sum(float(np.sum((a[k] - fresh[k]) ** 2)) for k in a)
+    assert step > 0 and num / step < 1e-4  # the two updates agree to 1% of the update (relative L2)
+
+
+def probe(cfg, towers, images, labels, class_weights=None):
+    trainer = Trainer(cfg, strategy(towers), class_weights=class_weights)
+    dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    return trainer, dist, trainer.probe(next(iter(dist)))
+
+
+def plain_gradient(cfg, images, labels):
+    """The update's gradient by the book: one model, one GradientTape, the global mean + decay."""
+    trainer = Trainer(cfg, strategy(1))
+    model = trainer.model
+    with tf.GradientTape() as tape:
+        logits = model(images, training=True)
+        ce, count = losses.pixel_cross_entropy_sum(logits, labels, 255)
+        loss = ce / count + losses.weight_decay(losses.decay_variables(model), cfg.model.weight_decay)
+    grads = tape.gradient(loss, model.trainable_variables)
+    return grads, float(tf.linalg.global_norm(grads))
+
+
+def test_global_norm_is_the_plain_tape_norm_on_any_tower_count(tmp_path):
+    cfg = tiny_config(tmp_path, model={"sync_batchnorm": True, "weight_decay": 0.05})
+    images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    _, expected = plain_gradient(cfg, images, labels)
+    for n in (1, 4):
+        trainer = Trainer(cfg, strategy(n))
+        dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        out = trainer.train_step(next(iter(dist)))
+        np.testing.assert_allclose(float(out["global_norm"]), expected, rtol=1e-5)
+        # Each tower's share before the all-reduce: shares add up to the cross-entropy gradient.
+        assert out["tower_grad_norm"].shape == (n,) and np.all(out["tower_grad_norm"].numpy() > 0)
+
+
+def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(tmp_path):
+    clip = 0.5
+    cfg = tiny_config(tmp_path, model={"sync_batchnorm": True, "weight_decay": 0.05},
+                      train={"optimizer": "sgd", "learning_rate": 0.5, "clip_global_norm": clip})
+    images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    grads, norm = plain_gradient(cfg, images, labels)
+    assert norm > 4 * clip  # clipping really happens
+    results = []
+    for n in (1, 4):
+        trainer = Trainer(cfg, strategy(n))
+        dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        out = trainer.train_step(next(iter(dist)))
+        assert bool(out["clipped"])
+        results.append(trainer)
+    for a, b in zip(results[0].model.weights, results[1].model.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
+    # SGD's first step is -lr * clipped gradient: check the clipped update against the plain tape's.
+    fresh = Trainer(cfg, strategy(1))
+    for g, v0, v1 in zip(grads, fresh.model.trainable_variables, results[0].model.trainable_variables):
+        np.testing.assert_allclose(v1.numpy() - v0.numpy(), -0.5 * g.numpy() * clip / norm, atol=1e-6)
+
+    # Keras' global_clipnorm under a strategy clips each tower's partial gradient before its own
+    # all-reduce: the same step on 4 towers then moves the weights differently.
+    st = strategy(4)
+    keras_trainer = Trainer(cfg, st)
+    with st.scope():
+        opt = keras.optimizers.SGD(learning_rate=0.5, momentum=0.9, global_clipnorm=clip)
+        opt.build(keras_trainer.model.trainable_variables)
+    model = keras_trainer.model
+
+    @tf.function
+    def keras_step(x, y):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                ce, _ = losses.pixel_cross_entropy_sum(logits, y, 255)
+                count = float(np.sum(labels != 255))
+                wd = losses.weight_decay(losses.decay_variables(model), cfg.model.weight_decay)
+                loss = ce / count + wd / 4.0  # each tower's share of the global objective
+            g = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(g, model.trainable_variables))
+        st.run(replica, (x, y))
+
+    dist = st.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    keras_step(*next(iter(dist)))
+    diff = max(float(np.abs(a.numpy() - b.numpy()).max())
+               for a, b in zip(results[1].model.trainable_variables, model.trainable_variables))
+    assert diff > 1e-3
+
+
+@pytest.mark.parametrize("pack_mb", [0.0, 0.002])
+def test_packing_is_exact(tmp_path, pack_mb):
+    """Packed (the default, one pack; and many small packs) vs unpacked: the same update."""
+    images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    ref_cfg = tiny_config(tmp_path / "a", model={"sync_batchnorm": False})
+    cfg = tiny_config(tmp_path / "b", model={"sync_batchnorm": False}, train={"allreduce_pack_mb": pack_mb})
+    t_ref, _, ref = probe(ref_cfg, 4, images, labels)
+    t, _, got = probe(cfg, 4, images, labels)
+    assert t_ref._grad_layout is not None and len(t_ref._grad_layout) == 1  # the default: one pack here
+    if pack_mb:
+        assert len(t._grad_layout) > 3  # really several packs
+    else:
+        assert t._grad_layout is None
+    for a, b in zip(ref["gradients"] + ref["bn_stats"], got["gradients"] + got["bn_stats"]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    # Not reduced twice: the reduced gradient is the plain tape's (4 towers, no sync BN: each tower's
+    # BN uses its own quarter, so compare on 1 tower instead).
+    t1, _, one = probe(cfg, 1, images, labels)
+    grads, _ = plain_gradient(cfg, images, labels)
+    for a, b in zip(grads, one["gradients"]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_cfg", [{"class_weights": [0.2, 1.0, 3.0]}, {"top_k_percent_pixels": 0.3},
+                                      {"class_weights": [0.2, 1.0, 3.0], "top_k_percent_pixels": 0.3}])
+def test_loss_options_tower_invariant(tmp_path, loss_cfg):
+    cfg = tiny_config(tmp_path, model={"sync_batchnorm": True}, loss=loss_cfg)
+    images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    _, _, one = probe(cfg, 1, images, labels)
+    _, _, four = probe(cfg, 4, images, labels)
+    np.testing.assert_allclose(float(one["loss"]), float(four["loss"]), rtol=1e-5)
+    g1 = np.concatenate([g.numpy().ravel() for g in one["gradients"]])
+    g4 = np.concatenate([g.numpy().ravel() for g in four["gradients"]])
+    # Relative L2: with top-k, pixels whose losses tie at the cut-off to float precision may be
+    # kept on one tower count and not the other (a few gradient elements); ranking per tower batch
+    # instead of per image would change the kept set wholesale (tens of %).
+    assert np.linalg.norm(g1 - g4) / np.linalg.norm(g1) < 1e-3
+    # And the option changes the loss (it is really on).
+    plain = tiny_config(tmp_path / "plain", model={"sync_batchnorm": True})
+    _, _, base = probe(plain, 1, images, labels)
+    assert abs(float(base["loss"]) - float(one["loss"])) > 1e-3
+
+
+def test_keras_gradient_accumulation_is_not_usable_with_towers():
+    """Why train.accumulate_steps is the train step's own: Keras 3.15's optimizer option fails under
+    a strategy (its update and all-reduce sit in a replica-context cond), and on one device it
+    averages the micro-batch gradients, so micro-batch losses normalised to the whole update (the
+    global valid-pixel count) get half the step with 2 micro-batches."""
+    st = strategy(4)
+    with st.scope():
+        w = tf.Variable(np.ones((3, 1), np.float32))
+        opt = keras.optimizers.SGD(learning_rate=0.1, gradient_accumulation_steps=2)
+        opt.build([w])
+
+    @tf.function
+    def step(x):
+        def replica(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.matmul(x, w))
+            opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+        st.run(replica, (x,))
+
+    x = st.experimental_distribute_dataset(tf.data.Dataset.from_tensors(np.ones((4, 3), np.float32)))
+    with pytest.raises(RuntimeError, match="merge_call"):
+        step(next(iter(x)))
