@@ -58,6 +58,11 @@ def _fraction(v):
     return None if 0 <= v < 1 else "a number in [0, 1)"
 
 
+def _step_range(v):
+    a, b = v
+    return None if 1 <= a <= b else "[a, b] with 1 <= a <= b"
+
+
 def _label_value(v):
     return None if 0 <= v <= 255 else "an integer in [0, 255]"
 
@@ -124,6 +129,9 @@ class TrainConfig:
     allreduce_num_packs: int = _c(1, check=_positive, doc="one machine, nccl/hierarchical_copy: gradient packs")
     collective_timeout: float = _c(600.0, check=_positive,
                                    doc="multi-worker: seconds a collective may wait for a peer before the run stops")
+    profile_steps: Optional[tuple[int, int]] = _c(None, check=_step_range,
+                                                  doc="[a, b]: a TensorFlow profiler trace of steps a..b for "
+                                                      "TensorBoard's Profile tab (null: none)")
 
 
 @dataclass(frozen=True)
@@ -165,10 +173,15 @@ def _type_name(tp) -> str:
         return " or ".join(_type_name(a) for a in args) + " (or null)"
     if origin is tuple:
         args = typing.get_args(tp)
-        return f"a list of {len(args)} {_type_name(args[0])}s"
+        return f"a list of {len(args)} {_plural(args[0])}"
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}s"
+        return f"a list of {_plural(typing.get_args(tp)[0])}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}.get(tp, str(tp))
+
+
+def _plural(tp) -> str:
+    """'integers' for int: the element type of a list, without _type_name's article."""
+    return _type_name(tp).split(" ", 1)[1] + "s"
 
 
 def _coerce(value, tp, key: str):
