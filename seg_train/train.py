@@ -21,6 +21,8 @@ from seg_train.metrics import format_table
 from seg_train.reader import BadSample, ImageReader, split_file
 from seg_train.rundir import RunLock, check_resume_config
 from seg_train.summaries import Summaries
+from seg_train.eval_examples import predict_examples
+from seg_train.profiling import StepProfiler
 from seg_train.trainer import Trainer
 
 log = logging.getLogger("seg_train")
@@ -87,6 +89,7 @@ def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: li
     reestimated = evaluate.maybe_reestimate_bn(trainer, cfg, progress)
     metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
     evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
+    summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(trainer, reader))
     improved = evaluate.keep_best(run_dir, trainer, step, metrics)
     log.info("eval at step %d on %d %s images (BN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
              step, count, cfg.data.val_split, "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
@@ -211,6 +214,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     batches = iter(trainer.distribute(dataset_fn))
     summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
+    summaries.config_text(start + 1, cfg, towers=n)  # the first step of this run segment
+    profiler = StepProfiler(write_dir, cfg.train.profile_steps)
     log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower), steps %d..%d, run dir %s",
              trainer.model.name, n, len(reader), batch, batch // n, start, cfg.train.num_steps, run_dir)
 
@@ -236,6 +241,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     try:
         step = start
         while step < t_cfg.num_steps:
+            profiler.before_step(step + 1)
             lr = trainer.learning_rate()
             out = trainer.train_step(next(batches), tf.constant(stop.signum is not None))
             step += 1
@@ -272,6 +278,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                 if not math.isnan(images_per_sec):
                     scalars["throughput/images_per_sec"] = images_per_sec
                 summaries.scalars(step, scalars)
+                summaries.tower_scalars(step, "loss/tower", out["tower_ce"].numpy())
                 if bar is None:
                     log.info("step %d/%d  loss %.4f  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, lr,
                              images_per_sec)
@@ -302,6 +309,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                             step, path if write_dir == run_dir else run_dir / "checkpoints")
                 status = 128 + signum
                 break
+            profiler.after_step(step)
     except NonFiniteError as e:
         print(f"error: {e} (not saved; newest checkpoint: {ckpt.latest}): a finite loss; lower "
               "train.learning_rate, or set train.on_nan: skip_step to skip such steps", file=sys.stderr)
@@ -309,6 +317,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     finally:
         if bar is not None:
             bar.close()
+        profiler.close()
         summaries.flush()
 
     # ---- final ----------------------------------------------------------------------------------------
