@@ -139,6 +139,17 @@ def _text_size(draw, text, font) -> tuple[int, int]:
     return right, bottom
 
 
+def _wrap(draw, text: str, font, width: int) -> list[str]:
+    """`text` broken at spaces into lines at most `width` pixels wide (a longer word keeps its own line)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and _text_size(draw, lines[-1] + " " + word, font)[0] <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
 def _vertical_text(text: str, font, fill, background) -> Image.Image:
     """`text` drawn on its own strip and turned to read bottom-up (Pillow draws horizontally only)."""
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
@@ -176,7 +187,7 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
     Args:
       cm: int [C, C], rows ground truth, columns prediction (e.g. SegMetrics.confusion_matrix).
       class_names: C names (shortened to MAX_NAME characters).
-      title: a line above the matrix.
+      title: text above the matrix, wrapped at spaces to the matrix's width.
       cell: cell side in pixels.
     Returns:
       (uint8 RGB image, MatrixLayout of its cells).
@@ -197,17 +208,19 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
     axis_w = line_h + pad  # the rotated "ground truth" caption left of the row names
 
     x0 = pad + axis_w + name_w + pad
-    title_h = (_text_size(probe, title, title_font)[1] + pad) if title else 0
+    width = x0 + c * cell + pad + count_w + pad
+    title_lines = _wrap(probe, title, title_font, width - 2 * pad) if title else []
+    title_line_h = _text_size(probe, "Ag", title_font)[1] + 2
+    title_h = len(title_lines) * title_line_h + pad if title else 0
     top_caption_h = line_h + pad  # "prediction" above the column names
     y0 = pad + title_h + top_caption_h + name_w + pad
-    width = x0 + c * cell + pad + count_w + pad
     height = y0 + c * cell + pad
-    width = max(width, pad + (_text_size(probe, title, title_font)[0] if title else 0) + pad)
+    width = max(width, pad + max((_text_size(probe, t, title_font)[0] for t in title_lines), default=0) + pad)
     img = Image.new("RGB", (width, height), PAPER)
     draw = ImageDraw.Draw(img)
 
-    if title:
-        draw.text((pad, pad), title, font=title_font, fill=INK)
+    for i, line in enumerate(title_lines):
+        draw.text((pad, pad + i * title_line_h), line, font=title_font, fill=INK)
     caption = "prediction"
     draw.text((x0, pad + title_h), caption, font=label_font, fill=INK)
     gt = _vertical_text("ground truth", label_font, INK, PAPER)
