@@ -99,6 +99,7 @@ CELL = 34  # cell side in pixels: fits "100" at the cell font and stays square u
 LOW, HIGH = np.array([255, 255, 255], np.float32), np.array([8, 48, 107], np.float32)  # white -> dark blue
 EMPTY_ROW = (200, 200, 200)  # a class without ground-truth pixels: its row has no fractions
 INK, PAPER = (20, 20, 20), (255, 255, 255)
+MIN_TITLE_WIDTH = 360  # pixels the title may use however few the classes
 MAX_NAME = 20  # characters of a class name before it is shortened with an ellipsis
 
 
@@ -187,7 +188,7 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
     Args:
       cm: int [C, C], rows ground truth, columns prediction (e.g. SegMetrics.confusion_matrix).
       class_names: C names (shortened to MAX_NAME characters).
-      title: text above the matrix, wrapped at spaces to the matrix's width.
+      title: text above the matrix, wrapped at spaces to the width of the grid (at least MIN_TITLE_WIDTH).
       cell: cell side in pixels.
     Returns:
       (uint8 RGB image, MatrixLayout of its cells).
@@ -209,7 +210,8 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
 
     x0 = pad + axis_w + name_w + pad
     width = x0 + c * cell + pad + count_w + pad
-    title_lines = _wrap(probe, title, title_font, width - 2 * pad) if title else []
+    # Wrapped by the grid's width (not the counts'), so the layout depends on the names and title only.
+    title_lines = _wrap(probe, title, title_font, max(x0 + c * cell, MIN_TITLE_WIDTH) - pad) if title else []
     title_line_h = _text_size(probe, "Ag", title_font)[1] + 2
     title_h = len(title_lines) * title_line_h + pad if title else 0
     top_caption_h = line_h + pad  # "prediction" above the column names

@@ -22,6 +22,11 @@ from seg_train.palette import colorize
 EVAL_EXAMPLE_SIDE = 384  # eval/examples: each panel's longer side at most this many pixels
 
 
+def confusion_matrix_title(step: int) -> str:
+    """The caption above eval/confusion_matrix."""
+    return f"step {step}: % of each true class (row) predicted as each class (column)"
+
+
 class Summaries:
     """Writes event files under `run_dir`.
 
@@ -108,8 +113,7 @@ class Summaries:
           examples: (uint8 RGB image, label, prediction) of the same val images at every evaluation
             (eval_examples.predict_examples); each becomes one image | label | prediction picture.
         """
-        title = f"step {step}: % of each true class (row) predicted as each class (column)"
-        matrix, _ = plots.confusion_matrix_image(confusion_matrix, class_names, title=title)
+        matrix, _ = plots.confusion_matrix_image(confusion_matrix, class_names, title=confusion_matrix_title(step))
         pictures = [plots.sample_panels(plots.fit(image, EVAL_EXAMPLE_SIDE, nearest=False),
                                         plots.fit(label, EVAL_EXAMPLE_SIDE, nearest=True),
                                         plots.fit(pred, EVAL_EXAMPLE_SIDE, nearest=True),

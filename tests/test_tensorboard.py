@@ -16,6 +16,7 @@ from PIL import Image
 from seg_train import demo_data, plots
 from seg_train.palette import colorize, read_label, voc_colormap
 from seg_train.reader import list_samples
+from seg_train.summaries import confusion_matrix_title
 
 CROP, TOWERS, PER_TOWER = 32, 2, 2
 PALETTE = voc_colormap()
@@ -118,7 +119,8 @@ def test_confusion_matrix_picture_matches_the_evaluation(run):
     assert (run["root"] / "classes.txt").read_text().split() == names
     for step in (4, 5):
         (picture,) = _pngs(acc, "eval/confusion_matrix", step)
-        _, layout = plots.confusion_matrix_image(np.eye(3, dtype=int), names, title=f"step {step}")
+        # The same names and caption give the same layout, whatever the counts.
+        _, layout = plots.confusion_matrix_image(np.eye(3, dtype=int), names, title=confusion_matrix_title(step))
         # Undo the shading of the diagonal cells: their mean is the mean class accuracy.
         diag = []
         for c in range(3):
@@ -180,6 +182,9 @@ def test_confusion_matrix_rows_normalised():
     assert at(1, 0) == plots.cell_colour(0.25) and at(1, 1) == plots.cell_colour(0.75)
     assert at(2, 2) == plots.EMPTY_ROW  # no ground-truth pixels: no fractions
     assert plots.cell_colour(0.25) != plots.cell_colour(1 / 1001)  # column- or total-normalised differ
+    _, same = plots.confusion_matrix_image(cm * 10**8, ["a", "b", "c"], title="t " * 40)
+    _, other = plots.confusion_matrix_image(cm, ["a", "b", "c"], title="t " * 40)
+    assert (same.x0, same.y0) == (other.x0, other.y0)  # the counts never move the cells
     # Names on both axes: ink left of every row and above every column.
     for i in range(3):
         x, y = layout.centre(i, 0)
