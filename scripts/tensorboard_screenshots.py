@@ -113,7 +113,10 @@ def check_api(base: str, name: str) -> dict:
               f"({images[tag]['samples']} sample(s), {len(entries)} step(s))")
     text = get(base, "/data/plugin/text/tags")
     assert "config" in text.get(name, []), text
-    print("ok  text: config")
+    segments = get(base, "/data/plugin/text/text", run=name, tag="config")
+    html = segments[0]["text"]
+    assert "<pre><code>" in html and "num_steps:" in html and "profile_steps: [5, 7]" in html, html[:500]
+    print(f"ok  text: config at step(s) {[e['step'] for e in segments]}, rendered as a code block")
     sessions = get(base, "/data/plugin/profile/runs")
     assert sessions, "the Profile tab lists no profile"
     session = sessions[-1]
