@@ -58,6 +58,11 @@ def _fraction(v):
     return None if 0 <= v < 1 else "a number in [0, 1)"
 
 
+def _step_range(v):
+    a, b = v
+    return None if 1 <= a <= b else "[a, b] with 1 <= a <= b"
+
+
 def _label_value(v):
     return None if 0 <= v <= 255 else "an integer in [0, 255]"
 
@@ -144,6 +149,9 @@ class TrainConfig:
     backbone_lr_multiplier: float = _c(1.0, check=_positive,
                                        doc="the backbone's variables learn at this multiple of the learning rate "
                                            "(e.g. 0.1 when fine-tuning ImageNet weights); the head at 1x")
+    profile_steps: Optional[tuple[int, int]] = _c(None, check=_step_range,
+                                                  doc="[a, b]: a TensorFlow profiler trace of steps a..b for "
+                                                      "TensorBoard's Profile tab (null: none)")
 
 
 def _class_weights(v):
@@ -217,6 +225,11 @@ def _type_name(tp) -> str:
     if origin is list:
         return f"a list of {_plural(typing.get_args(tp)[0])}"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}.get(tp, str(tp))
+
+
+def _plural(tp) -> str:
+    """'integers' for int: the element type of a list, without _type_name's article."""
+    return _type_name(tp).split(" ", 1)[1] + "s"
 
 
 def _coerce(value, tp, key: str):

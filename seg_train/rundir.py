@@ -25,6 +25,8 @@ HARMLESS = {
     "train.collective_timeout",
     # Same maths, faster kernels (models/atrous.py, models/fused_bn.py); the same data, cached.
     "model.fast_atrous", "model.fused_batchnorm", "data.cache",
+    # What is recorded, not what is trained.
+    "train.profile_steps",
 }
 
 _ABSENT = "<absent>"

@@ -1,4 +1,12 @@
-"""TensorBoard summaries: scalars and per-tower image | label | prediction triplets."""
+"""TensorBoard summaries: scalars, per-tower curves in one chart, sample pictures, evaluation
+pictures and the run's config (the tags are part of the CLI contract, see README).
+
+Layout under RUN_DIR (the --logdir):
+  .                  every tag below except the per-tower runs' own;
+  towers/tower_<i>/  one run per tower holding tags such as `loss/tower`: TensorBoard draws a tag
+                     shared by several runs as one chart with a line per run, so the towers'
+                     curves overlay (a tower drifting from the others shows at a glance).
+"""
 
 from __future__ import annotations
 
@@ -6,26 +14,79 @@ from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
+import yaml
 
+from seg_train import plots
 from seg_train.palette import colorize
+
+EVAL_EXAMPLE_SIDE = 384  # eval/examples: each panel's longer side at most this many pixels
+
+
+def confusion_matrix_title(step: int) -> str:
+    """The caption above eval/confusion_matrix."""
+    return f"step {step}: % of each true class (row) predicted as each class (column)"
 
 
 class Summaries:
-    """Writes event files under `run_dir` (the tags are part of the CLI contract, see README)."""
+    """Writes event files under `run_dir`.
+
+    Args:
+      run_dir: the run directory (TensorBoard's --logdir).
+      palette: colours [n, 3] by class index (palette.voc_colormap()).
+      ignore_label: drawn white in label panels.
+      mean, std: the data normalisation, undone for the image panels.
+      max_images: samples per tower in the image summaries.
+    """
 
     def __init__(self, run_dir: Path, palette: np.ndarray, ignore_label: int, mean, std, max_images: int = 2):
+        self.run_dir = Path(run_dir)
         self.writer = tf.summary.create_file_writer(str(run_dir))
         self.palette, self.ignore_label = palette, ignore_label
         self.mean, self.std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
         self.max_images = max_images
+        self._tower_writers: dict[int, tf.summary.SummaryWriter] = {}
 
     def scalars(self, step: int, values: dict) -> None:
         with self.writer.as_default(step=step):
             for tag, value in values.items():
                 tf.summary.scalar(tag, float(value))
 
+    def tower_scalars(self, step: int, tag: str, values) -> None:
+        """One value per tower under the same `tag`, tower i's in the run RUN_DIR/towers/tower_<i>.
+
+        TensorBoard overlays runs that share a tag, so `tag` shows as one chart with a line per tower
+        (in Time Series and Scalars). Any tag and any number of towers, e.g.
+        `tower_scalars(step, "loss/tower", tower_losses)` or `(step, "gradients/norm/tower", norms)`.
+        """
+        for i, value in enumerate(np.asarray(values, np.float64).reshape(-1)):
+            writer = self._tower_writers.get(i)
+            if writer is None:
+                writer = self._tower_writers[i] = tf.summary.create_file_writer(
+                    str(self.run_dir / "towers" / f"tower_{i}"))
+            with writer.as_default(step=step):
+                tf.summary.scalar(tag, float(value))
+
+    def config_text(self, step: int, cfg, towers: int | None = None) -> None:
+        """The resolved config as YAML under the text tag `config`.
+
+        Called at the first step of every run segment (a start or a resume), so each segment's
+        settings stay visible next to its curves, harmless changes on resume included.
+        """
+        body = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None).rstrip("\n")
+        head = f"resolved config at step {step}" + (f", {towers} tower(s)" if towers else "")
+        # Indented four spaces: a Markdown code block, so TensorBoard keeps the YAML's layout.
+        text = head + ":\n\n" + "\n".join("    " + line for line in body.splitlines())
+        with self.writer.as_default(step=step):
+            tf.summary.text("config", text)
+        self.writer.flush()
+
     def triplets(self, step: int, towers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-        """towers[i] = (normalised images [b,h,w,3], labels [b,h,w], predictions [b,h,w]) of tower i."""
+        """towers[i] = (normalised images [b,h,w,3], labels [b,h,w], predictions [b,h,w]) of tower i.
+
+        Writes tower_<i>/image, tower_<i>/label, tower_<i>/prediction (one picture each) and
+        tower_<i>/triplet: image | label | prediction | prediction over the image, one picture per
+        sample, so the views of a sample are never separated in the grid.
+        """
         with self.writer.as_default(step=step):
             for i, (images, labels, preds) in enumerate(towers):
                 k = min(self.max_images, len(images))
@@ -37,6 +98,33 @@ class Summaries:
                 marked = np.where(labels[:k] == self.ignore_label, self.ignore_label, preds[:k])
                 tf.summary.image(f"tower_{i}/prediction", np.stack(
                     [colorize(p, self.palette, self.ignore_label) for p in marked]), max_outputs=k)
+                tf.summary.image(f"tower_{i}/triplet", np.stack(
+                    [plots.sample_panels(im, lb, pr, self.palette, self.ignore_label, overlay=True)
+                     for im, lb, pr in zip(rgb, labels[:k], preds[:k])]), max_outputs=k)
+
+    def eval_pictures(self, step: int, confusion_matrix: np.ndarray, class_names,
+                      examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = ()) -> None:
+        """eval/confusion_matrix (rows normalised, class names on both axes) and eval/examples.
+
+        Args:
+          step: the training step.
+          confusion_matrix: int [C, C], rows ground truth (SegMetrics.confusion_matrix).
+          class_names: C names.
+          examples: (uint8 RGB image, label, prediction) of the same val images at every evaluation
+            (eval_examples.predict_examples); each becomes one image | label | prediction picture.
+        """
+        matrix, _ = plots.confusion_matrix_image(confusion_matrix, class_names, title=confusion_matrix_title(step))
+        pictures = [plots.sample_panels(plots.fit(image, EVAL_EXAMPLE_SIDE, nearest=False),
+                                        plots.fit(label, EVAL_EXAMPLE_SIDE, nearest=True),
+                                        plots.fit(pred, EVAL_EXAMPLE_SIDE, nearest=True),
+                                        self.palette, self.ignore_label, overlay=False)
+                    for image, label, pred in examples]
+        with self.writer.as_default(step=step):
+            tf.summary.image("eval/confusion_matrix", matrix[None], max_outputs=1)
+            if pictures:
+                # Val images differ in size and one summary holds one shape: pad to the largest.
+                tf.summary.image("eval/examples", plots.pad_to_common(pictures), max_outputs=len(pictures))
+        self.writer.flush()
 
     def histogram(self, step: int, tag: str, values) -> None:
         with self.writer.as_default(step=step):
@@ -44,3 +132,5 @@ class Summaries:
 
     def flush(self) -> None:
         self.writer.flush()
+        for writer in self._tower_writers.values():
+            writer.flush()

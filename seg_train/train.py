@@ -22,6 +22,8 @@ from seg_train.metrics import format_table
 from seg_train.reader import BadSample, ImageReader, split_file
 from seg_train.rundir import RunLock, check_resume_config
 from seg_train.summaries import Summaries
+from seg_train.eval_examples import predict_examples
+from seg_train.profiling import StepProfiler
 from seg_train.trainer import Trainer
 
 log = logging.getLogger("seg_train")
@@ -88,6 +90,7 @@ def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: li
     reestimated = evaluate.maybe_reestimate_bn(trainer, cfg, progress)
     metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
     evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
+    summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(trainer, reader))
     improved = evaluate.keep_best(run_dir, trainer, step, metrics)
     log.info("eval at step %d on %d %s images (BN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
              step, count, cfg.data.val_split, "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
@@ -135,8 +138,8 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
 class _Loop:
     """The host side of each step: reads its outputs, logs, writes summaries, decides on non-finite steps."""
 
-    def __init__(self, cfg: Config, trainer: Trainer, summaries: Summaries, bar, num_towers: int):
-        self.cfg, self.trainer, self.summaries, self.bar = cfg, trainer, summaries, bar
+    def __init__(self, cfg: Config, trainer: Trainer, summaries: Summaries, bar, num_towers: int, profiler):
+        self.cfg, self.trainer, self.summaries, self.bar, self.profiler = cfg, trainer, summaries, bar, profiler
         self.images_per_step = cfg.data.batch_size * cfg.train.accumulate_steps
         self.skipped = 0
         self.first = True
@@ -181,6 +184,8 @@ class _Loop:
             self._images(step, out, dist_batch)
         if self.bar is not None:
             self.bar.update(1)
+        # After the step's outputs were read: the step has finished, so a trace ending here holds it all.
+        self.profiler.after_step(step)
         return bool(out["stop"])
 
     def _scalars(self, step, out, lr, loss) -> None:
@@ -201,6 +206,9 @@ class _Loop:
         if not math.isnan(self.images_per_sec):
             scalars["throughput/images_per_sec"] = self.images_per_sec
         self.summaries.scalars(step, scalars)
+        # The same values as one chart with a line per tower (RUN_DIR/towers/tower_<i>/).
+        self.summaries.tower_scalars(step, "loss/tower", out["tower_ce"].numpy())
+        self.summaries.tower_scalars(step, "gradients/norm/tower", out["tower_grad_norm"].numpy())
         t_cfg = self.cfg.train
         if self.bar is None:
             log.info("step %d/%d  loss %.4f  gnorm %.3g  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, gnorm, lr,
@@ -310,6 +318,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     batches = iter(trainer.distribute(dataset_fn))
     summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
+    summaries.config_text(start + 1, cfg, towers=n)  # the first step of this run segment
+    profiler = StepProfiler(write_dir, cfg.train.profile_steps)
     log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower)%s, steps %d..%d, run dir %s",
              trainer.model.name, n, len(reader), batch, batch // n,
              f" x {k_micro} micro-batches per update" if k_micro > 1 else "", start, cfg.train.num_steps, run_dir)
@@ -321,7 +331,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # checkpoint, an evaluation, the last step or a stop does the loop wait for the step itself.
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
-    loop = _Loop(cfg, trainer, summaries, bar, n)
+    loop = _Loop(cfg, trainer, summaries, bar, n, profiler)
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     state_finite = tf.function(lambda: tf.reduce_all(
         [tf.reduce_all(tf.math.is_finite(v)) for v in trainer.model.weights + trainer.optimizer.variables
@@ -339,6 +349,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         step = start
         pending = None
         while step < t_cfg.num_steps:
+            profiler.before_step(step + 1)
             dist_batch = next(batches)
             want_images = bool(t_cfg.image_summary_every) and (
                 (step + 1) % t_cfg.image_summary_every == 0 or step == start)
@@ -383,6 +394,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     finally:
         if bar is not None:
             bar.close()
+        profiler.close()
         summaries.flush()
 
     # ---- final ----------------------------------------------------------------------------------------

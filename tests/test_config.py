@@ -175,3 +175,15 @@ def test_new_keys_change_what_a_checkpoint_means(tmp_path, key, value):
     check_resume_config(cfg, tmp_path, allow_change=False)  # absent = the default: no change
     with pytest.raises(C.ConfigError, match=f"changed: {key}"):
         check_resume_config(C.replace(cfg, key, value), tmp_path, allow_change=False)
+
+
+def test_profile_steps_two_integers_in_order(tmp_path):
+    assert C.load(write(tmp_path, BASE)).train.profile_steps is None
+    cfg = C.load(write(tmp_path, {**BASE, "train": {"profile_steps": [3, 5]}}))
+    assert cfg.train.profile_steps == (3, 5) and cfg.to_dict()["train"]["profile_steps"] == [3, 5]
+    assert C.load(write(tmp_path, {**BASE, "train": {"profile_steps": [4, 4]}})).train.profile_steps == (4, 4)
+    for bad, expected in [([5, 3], "1 <= a <= b, got [5, 3]"), ([0, 2], "1 <= a <= b, got [0, 2]"),
+                          ([2], "a list of 2 integers"), ([1.5, 2], "an integer, got 1.5"), (7, "a list of 2")]:
+        msg = err(tmp_path, {**BASE, "train": {"profile_steps": bad}})
+        assert msg.startswith("train.profile_steps") or "(train.profile_steps)" in msg, msg
+        assert expected in msg, msg

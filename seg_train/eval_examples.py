@@ -1,0 +1,41 @@
+"""eval/examples: the predictions of a fixed set of val images, the same ones at every evaluation.
+
+The first `k` images of the val split, in split order, at full resolution. They are predicted by
+the exported model's own function (export.serving_module: the same normalisation, padding and
+crop as evaluation and seg-predict) on one device: a handful of images does not need the towers,
+and no collective is involved, so every worker of a multi-worker run can do it on its own.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from seg_train.export import serving_module
+
+NUM_EXAMPLES = 4  # val images shown in eval/examples
+
+# One traced serving function per Trainer: evaluation during training runs many times.
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def predict_examples(trainer, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(uint8 RGB image [h, w, 3], uint8 label [h, w], uint8 prediction [h, w]) of the first k images.
+
+    Args:
+      trainer: a `Trainer`; its model is run in inference mode (use it after any BN re-estimation,
+        so the pictures match the evaluation's numbers).
+      reader: the val split (`ImageReader`); its data config gives the normalisation.
+      k: how many images (fewer if the split is smaller).
+    """
+    module = _MODULES.get(trainer)
+    if module is None:
+        module = _MODULES[trainer] = serving_module(trainer.model, reader.cfg.mean, reader.cfg.std)
+    out = []
+    for i in range(min(k, len(reader))):
+        image, label = reader.decode(tf.constant(i, tf.int64))
+        pred = module.serve(image)["classes"]
+        out.append((image.numpy(), label.numpy(), pred.numpy().astype(np.uint8)))
+    return out

@@ -1,0 +1,74 @@
+"""train.profile_steps: a TensorFlow profiler trace of training steps a..b for TensorBoard's Profile tab.
+
+tf.profiler.experimental.start(logdir) writes RUN_DIR/plugins/profile/<timestamp>/<host>.xplane.pb,
+where the Profile tab (pip install tensorboard-plugin-profile) looks when TensorBoard's --logdir is
+RUN_DIR or a folder above it. Each step is marked with a profiler step trace, so the Profile tab's
+overview and trace viewer split the time by step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import tensorflow as tf
+
+log = logging.getLogger("seg_train")
+
+
+class StepProfiler:
+    """Starts the profiler before step a and stops it after step b (steps counted from 1).
+
+    The loop calls `before_step(n)` just before the step that will be number n, `after_step(n)`
+    once that step is done (its results fetched), and `close()` on the way out (an interrupted or
+    failed run still writes what was traced). A resumed run traces the part of a..b it runs.
+
+    Args:
+      logdir: the run directory (TensorBoard's --logdir).
+      steps: (a, b) from train.profile_steps, or None (then every call does nothing).
+    """
+
+    def __init__(self, logdir: Path, steps: tuple[int, int] | None):
+        self.logdir, self.steps = Path(logdir), steps
+        self.active = False
+        self._step_trace = None
+
+    def before_step(self, step: int) -> None:
+        """Call just before the step that will be number `step` runs."""
+        if self.steps is None:
+            return
+        a, b = self.steps
+        if not self.active and a <= step <= b:
+            try:
+                tf.profiler.experimental.start(str(self.logdir))
+            except (tf.errors.OpError, RuntimeError) as e:  # e.g. another profiler session is running
+                log.warning("profiler not started for train.profile_steps %s: %s", list(self.steps),
+                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self.steps = None
+                return
+            self.active = True
+            log.info("profiling steps %d..%d (train.profile_steps)", step, b)
+        if self.active:
+            self._step_trace = tf.profiler.experimental.Trace("train", step_num=step, _r=1)
+            self._step_trace.__enter__()
+
+    def after_step(self, step: int) -> None:
+        """Call when step number `step` is done; stops the profiler after step b."""
+        if self._step_trace is not None:
+            self._step_trace.__exit__(None, None, None)
+            self._step_trace = None
+        if self.active and step >= self.steps[1]:
+            self.close()
+
+    def close(self) -> None:
+        """Stops the profiler if it runs and writes the trace (safe to call more than once)."""
+        if self._step_trace is not None:
+            self._step_trace.__exit__(None, None, None)
+            self._step_trace = None
+        if not self.active:
+            return
+        self.active = False
+        tf.profiler.experimental.stop()
+        runs = sorted((self.logdir / "plugins" / "profile").glob("*/"), key=lambda p: p.stat().st_mtime)
+        log.info("profile written to %s (TensorBoard's Profile tab; pip install tensorboard-plugin-profile)",
+                 runs[-1] if runs else self.logdir / "plugins" / "profile")
