@@ -239,6 +239,8 @@ def _coerce(value, tp, key: str):
         if value is None:
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1:  # Optional[X]: X's own message (it names the element that is wrong)
+            return _coerce(value, inner[0], key)
         for option in inner[:-1]:  # several types (e.g. a list of weights or a name): the first that fits
             try:
                 return _coerce(value, option, key)

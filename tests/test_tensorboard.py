@@ -81,10 +81,11 @@ def test_tower_runs_carry_each_towers_loss(run):
     series = []
     for i in range(TOWERS):
         acc = _acc(run["dir"] / "towers" / f"tower_{i}")
-        assert acc.Tags()["tensors"] == ["loss/tower"]
+        assert sorted(acc.Tags()["tensors"]) == ["gradients/norm/tower", "loss/tower"]
         values = _scalars(acc, "loss/tower")
         assert [s for s, _ in values] == [1, 2, 3, 4, 5]  # summary_every 1, over both run segments
         assert values == _scalars(main, f"loss/tower_{i}")
+        assert _scalars(acc, "gradients/norm/tower") == _scalars(main, f"gradients/norm/tower_{i}")
         series.append(values)
     assert series[0] != series[1]  # each tower its own loss, not one value copied
 
