@@ -146,6 +146,10 @@ class TrainConfig:
     allreduce_num_packs: int = _c(1, check=_positive, doc="one machine, nccl/hierarchical_copy: gradient packs")
     collective_timeout: float = _c(600.0, check=_positive,
                                    doc="multi-worker: seconds a collective may wait for a peer before the run stops")
+    ema_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v < 1 else "a number in (0, 1)",
+                                    doc="keep an exponential moving average of the weights with this decay (TF's "
+                                        "ExponentialMovingAverage with num_updates: min(decay, (1 + t) / (10 + t))); "
+                                        "evaluation, best/ and export use it (null: off)")
     backbone_lr_multiplier: float = _c(1.0, check=_positive,
                                        doc="the backbone's variables learn at this multiple of the learning rate "
                                            "(e.g. 0.1 when fine-tuning ImageNet weights); the head at 1x")

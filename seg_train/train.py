@@ -86,14 +86,20 @@ def open_val(cfg: Config) -> ImageReader | None:
 
 def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: list[str], summaries: Summaries,
                    run_dir: Path, step: int, progress: bool) -> None:
-    """Evaluates on the val split (BN statistics re-estimated first if configured), logs, keeps the best."""
-    reestimated = evaluate.maybe_reestimate_bn(trainer, cfg, progress)
-    metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
-    evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
-    summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(trainer, reader))
-    improved = evaluate.keep_best(run_dir, trainer, step, metrics)
-    log.info("eval at step %d on %d %s images (BN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
-             step, count, cfg.data.val_split, "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
+    """Evaluates on the val split (BN statistics re-estimated first if configured), logs, keeps the best.
+
+    With train.ema_decay the averaged weights are evaluated (and kept in best/), with BN statistics
+    re-estimated for them; the training weights and statistics are back in place afterwards.
+    """
+    with trainer.averaged_weights():
+        reestimated = evaluate.maybe_reestimate_bn(trainer, cfg, progress)
+        metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
+        evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
+        summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(trainer, reader))
+        improved = evaluate.keep_best(run_dir, trainer, step, metrics)
+    log.info("eval at step %d on %d %s images (%sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
+             step, count, cfg.data.val_split, "EMA weights, " if trainer.ema is not None else "",
+             "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
              100 * metrics.pixel_accuracy, " (new best, kept in best/)" if improved else "",
              format_table(metrics, names))
 

@@ -46,6 +46,7 @@ batch 8, 2-core CPU, 4 logical towers; docs/PERFORMANCE.md):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import keras
@@ -70,7 +71,7 @@ def _read(handle, like):
 
 def _handles(variables) -> list:
     """The resource handles of (Keras) variables on the calling tower (replica context)."""
-    return [getattr(v, "value", v).handle for v in variables]
+    return [(v.value if isinstance(v, keras.Variable) else v).handle for v in variables]
 
 
 class Trainer:
@@ -122,6 +123,11 @@ class Trainer:
             # Build the slots now: a checkpoint restored into an unbuilt optimizer silently skips
             # its slots (keras#19389).
             self.optimizer.build(self.model.trainable_variables)
+            # train.ema_decay: the moving average of every trainable weight, starting at the weights.
+            self.ema = None
+            if t.ema_decay:
+                self.ema = [tf.Variable(v.value, trainable=False, name=f"ema/{v.path}") for v in
+                            self.model.trainable_variables]
         self.variables = list(self.model.trainable_variables)
         self.state = list(self.model.non_trainable_variables)
         self.bn_layers = replicas.batchnorm_layers(self.model)
@@ -165,6 +171,8 @@ class Trainer:
         """What a checkpoint holds (the data position is a pure function of `step`, see reader.py)."""
         objects = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
                    "bn_stats_step": self.bn_stats_step}
+        if self.ema is not None:
+            objects["ema"] = self.ema
         if self.cfg.train.precision == "mixed_float16":
             objects.update(loss_scale=self.loss_scale, good_steps=self.good_steps)
         return objects
@@ -174,9 +182,37 @@ class Trainer:
 
         Returns the checkpoint's step. The optimizer state is not needed and not read.
         """
-        ckpt = tf.train.Checkpoint(model=self.model, step=self.step, bn_stats_step=self.bn_stats_step)
+        objects = {"model": self.model, "step": self.step, "bn_stats_step": self.bn_stats_step}
+        reader = tf.train.load_checkpoint(prefix)
+        if self.ema is not None and any(k.startswith("ema/") for k in reader.get_variable_to_shape_map()):
+            objects["ema"] = self.ema  # a checkpoint of training (best/ holds the averaged weights as the model)
+        ckpt = tf.train.Checkpoint(**objects)
         ckpt.read(prefix).expect_partial().assert_existing_objects_matched()
         return int(self.step.numpy())
+
+    @contextlib.contextmanager
+    def averaged_weights(self):
+        """Within the block the model holds the EMA weights (train.ema_decay; a no-op without it).
+
+        The training weights, the BN moving statistics and bn_stats_step are put back exactly on
+        exit, so evaluating in the middle of a run leaves the run's state (and its next checkpoint)
+        as it was. The BN statistics inside the block are the training run's until re-estimated for
+        the averaged weights (bn_stats_step is set to -1 so bn_stats.reestimate does it).
+        """
+        if self.ema is None:
+            yield
+            return
+        saved = [tf.identity(v.value) for v in self.variables + self.state]
+        saved_marker = int(self.bn_stats_step.numpy())
+        for v, e in zip(self.variables, self.ema):
+            v.assign(e)
+        self.bn_stats_step.assign(-1)
+        try:
+            yield
+        finally:
+            for v, x in zip(self.variables + self.state, saved):
+                v.assign(x)
+            self.bn_stats_step.assign(saved_marker)
 
     def learning_rate(self, step: int | None = None) -> float:
         """The learning rate of the update made at `step` (default: the next one), computed on the host."""
@@ -260,8 +296,8 @@ class Trainer:
         return self._tower(tv, st, images, labels, loss_scale, tower_index, stop, want_preds, unrolled=False)
 
     # ---- after the all-reduce: normalise, decay, clip, apply ------------------------------------------
-    def _apply_from_handles(self, packs, var_handles, slot_handles, state_handles, lr, t, loss_scale, want_details,
-                            apply_update):
+    def _apply_from_handles(self, packs, var_handles, slot_handles, state_handles, ema_handles, lr, t, loss_scale,
+                            want_details, apply_update):
         """Turns the reduced packs into the update and applies it on this tower's variables (traced once).
 
         The arithmetic runs on the flat packs (a handful of ops per pack, not per variable): graph
@@ -308,6 +344,14 @@ class Trainer:
                         var=h, accum=slots[0], lr=rates[mult], grad=g, momentum=cfg.train.momentum))
             for pos, value in zip(self._bn_pos, bn):
                 ops.append(tf.raw_ops.AssignVariableOp(resource=state_handles[pos], value=value))
+            if ema_handles:
+                # ema -= (1 - d) * (ema - w), with TF's ExponentialMovingAverage decay schedule.
+                d = cfg.train.ema_decay
+                rate = 1.0 - tf.minimum(d, (1.0 + t) / (10.0 + t))
+                with tf.control_dependencies(ops):
+                    for h, e, v in zip(var_handles, ema_handles, self.variables):
+                        ops.append(tf.raw_ops.ResourceApplyGradientDescent(
+                            var=e, alpha=rate, delta=_read(e, v) - _read(h, v)))
             with tf.control_dependencies(ops):
                 return tf.constant(True)
 
@@ -349,7 +393,8 @@ class Trainer:
                       collectives.pack_sizes(state_shapes, self._state_layout)]
         apply = self._apply_fn.get_concrete_function(
             pack_specs, [res] * len(self.variables), [[res] * len(s) for s in self._slots], [res] * len(self.state),
-            scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool), scalar(tf.bool))
+            [res] * len(self.ema or []), scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool),
+            scalar(tf.bool))
         self._concrete[key] = (tower, apply)
         return tower, apply
 
@@ -361,13 +406,13 @@ class Trainer:
             packs, preds = tower(_handles(self.variables), _handles(self.state), images, labels, loss_scale, index,
                                  stop, want_images)
         else:
-            tv = [tf.convert_to_tensor(getattr(v, "value", v)) for v in self.variables]
-            st = [tf.convert_to_tensor(getattr(v, "value", v)) for v in self.state]
+            tv = [tf.convert_to_tensor(v.value) for v in self.variables]
+            st = [tf.convert_to_tensor(v.value) for v in self.state]
             packs, preds = self._tower(tv, st, images, labels, loss_scale, index, stop, want_images, unrolled=True)
         with tf.name_scope("cross_tower"):
             packs = collectives.all_reduce_sum(packs)
-        out = apply(packs, _handles(self.variables), [_handles(s) for s in self._slots], _handles(self.state), lr, t,
-                    loss_scale, want_images, tf.constant(apply_update))
+        out = apply(packs, _handles(self.variables), [_handles(s) for s in self._slots], _handles(self.state),
+                    _handles(self.ema or []), lr, t, loss_scale, want_images, tf.constant(apply_update))
         out["preds"] = preds
         return out
 
