@@ -108,41 +108,66 @@ def _combine(acc, count, mean, m2):
     return n, mean_a + delta * (count / n), m2_a + m2 + delta * delta * (n_a * count / n)
 
 
-# One compiled forward pass per trainer, so that re-estimating before every evaluation does not
-# trace the model again each time (weak keys: a dropped trainer drops its function).
+# One compiled forward pass per trainer and batch shape, so that re-estimating before every
+# evaluation does not trace the model again each time (weak keys: a dropped trainer drops it).
 _FORWARD = weakref.WeakKeyDictionary()
 
 
 def _forward_fn(trainer, layers):
-    """The tf.function running one global batch on all towers and returning the recorded moments.
+    """The tf.function running one global batch on all towers; returns the recorded moments.
+
+    The model's forward pass is traced ONCE for all towers (Trainer.tower_function) and each
+    tower's records come back as one flat float32 vector: [count, mean (C), m2 (C)] per call of
+    each layer, in the order `layout` gives ((layer index, channels) per record). The host reads
+    one [towers, F] array per batch instead of three small tensors per layer per tower.
 
     The recording wrappers must be installed whenever it may trace (reestimate() installs them
     around the whole loop); once traced, the moments are outputs of the graph.
     """
+    key = tuple(id(layer) for layer in layers)
     cached = _FORWARD.get(trainer)
-    if cached is not None and cached[0] == [id(layer) for layer in layers]:
-        return cached[1]
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
     model, strategy = trainer.model, trainer.strategy
+    layout = []
 
-    def replica_fn(images):
+    def body(tv, st, images):
         _local.records = {}
         try:
-            # Training mode: batch statistics, as during training. It also moves each tower's moving
-            # statistics by momentum; they are all overwritten at the end of reestimate().
-            model(images, training=True)
+            # Training mode: batch statistics, as during training. The moving-statistics updates
+            # go to stateless_call's scope and are dropped: nothing is assigned here.
+            model.stateless_call(tv, st, images, training=True)
             records = _local.records
         finally:
             _local.records = None
-        # One (count, mean, m2) per call of each layer (a layer used twice records twice).
-        return [records.get(i, []) for i in range(len(layers))]
+        flat, order = [], []
+        for i in range(len(layers)):
+            for count, mean, m2 in records.get(i, []):  # a layer used twice records twice
+                flat += [tf.reshape(tf.cast(count, tf.float32), [1]), mean, m2]
+                order.append((i, int(mean.shape[0])))
+        layout[:] = order
+        return tf.concat(flat, axis=0)
 
     @tf.function
     def forward(batch):
         images, _ = batch
-        return strategy.run(replica_fn, (images,))
+        per_tower = strategy.experimental_local_results(images)[0]
+        tower = trainer.tower_function(body, [tf.TensorSpec(per_tower.shape, per_tower.dtype)], training=True)
+        out = strategy.run(tower, (images,))
+        return tf.stack(strategy.experimental_local_results(out))
 
-    _FORWARD[trainer] = ([id(layer) for layer in layers], forward)
-    return forward
+    _FORWARD[trainer] = (key, forward, layout)
+    return forward, layout
+
+
+def _combine_rows(acc, rows, layout):
+    """Merges one batch's [towers, F] records into the per-layer (N, mean, M2) accumulators."""
+    for row in rows:
+        pos = 0
+        for i, c in layout:
+            count, mean, m2 = row[pos], row[pos + 1:pos + 1 + c], row[pos + 1 + c:pos + 1 + 2 * c]
+            pos += 1 + 2 * c
+            acc[i] = _combine(acc[i], count, mean, m2)
 
 
 def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool:
@@ -187,7 +212,7 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
         # stream would keep prefetching, and tearing that down cost seconds.
         return ds.take(num_batches * n_local)
 
-    forward = _forward_fn(trainer, layers)
+    forward, layout = _forward_fn(trainer, layers)
     bar = None
     if progress and sys.stderr.isatty():
         from tqdm import tqdm
@@ -198,12 +223,9 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
     acc, seen = [None] * len(layers), 0
     try:
         for dist_batch in trainer.distribute(dataset_fn):
-            out = forward(dist_batch)
+            rows = forward(dist_batch).numpy().astype(np.float64)  # one host read per batch
             seen += 1
-            for tower_out in strategy.experimental_local_results(out):
-                for i, records in enumerate(tower_out):
-                    for count, mean, m2 in records:
-                        acc[i] = _combine(acc[i], count.numpy(), mean.numpy(), m2.numpy())
+            _combine_rows(acc, rows, layout)
             if bar is not None:
                 bar.update(1)
     finally:

@@ -220,6 +220,34 @@ class Trainer:
         step = int(self.step.numpy()) if step is None else step
         return lr_at(step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps)
 
+    # ---- functions traced once for every tower -------------------------------------------------------
+    def tower_function(self, body, input_specs, training: bool):
+        """`body(trainable_values, state_values, *inputs)` as a function every tower calls from ONE trace.
+
+        Returns f(*inputs) for use inside `strategy.run`, which passes the calling tower's own
+        variable handles (see the module doc for why: a replica function is traced once per tower).
+        Call this in cross-replica context (inside the outer tf.function, before strategy.run), so
+        the trace is not made inside a tower's thread. In training mode with synchronized BN on
+        several towers the BN layers all-reduce, which needs each tower's replica context: then
+        `body` is traced per tower instead (called with the tower's variable values).
+        """
+        # The model's variable lists as they are now (a layer frozen after the Trainer was built
+        # moves its weights from one list to the other).
+        variables, state = list(self.model.trainable_variables), list(self.model.non_trainable_variables)
+        if training and self.per_tower_trace:
+            return lambda *inputs: body([tf.convert_to_tensor(v.value) for v in variables],
+                                        [tf.convert_to_tensor(v.value) for v in state], *inputs)
+
+        def from_handles(var_handles, state_handles, *inputs):
+            tv = [_read(h, v) for h, v in zip(var_handles, variables)]
+            st = [_read(h, v) for h, v in zip(state_handles, state)]
+            return body(tv, st, *inputs)
+
+        res = tf.TensorSpec([], tf.resource)
+        fn = tf.function(from_handles, experimental_attributes={"_noinline": True})
+        concrete = fn.get_concrete_function([res] * len(variables), [res] * len(state), *input_specs)
+        return lambda *inputs: concrete(_handles(variables), _handles(state), *inputs)
+
     # ---- the tower: forward and backward over the micro-batches --------------------------------------
     @staticmethod
     def _pixel_scale(b: int, h: int, w: int) -> float:
