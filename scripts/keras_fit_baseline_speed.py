@@ -61,10 +61,10 @@ def main(args) -> int:
         devices = replicas.setup_devices(1)
     import keras
 
-    from seg_train import bench, evaluate, models
-    from seg_train.reader import ImageReader
+    from seg_train import bench, models
+    from seg_train.reader import ImageReader, ensure_data
 
-    evaluate.ensure_data(cfg)
+    ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
     batch, k, windows = cfg.data.batch_size, args.steps, args.windows
 

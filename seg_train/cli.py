@@ -226,7 +226,7 @@ def eval_main(argv=None) -> int:
     def main(args):
         _precheck_checkpoint(args.checkpoint)
         cfg, strategy = _setup(args)
-        from seg_train.evaluate import run_eval
+        from seg_train.eval_cmd import run_eval
         run_eval(cfg, strategy, args.checkpoint, args.split)
         return 0
 

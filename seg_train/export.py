@@ -89,7 +89,8 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
     """
     import tensorflow as tf
 
-    from seg_train.evaluate import class_names_of, load_trainer, maybe_reestimate_bn
+    from seg_train.reader import class_names_of
+    from seg_train.restore import load_trainer, maybe_reestimate_bn
 
     out = check_output(output, force)
     names = class_names_of(cfg)

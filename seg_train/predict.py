@@ -114,7 +114,7 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     import tensorflow as tf
     from tqdm import tqdm
 
-    from seg_train.evaluate import load_trainer, maybe_reestimate_bn
+    from seg_train.restore import load_trainer, maybe_reestimate_bn
     from seg_train.export import serving_module
 
     files = collect_inputs(inputs)

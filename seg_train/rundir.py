@@ -1,8 +1,10 @@
-"""The run directory's guards: one trainer at a time, and resuming only with a compatible config."""
+"""The run directory: its guards (one trainer at a time, resuming only with a compatible config) and
+atomic JSON files in it (`write_json`: eval records, best.json)."""
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 from pathlib import Path
@@ -28,6 +30,17 @@ HARMLESS = {
 }
 
 _ABSENT = "<absent>"
+
+
+def write_json(path: Path, obj) -> None:
+    """Writes the dict `obj` as JSON atomically (temp file + os.replace): readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    # One top-level key per line, each value compact: a confusion matrix stays a few lines long.
+    body = ",\n".join(f" {json.dumps(str(k))}: {json.dumps(v)}" for k, v in obj.items())
+    tmp.write_text("{\n" + body + "\n}\n")
+    os.replace(tmp, path)
 
 
 def _default_of(key: str):

@@ -18,7 +18,8 @@ from seg_train.config import Config, ConfigError
 from seg_train.palette import voc_colormap
 from seg_train import evaluate, replicas
 from seg_train.metrics import format_table
-from seg_train.reader import BadSample, ImageReader, split_file
+from seg_train.reader import BadSample, ImageReader, class_names_of, ensure_data, split_file
+from seg_train.restore import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config
 from seg_train.summaries import Summaries
 from seg_train.trainer import Trainer
@@ -69,7 +70,7 @@ def prepare_data(cfg: Config) -> ImageReader:
     """Generates the synthetic demo data if asked, and opens the training split."""
     if cfg.data.synthetic and not (Path(cfg.data.root) / ".complete").exists():
         log.info("generating the synthetic demo data set in %s", cfg.data.root)
-    evaluate.ensure_data(cfg)
+    ensure_data(cfg)
     return ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
 
 
@@ -84,10 +85,10 @@ def open_val(cfg: Config) -> ImageReader | None:
 def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: list[str], summaries: Summaries,
                    run_dir: Path, step: int, progress: bool) -> None:
     """Evaluates on the val split (BN statistics re-estimated first if configured), logs, keeps the best."""
-    reestimated = evaluate.maybe_reestimate_bn(trainer, cfg, progress)
+    reestimated = maybe_reestimate_bn(trainer, cfg, progress)
     metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
     evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
-    improved = evaluate.keep_best(run_dir, trainer, step, metrics)
+    improved = ckpt_lib.keep_best(run_dir, trainer, step, metrics)
     log.info("eval at step %d on %d %s images (BN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
              step, count, cfg.data.val_split, "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
              100 * metrics.pixel_accuracy, " (new best, kept in best/)" if improved else "",
@@ -165,7 +166,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     val_reader = open_val(cfg)
     if val_reader is not None:
         scan_split(cfg, val_reader, f"val ({cfg.data.val_split})")
-    names = evaluate.class_names_of(cfg)
+    names = class_names_of(cfg)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
     if any((run_dir / "checkpoints").glob("ckpt-*.index")):
