@@ -182,7 +182,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if write_dir != run_dir:
         ckpt = ckpt_lib.Checkpointer(write_dir / "checkpoints", 1, **trainer.checkpoint_objects())
     if init_from and not restored:
-        from seg_train.init import load_weights
+        from seg_train.init_from import load_weights
         loaded, skipped = load_weights(trainer.model, init_from)
         log.info("initialised %d weights from %s; skipped %d with other shapes%s", loaded, init_from, len(skipped),
                  (": " + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")) if skipped else "")
