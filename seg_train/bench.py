@@ -504,7 +504,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     """
     from seg_train import replicas
     from seg_train.reader import ImageReader, ensure_data
-    from seg_train.train import check_batch
+    from seg_train.config import check_batch
 
     variants = variants or [("default", cfg, input_mode)]
     cfg, input_mode = variants[0][1], variants[0][2]

@@ -38,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from seg_train import replicas
-from seg_train.config import ConfigError
+from seg_train.config import ConfigError, check_batch
 
 log = logging.getLogger("seg_train")
 
@@ -166,9 +166,7 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
     cfg, strategy, model = trainer.cfg, trainer.strategy, trainer.model
     n_towers = strategy.num_replicas_in_sync
     batch = cfg.data.batch_size
-    if batch % n_towers:
-        raise ConfigError("batch does not divide across towers", "data.batch_size",
-                          f"expected a multiple of the {n_towers} towers, got {batch}")
+    check_batch(cfg, n_towers)
     layers = [layer for layer in replicas.batchnorm_layers(model) if layer.trainable]
     if not layers:
         trainer.bn_stats_step.assign(trainer.step)

@@ -383,6 +383,17 @@ def dump(cfg: Config, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def check_batch(cfg: Config, num_towers: int) -> None:
+    """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`.
+
+    The one check of the config against the tower count, which is known only once the devices are
+    chosen: train, seg-bench and the BN re-estimation all call it.
+    """
+    if cfg.data.batch_size % num_towers:
+        raise ConfigError("batch does not divide across towers", "data.batch_size",
+                          f"expected a multiple of the {num_towers} towers, got {cfg.data.batch_size}")
+
+
 def flatten(d: dict, prefix: str = "") -> dict:
     """{'a': {'b': 1}} -> {'a.b': 1}."""
     out = {}

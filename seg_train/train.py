@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train.config import Config, ConfigError
+from seg_train.config import Config, ConfigError, check_batch
 from seg_train.palette import voc_colormap
 from seg_train import evaluate, replicas
 from seg_train.metrics import format_table
@@ -102,12 +102,6 @@ def _check_same_start(strategy, start: int) -> None:
         raise ConfigError("workers restored different steps", "run_dir",
                           f"a run dir on storage shared by every worker (this worker is at step {start}, "
                           f"the group's mean is {float(mean):g})")
-
-
-def check_batch(cfg: Config, num_replicas: int) -> None:
-    if cfg.data.batch_size % num_replicas:
-        raise ConfigError("batch does not divide across towers", "data.batch_size",
-                          f"expected a multiple of the {num_replicas} towers, got {cfg.data.batch_size}")
 
 
 def scan_split(cfg: Config, reader: ImageReader, what: str) -> None:

@@ -97,3 +97,14 @@ def test_resolved_config_round_trips(tmp_path):
     out = tmp_path / "resolved.yaml"
     C.dump(cfg, out)
     assert C.from_dict(yaml.safe_load(out.read_text())) == cfg
+
+
+def test_check_batch_against_the_tower_count(tmp_path):
+    cfg = C.load(write(tmp_path, {"data": {"root": "d", "num_classes": 3, "batch_size": 12}}))
+    for towers in (1, 2, 3, 4, 6, 12):
+        C.check_batch(cfg, towers)  # divides: no error
+    for towers in (5, 8, 24):
+        with pytest.raises(C.ConfigError) as e:
+            C.check_batch(cfg, towers)
+        assert str(e.value) == ("batch does not divide across towers (data.batch_size): "
+                                f"expected a multiple of the {towers} towers, got 12")
