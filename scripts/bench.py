@@ -13,7 +13,7 @@ from the same run (and each command times its own comparison interleaved in one 
                       --compare model.fused_batchnorm=false
                                                         reader vs cached, bf16 vs fp32, XLA vs not,
                                                         seg-train's dilated conv and BN vs Keras' own
-  keras     scripts/keras_fit_baseline_speed.py         seg-train step vs plain Keras model.fit
+  keras     scripts/baseline_keras_fit_speed.py         seg-train step vs plain Keras model.fit
   accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
             evaluation of each run (seg_train.evaluate, BN statistics re-estimated) gives val mIoU
 
@@ -568,7 +568,7 @@ def main(argv=None) -> int:
         "variants": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--profile", "--compare", "input=cached",
                      "--compare", "train.precision=mixed_bfloat16", "--compare", "train.jit_compile=true",
                      "--compare", "model.fast_atrous=false", "--compare", "model.fused_batchnorm=false"],
-        "keras": [str(BIN / "python"), "scripts/keras_fit_baseline_speed.py", *common],
+        "keras": [str(BIN / "python"), "scripts/baseline_keras_fit_speed.py", *common],
         # The reader alone, 1 worker thread per core as it runs by default, with and without data.cache.
         "input": [seg_bench, *common, "--input-only", "--set", "data.cache=true"],
     }
