@@ -7,8 +7,8 @@ logits cropped back to the input size.
 
 The SavedModel holds no Python: `tf.saved_model.load(DIR).signatures["serving_default"](image=x)`
 works in a process that never imports seg_train. The model resizes with tf.image.resize to dynamic
-sizes (ResizeLike), so the signature is traced once with unknown height and width (project notes
-item 14: UpSampling2D(bilinear) would fail there).
+sizes (ResizeLike), so the signature is traced once with unknown height and width (Keras'
+UpSampling2D(interpolation="bilinear") fails on unknown sizes in graph mode).
 
 This module imports TensorFlow only inside its functions: the command line checks its arguments
 before TensorFlow's slow start.
