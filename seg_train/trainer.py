@@ -54,7 +54,7 @@ class Trainer:
             else:
                 self.optimizer = keras.optimizers.SGD(learning_rate=lr, momentum=t.momentum)
             # Build the slots now: an unbuilt optimizer fails on the first distributed step and a
-            # checkpoint restored into it silently skips its slots (project notes, item 1).
+            # checkpoint restored into it silently skips its slots.
             self.optimizer.build(self.model.trainable_variables)
         self.kernels = losses.decay_variables(self.model)
         self.bn_layers = replicas.batchnorm_layers(self.model)
@@ -91,7 +91,7 @@ class Trainer:
             ce_sum, count = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
             wd = losses.weight_decay(self.kernels, cfg.model.weight_decay)
             # THE cross-tower scaling. apply_gradients (in _apply) SUMs the towers' gradients (Keras
-            # 3, project notes item 2), so each tower's loss is its share of the global objective:
+            # 3 inside strategy.run), so each tower's loss is its share of the global objective:
             # its cross-entropy sum over the GLOBAL valid-pixel count (all towers' pixels weigh the
             # same), plus 1/N of the weight decay (the N shares add up to the decay counted once).
             loss = ce_sum / tf.maximum(global_count, 1.0) + wd / self.num_replicas
