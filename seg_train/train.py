@@ -1,4 +1,5 @@
-"""train(cfg): the training run, top to bottom in named sections (setup, data, model, restore, loop, final)."""
+"""train(cfg): the training run, top to bottom in named sections (setup and checks; model, optimizer,
+restore; data; loop; final)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from seg_train.trainer import Trainer
 log = logging.getLogger("seg_train")
 
 # Exit codes (documented in README): 0 done, 1 internal error, 2 user error (config, data, flags),
-# 3 stopped on a non-finite loss/gradient, 128 + signal number after SIGINT/SIGTERM (checkpoint written).
+# 3 stopped on a non-finite loss/gradient, 4 a peer worker failed (cli.run_guarded: EXIT_PEER_FAILED),
+# 128 + signal number after SIGINT/SIGTERM (checkpoint written).
 EXIT_OK, EXIT_NONFINITE = 0, 3
 
 
