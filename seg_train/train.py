@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,26 +48,74 @@ def _progress(total: int, initial: int):
 
 
 class _StopSignals:
-    """SIGINT/SIGTERM ask the loop to finish the current step, checkpoint and exit."""
+    """SIGINT/SIGTERM: the first asks the loop to finish the current step, write a checkpoint and exit
+    128 + its number; a second one (either signal) ends the process at once, exit 128 + its number.
+
+    Why not a plain Python handler: Python runs signal handlers in the main thread between bytecodes
+    only, so none runs while the main thread is inside one TensorFlow call (a whole train step, an
+    evaluation, a checkpoint write), and two signals during one call would be seen as one, after it.
+    Instead CPython's C-level handler writes each signal's number to a pipe the moment it arrives
+    (signal.set_wakeup_fd), and a watcher thread reads the pipe: TensorFlow releases the GIL while it
+    computes, so the watcher runs at once. The Python-level handlers only keep the default action
+    (and KeyboardInterrupt) away.
+
+    The second signal ends the process with os._exit: no checkpoint for the step in progress, no
+    clean-up. The newest complete checkpoint stays usable (TensorFlow writes the `checkpoint` state
+    file last); the kernel releases the run dir's flock, whose file keeps this pid until the next run
+    takes the lock over.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.signum = None
         self._old = {}
+        self._old_wakeup = -1
+        self._pipe = None
+        self._watcher = None
 
     def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handle)
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # the C-level handler must never block (set_wakeup_fd insists)
+        self._pipe = (r, w)
+        self._watcher = threading.Thread(target=self._watch, args=(r,), name="seg-train-signals", daemon=True)
+        self._watcher.start()
+        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        for s in self.SIGNALS:
+            self._old[s] = signal.signal(s, self._ignore)
         return self
 
-    def _handle(self, signum, frame):
-        if self.signum is not None:  # second Ctrl-C: the user means it
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("received %s: finishing this step, then writing a checkpoint", signal.Signals(signum).name)
+    @staticmethod
+    def _ignore(signum, frame):
+        """The Python-level handler: the watcher thread has already seen the signal."""
+
+    def _watch(self, fd: int) -> None:
+        while True:
+            data = os.read(fd, 64)
+            if not data:  # the pipe was closed by __exit__
+                return
+            for signum in data:
+                if signum not in self.SIGNALS:
+                    continue
+                name = signal.Signals(signum).name
+                if self.signum is None:
+                    self.signum = signum
+                    log.warning("received %s: finishing this step, then writing a checkpoint (a second signal "
+                                "stops at once, without one)", name)
+                    continue
+                os.write(2, f"error: interrupted again ({name} after {signal.Signals(self.signum).name}): "
+                            "stopped at once, no checkpoint for the step in progress; rerun the same command to "
+                            "resume from the newest checkpoint\n".encode())
+                os._exit(128 + signum)
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
             signal.signal(s, h)
+        signal.set_wakeup_fd(self._old_wakeup)
+        r, w = self._pipe
+        os.close(w)  # the watcher reads end-of-file and returns
+        self._watcher.join()
+        os.close(r)
 
 
 def prepare_data(cfg: Config) -> ImageReader:
