@@ -265,8 +265,8 @@ def predict_main(argv=None) -> int:
         run_predict(cfg, strategy, args.checkpoint, args.inputs, args.output)
 
     return _checkpoint_command(
-        argv, "seg-predict", "Segment images of any size: <name>.png (palette PNG of class indices, "
-        "original size) and <name>_overlay.jpg for each input.", add_arguments, fail_fast, run)
+        argv, "seg-predict", "Segment whole images (each in one pass: any size that fits in memory): <name>.png "
+        "(palette PNG of class indices, original size) and <name>_overlay.jpg for each input.", add_arguments, fail_fast, run)
 
 
 def export_main(argv=None) -> int:

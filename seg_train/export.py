@@ -1,4 +1,4 @@
-"""seg-export: a SavedModel that segments one uint8 image of any size, preprocessing in the graph.
+"""seg-export: a SavedModel that segments one whole uint8 image (any size memory allows), preprocessing in the graph.
 
 The serving function (`serving_module`) is also what seg-predict runs, so the exported model and
 seg-predict compute the same graph and give the same masks. Its preprocessing is the evaluation's:

@@ -1,4 +1,7 @@
-"""seg-predict: class-index PNGs and colour overlays for images of any size.
+"""seg-predict: class-index PNGs and colour overlays for whole images.
+
+Each image goes through the model in one pass at its own size (padded to a multiple of 32), so the
+largest image is bounded by the memory of one device, not by the training crop.
 
 For each input image `<name>.<ext>` it writes, at the image's original size:
 - `<name>.png`: a palette ('P') PNG whose pixel values are the predicted class indices (VOC colours,
