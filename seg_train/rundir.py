@@ -3,6 +3,7 @@ atomic JSON files in it (`write_json`: eval records, best.json)."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import logging
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError, flatten
 
 log = logging.getLogger("seg_train")
@@ -45,9 +47,6 @@ def write_json(path: Path, obj) -> None:
 
 def _default_of(key: str):
     """The plain default value of a dotted config key, or _ABSENT if it has none (or is unknown)."""
-    import dataclasses
-
-    from seg_train import config as config_lib
     section, _, name = key.rpartition(".")
     cls = config_lib._SECTIONS.get(section) if section else config_lib.Config
     for f in dataclasses.fields(cls) if cls is not None else ():
