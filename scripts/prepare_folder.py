@@ -34,30 +34,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+# seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from seg_train.palette import save_index_png, voc_colormap  # noqa: E402
+from seg_train.prep import PrepError, run_main, wrote  # noqa: E402
+
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm"}
 IGNORE_LABEL = 255
 JPEG_QUALITY = 95
-
-
-class PrepError(Exception):
-    """A problem with the input: reported as `error: <what> (<where>): <expected>`."""
-
-    def __init__(self, what: str, where: object, expected: str):
-        super().__init__(f"error: {what} ({where}): {expected}")
-
-
-def voc_colormap(n: int = 256) -> np.ndarray:
-    """Standard PASCAL VOC colour map, uint8 [n, 3] (1 -> (128,0,0), 255 -> (224,224,192))."""
-    cmap = np.zeros((n, 3), dtype=np.uint8)
-    for i in range(n):
-        c, r, g, b = i, 0, 0, 0
-        for shift in range(7, -1, -1):
-            r |= (c & 1) << shift
-            g |= ((c >> 1) & 1) << shift
-            b |= ((c >> 2) & 1) << shift
-            c >>= 3
-        cmap[i] = (r, g, b)
-    return cmap
 
 
 def list_by_stem(folder: Path, role: str) -> dict[str, Path]:
@@ -190,8 +174,8 @@ def read_class_names(path: Path, max_index: int) -> list[str]:
     return names
 
 
-def prepare(args: argparse.Namespace) -> None:
-    """Convert and split the paired files; print a summary and warnings."""
+def prepare(args: argparse.Namespace) -> str:
+    """Convert and split the paired files; print warnings; return the summary line."""
     if not 0.0 <= args.val_fraction < 1.0:
         raise PrepError("bad value", f"--val-fraction {args.val_fraction}", "a fraction in [0, 1)")
     colour_map = parse_colour_map(args.colour_map) if args.colour_map else None
@@ -212,7 +196,7 @@ def prepare(args: argparse.Namespace) -> None:
     out = args.output
     for sub in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
         (out / sub).mkdir(parents=True, exist_ok=True)
-    palette = voc_colormap(256).tobytes()
+    palette = voc_colormap()
     max_index, unknown_pixels, unknown_files = 0, 0, 0
     for image_id in ids:
         label, unknown = read_label(labels[image_id], colour_map)
@@ -228,9 +212,7 @@ def prepare(args: argparse.Namespace) -> None:
         valid = label[label != IGNORE_LABEL]
         if valid.size:
             max_index = max(max_index, int(valid.max()))
-        img = Image.fromarray(label)
-        img.putpalette(palette)  # 'L' -> 'P' keeping the index values
-        img.save(out / "SegmentationClass" / f"{image_id}.png")
+        save_index_png(out / "SegmentationClass" / f"{image_id}.png", label, palette)
     if unknown_pixels:
         print(
             f"warning: {unknown_pixels} pixels in {unknown_files} label images have colours not in "
@@ -247,7 +229,7 @@ def prepare(args: argparse.Namespace) -> None:
     else:
         names = [f"class_{i}" for i in range(max_index + 1)]
     (out / "classes.txt").write_text("".join(f"{n}\n" for n in names))
-    print(f"wrote {out} (train: {len(train)}, val: {len(val)}, classes: {len(names)})")
+    return wrote(out, {"train": len(train), "val": len(val), "classes": len(names)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,12 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--colour-map", type=Path, help="colour -> class index map for RGB labels")
     parser.add_argument("--class-names", type=Path, help="class names, one per line (default class_0, ...)")
     args = parser.parse_args(argv)
-    try:
-        prepare(args)
-    except PrepError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    return 0
+    return run_main(lambda: prepare(args))
 
 
 if __name__ == "__main__":

@@ -34,32 +34,16 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+# seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from seg_train.palette import save_index_png, voc_colormap  # noqa: E402
+from seg_train.prep import PrepError, run_main, wrote  # noqa: E402
+
 VOC_CLASSES = (
     "background aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse "
     "motorbike person pottedplant sheep sofa train tvmonitor"
 ).split()
 VOC_SPLITS = ("train", "val", "trainval")
-
-
-class PrepError(Exception):
-    """A problem with the input: reported as `error: <what> (<where>): <expected>`."""
-
-    def __init__(self, what: str, where: object, expected: str):
-        super().__init__(f"error: {what} ({where}): {expected}")
-
-
-def voc_colormap(n: int = 256) -> np.ndarray:
-    """Standard PASCAL VOC colour map, uint8 [n, 3] (1 -> (128,0,0), 255 -> (224,224,192))."""
-    cmap = np.zeros((n, 3), dtype=np.uint8)
-    for i in range(n):
-        c, r, g, b = i, 0, 0, 0
-        for shift in range(7, -1, -1):
-            r |= (c & 1) << shift
-            g |= ((c >> 1) & 1) << shift
-            b |= ((c >> 2) & 1) << shift
-            c >>= 3
-        cmap[i] = (r, g, b)
-    return cmap
 
 
 def read_ids(path: Path) -> list[str]:
@@ -152,7 +136,7 @@ def prepare_sbd(voc: Path, sbd: Path, out: Path, train_aug: list[str], mode: str
     """Write labels (SegmentationClassAug/ and SegmentationClass/) and images of the train_aug ids."""
     aug_dir = out / "SegmentationClassAug"
     aug_dir.mkdir(parents=True, exist_ok=True)
-    palette = voc_colormap(256).tobytes()
+    palette = voc_colormap()
     for image_id in train_aug:
         name = f"{image_id}.png"
         voc_label = voc / "SegmentationClass" / name
@@ -163,9 +147,7 @@ def prepare_sbd(voc: Path, sbd: Path, out: Path, train_aug: list[str], mode: str
                 place(voc_label, out / "SegmentationClass" / name, mode)
         else:
             mask = load_sbd_mask(sbd / "cls" / f"{image_id}.mat", loadmat)
-            img = Image.fromarray(mask)
-            img.putpalette(palette)  # 'L' -> 'P' with the same index values
-            img.save(aug_dir / name)
+            save_index_png(aug_dir / name, mask, palette)
             place(aug_dir / name, out / "SegmentationClass" / name, mode)
         dst_image = out / "JPEGImages" / f"{image_id}.jpg"
         if not dst_image.exists():
@@ -226,18 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         help="how to place unchanged files (default: hardlink, falling back to copy)",
     )
     args = parser.parse_args(argv)
-    try:
+
+    def work() -> str:
         if not args.voc.is_dir():
             raise PrepError("no such folder", args.voc, "the VOCdevkit/VOC2012 folder of the VOC2012 trainval release")
         if args.sbd is not None and not args.sbd.is_dir():
             raise PrepError("no such folder", args.sbd, "the benchmark_RELEASE/dataset folder of SBD")
-        counts = prepare(args.voc, args.output, args.sbd, args.mode)
-    except PrepError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    summary = ", ".join(f"{name}: {n}" for name, n in counts.items())
-    print(f"wrote {args.output} ({summary})")
-    return 0
+        return wrote(args.output, prepare(args.voc, args.output, args.sbd, args.mode))
+
+    return run_main(work)
 
 
 if __name__ == "__main__":

@@ -470,10 +470,9 @@ def _utilisation(row: dict, flops: dict, peak: dict | None) -> None:
 
 def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int = 3) -> dict:
     """`seg-bench --input-only`: the reader's training stream alone (no model, no training)."""
-    from seg_train import evaluate
-    from seg_train.reader import ImageReader
+    from seg_train.reader import ImageReader, ensure_data
 
-    evaluate.ensure_data(cfg)
+    ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
     batch = cfg.data.batch_size
     log.info("timing the input pipeline alone (data.cache %s)", cfg.data.cache)
@@ -503,16 +502,16 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
       The JSON-able result. Top-level figures are those of the largest tower count (of the first
       variant when comparing).
     """
-    from seg_train import evaluate, replicas
-    from seg_train.reader import ImageReader
-    from seg_train.train import check_batch
+    from seg_train import replicas
+    from seg_train.reader import ImageReader, ensure_data
+    from seg_train.config import check_batch
 
     variants = variants or [("default", cfg, input_mode)]
     cfg, input_mode = variants[0][1], variants[0][2]
     for _, vcfg, _ in variants:
         for n in towers:
             check_batch(vcfg, n)
-    evaluate.ensure_data(cfg)
+    ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
     batch = cfg.data.batch_size
     t0 = time.perf_counter()

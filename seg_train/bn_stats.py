@@ -3,8 +3,9 @@
 Why: a BN layer trains with batch statistics but evaluates with its moving averages, and those lag
 far behind the weights when training is short or starts from scratch (keras.applications builds its
 BN with momentum 0.999: the average then remembers ~1000 steps of features the network no longer
-makes). Seen in the project notes (item 13): 2.5% val mIoU with the moving statistics vs 44.0% after
-re-estimating them, for the same weights. See docs/BATCHNORM.md for the measurements.
+makes). On a plain Keras DeepLabV3+-lite trained from scratch: 2.5% val mIoU with the moving
+statistics vs 44.0% after re-estimating them, for the same weights. See docs/BATCHNORM.md for the
+measurements.
 
 What `reestimate` does ("precise BN", Wu & Johnson, "Rethinking Batch in BatchNorm", 2021):
 - runs `num_batches` training batches (the normal training augmentation, the global batch split
@@ -38,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from seg_train import replicas
-from seg_train.config import ConfigError
+from seg_train.config import ConfigError, check_batch
 
 log = logging.getLogger("seg_train")
 
@@ -191,9 +192,7 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
     cfg, strategy, model = trainer.cfg, trainer.strategy, trainer.model
     n_towers = strategy.num_replicas_in_sync
     batch = cfg.data.batch_size
-    if batch % n_towers:
-        raise ConfigError("batch does not divide across towers", "data.batch_size",
-                          f"expected a multiple of the {n_towers} towers, got {batch}")
+    check_batch(cfg, n_towers)
     layers = [layer for layer in replicas.batchnorm_layers(model) if layer.trainable]
     if not layers:
         trainer.bn_stats_step.assign(trainer.step)

@@ -1,17 +1,30 @@
-"""Checkpoints: tf.train.Checkpoint {model, optimizer (built, slots included), step} + CheckpointManager.
+"""Checkpoints of a run: the training state under RUN_DIR/checkpoints/, the best weights under RUN_DIR/best/.
 
-The data pipeline's position needs no state of its own: the stream is a pure function of
-(seed, step) (see reader.py), so the step restores it.
+A training checkpoint (`Checkpointer`, a tf.train.CheckpointManager) holds what
+`Trainer.checkpoint_objects` lists: model, optimizer (built, slots included), step, bn_stats_step
+(the step the BN moving statistics were last re-estimated at), and with train.precision
+mixed_float16 also the dynamic loss scale's `loss_scale` and `good_steps`. The data pipeline's
+position needs no state of its own: the stream is a pure function of (seed, step) (see reader.py),
+so the step restores it.
+
+The best checkpoint (`keep_best`) holds model, step and bn_stats_step only (no optimizer), with
+best.json beside it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import tensorflow as tf
 
+from seg_train.config import ConfigError
+from seg_train.rundir import write_json
+
 log = logging.getLogger("seg_train")
+
+BEST_DIR, BEST_JSON = "best", "best.json"
 
 
 class Checkpointer:
@@ -56,7 +69,6 @@ class Checkpointer:
                 return path
             except (tf.errors.OpError, IndexError, ValueError, AssertionError) as e:
                 log.warning("skipping unreadable checkpoint %s (%s)", path, (str(e).splitlines() or [""])[0][:200])
-        from seg_train.config import ConfigError
         raise ConfigError("no readable checkpoint", str(self.directory),
                           f"at least one complete checkpoint among {', '.join(Path(p).name for p in candidates)} "
                           "(move the folder away to start over)")
@@ -75,5 +87,43 @@ def resolve(path: str | Path) -> str:
                 return latest
     if Path(str(p) + ".index").is_file():
         return str(p)
-    from seg_train.config import ConfigError
     raise ConfigError("checkpoint not found", str(path), "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
+
+
+def read_best(run_dir: Path) -> dict | None:
+    """RUN_DIR/best/best.json ({'step', 'miou', 'pixel_accuracy', 'checkpoint'}), or None if there is no best yet."""
+    path = Path(run_dir) / BEST_DIR / BEST_JSON
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def keep_best(run_dir: Path, trainer, step: int, metrics) -> bool:
+    """Saves the weights under RUN_DIR/best/ if mIoU beats the best so far.
+
+    The checkpoint (model, step, bn_stats_step; no optimizer) is written first (CheckpointManager:
+    data files, then its state file, then the previous best is deleted), then best.json atomically
+    (`rundir.write_json`). A crash in between leaves the better checkpoint with the older best.json,
+    never a half-written file. `resolve(RUN_DIR/best)` and `Trainer.restore_weights` read it back.
+    `step` names the checkpoint; the step saved inside it is trainer.step (the same value during
+    training).
+
+    Args:
+      run_dir: the run dir.
+      trainer: a `Trainer` (its model, step and bn_stats_step are saved).
+      step: the training step.
+      metrics: `metrics.SegMetrics` of this evaluation.
+    Returns:
+      True if mIoU improved and the checkpoint was written.
+    """
+    best_dir = Path(run_dir) / BEST_DIR
+    best = read_best(run_dir)
+    if best is not None and not metrics.miou > best["miou"]:
+        return False
+    ckpt = tf.train.Checkpoint(model=trainer.model, step=trainer.step, bn_stats_step=trainer.bn_stats_step)
+    manager = tf.train.CheckpointManager(ckpt, str(best_dir), max_to_keep=1)
+    prefix = manager.save(checkpoint_number=step)
+    write_json(best_dir / BEST_JSON, {"step": int(step), "miou": metrics.miou, "pixel_accuracy": metrics.pixel_accuracy,
+                                      "checkpoint": Path(prefix).name})
+    return True

@@ -1,4 +1,7 @@
-"""Command-line entry points: the only place that reads argv and the environment and sets up logging.
+"""Command-line entry points: the only place that reads argv and sets up logging.
+
+The environment is used here too (TF_CPP_MIN_LOG_LEVEL set before TensorFlow starts, TF_CONFIG to tell
+a lost peer from a bug) and in replicas.py (TF_CONFIG: the multi-worker cluster).
 
 User errors print one line `error: <what> (<where>): <expected>` on stderr and exit 2; `--debug`
 shows the traceback instead.
@@ -40,12 +43,6 @@ def setup_logging(debug: bool) -> None:
     log.handlers[:] = [handler]
     log.setLevel(logging.DEBUG if debug else logging.INFO)
     log.propagate = False
-
-
-def add_file_log(path) -> None:
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s"))
-    log.addHandler(handler)
 
 
 @contextlib.contextmanager
@@ -269,69 +266,80 @@ def _precheck_checkpoint(path: str) -> None:
                           "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
 
 
-def eval_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="seg-eval", description="Evaluate a checkpoint at full resolution: per-class IoU, mIoU, pixel accuracy. "
-        "Writes RUN_DIR/eval/<split>-step<k>.json.")
+def _checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fast, run) -> int:
+    """seg-eval, seg-predict and seg-export: a config, towers and CKPT_OR_RUN_DIR.
+
+    Args:
+      add_arguments: adds the command's own arguments to the parser.
+      fail_fast: checks the command's arguments before TensorFlow's slow start (then the checkpoint
+        path is checked the same way).
+      run: run(cfg, strategy, args), the command itself.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     _common(parser)
     _checkpoint_arg(parser)
-    parser.add_argument("--split", help="split to evaluate (default: data.val_split)")
+    add_arguments(parser)
     args = parser.parse_args(argv)
 
     def main(args):
+        fail_fast(args)
         _precheck_checkpoint(args.checkpoint)
         cfg, strategy = _setup(args, checks=preflight.for_evaluation)
-        from seg_train.evaluate import run_eval
-        run_eval(cfg, strategy, args.checkpoint, args.split)
+        run(cfg, strategy, args)
         return 0
 
     return run_guarded(main, args)
+
+
+def eval_main(argv=None) -> int:
+    def add_arguments(parser):
+        parser.add_argument("--split", help="split to evaluate (default: data.val_split)")
+
+    def run(cfg, strategy, args):
+        from seg_train.eval_cmd import run_eval
+        run_eval(cfg, strategy, args.checkpoint, args.split)
+
+    return _checkpoint_command(
+        argv, "seg-eval", "Evaluate a checkpoint at full resolution: per-class IoU, mIoU, pixel accuracy. "
+        "Writes RUN_DIR/eval/<split>-step<k>.json.", add_arguments, lambda args: None, run)
 
 
 def predict_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="seg-predict", description="Segment images of any size: <name>.png (palette PNG of class indices, "
-        "original size) and <name>_overlay.jpg for each input.")
-    _common(parser)
-    _checkpoint_arg(parser)
-    parser.add_argument("--output", required=True, metavar="DIR", help="folder for the PNGs and overlays")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="image files or folders of images (one level deep); names must be distinct")
-    args = parser.parse_args(argv)
+    def add_arguments(parser):
+        parser.add_argument("--output", required=True, metavar="DIR", help="folder for the PNGs and overlays")
+        parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                            help="image files or folders of images (one level deep); names must be distinct")
 
-    def main(args):
+    def fail_fast(args):
         from seg_train.predict import check_output_dir, collect_inputs
-        collect_inputs(args.inputs)  # fail fast on a bad input, before TensorFlow starts
+        collect_inputs(args.inputs)
         check_output_dir(args.output)
-        _precheck_checkpoint(args.checkpoint)
-        cfg, strategy = _setup(args, checks=preflight.for_evaluation)
+
+    def run(cfg, strategy, args):
         from seg_train.predict import run_predict
         run_predict(cfg, strategy, args.checkpoint, args.inputs, args.output)
-        return 0
 
-    return run_guarded(main, args)
+    return _checkpoint_command(
+        argv, "seg-predict", "Segment whole images (each in one pass: any size that fits in memory): <name>.png "
+        "(palette PNG of class indices, original size) and <name>_overlay.jpg for each input.", add_arguments, fail_fast, run)
 
 
 def export_main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="seg-export", description="Export a checkpoint as a SavedModel: serving_default(image uint8 "
-        "[height, width, 3]) -> classes [height, width], preprocessing inside the graph.")
-    _common(parser)
-    _checkpoint_arg(parser)
-    parser.add_argument("--output", required=True, metavar="DIR", help="SavedModel folder (new or empty)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
-    args = parser.parse_args(argv)
+    def add_arguments(parser):
+        parser.add_argument("--output", required=True, metavar="DIR", help="SavedModel folder (new or empty)")
+        parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
 
-    def main(args):
+    def fail_fast(args):
         from seg_train.export import check_output
-        check_output(args.output, args.force)  # fail fast, before TensorFlow starts
-        _precheck_checkpoint(args.checkpoint)
-        cfg, strategy = _setup(args, checks=preflight.for_evaluation)
+        check_output(args.output, args.force)
+
+    def run(cfg, strategy, args):
         from seg_train.export import run_export
         run_export(cfg, strategy, args.checkpoint, args.output, args.force)
-        return 0
 
-    return run_guarded(main, args)
+    return _checkpoint_command(
+        argv, "seg-export", "Export a checkpoint as a SavedModel: serving_default(image uint8 [height, width, 3]) "
+        "-> classes [height, width], preprocessing inside the graph.", add_arguments, fail_fast, run)
 
 
 def check_data_main(args) -> int:

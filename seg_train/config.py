@@ -231,11 +231,6 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}.get(tp, str(tp))
 
 
-def _plural(tp) -> str:
-    """'integers' for int: the element type of a list, without _type_name's article."""
-    return _type_name(tp).split(" ", 1)[1] + "s"
-
-
 def _coerce(value, tp, key: str):
     """Checks `value` against the annotation `tp` and converts it (lists -> tuples, ints -> floats)."""
     origin = typing.get_origin(tp)
@@ -472,6 +467,17 @@ def dump(cfg: Config, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     os.replace(tmp, path)
+
+
+def check_batch(cfg: Config, num_towers: int) -> None:
+    """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`.
+
+    The one check of the config against the tower count, which is known only once the devices are
+    chosen: train, seg-bench and the BN re-estimation all call it.
+    """
+    if cfg.data.batch_size % num_towers:
+        raise ConfigError("batch does not divide across towers", "data.batch_size",
+                          f"expected a multiple of the {num_towers} towers, got {cfg.data.batch_size}")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

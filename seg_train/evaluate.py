@@ -11,33 +11,25 @@ How the pixels are counted (why it looks like this):
   exact in any order, so any number of towers gives the identical matrix.
 - Images differ in size, so the step is traced once for unknown heights and widths (an input
   signature of N plain tensors, dealt to the towers inside the graph); the model resizes with
-  tf.image.resize, which takes dynamic sizes (project notes item 14).
+  tf.image.resize, which takes dynamic sizes (models.ResizeLike: Keras' bilinear UpSampling2D fails
+  on unknown sizes in graph mode).
 
-Also here: the seg-eval command body (`run_eval`), and the helpers train.py uses for evaluation
-during training (`write_eval_summaries`, `keep_best`).
+Also here: `write_eval_summaries`, the TensorBoard scalars of an evaluation during training. The
+seg-eval command is eval_cmd.py; loading a checkpoint and the BN re-estimation gate are restore.py;
+the best checkpoint is checkpoint.keep_best.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import logging
-import os
-import re
 import sys
 import weakref
-from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train import checkpoint as ckpt_lib
-from seg_train import preflight
-from seg_train.config import Config, ConfigError
-from seg_train.metrics import SegMetrics, compute_metrics, format_table, metrics_to_json
-from seg_train.palette import load_class_names
+from seg_train.config import ConfigError
+from seg_train.metrics import SegMetrics, compute_metrics
 from seg_train.reader import ImageReader
-
-log = logging.getLogger("seg_train")
 
 # One compiled eval step per Trainer: evaluation during training calls evaluate() many times and
 # must not retrace each time. Weak keys, so a dropped Trainer frees its graph.
@@ -132,131 +124,6 @@ def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True) -
     return compute_metrics(cm), num_images
 
 
-# ---- loading a checkpoint for eval / predict / export ---------------------------------------------
-def class_names_of(cfg: Config) -> list[str]:
-    """data.class_names, else classes.txt in the data root, else class_0..class_{C-1}."""
-    try:
-        return load_class_names(cfg.data.root, cfg.data.num_classes, cfg.data.class_names)
-    except ValueError as e:
-        where = "data.class_names" if cfg.data.class_names is not None else str(Path(cfg.data.root) / "classes.txt")
-        raise ConfigError("wrong class names", where, str(e)) from None
-
-
-def ensure_data(cfg: Config) -> None:
-    """Generates the synthetic demo data set at data.root if the config asks for it."""
-    if cfg.data.synthetic:
-        from seg_train import demo_data
-        preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
-        try:
-            demo_data.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
-        except OSError as e:  # e.g. the disk filled up while writing
-            raise ConfigError("cannot generate the synthetic data set", str(cfg.data.root),
-                              f"a folder with room to write it ({e.strerror or e})") from None
-
-
-def run_dir_of(prefix: str) -> Path:
-    """RUN_DIR of a checkpoint prefix RUN_DIR/checkpoints/ckpt-K (or RUN_DIR/best/ckpt-K)."""
-    folder = Path(prefix).parent
-    return folder.parent if folder.name in ("checkpoints", "best") else folder
-
-
-def _mismatch(e: Exception) -> str:
-    """A short description of a failed restore: the variable and both shapes if Keras names them."""
-    text = str(e).strip()
-    m = re.search(r"variable\.shape=(\([^)]*\)), Received: value\.shape=(\([^)]*\)).*?path=([^,]+)", text, re.DOTALL)
-    if m:
-        return f"{m.group(3)} has shape {m.group(1)} in this model, {m.group(2)} in the checkpoint"
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
-def load_trainer(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
-    """Builds a Trainer for `cfg` and loads the weights of CKPT_OR_RUN_DIR into it.
-
-    Returns:
-      (trainer, checkpoint prefix, the checkpoint's step).
-    """
-    from seg_train.trainer import Trainer  # here, not at the top: train.py imports this module
-
-    prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
-    trainer = Trainer(cfg, strategy)
-    try:
-        step = trainer.restore_weights(prefix)
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-        # A checkpoint of another model (backbone, channels, num_classes) fails here.
-        raise ConfigError("checkpoint does not fit the model", prefix,
-                          f"expected a checkpoint of the model this config builds (model.*, data.num_classes): "
-                          f"{_mismatch(e)}") from None
-    return trainer, prefix, step
-
-
-def maybe_reestimate_bn(trainer, cfg: Config, progress: bool = True) -> bool:
-    """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
-
-    Returns:
-      Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
-    """
-    if cfg.eval.bn_reestimate_batches > 0 and int(trainer.bn_stats_step.numpy()) != int(trainer.step.numpy()):
-        from seg_train import bn_stats
-        from seg_train.reader import split_file
-        ensure_data(cfg)  # the re-estimation reads the training split
-        if not split_file(cfg.data.root, cfg.data.train_split).is_file():
-            # Predicting or exporting where the training data is not at hand: go on with the
-            # statistics as trained, and say so.
-            log.warning("BN statistics not re-estimated: training split %r not found under %s "
-                        "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
-            return False
-        train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-        bn_stats.reestimate(trainer, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
-    return int(trainer.bn_stats_step.numpy()) == int(trainer.step.numpy())
-
-
-def write_json(path: Path, obj) -> None:
-    """Writes the dict `obj` as JSON atomically (temp file + os.replace): readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    # One top-level key per line, each value compact: a confusion matrix stays a few lines long.
-    body = ",\n".join(f" {json.dumps(str(k))}: {json.dumps(v)}" for k, v in obj.items())
-    tmp.write_text("{\n" + body + "\n}\n")
-    os.replace(tmp, path)
-
-
-def _split_tag(split: str) -> str:
-    """File-name tag of a split: the name itself, or a list file's stem."""
-    return Path(split).stem if ("/" in split or os.sep in split or split.endswith(".txt")) else split
-
-
-def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, split: str | None = None,
-             progress: bool = True) -> dict:
-    """seg-eval: evaluates a checkpoint on a split, prints the table, writes RUN_DIR/eval/<split>-step<k>.json.
-
-    Returns:
-      The JSON record that was written.
-    """
-    split = split or cfg.data.val_split
-    # The JSON goes next to the checkpoint's run dir: check it can be written before the work.
-    out_dir = run_dir_of(os.path.abspath(ckpt_lib.resolve(checkpoint))) / "eval"
-    preflight.check_creatable_dir(out_dir, "eval output folder", "write access to the checkpoint's run dir")
-    ensure_data(cfg)
-    reader = ImageReader(cfg.data, split, cfg.seed)
-    names = class_names_of(cfg)
-    trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
-    reestimated = maybe_reestimate_bn(trainer, cfg, progress)
-    if not reestimated:
-        log.info("BN moving statistics as saved (not re-estimated for step %d; see eval.bn_reestimate_batches)",
-                 step)
-    log.info("evaluating %s (step %d) on %d %s images, %d tower(s)", prefix, step, len(reader), split,
-             strategy.num_replicas_in_sync)
-    metrics, num_images = evaluate(trainer, reader, names, progress)
-    record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
-              "bn_stats_reestimated": reestimated, **metrics_to_json(metrics, names)}
-    path = out_dir / f"{_split_tag(split)}-step{step}.json"
-    write_json(path, record)
-    print(format_table(metrics, names))
-    print(f"{num_images} images, step {step}: mIoU {100 * metrics.miou:.2f}%; wrote {path}")
-    return record
-
-
 # ---- evaluation during training -------------------------------------------------------------------
 def write_eval_summaries(writer, step: int, metrics: SegMetrics, class_names) -> None:
     """TensorBoard scalars eval/miou, eval/pixel_accuracy, eval/mean_class_accuracy, eval/iou/<class>.
@@ -275,43 +142,3 @@ def write_eval_summaries(writer, step: int, metrics: SegMetrics, class_names) ->
             if iou is not None:
                 tf.summary.scalar(f"eval/iou/{name}", iou)
     writer.flush()
-
-
-BEST_DIR, BEST_JSON = "best", "best.json"
-
-
-def read_best(run_dir: Path) -> dict | None:
-    """RUN_DIR/best/best.json ({'step', 'miou', 'checkpoint'}), or None if there is no best yet."""
-    path = Path(run_dir) / BEST_DIR / BEST_JSON
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-
-
-def keep_best(run_dir: Path, trainer, step: int, metrics: SegMetrics) -> bool:
-    """Saves the weights under RUN_DIR/best/ if mIoU beats the best so far.
-
-    The checkpoint (model, step, bn_stats_step; no optimizer) is written first (CheckpointManager:
-    data files, then its state file, then the previous best is deleted), then best.json through
-    best.tmp + os.replace. A crash in between leaves the better checkpoint with the older best.json,
-    never a half-written file. `checkpoint.resolve(RUN_DIR/best)` and `Trainer.restore_weights` read
-    it back. `step` names the checkpoint; the step saved inside it is trainer.step (the same value
-    during training).
-
-    Returns:
-      True if mIoU improved and the checkpoint was written.
-    """
-    best_dir = Path(run_dir) / BEST_DIR
-    best = read_best(run_dir)
-    if best is not None and not metrics.miou > best["miou"]:
-        return False
-    ckpt = tf.train.Checkpoint(model=trainer.model, step=trainer.step, bn_stats_step=trainer.bn_stats_step)
-    manager = tf.train.CheckpointManager(ckpt, str(best_dir), max_to_keep=1)
-    prefix = manager.save(checkpoint_number=step)
-    tmp = best_dir / "best.tmp"
-    tmp.write_text(json.dumps({"step": int(step), "miou": metrics.miou,
-                               "pixel_accuracy": metrics.pixel_accuracy,
-                               "checkpoint": Path(prefix).name}, indent=1) + "\n")
-    os.replace(tmp, best_dir / BEST_JSON)
-    return True

@@ -1,4 +1,4 @@
-"""seg-export: a SavedModel that segments one uint8 image of any size, preprocessing in the graph.
+"""seg-export: a SavedModel that segments one whole uint8 image (any size memory allows), preprocessing in the graph.
 
 The serving function (`serving_module`) is also what seg-predict runs, so the exported model and
 seg-predict compute the same graph and give the same masks. Its preprocessing is the evaluation's:
@@ -7,8 +7,8 @@ logits cropped back to the input size.
 
 The SavedModel holds no Python: `tf.saved_model.load(DIR).signatures["serving_default"](image=x)`
 works in a process that never imports seg_train. The model resizes with tf.image.resize to dynamic
-sizes (ResizeLike), so the signature is traced once with unknown height and width (project notes
-item 14: UpSampling2D(bilinear) would fail there).
+sizes (ResizeLike), so the signature is traced once with unknown height and width (Keras'
+UpSampling2D(interpolation="bilinear") fails on unknown sizes in graph mode).
 
 This module imports TensorFlow only inside its functions: the command line checks its arguments
 before TensorFlow's slow start.
@@ -96,7 +96,8 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
     """
     import tensorflow as tf
 
-    from seg_train.evaluate import class_names_of, load_trainer, maybe_reestimate_bn
+    from seg_train.reader import class_names_of
+    from seg_train.restore import load_trainer, maybe_reestimate_bn
 
     out = check_output(output, force)
     names = class_names_of(cfg)

@@ -1,4 +1,7 @@
-"""seg-predict: class-index PNGs and colour overlays for images of any size.
+"""seg-predict: class-index PNGs and colour overlays for whole images.
+
+Each image goes through the model in one pass at its own size (padded to a multiple of 32), so the
+largest image is bounded by the memory of one device, not by the training crop.
 
 For each input image `<name>.<ext>` it writes, at the image's original size:
 - `<name>.png`: a palette ('P') PNG whose pixel values are the predicted class indices (VOC colours,
@@ -116,7 +119,7 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     import tensorflow as tf
     from tqdm import tqdm
 
-    from seg_train.evaluate import load_trainer, maybe_reestimate_bn
+    from seg_train.restore import load_trainer, maybe_reestimate_bn
     from seg_train.export import serving_module
 
     files = collect_inputs(inputs)

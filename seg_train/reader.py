@@ -11,6 +11,9 @@ Design (why it looks like this):
   round-robin to its towers (tf.distribute's `distribute_datasets_from_function` contract).
 - Labels are read with Pillow: `tf.io.decode_png` turns palette ('P') PNGs such as PASCAL VOC's into
   colours or luminance, silently wrong class indices.
+
+Also here, for every command that opens the configured data: `ensure_data` (generates the synthetic
+demo set when data.synthetic asks for it) and `class_names_of` (the class names, checked).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image, UnidentifiedImageError
 
-from seg_train.config import ConfigError, DataConfig
-from seg_train.palette import read_label
+from seg_train import demo_data, preflight
+from seg_train.config import Config, ConfigError, DataConfig
+from seg_train.palette import load_class_names, read_label
 
 log = logging.getLogger("seg_train")
 
@@ -78,6 +82,26 @@ def list_samples(root: Path, split: str) -> list[Sample]:
     if not samples:
         raise ConfigError("empty split", str(path), "expected at least one sample")
     return samples
+
+
+def ensure_data(cfg: Config) -> None:
+    """Generates the synthetic demo data set at data.root if the config asks for it."""
+    if cfg.data.synthetic:
+        preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
+        try:
+            demo_data.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+        except OSError as e:  # e.g. the disk filled up while writing
+            raise ConfigError("cannot generate the synthetic data set", str(cfg.data.root),
+                              f"a folder with room to write it ({e.strerror or e})") from None
+
+
+def class_names_of(cfg: Config) -> list[str]:
+    """data.class_names, else classes.txt in the data root, else class_0..class_{C-1}."""
+    try:
+        return load_class_names(cfg.data.root, cfg.data.num_classes, cfg.data.class_names)
+    except ValueError as e:
+        where = "data.class_names" if cfg.data.class_names is not None else str(Path(cfg.data.root) / "classes.txt")
+        raise ConfigError("wrong class names", where, str(e)) from None
 
 
 class BadSample(ValueError):

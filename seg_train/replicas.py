@@ -1,6 +1,6 @@
 """All tf.distribute code: device selection, the strategy, and cross-tower arithmetic helpers.
 
-Keras 3 under tf.distribute has two silent traps this module exists for (see the project notes):
+Keras 3 under tf.distribute has two silent traps this module exists for:
 `optimizer.apply_gradients` inside `strategy.run` already SUMs the towers' gradients, and
 BatchNormalization moving statistics are per-tower variables (aggregation NONE) that drift apart
 unless they are averaged by hand or the BN is synchronized.
@@ -132,7 +132,7 @@ def make_multiworker_strategy(num_gpus: int, allreduce: str, pack_mb: float, tim
     """TensorFlow's MultiWorkerMirroredStrategy from TF_CONFIG; returns (strategy, message).
 
     Each worker uses its first `num_gpus` GPUs; without GPUs, MultiWorkerMirroredStrategy uses one
-    CPU device per worker (project notes, item 10). TensorFlow's health checks abort the collectives
+    CPU device per worker. TensorFlow's health checks abort the collectives
     within seconds when a peer dies, and `timeout` bounds any collective that waits for a peer.
     """
     if allreduce in ("hierarchical_copy", "reduction_to_one_device"):

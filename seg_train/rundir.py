@@ -1,14 +1,18 @@
-"""The run directory's guards: one trainer at a time, and resuming only with a compatible config."""
+"""The run directory: its guards (one trainer at a time, resuming only with a compatible config) and
+atomic JSON files in it (`write_json`: eval records, best.json)."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import json
 import logging
 import os
 from pathlib import Path
 
 import yaml
 
+from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError, flatten
 
 log = logging.getLogger("seg_train")
@@ -32,11 +36,19 @@ HARMLESS = {
 _ABSENT = "<absent>"
 
 
+def write_json(path: Path, obj) -> None:
+    """Writes the dict `obj` as JSON atomically (temp file + os.replace): readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    # One top-level key per line, each value compact: a confusion matrix stays a few lines long.
+    body = ",\n".join(f" {json.dumps(str(k))}: {json.dumps(v)}" for k, v in obj.items())
+    tmp.write_text("{\n" + body + "\n}\n")
+    os.replace(tmp, path)
+
+
 def _default_of(key: str):
     """The plain default value of a dotted config key, or _ABSENT if it has none (or is unknown)."""
-    import dataclasses
-
-    from seg_train import config as config_lib
     section, _, name = key.rpartition(".")
     cls = config_lib._SECTIONS.get(section) if section else config_lib.Config
     for f in dataclasses.fields(cls) if cls is not None else ():

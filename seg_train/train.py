@@ -1,12 +1,15 @@
-"""train(cfg): the training run, top to bottom in named sections (setup, data, model, restore, loop, final)."""
+"""train(cfg): the training run, top to bottom in named sections (setup and checks; model, optimizer,
+restore; data; loop; final)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -14,22 +17,23 @@ import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train.config import Config, ConfigError
-from seg_train.palette import voc_colormap
 from seg_train import evaluate, losses, replicas
-from seg_train.evaluate import write_json
-from seg_train.metrics import format_table
-from seg_train.reader import BadSample, ImageReader, split_file
-from seg_train.rundir import RunLock, check_resume_config
-from seg_train.summaries import Summaries
+from seg_train.config import Config, ConfigError, check_batch
 from seg_train.eval_examples import predict_examples
+from seg_train.metrics import format_table
+from seg_train.palette import voc_colormap
 from seg_train.profiling import StepProfiler
+from seg_train.reader import BadSample, ImageReader, class_names_of, ensure_data, split_file
+from seg_train.restore import maybe_reestimate_bn
+from seg_train.rundir import RunLock, check_resume_config, write_json
+from seg_train.summaries import Summaries
 from seg_train.trainer import Trainer
 
 log = logging.getLogger("seg_train")
 
 # Exit codes (documented in README): 0 done, 1 internal error, 2 user error (config, data, flags),
-# 3 stopped on a non-finite loss/gradient, 128 + signal number after SIGINT/SIGTERM (checkpoint written).
+# 3 stopped on a non-finite loss/gradient, 4 a peer worker failed (cli.run_guarded: EXIT_PEER_FAILED),
+# 128 + signal number after SIGINT/SIGTERM (checkpoint written).
 EXIT_OK, EXIT_NONFINITE = 0, 3
 
 
@@ -46,33 +50,81 @@ def _progress(total: int, initial: int):
 
 
 class _StopSignals:
-    """SIGINT/SIGTERM ask the loop to finish the current step, checkpoint and exit."""
+    """SIGINT/SIGTERM: the first asks the loop to finish the current step, write a checkpoint and exit
+    128 + its number; a second one (either signal) ends the process at once, exit 128 + its number.
+
+    Why not a plain Python handler: Python runs signal handlers in the main thread between bytecodes
+    only, so none runs while the main thread is inside one TensorFlow call (a whole train step, an
+    evaluation, a checkpoint write), and two signals during one call would be seen as one, after it.
+    Instead CPython's C-level handler writes each signal's number to a pipe the moment it arrives
+    (signal.set_wakeup_fd), and a watcher thread reads the pipe: TensorFlow releases the GIL while it
+    computes, so the watcher runs at once. The Python-level handlers only keep the default action
+    (and KeyboardInterrupt) away.
+
+    The second signal ends the process with os._exit: no checkpoint for the step in progress, no
+    clean-up. The newest complete checkpoint stays usable (TensorFlow writes the `checkpoint` state
+    file last); the kernel releases the run dir's flock, whose file keeps this pid until the next run
+    takes the lock over.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.signum = None
         self._old = {}
+        self._old_wakeup = -1
+        self._pipe = None
+        self._watcher = None
 
     def __enter__(self):
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._old[s] = signal.signal(s, self._handle)
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # the C-level handler must never block (set_wakeup_fd insists)
+        self._pipe = (r, w)
+        self._watcher = threading.Thread(target=self._watch, args=(r,), name="seg-train-signals", daemon=True)
+        self._watcher.start()
+        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        for s in self.SIGNALS:
+            self._old[s] = signal.signal(s, self._ignore)
         return self
 
-    def _handle(self, signum, frame):
-        if self.signum is not None:  # second Ctrl-C: the user means it
-            raise KeyboardInterrupt
-        self.signum = signum
-        log.warning("received %s: finishing this step, then writing a checkpoint", signal.Signals(signum).name)
+    @staticmethod
+    def _ignore(signum, frame):
+        """The Python-level handler: the watcher thread has already seen the signal."""
+
+    def _watch(self, fd: int) -> None:
+        while True:
+            data = os.read(fd, 64)
+            if not data:  # the pipe was closed by __exit__
+                return
+            for signum in data:
+                if signum not in self.SIGNALS:
+                    continue
+                name = signal.Signals(signum).name
+                if self.signum is None:
+                    self.signum = signum
+                    log.warning("received %s: finishing this step, then writing a checkpoint (a second signal "
+                                "stops at once, without one)", name)
+                    continue
+                os.write(2, f"error: interrupted again ({name} after {signal.Signals(self.signum).name}): "
+                            "stopped at once, no checkpoint for the step in progress; rerun the same command to "
+                            "resume from the newest checkpoint\n".encode())
+                os._exit(128 + signum)
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
             signal.signal(s, h)
+        signal.set_wakeup_fd(self._old_wakeup)
+        r, w = self._pipe
+        os.close(w)  # the watcher reads end-of-file and returns
+        self._watcher.join()
+        os.close(r)
 
 
 def prepare_data(cfg: Config) -> ImageReader:
     """Generates the synthetic demo data if asked, and opens the training split."""
     if cfg.data.synthetic and not (Path(cfg.data.root) / ".complete").exists():
         log.info("generating the synthetic demo data set in %s", cfg.data.root)
-    evaluate.ensure_data(cfg)
+    ensure_data(cfg)
     return ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
 
 
@@ -92,11 +144,11 @@ def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: li
     re-estimated for them; the training weights and statistics are back in place afterwards.
     """
     with trainer.averaged_weights():
-        reestimated = evaluate.maybe_reestimate_bn(trainer, cfg, progress)
+        reestimated = maybe_reestimate_bn(trainer, cfg, progress)
         metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
         evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
         summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(trainer, reader))
-        improved = evaluate.keep_best(run_dir, trainer, step, metrics)
+        improved = ckpt_lib.keep_best(run_dir, trainer, step, metrics)
     log.info("eval at step %d on %d %s images (%sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
              step, count, cfg.data.val_split, "EMA weights, " if trainer.ema is not None else "",
              "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
@@ -111,12 +163,6 @@ def _check_same_start(strategy, start: int) -> None:
         raise ConfigError("workers restored different steps", "run_dir",
                           f"a run dir on storage shared by every worker (this worker is at step {start}, "
                           f"the group's mean is {float(mean):g})")
-
-
-def check_batch(cfg: Config, num_replicas: int) -> None:
-    if cfg.data.batch_size % num_replicas:
-        raise ConfigError("batch does not divide across towers", "data.batch_size",
-                          f"expected a multiple of the {num_replicas} towers, got {cfg.data.batch_size}")
 
 
 def scan_split(cfg: Config, reader: ImageReader, what: str):
@@ -270,7 +316,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     val_reader = open_val(cfg)
     if val_reader is not None:
         scan_split(cfg, val_reader, f"val ({cfg.data.val_split})")
-    names = evaluate.class_names_of(cfg)
+    names = class_names_of(cfg)
     class_weights = losses.class_weights_for(cfg, train_report, names)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -287,7 +333,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if write_dir != run_dir:
         ckpt = ckpt_lib.Checkpointer(write_dir / "checkpoints", 1, **trainer.checkpoint_objects())
     if init_from and not restored:
-        from seg_train.init import load_weights
+        from seg_train.init_from import load_weights
         loaded, skipped = load_weights(trainer.model, init_from)
         log.info("initialised %d weights from %s; skipped %d with other shapes%s", loaded, init_from, len(skipped),
                  (": " + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")) if skipped else "")

@@ -121,7 +121,7 @@ class Trainer:
             else:
                 self.optimizer = keras.optimizers.SGD(learning_rate=t.learning_rate, momentum=t.momentum)
             # Build the slots now: a checkpoint restored into an unbuilt optimizer silently skips
-            # its slots (keras#19389).
+            # its slots.
             self.optimizer.build(self.model.trainable_variables)
             # train.ema_decay: the moving average of every trainable weight, starting at the weights.
             self.ema = None

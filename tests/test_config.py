@@ -187,3 +187,14 @@ def test_profile_steps_two_integers_in_order(tmp_path):
         msg = err(tmp_path, {**BASE, "train": {"profile_steps": bad}})
         assert msg.startswith("train.profile_steps") or "(train.profile_steps)" in msg, msg
         assert expected in msg, msg
+
+
+def test_check_batch_against_the_tower_count(tmp_path):
+    cfg = C.load(write(tmp_path, {"data": {"root": "d", "num_classes": 3, "batch_size": 12}}))
+    for towers in (1, 2, 3, 4, 6, 12):
+        C.check_batch(cfg, towers)  # divides: no error
+    for towers in (5, 8, 24):
+        with pytest.raises(C.ConfigError) as e:
+            C.check_batch(cfg, towers)
+        assert str(e.value) == ("batch does not divide across towers (data.batch_size): "
+                                f"expected a multiple of the {towers} towers, got 12")

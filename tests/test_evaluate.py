@@ -13,6 +13,7 @@ import tensorflow as tf
 from PIL import Image
 
 from seg_train import checkpoint as ckpt_lib
+from seg_train import eval_cmd
 from seg_train import evaluate as ev
 from seg_train import metrics as metrics_lib
 from seg_train.config import ConfigError
@@ -135,7 +136,7 @@ def test_run_eval_writes_the_record(setup, tmp_path, capsys):
     finally:
         trainer.step.assign(0)
         trainer.bn_stats_step.assign(-1)
-    record = ev.run_eval(cfg, strategy(2), str(run_dir), progress=False)
+    record = eval_cmd.run_eval(cfg, strategy(2), str(run_dir), progress=False)
     path = run_dir / "eval" / "val-step7.json"
     assert json.loads(path.read_text()) == record
     assert record["step"] == 7 and record["num_images"] == len(SIZES) and record["split"] == "val"
@@ -163,7 +164,7 @@ def test_keep_best_saves_only_improvements(setup, tmp_path):
     assert low.miou < mid.miou < high.miou
     for step, metrics, improved in ((10, mid, True), (20, low, False), (30, mid, False), (40, high, True)):
         trainer.step.assign(step)
-        assert ev.keep_best(run_dir, trainer, step, metrics) is improved
+        assert ckpt_lib.keep_best(run_dir, trainer, step, metrics) is improved
     best = json.loads((run_dir / "best" / "best.json").read_text())
     assert best["step"] == 40 and best["miou"] == high.miou
     prefix = ckpt_lib.resolve(run_dir / "best")

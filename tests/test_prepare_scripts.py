@@ -112,16 +112,29 @@ def test_prepare_voc_rejects_colour_label(tmp_path):
     assert_one_line_error(result, "2007_000002.png", "RGB")
 
 
+def write_sbd_mat(path, mask):
+    """An SBD cls/<id>.mat as the release has it: a MATLAB struct GTcls with Segmentation (uint8 class
+    indices), Boundaries (a 20x1 cell of sparse per-class boundary maps) and CategoriesPresent."""
+    import scipy.io
+    import scipy.sparse
+
+    boundaries = np.empty((20, 1), dtype=object)
+    for c in range(20):
+        boundaries[c, 0] = scipy.sparse.csc_matrix(np.zeros(mask.shape))
+    present = np.unique(mask[(mask > 0) & (mask < 255)]).astype(np.uint8).reshape(-1, 1)
+    scipy.io.savemat(path, {"GTcls": {"Segmentation": mask, "Boundaries": boundaries, "CategoriesPresent": present}})
+
+
 def make_sbd(root):
-    """A tiny SBD dataset folder whose cls/*.mat are .npy files, for the fake scipy below."""
+    """A tiny SBD dataset folder: cls/<id>.mat files written with scipy.io.savemat, img/<id>.jpg."""
     (root / "cls").mkdir(parents=True)
     (root / "img").mkdir()
     masks = {}
     for k, image_id in enumerate(["2007_000001", "2007_000003", "2008_000010", "2008_000011"]):
         mask = np.full((6, 8), k + 2, dtype=np.uint8)
         mask[:2] = 0
-        with open(root / "cls" / f"{image_id}.mat", "wb") as f:
-            np.save(f, mask)
+        mask[4, k] = 15
+        write_sbd_mat(root / "cls" / f"{image_id}.mat", mask)
         write_rgb(root / "img" / f"{image_id}.jpg", value=50)
         masks[image_id] = mask
     (root / "train.txt").write_text("2007_000001\n2008_000010\n")
@@ -129,26 +142,17 @@ def make_sbd(root):
     return masks
 
 
-def fake_scipy(root, present):
-    """A `scipy` package to put first on PYTHONPATH: a .npy-reading loadmat, or one that fails to import."""
+def missing_scipy(root):
+    """A `scipy` package to put first on PYTHONPATH that fails to import, as when scipy is not installed."""
     (root / "scipy").mkdir(parents=True)
-    if not present:
-        (root / "scipy/__init__.py").write_text("raise ImportError('No module named scipy (test stub)')\n")
-        return root
-    (root / "scipy/__init__.py").write_text("")
-    (root / "scipy/io.py").write_text(
-        "import types\nimport numpy as np\n\n"
-        "def loadmat(path, squeeze_me=False, struct_as_record=True):\n"
-        "    assert squeeze_me and not struct_as_record\n"
-        "    return {'GTcls': types.SimpleNamespace(Segmentation=np.load(path))}\n"
-    )
+    (root / "scipy/__init__.py").write_text("raise ImportError('No module named scipy (test stub)')\n")
     return root
 
 
 def test_prepare_voc_sbd_missing_scipy(tmp_path):
     make_voc(tmp_path / "VOC2012")
     make_sbd(tmp_path / "sbd")
-    env = dict(os.environ, PYTHONPATH=str(fake_scipy(tmp_path / "stub", present=False)))
+    env = dict(os.environ, PYTHONPATH=str(missing_scipy(tmp_path / "stub")))
     args = ["--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", tmp_path / "out"]
     result = run("prepare_voc.py", *args, env=env)
     assert_one_line_error(result, "scipy", "pip install scipy")
@@ -159,8 +163,7 @@ def test_prepare_voc_sbd_train_aug(tmp_path):
     labels = make_voc(tmp_path / "VOC2012")
     masks = make_sbd(tmp_path / "sbd")
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(fake_scipy(tmp_path / "stub", present=True)))
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", out, env=env)
+    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", out)
     assert result.returncode == 0, result.stderr
     # (SBD train + SBD val + VOC train) - VOC val
     assert split(out, "train_aug") == ["2007_000001", "2007_000002", "2008_000010", "2008_000011"]
@@ -174,6 +177,15 @@ def test_prepare_voc_sbd_train_aug(tmp_path):
             assert np.array_equal(read_indices(out / sub / f"{image_id}.png"), expected)
     # VOC val keeps its VOC label, not SBD's.
     assert np.array_equal(read_indices(out / "SegmentationClass/2007_000003.png"), labels["2007_000003"])
+    assert masks["2008_000010"][4, 2] == 15 and read_indices(out / "SegmentationClass/2008_000010.png")[4, 2] == 15
+
+
+def test_prepare_voc_sbd_unreadable_mat(tmp_path):
+    make_voc(tmp_path / "VOC2012")
+    make_sbd(tmp_path / "sbd")
+    (tmp_path / "sbd/cls/2008_000010.mat").write_bytes(b"MATLAB 5.0 MAT-file, truncated")
+    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", tmp_path / "out")
+    assert_one_line_error(result, "unreadable SBD mask", "2008_000010.mat", "a MATLAB file with a GTcls.Segmentation array")
 
 
 # --- prepare_camvid ----------------------------------------------------------------------------

@@ -71,14 +71,41 @@ def test_sync_bn_4_towers_equal_1_tower(tmp_path):
 
 
 def test_weight_decay_counted_once(tmp_path):
-    cfg = tiny_config(tmp_path, model={"weight_decay": 0.5})
+    """The reported decay AND its gradient: one plain SGD step (momentum 0) on 4 towers with and without
+    weight decay from the same weights on the same batch. The cross-entropy gradient is the same in
+    both, so the difference of the updated weights is the decay's own step, -lr * wd * w on every
+    conv/dense kernel and 0 elsewhere; a decay counted N times (or once per tower) moves it N-fold."""
+    wd, lr = 0.5, 0.1
     images, labels = random_batch()
-    trainer, out = one_step(cfg, 4, images, labels)
-    fresh = Trainer(cfg, strategy(1))  # same seed: the weights the step started from
-    expected = 0.5 * sum(0.5 * float(np.sum(v.numpy() ** 2)) for v in losses.decay_variables(fresh.model))
+
+    def sgd_step(coefficient):
+        cfg = tiny_config(tmp_path, model={"weight_decay": coefficient},
+                          train={"optimizer": "sgd", "momentum": 0.0, "learning_rate": lr})
+        trainer = Trainer(cfg, strategy(4))
+        start = {v.path: v.numpy() for v in trainer.model.trainable_weights}
+        dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        return trainer, start, trainer.train_step(next(iter(dist)))
+
+    decayed, start, out = sgd_step(wd)
+    plain, plain_start, plain_out = sgd_step(0.0)
+    for path, w in start.items():
+        np.testing.assert_array_equal(w, plain_start[path])  # same seed: the same weights to start from
+    kernels = losses.decay_variables(decayed.model)
+    expected = wd * sum(0.5 * float(np.sum(start[v.path] ** 2)) for v in kernels)
     np.testing.assert_allclose(float(out["weight_decay"]), expected, rtol=1e-5)
     ce = float(out["loss"]) - float(out["weight_decay"])
     assert 0.0 < ce < 5.0  # total = global cross-entropy mean + the decay, once
+    np.testing.assert_allclose(ce, float(plain_out["loss"]), rtol=1e-5)  # the same cross-entropy in both
+
+    kernel_paths = {v.path for v in kernels}
+    assert len(kernel_paths) > 5
+    largest = 0.0
+    for a, b in zip(decayed.model.trainable_weights, plain.model.trainable_weights):
+        decay_step = a.numpy() - b.numpy()
+        want = -lr * wd * start[a.path] if a.path in kernel_paths else np.zeros_like(decay_step)
+        np.testing.assert_allclose(decay_step, want, rtol=1e-3, atol=1e-6, err_msg=a.path)
+        largest = max(largest, float(np.abs(want).max()))
+    assert largest > 1e-3  # large enough that a decay counted 0, 1/N or N times is far outside the tolerance
 
 
 def test_bn_moving_stats_averaged_across_towers(tmp_path):

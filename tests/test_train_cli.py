@@ -80,27 +80,37 @@ def test_train_tags_and_resume(tmp_path, demo_root):
 
 
 def test_resume_after_crash_equals_uninterrupted(tmp_path, demo_root):
-    """A run that died after its step-2 checkpoint and was rerun ends bitwise equal to one that did not."""
+    """A run that died right after its step-2 checkpoint and was rerun ends bitwise equal to one that did
+    not, with an evaluation in the middle: at step 2 the BN statistics are re-estimated, then the
+    checkpoint is written, so the resumed run must start from the re-estimated statistics as the
+    straight run went on with them. ckpt-3 (no evaluation before it) holds the statistics the step
+    after the evaluation left; ckpt-4 the weights and slots."""
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     for d in (a, b):
-        write_config(d, demo_root, deterministic=True, image_summary_every=0)
-    assert run(["--config", str(a / "cfg.yaml"), "--gpus", "2"], a).returncode == 0
+        write_config(d, demo_root, deterministic=True, image_summary_every=0, eval_every=2, checkpoint_every=1,
+                     keep_checkpoints=5)
+    ra = run(["--config", str(a / "cfg.yaml"), "--gpus", "2"], a)
+    assert ra.returncode == 0, ra.stderr
+    assert ra.stderr.count("re-estimated the statistics") == 2 and "eval at step 2 " in ra.stderr, ra.stderr
     assert run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b).returncode == 0
-    # Make b look like it was killed right after writing ckpt-2: drop ckpt-4 and its state entry.
+    # Make b look like it was killed right after writing ckpt-2: drop ckpt-3, ckpt-4 and their state entries.
     ckdir = b / "run" / "checkpoints"
-    for f in ckdir.glob("ckpt-4.*"):
+    for f in [*ckdir.glob("ckpt-3.*"), *ckdir.glob("ckpt-4.*")]:
         f.unlink()
-    tf.compat.v1.train.update_checkpoint_state(str(ckdir), str(ckdir / "ckpt-2"), [str(ckdir / "ckpt-2")])
+    tf.compat.v1.train.update_checkpoint_state(str(ckdir), str(ckdir / "ckpt-2"),
+                                               [str(ckdir / "ckpt-1"), str(ckdir / "ckpt-2")])
     r = run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b)
     assert r.returncode == 0, r.stderr
     assert "resumed from step 2" in r.stderr, r.stderr
-    ra = tf.train.load_checkpoint(str(a / "run" / "checkpoints" / "ckpt-4"))
-    rb = tf.train.load_checkpoint(str(b / "run" / "checkpoints" / "ckpt-4"))
-    keys = [k for k in ra.get_variable_to_shape_map() if "VARIABLE_VALUE" in k]
-    assert any("optimizer" in k for k in keys) and len(keys) > 50
-    for k in keys:
-        np.testing.assert_array_equal(ra.get_tensor(k), rb.get_tensor(k), err_msg=k)
+    for step in (2, 3, 4):
+        ra = tf.train.load_checkpoint(str(a / "run" / "checkpoints" / f"ckpt-{step}"))
+        rb = tf.train.load_checkpoint(str(b / "run" / "checkpoints" / f"ckpt-{step}"))
+        keys = [k for k in ra.get_variable_to_shape_map() if "VARIABLE_VALUE" in k]
+        assert any("optimizer" in k for k in keys) and any("moving_variance" in k for k in keys) and len(keys) > 50
+        for k in keys:
+            np.testing.assert_array_equal(ra.get_tensor(k), rb.get_tensor(k), err_msg=f"ckpt-{step}: {k}")
+        assert ra.get_tensor("bn_stats_step/.ATTRIBUTES/VARIABLE_VALUE") == {2: 2, 3: 2, 4: 4}[step]  # re-estimated at
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -14,7 +14,7 @@ class ResizeLike(layers.Layer):
     """Bilinear resize of x to the spatial size of `ref`.
 
     Written by hand because keras.layers.UpSampling2D(interpolation="bilinear") fails on unknown
-    spatial sizes in graph mode (project notes, item 14); the target size here is a tensor.
+    spatial sizes in graph mode; the target size here is a tensor.
     """
 
     def call(self, x, ref):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """seg-train's train step vs a plain Keras `model.fit` on the same model, data, batch and device.
 
-    python scripts/keras_fit_baseline_speed.py --config FILE [--set KEY=VALUE ...] [--steps K]
+    python scripts/baseline_keras_fit_speed.py --config FILE [--set KEY=VALUE ...] [--steps K]
         [--windows W] [--warmup N] [--json]
 
 The baseline is what a Keras user would write: the same DeepLabV3+ (`seg_train.models.build`, the
@@ -61,10 +61,10 @@ def main(args) -> int:
         devices = replicas.setup_devices(1)
     import keras
 
-    from seg_train import bench, evaluate, models
-    from seg_train.reader import ImageReader
+    from seg_train import bench, models
+    from seg_train.reader import ImageReader, ensure_data
 
-    evaluate.ensure_data(cfg)
+    ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
     batch, k, windows = cfg.data.batch_size, args.steps, args.windows
 

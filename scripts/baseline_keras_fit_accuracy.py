@@ -25,7 +25,7 @@ from K training batches (population statistics of each BN input over those batch
 separates "bad weights" from "stale BN statistics".
 
 Usage:
-    python scripts/keras_fit_baseline.py --data ../shared/data/camvid --minutes 30 --out runs/bench-accuracy/baseline
+    python scripts/baseline_keras_fit_accuracy.py --data ../shared/data/camvid --minutes 30 --out runs/bench-accuracy/baseline
 
 Writes OUT/result.json (figures, per-class IoU, confusion matrices, steps, timings), OUT/log.csv
 (per-epoch loss) and OUT/model.weights.h5. Exit codes: 0 done, 2 bad arguments or data.

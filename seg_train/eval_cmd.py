@@ -1,0 +1,56 @@
+"""seg-eval: evaluates a checkpoint on a split, prints the per-class table, writes the JSON record."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import tensorflow as tf
+
+from seg_train import checkpoint as ckpt_lib
+from seg_train import preflight
+from seg_train.config import Config
+from seg_train.evaluate import evaluate
+from seg_train.metrics import format_table, metrics_to_json
+from seg_train.reader import ImageReader, class_names_of, ensure_data
+from seg_train.restore import load_trainer, maybe_reestimate_bn, run_dir_of
+from seg_train.rundir import write_json
+
+log = logging.getLogger("seg_train")
+
+
+def _split_tag(split: str) -> str:
+    """File-name tag of a split: the name itself, or a list file's stem."""
+    return Path(split).stem if ("/" in split or os.sep in split or split.endswith(".txt")) else split
+
+
+def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, split: str | None = None,
+             progress: bool = True) -> dict:
+    """seg-eval: evaluates a checkpoint on a split, prints the table, writes RUN_DIR/eval/<split>-step<k>.json.
+
+    Returns:
+      The JSON record that was written.
+    """
+    split = split or cfg.data.val_split
+    # The JSON goes next to the checkpoint's run dir: check it can be written before the work.
+    out_dir = run_dir_of(os.path.abspath(ckpt_lib.resolve(checkpoint))) / "eval"
+    preflight.check_creatable_dir(out_dir, "eval output folder", "write access to the checkpoint's run dir")
+    ensure_data(cfg)
+    reader = ImageReader(cfg.data, split, cfg.seed)
+    names = class_names_of(cfg)
+    trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
+    reestimated = maybe_reestimate_bn(trainer, cfg, progress)
+    if not reestimated:
+        log.info("BN moving statistics as saved (not re-estimated for step %d; see eval.bn_reestimate_batches)",
+                 step)
+    log.info("evaluating %s (step %d) on %d %s images, %d tower(s)", prefix, step, len(reader), split,
+             strategy.num_replicas_in_sync)
+    metrics, num_images = evaluate(trainer, reader, names, progress)
+    record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
+              "bn_stats_reestimated": reestimated, **metrics_to_json(metrics, names)}
+    path = out_dir / f"{_split_tag(split)}-step{step}.json"
+    write_json(path, record)
+    print(format_table(metrics, names))
+    print(f"{num_images} images, step {step}: mIoU {100 * metrics.miou:.2f}%; wrote {path}")
+    return record

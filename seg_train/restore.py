@@ -1,0 +1,74 @@
+"""A trained model for seg-eval, seg-predict and seg-export: a Trainer loaded from a checkpoint, and
+the gate that re-estimates its BN statistics before use (eval.bn_reestimate_batches).
+
+Also used by train.py before each evaluation during training (`maybe_reestimate_bn`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import tensorflow as tf
+
+from seg_train import bn_stats
+from seg_train import checkpoint as ckpt_lib
+from seg_train.config import Config, ConfigError
+from seg_train.reader import ImageReader, ensure_data, split_file
+from seg_train.trainer import Trainer
+
+log = logging.getLogger("seg_train")
+
+
+def run_dir_of(prefix: str) -> Path:
+    """RUN_DIR of a checkpoint prefix RUN_DIR/checkpoints/ckpt-K (or RUN_DIR/best/ckpt-K)."""
+    folder = Path(prefix).parent
+    return folder.parent if folder.name in ("checkpoints", ckpt_lib.BEST_DIR) else folder
+
+
+def _mismatch(e: Exception) -> str:
+    """A short description of a failed restore: the variable and both shapes if Keras names them."""
+    text = str(e).strip()
+    m = re.search(r"variable\.shape=(\([^)]*\)), Received: value\.shape=(\([^)]*\)).*?path=([^,]+)", text, re.DOTALL)
+    if m:
+        return f"{m.group(3)} has shape {m.group(1)} in this model, {m.group(2)} in the checkpoint"
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def load_trainer(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
+    """Builds a Trainer for `cfg` and loads the weights of CKPT_OR_RUN_DIR into it.
+
+    Returns:
+      (trainer, checkpoint prefix, the checkpoint's step).
+    """
+    prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
+    trainer = Trainer(cfg, strategy)
+    try:
+        step = trainer.restore_weights(prefix)
+    except (AssertionError, ValueError, tf.errors.OpError) as e:
+        # A checkpoint of another model (backbone, channels, num_classes) fails here.
+        raise ConfigError("checkpoint does not fit the model", prefix,
+                          f"expected a checkpoint of the model this config builds (model.*, data.num_classes): "
+                          f"{_mismatch(e)}") from None
+    return trainer, prefix, step
+
+
+def maybe_reestimate_bn(trainer, cfg: Config, progress: bool = True) -> bool:
+    """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
+
+    Returns:
+      Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
+    """
+    if cfg.eval.bn_reestimate_batches > 0 and int(trainer.bn_stats_step.numpy()) != int(trainer.step.numpy()):
+        ensure_data(cfg)  # the re-estimation reads the training split
+        if not split_file(cfg.data.root, cfg.data.train_split).is_file():
+            # Predicting or exporting where the training data is not at hand: go on with the
+            # statistics as trained, and say so.
+            log.warning("BN statistics not re-estimated: training split %r not found under %s "
+                        "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
+            return False
+        train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+        bn_stats.reestimate(trainer, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
+    return int(trainer.bn_stats_step.numpy()) == int(trainer.step.numpy())
