@@ -6,13 +6,17 @@ How the pixels are counted (why it looks like this):
   ignore-label pixels are excluded like the padding.
 - A step on N towers takes N consecutive images of the split. Towers left without an image in the
   last step get an all-ignore dummy, which counts nothing, so every image is counted exactly once.
-- Each tower counts its (label, prediction) pairs with a bincount in int32 (an image has far fewer
-  than 2**31 pixels); the counts are summed across towers and steps in int64. Integer sums are
-  exact in any order, so any number of towers gives the identical matrix.
+- Each tower counts its (label, prediction) pairs as a product of one-hot matrices, row by row of
+  the image: counts[g, p] = sum over pixels of onehot(label)[g] * onehot(pred)[p], one batched
+  matmul [H, C, W] x [H, W, C] in float32 (exact: a row has far fewer than 2**24 pixels), summed over
+  the rows, towers and steps in int64. Integer sums are exact in any order, so any number of towers
+  gives the identical matrix. A matmul rather than tf.math.bincount because bincount has no
+  deterministic GPU kernel: under train.deterministic TensorFlow refuses to run it on a GPU.
 - Images differ in size, so the step is traced once for unknown heights and widths (an input
-  signature of N plain tensors, dealt to the towers inside the graph); the model resizes with
-  tf.image.resize, which takes dynamic sizes (models.ResizeLike: Keras' bilinear UpSampling2D fails
-  on unknown sizes in graph mode).
+  signature of N plain tensors, dealt to the towers inside the graph), and the model's forward
+  pass once for all towers (Trainer.tower_function); the model resizes with tf.image.resize, which
+  takes dynamic sizes (models.ResizeLike: Keras' bilinear UpSampling2D fails on unknown sizes in
+  graph mode).
 
 Also here: `write_eval_summaries`, the TensorBoard scalars of an evaluation during training. The
 seg-eval command is eval_cmd.py; loading a checkpoint and the BN re-estimation gate are restore.py;
@@ -37,37 +41,50 @@ _EVAL_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # ---- the evaluation itself ----------------------------------------------------------------------
+def confusion_counts(labels, preds, num_classes: int, ignore_label: int):
+    """int64 [C * C] counts of (label, prediction) pairs (row-major: label * C + prediction).
+
+    labels, preds: integer [1, H, W] (or [H, W]); `ignore_label` pixels (and any label outside
+    [0, C)) count nothing. Deterministic on GPUs too (module doc).
+    """
+    c = num_classes
+    labels = tf.cast(tf.reshape(labels, tf.shape(labels)[-2:]), tf.int32)
+    preds = tf.cast(tf.reshape(preds, tf.shape(preds)[-2:]), tf.int32)
+    labels = tf.where(tf.equal(labels, ignore_label), -1, labels)  # one_hot(-1) is all zeros
+    onehot_l = tf.one_hot(labels, c, dtype=tf.float32)  # [H, W, C]
+    onehot_p = tf.one_hot(preds, c, dtype=tf.float32)
+    rows = tf.matmul(onehot_l, onehot_p, transpose_a=True)  # [H, C, C], exact per row
+    return tf.reshape(tf.reduce_sum(tf.cast(rows, tf.int64), axis=0), [c * c])
+
+
 def _make_eval_step(trainer):
     """A tf.function (N images, N labels; one per tower) -> int64 counts [C * C] summed over the towers."""
     model, strategy = trainer.model, trainer.strategy
     c, ignore = trainer.cfg.data.num_classes, trainer.cfg.data.ignore_label
 
-    def tower(image, label):
-        logits = model(image, training=False)
+    def body(tv, st, image, label):
+        logits, _ = model.stateless_call(tv, st, image, training=False)
         pred = tf.argmax(logits, axis=-1, output_type=tf.int32)
-        label = tf.cast(label, tf.int32)
-        # Flat index gt * C + pred, so one bincount counts every (gt, pred) pair; the reader has
-        # already refused label values outside [0, C) other than ignore_label.
-        pairs = tf.boolean_mask(label * c + pred, tf.not_equal(label, ignore))
-        return tf.math.bincount(pairs, minlength=c * c, maxlength=c * c, dtype=tf.int32)
+        return confusion_counts(label, pred, c, ignore)
 
     n = strategy.num_replicas_in_sync
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     # One trace for all image sizes: n images and n labels of unknown height and width.
-    signature = [[tf.TensorSpec([1, None, None, 3], tf.float32)] * n, [tf.TensorSpec([1, None, None], tf.uint8)] * n]
+    image_spec, label_spec = tf.TensorSpec([1, None, None, 3], tf.float32), tf.TensorSpec([1, None, None], tf.uint8)
 
-    @tf.function(input_signature=signature)
+    @tf.function(input_signature=[[image_spec] * n, [label_spec] * n])
     def step(images, labels):
         def tower_input(ctx):
             i = ctx.replica_id_in_sync_group
             # tf.identity under the replica's device scope places the sample on that tower.
             return tf.identity(images[i]), tf.identity(labels[i])
 
+        tower = trainer.tower_function(body, [image_spec, label_spec], training=False)
         counts = strategy.run(tower, strategy.experimental_distribute_values_from_function(tower_input))
         if multiworker:
             # Each worker holds only its own towers' counts: sum them over the workers too.
-            return tf.cast(strategy.reduce(tf.distribute.ReduceOp.SUM, counts, axis=None), tf.int64)
-        return tf.add_n([tf.cast(x, tf.int64) for x in strategy.experimental_local_results(counts)])
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, counts, axis=None)
+        return tf.add_n(strategy.experimental_local_results(counts))
 
     return step
 

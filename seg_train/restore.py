@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from seg_train import bn_stats
 from seg_train import checkpoint as ckpt_lib
+from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.reader import ImageReader, ensure_data, split_file
 from seg_train.trainer import Trainer
@@ -44,7 +45,9 @@ def load_trainer(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str)
       (trainer, checkpoint prefix, the checkpoint's step).
     """
     prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
-    trainer = Trainer(cfg, strategy)
+    # The checkpoint holds every weight: the ImageNet file the run started from is not read again
+    # (it may have moved since).
+    trainer = Trainer(config_lib.replace(cfg, "model.backbone_weights", None), strategy)
     try:
         step = trainer.restore_weights(prefix)
     except (AssertionError, ValueError, tf.errors.OpError) as e:
@@ -52,6 +55,9 @@ def load_trainer(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str)
         raise ConfigError("checkpoint does not fit the model", prefix,
                           f"expected a checkpoint of the model this config builds (model.*, data.num_classes): "
                           f"{_mismatch(e)}") from None
+    if trainer.ema_restored:
+        trainer.use_averaged_weights()
+        log.info("using the exponential moving average of the weights (train.ema_decay)")
     return trainer, prefix, step
 
 

@@ -320,14 +320,18 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     class_weights = losses.class_weights_for(cfg, train_report, names)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
-    if any((run_dir / "checkpoints").glob("ckpt-*.index")):
+    resuming = any((run_dir / "checkpoints").glob("ckpt-*.index"))
+    if resuming:
         check_resume_config(cfg, run_dir, allow_config_change)
 
     # ---- model, optimizer, restore ----------------------------------------------------------------
     if stop.signum is not None:  # signalled during the checks: nothing written yet, nothing to save
         log.warning("interrupted by %s before training started", signal.Signals(stop.signum).name)
         return 128 + stop.signum
-    trainer = Trainer(cfg, strategy, class_weights=class_weights)
+    # Resuming: the checkpoint holds every weight, so the ImageNet file the run started from is not
+    # read again (it may have moved since).
+    build_cfg = config_lib.replace(cfg, "model.backbone_weights", None) if resuming else cfg
+    trainer = Trainer(build_cfg, strategy, class_weights=class_weights)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **trainer.checkpoint_objects())
     restored = ckpt.restore_latest()
     if write_dir != run_dir:

@@ -124,7 +124,7 @@ class Trainer:
             # its slots.
             self.optimizer.build(self.model.trainable_variables)
             # train.ema_decay: the moving average of every trainable weight, starting at the weights.
-            self.ema = None
+            self.ema, self.ema_restored = None, False
             if t.ema_decay:
                 self.ema = [tf.Variable(v.value, trainable=False, name=f"ema/{v.path}") for v in
                             self.model.trainable_variables]
@@ -188,7 +188,18 @@ class Trainer:
             objects["ema"] = self.ema  # a checkpoint of training (best/ holds the averaged weights as the model)
         ckpt = tf.train.Checkpoint(**objects)
         ckpt.read(prefix).expect_partial().assert_existing_objects_matched()
+        self.ema_restored = "ema" in objects
         return int(self.step.numpy())
+
+    def use_averaged_weights(self) -> None:
+        """For evaluation, prediction and export: the model keeps the EMA weights from now on.
+
+        The BN statistics in a training checkpoint belong to the training weights, so they are
+        marked as not matching (bn_stats_step = -1) for eval.bn_reestimate_batches to redo.
+        """
+        for v, e in zip(self.variables, self.ema):
+            v.assign(e)
+        self.bn_stats_step.assign(-1)
 
     @contextlib.contextmanager
     def averaged_weights(self):

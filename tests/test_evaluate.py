@@ -199,3 +199,23 @@ def test_cli_missing_checkpoint_is_a_one_line_user_error(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: checkpoint not found ({tmp_path / 'nope'}): "
                                    "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
+
+
+def test_confusion_counts_match_bincount_without_using_it():
+    """The one-hot matmul confusion matrix equals a plain bincount (ignore pixels excluded), and its
+    graph has no Bincount op (no deterministic GPU kernel: train.deterministic would refuse it)."""
+    from seg_train.evaluate import confusion_counts
+
+    rng = np.random.default_rng(0)
+    c, ignore = 5, 255
+    labels = rng.integers(0, c, size=(1, 37, 53)).astype(np.uint8)
+    labels[0, :5] = ignore
+    preds = rng.integers(0, c, size=(1, 37, 53)).astype(np.int32)
+    valid = labels != ignore
+    expected = np.bincount(labels[valid].astype(np.int64) * c + preds[valid], minlength=c * c)
+    got = confusion_counts(tf.constant(labels), tf.constant(preds), c, ignore)
+    assert got.dtype == tf.int64
+    np.testing.assert_array_equal(got.numpy(), expected)
+    graph = tf.function(lambda a, b: confusion_counts(a, b, c, ignore)).get_concrete_function(
+        tf.TensorSpec([1, None, None], tf.uint8), tf.TensorSpec([1, None, None], tf.int32)).graph
+    assert not [op.type for op in graph.get_operations() if "Bincount" in op.type]
