@@ -32,6 +32,12 @@ import tensorflow as tf
 from seg_train import collectives
 from seg_train.models.fused_bn import FusedBatchNormalization
 
+# TEST HOOK, never set outside tests: True makes every tower normalise with its OWN moments (the
+# forward and backward all-reduces below are skipped), i.e. a synchronized BN whose cross-tower
+# reduction is broken. Read when a step is traced. tests/test_verify_towers.py uses it to prove that
+# `seg-bench --verify-towers` fails on a wrong build.
+_LOCAL_STATISTICS_FOR_TESTS = False
+
 
 @keras.saving.register_keras_serializable(package="seg_train")
 class SyncBatchNormalization(FusedBatchNormalization):
@@ -59,7 +65,7 @@ class SyncBatchNormalization(FusedBatchNormalization):
         count = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), tf.float32)
         local = tf.concat([tf.reduce_sum(xs, [0, 1, 2]), tf.reduce_sum(tf.square(xs), [0, 1, 2]),
                            tf.reshape(count, [1])], axis=0)
-        (total,) = collectives.all_reduce_sum([local])
+        (total,) = [local] if _LOCAL_STATISTICS_FOR_TESTS else collectives.all_reduce_sum([local])
         c = x.shape[-1]
         n = tf.maximum(total[2 * c], 1.0)
         mean_s = total[:c] / n
@@ -86,7 +92,9 @@ def _normalize(x, gamma, beta, mean, var, n, epsilon):
         def grad(dy):
             dbeta = tf.reduce_sum(dy, [0, 1, 2])
             dgamma = tf.reduce_sum(dy * xhat, [0, 1, 2])
-            (sums,) = collectives.all_reduce_sum([tf.concat([dbeta, dgamma], axis=0)])
+            sums = tf.concat([dbeta, dgamma], axis=0)
+            if not _LOCAL_STATISTICS_FOR_TESTS:
+                (sums,) = collectives.all_reduce_sum([sums])
             c = x.shape[-1]
             g_sum, gx_sum = sums[:c], sums[c:]
             dx = (gamma * inv) * (dy - g_sum / n - xhat * (gx_sum / n))
