@@ -400,9 +400,15 @@ def bench_main(argv=None) -> int:
                         help="after timing, profile 2 steps of each runner: op time per op type (where the time goes)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and TensorFlow's own logs")
+    parser.add_argument("--verify-towers", action="store_true",
+                        help="self-test instead of timing: one step on 1 tower and on --gpus N towers (synchronized "
+                        "BN, same weights and batch); prints how far apart the gradients and BN statistics are; "
+                        "exit 0 if within tolerance, 1 if not")
     args = parser.parse_args(argv)
 
     def main(args):
+        if args.verify_towers:
+            return verify_towers_main(args)
         import json
         from seg_train import config as config_lib
         from seg_train.bench import format_report, parse_towers
@@ -465,6 +471,31 @@ def bench_main(argv=None) -> int:
         return 0
 
     return run_guarded(main, args)
+
+
+def verify_towers_main(args) -> int:
+    """seg-bench --verify-towers (seg_train/verify.py): exit 0 if N towers agree with 1, else 1."""
+    import json
+    from seg_train import config as config_lib
+    from seg_train.bench import parse_towers
+    setup_logging(args.debug)
+    towers = parse_towers(args.gpus)
+    if len(towers) != 1:
+        raise ConfigError("invalid --gpus", "--gpus", f"one tower count N with --verify-towers, got {args.gpus!r}")
+    cfg = config_lib.load(args.config, args.overrides)
+    from seg_train.verify import check_towers
+    check_towers(cfg, towers[0])
+    preflight.for_evaluation(cfg)
+    import_tensorflow(args.debug)
+    from seg_train import replicas, verify
+    with quiet_stderr(args.debug):
+        devices = replicas.setup_devices(towers[0])
+    log.info("%s", devices.message)
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        result = verify.run(cfg, devices, towers[0])
+    result["config"], result["overrides"] = os.path.abspath(args.config), list(args.overrides)
+    print(json.dumps(result) if args.json else verify.format_report(result))
+    return 0 if result["ok"] else 1  # the towers disagree (not a user error: no exit 2)
 
 
 if __name__ == "__main__":  # pragma: no cover
