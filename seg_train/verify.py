@@ -65,9 +65,7 @@ def check_towers(cfg: Config, towers: int) -> None:
     if towers < 2:
         raise ConfigError("invalid --gpus", "--gpus",
                           f"at least 2 towers for --verify-towers (it compares N towers with 1), got {towers}")
-    if cfg.data.batch_size % towers:
-        raise ConfigError("batch does not divide across towers", "data.batch_size",
-                          f"expected a multiple of the {towers} towers, got {cfg.data.batch_size}")
+    config_lib.check_batch(cfg, towers)
 
 
 def verify_config(cfg: Config) -> Config:
@@ -85,7 +83,12 @@ def _probe(cfg: Config, devices, n: int, reader) -> dict:
     t = cfg.train
     sub = replicas.Devices(devices.names[:n], devices.kind, "")
     strategy = replicas.make_strategy(sub, t.allreduce, t.allreduce_num_packs, t.allreduce_pack_mb)
-    trainer = Trainer(cfg, strategy)
+    weights = cfg.loss.class_weights
+    if isinstance(weights, str):
+        # 'median_frequency' needs a scan of the whole train split; any weights exercise the same
+        # weighted-loss path across towers, so unit weights stand in for them here.
+        weights = np.ones(cfg.data.num_classes, np.float32)
+    trainer = Trainer(cfg, strategy, class_weights=weights)
     batch, k = cfg.data.batch_size, t.accumulate_steps
 
     def dataset_fn(ctx):
