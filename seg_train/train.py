@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train import evaluate, losses, replicas
+from seg_train import determinism, evaluate, losses, replicas
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.eval_examples import predict_examples
 from seg_train.metrics import format_table
@@ -350,6 +350,20 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         log.info("run already complete: step %d of %d (%s)", start, cfg.train.num_steps, run_dir)
         return EXIT_OK
 
+    batch = cfg.data.batch_size
+    k_micro = cfg.train.accumulate_steps
+
+    def dataset_fn(ctx: tf.distribute.InputContext):
+        return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
+                                    ctx.num_input_pipelines, end_step=cfg.train.num_steps, micro_batches=k_micro)
+
+    dist_data = trainer.distribute(dataset_fn)
+    if cfg.train.deterministic:
+        # On a GPU, an op without a deterministic kernel would raise only when it runs: look at the
+        # traced step now, before anything is written (the loop reuses this trace).
+        kind = "GPU" if any("GPU" in d.upper() for d in strategy.extended.worker_devices) else "CPU"
+        determinism.check_graph(trainer.step_function(dist_data.element_spec), kind)
+
     # From here on the run is known to start: claim the run dir and write the resolved config.
     if lock is not None:
         if lock.fd is None:
@@ -365,14 +379,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                     "weights": {n: float(w) for n, w in zip(names, class_weights)}})
 
     # ---- data ---------------------------------------------------------------------------------------
-    batch = cfg.data.batch_size
-    k_micro = cfg.train.accumulate_steps
-
-    def dataset_fn(ctx: tf.distribute.InputContext):
-        return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                    ctx.num_input_pipelines, end_step=cfg.train.num_steps, micro_batches=k_micro)
-
-    batches = iter(trainer.distribute(dataset_fn))
+    batches = iter(dist_data)
     summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
     summaries.config_text(start + 1, cfg, towers=n)  # the first step of this run segment
     profiler = StepProfiler(write_dir, cfg.train.profile_steps)

@@ -28,8 +28,9 @@ batch 8, 2-core CPU, 4 logical towers; docs/PERFORMANCE.md):
   each tower's partial gradient (clipnorm / global_clipnorm), and builds ~25 graph ops per variable
   per tower: the apply branch alone had more graph nodes than the 4 towers' forward and backward
   passes. So the reduction is ours (one packed all-reduce, never a second one) and the update is
-  TensorFlow's fused ResourceApplyAdam / ResourceApplyKerasMomentum on Keras' own slot variables,
-  which compute exactly Keras' Adam / SGD-with-momentum formulas, one op per variable.
+  TensorFlow's fused ResourceApplyAdam / ResourceApplyKerasMomentum / ResourceApplyGradientDescent
+  on Keras' own slot variables, which compute exactly Keras' Adam / SGD (with or without momentum)
+  formulas, one op per variable.
 - Under MirroredStrategy a replica function is traced once per tower. The tower's forward and
   backward pass is therefore a tf.function traced ONCE and called by every tower with its own
   variable handles, and marked not to be inlined, so TensorFlow also optimises its graph once per
@@ -92,9 +93,6 @@ class Trainer:
             raise ConfigError("invalid combination", "train.jit_compile",
                               "false with model.sync_batchnorm: true (synchronized BN all-reduces inside the "
                               "forward pass, which cannot be XLA-compiled per tower)")
-        if t.optimizer == "sgd" and t.momentum == 0:
-            raise ConfigError("invalid value", "train.momentum", "a momentum in (0, 1) for sgd (Keras' plain SGD "
-                              "keeps no slot the fused update needs), got 0")
         with strategy.scope():
             # The dtype policy is global in Keras; set it only while this model's layers are built.
             previous = keras.config.dtype_policy()
@@ -143,8 +141,10 @@ class Trainer:
         if t.optimizer == "adam":
             self._slots = [[opt._momentums[opt._get_variable_index(v)], opt._velocities[opt._get_variable_index(v)]]
                            for v in self.variables]
-        else:
+        elif t.momentum:
             self._slots = [[opt.momentums[opt._get_variable_index(v)]] for v in self.variables]
+        else:  # plain SGD: Keras keeps no slot
+            self._slots = [[] for _ in self.variables]
         # train.backbone_lr_multiplier scales the learning rate (not the gradient: Adam would undo that).
         self._lr_mult = [t.backbone_lr_multiplier if in_backbone else 1.0
                          for in_backbone in models.backbone_variable_mask(self.model)]
@@ -378,9 +378,11 @@ class Trainer:
                     ops.append(tf.raw_ops.ResourceApplyAdam(
                         var=h, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=rates[mult],
                         beta1=opt.beta_1, beta2=opt.beta_2, epsilon=opt.epsilon, grad=g))
-                else:
+                elif slots:
                     ops.append(tf.raw_ops.ResourceApplyKerasMomentum(
                         var=h, accum=slots[0], lr=rates[mult], grad=g, momentum=cfg.train.momentum))
+                else:
+                    ops.append(tf.raw_ops.ResourceApplyGradientDescent(var=h, alpha=rates[mult], delta=g))
             for pos, value in zip(self._bn_pos, bn):
                 ops.append(tf.raw_ops.AssignVariableOp(resource=state_handles[pos], value=value))
             if ema_handles:
@@ -549,6 +551,12 @@ class Trainer:
     def distribute(self, dataset_fn):
         """Distributes a per-replica-batched dataset function (see ImageReader.train_dataset)."""
         return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    def step_function(self, element_spec):
+        """The traced train step (a ConcreteFunction) for a distributed dataset's element_spec; train_step
+        reuses this trace. For inspecting the graph (determinism.check_graph)."""
+        scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
+        return self._step_fn.get_concrete_function(element_spec, scalar(tf.float32), scalar(tf.bool), scalar(tf.bool))
 
     def train_step(self, batch, lr: float | None = None, stop=False, want_images=False) -> dict:
         """One update on a distributed global batch (see _train_step for the outputs).

@@ -52,6 +52,14 @@ class FusedBatchNormalization(layers.BatchNormalization):
             m = self.momentum
             self.moving_mean.assign(self.moving_mean * m + tf.stop_gradient(mean) * (1.0 - m))
             self.moving_variance.assign(self.moving_variance * m + tf.stop_gradient(var) * (1.0 - m))
+        elif training:
+            # A frozen layer (trainable = False: model.freeze_batchnorm) in a training pass: the same
+            # affine map as inference, as plain element-wise ops. The fused inference op's gradient
+            # (FusedBatchNormGradV3 with is_training=false) has no deterministic GPU kernel, so
+            # train.deterministic could not run on a GPU with frozen BN layers.
+            scale = gamma * tf.math.rsqrt(tf.cast(self.moving_variance.value, tf.float32) + self.epsilon)
+            offset = beta - tf.cast(self.moving_mean.value, tf.float32) * scale
+            y = tf.cast(inputs, tf.float32) * scale + offset
         else:
             y, _, _ = tf.compat.v1.nn.fused_batch_norm(inputs, gamma, beta, mean=tf.cast(self.moving_mean.value, tf.float32),
                                                        variance=tf.cast(self.moving_variance.value, tf.float32),
