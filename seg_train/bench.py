@@ -43,14 +43,16 @@ import gc
 import logging
 import os
 import platform
-import resource
-import statistics
+import re
 import sys
+import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from seg_train.config import Config, ConfigError
+from seg_train.sysinfo import peak_rss_mb
 
 log = logging.getLogger("seg_train")
 
@@ -64,6 +66,18 @@ PEAK_METHOD = ("max of a 2048x2048x2048 matmul and a 3x3 conv 4x56x56x256->256 (
                "the first device in the precision's compute dtype (median of 7 runs after 2 warm-ups)")
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One set-up to time: a config, where its batches come from, and how the host runs its loop.
+
+    overrides: the --set strings that make this config (for the fresh-process probes)."""
+    name: str
+    cfg: Config
+    input: str = "reader"        # "reader" (the real pipeline) or "cached" (the same batches from memory)
+    loop: str = "overlapped"     # train.py's loop, or "blocking" (the host waits for every step)
+    overrides: tuple = ()
+
+
 # ---- small helpers ------------------------------------------------------------------------------
 def parse_towers(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4] (sorted, unique); a user error for anything else."""
@@ -74,19 +88,6 @@ def parse_towers(text: str) -> list[int]:
     if not towers or towers[0] < 1:
         raise ConfigError("invalid --gpus", "--gpus", f"expected tower counts like 1,2,4, got {text!r}")
     return towers
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process in MiB (VmHWM; ru_maxrss where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / (1024.0 * 1024.0) if sys.platform == "darwin" else rss / 1024.0
 
 
 def machine_info() -> dict:
@@ -286,7 +287,7 @@ def input_throughput(reader, global_batch: int, steps: int, windows: int, warmup
 
 
 # ---- training -----------------------------------------------------------------------------------------
-def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int):
+def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro_batches: int = 1):
     """A dataset_fn serving the first `num_distinct_steps` steps' batches from memory, repeated.
 
     The batches are those the real reader would give (same per-replica split), decoded and augmented
@@ -296,7 +297,7 @@ def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int):
 
     def dataset_fn(ctx):
         ds = reader.train_dataset(global_batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                  ctx.num_input_pipelines)
+                                  ctx.num_input_pipelines, micro_batches=micro_batches)
         per_step = ctx.num_replicas_in_sync // ctx.num_input_pipelines
         batches = list(ds.take(num_distinct_steps * per_step))
         images = tf.stack([b[0] for b in batches])
@@ -311,32 +312,47 @@ class TrainRunner:
 
     Args:
       name: label of this runner (e.g. "gpus=4" or "train.precision=mixed_bfloat16").
-      cfg: resolved config (data.batch_size is the GLOBAL batch).
+      cfg: resolved config (data.batch_size is the GLOBAL batch of one micro-batch).
       devices: replicas.Devices for this runner's towers.
       reader: the training ImageReader.
       input_mode: "reader" (the real pipeline) or "cached" (the same batches from memory).
+      loop: "overlapped" (train.py's loop: step k's outputs are read after step k+1 is dispatched)
+        or "blocking" (the host reads every step's loss and flags before dispatching the next one).
+      class_weights: loss.class_weights as computed for training (median_frequency needs the scan).
     """
 
-    def __init__(self, name: str, cfg: Config, devices, reader, input_mode: str = "reader"):
+    def __init__(self, name: str, cfg: Config, devices, reader, input_mode: str = "reader", loop: str = "overlapped",
+                 class_weights=None):
         from seg_train import replicas
         from seg_train.trainer import Trainer
 
-        self.name, self.cfg, self.input_mode = name, cfg, input_mode
+        self.name, self.cfg, self.input_mode, self.loop = name, cfg, input_mode, loop
         self.num_towers = len(devices.names)
         self.batch = cfg.data.batch_size
-        self.strategy = replicas.make_strategy(devices)
-        self.trainer = Trainer(cfg, self.strategy)
+        k = cfg.train.accumulate_steps
+        self.images_per_step = self.batch * k
+        self.strategy = replicas.make_strategy(devices, cfg.train.allreduce, cfg.train.allreduce_num_packs)
+        t0 = time.perf_counter()
+        self.trainer = Trainer(cfg, self.strategy, class_weights=class_weights)
+        self.build_s = time.perf_counter() - t0
         batch = self.batch
         if input_mode == "cached":
-            dataset_fn = _cached_dataset_fn(reader, batch, 8)
+            dataset_fn = _cached_dataset_fn(reader, batch, 8, k)
         else:
             def dataset_fn(ctx):
                 return reader.train_dataset(batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                            ctx.num_input_pipelines)
-        self.batches = iter(self.trainer.distribute(dataset_fn))
+                                            ctx.num_input_pipelines, micro_batches=k)
+        self.dataset = self.trainer.distribute(dataset_fn)
+        self.batches = iter(self.dataset)
         self.first_step_s = None
+        self.first_step = {}
+        self.pending = None
         self.rates, self.waits, self.step_ms, self.losses = [], [], [], []
         self.cpu_ms, self.cores = [], []
+
+    def _read(self, out) -> None:
+        self.losses.append(float(out["loss"]))
+        bool(out["applied"])
 
     def step(self) -> tuple[float, float]:
         """One training step as train.py runs it; returns (seconds blocked in next(), total seconds)."""
@@ -344,28 +360,61 @@ class TrainRunner:
         b = next(self.batches)
         t1 = time.perf_counter()
         out = self.trainer.train_step(b)
-        self.losses.append(float(out["loss"]))  # the host reads the loss every step, as train.py does
+        if self.loop == "blocking":
+            self._read(out)
+        else:  # train.py's loop: the previous step's outputs are read once this one is dispatched
+            if self.pending is not None:
+                self._read(self.pending)
+            self.pending = out
         return t1 - t0, time.perf_counter() - t0
 
-    def warmup(self, steps: int) -> None:
-        """Untimed steps: the first traces the step; the rest let tf.data's autotuning settle."""
+    def drain(self) -> float:
+        """Waits for the last dispatched step (end of a timed window); returns the seconds it took."""
         t0 = time.perf_counter()
-        self.step()
-        self.first_step_s = time.perf_counter() - t0
-        for _ in range(max(steps - 1, 0)):
+        if self.pending is not None:
+            self._read(self.pending)
+            self.pending = None
+        return time.perf_counter() - t0
+
+    def warmup(self, steps: int) -> None:
+        """Untimed steps: the first traces the step; the rest let tf.data's autotuning settle.
+
+        The first step is split where TensorFlow lets it be: tracing (Python building the graph:
+        get_concrete_function), then the first call, which is graph optimisation (Grappler, placement,
+        function instantiation per device) plus the first execution; a second call gives the
+        execution time alone, so graph_optimization_s ~ first call - second call.
+        """
+        t0 = time.perf_counter()
+        self.trainer.step_function(self.dataset.element_spec)
+        trace = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self._read(self.trainer.train_step(next(self.batches)))
+        first_call = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        self._read(self.trainer.train_step(next(self.batches)))
+        second = time.perf_counter() - t2
+        self.first_step_s = self.build_s + trace + first_call
+        self.first_step = {"build_s": self.build_s, "tracing_s": trace, "first_call_s": first_call,
+                           "graph_optimization_s": max(first_call - second, 0.0), "first_execution_s": second,
+                           "note": "in this process, after other runners were built (see process_first_step for a "
+                                   "fresh process)"}
+        for _ in range(max(steps - 2, 0)):
             self.step()
+        self.drain()
 
     def window(self, steps: int, reentry: int = 0) -> None:
         """`reentry` untimed steps (after another runner had the CPU), then `steps` timed steps."""
         for _ in range(reentry):
             self.step()
+        self.drain()
         wait = total = 0.0
         cpu0 = time.process_time()
         for _ in range(steps):
             w, t = self.step()
             wait, total = wait + w, total + t
+        total += self.drain()
         cpu = time.process_time() - cpu0
-        self.rates.append(steps * self.batch / total)
+        self.rates.append(steps * self.images_per_step / total)
         self.waits.append(wait / total)
         self.step_ms.append(1000.0 * total / steps)
         self.cpu_ms.append(1000.0 * cpu / steps)
@@ -376,14 +425,72 @@ class TrainRunner:
         if not all(np.isfinite(self.losses)):
             log.warning("%s: non-finite loss while benchmarking", self.name)
         return {"gpus": self.num_towers, "images_per_sec": rate, "images_per_sec_per_tower": rate / self.num_towers,
+                "images_per_step": self.images_per_step, "accumulate_steps": self.cfg.train.accumulate_steps,
                 "step_time_ms": _median(self.step_ms), "input_wait_fraction": _median(self.waits),
                 "cpu_ms_per_step": _median(self.cpu_ms), "cores_busy": _median(self.cores),
                 "window_images_per_sec": list(self.rates), "window_input_wait_fraction": list(self.waits),
-                "first_step_s": self.first_step_s, "last_loss": self.losses[-1] if self.losses else None}
+                "first_step_s": self.first_step_s, "first_step_in_process": self.first_step,
+                "last_loss": self.losses[-1] if self.losses else None, **self.graph_counts()}
+
+    def graph_counts(self) -> dict:
+        """What crosses the towers per step, read from the traced step: tensors all-reduced (gradient
+        packs, or one per gradient with packing off) and graph ops in the cross-tower scope."""
+        graph = self.trainer.step_function(self.dataset.element_spec).graph
+        cross = [op for op in graph.get_operations() if "cross_tower" in op.name]
+        reduce_ops = [op for op in cross if op.type in ("AddN", "CollectiveReduceV2", "CollectiveReduceV3",
+                                                        "NcclAllReduce")]
+        return {"allreduce_ops_per_step": len(reduce_ops), "cross_tower_graph_ops": len(cross),
+                "allreduce_pack_mb": self.cfg.train.allreduce_pack_mb}
 
     def close(self) -> None:
-        del self.batches, self.trainer, self.strategy
+        del self.batches, self.dataset, self.trainer, self.strategy
         gc.collect()
+
+
+def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
+    """Precise-BN re-estimation from `images` training images on this runner's towers: the first run
+    (which traces) and a second one (trace cached), in seconds."""
+    from seg_train import bn_stats
+
+    trainer = runner.trainer
+    batches = max(images // runner.batch, 1)
+    saved = [np.asarray(v) for v in trainer.state] + [int(trainer.bn_stats_step.numpy())]
+    times = []
+    for _ in range(2):
+        trainer.bn_stats_step.assign(-7)  # forces the re-estimation (it is skipped when already done)
+        t0 = time.perf_counter()
+        bn_stats.reestimate(trainer, reader, batches, progress=False)
+        times.append(time.perf_counter() - t0)
+    for v, x in zip(trainer.state, saved[:-1]):  # the runner goes on training from its own statistics
+        v.assign(x)
+    trainer.bn_stats_step.assign(saved[-1])
+    return {"bn_reestimate_s": times[0], "bn_reestimate_repeat_s": times[1],
+            "bn_reestimate_images": batches * runner.batch}
+
+
+def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
+    """Full-resolution evaluation of `val_reader`'s images on this runner's towers: a first pass (which
+    traces), then a timed pass; images/s of the timed pass."""
+    from seg_train import evaluate
+
+    t0 = time.perf_counter()
+    evaluate.evaluate(runner.trainer, val_reader, names, progress=False)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, count = evaluate.evaluate(runner.trainer, val_reader, names, progress=False)
+    seconds = time.perf_counter() - t0
+    return {"eval_images_per_sec": count / seconds, "eval_images": count, "eval_first_pass_s": first}
+
+
+CROSS_TOWER_DEFINITION = ("op time of the ops in the cross_tower name scope (collectives.all_reduce_sum: the "
+                          "gradient/BN-statistics packs and synchronized BN's moments, with the strategy's copies "
+                          "and adds) plus device-to-device transfers (_Send/_Recv/Copy ops), over all op time")
+
+
+def _is_cross_tower(op_name: str, op_type: str) -> bool:
+    return "cross_tower" in op_name or op_type in ("_Send", "_Recv", "_HostSend", "_HostRecv", "Send", "Recv",
+                                                   "CollectiveReduceV2", "CollectiveReduceV3", "NcclAllReduce",
+                                                   "_CopyFromGpuToHost", "_CopyFromHostToGpu", "Copy")
 
 
 def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | None:
@@ -394,7 +501,6 @@ def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | 
     the shares are of total op time, not of the step. Returns None if the profile cannot be read.
     """
     import collections
-    import re
     import shutil
     import tempfile
 
@@ -409,6 +515,7 @@ def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | 
         t0 = time.perf_counter()
         for _ in range(steps):
             runner.step()
+        runner.drain()
         wall = (time.perf_counter() - t0) / steps
         tf.profiler.experimental.stop()
         files = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs if f.endswith(".xplane.pb")]
@@ -423,7 +530,8 @@ def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | 
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
     per_type, per_op = collections.Counter(), collections.Counter()
-    pattern = re.compile(r"^[^ :]+:(_?[A-Z][A-Za-z0-9_]+)$")  # "<op name>:<OpType>"
+    cross = 0.0
+    pattern = re.compile(r"^([^ :]+):(_?[A-Z][A-Za-z0-9_]+)$")  # "<op name>:<OpType>"
     for plane in space.planes:
         names = {k: v.name for k, v in plane.event_metadata.items()}
         for line in plane.lines:
@@ -433,13 +541,17 @@ def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | 
                 m = pattern.match(names.get(ev.metadata_id, ""))
                 if m:
                     ms = ev.duration_ps / 1e9 / steps  # ms per step
-                    per_type[m.group(1)] += ms
+                    per_type[m.group(2)] += ms
                     per_op[names[ev.metadata_id]] += ms
+                    if _is_cross_tower(m.group(1), m.group(2)):
+                        cross += ms
     total = sum(per_type.values())
     if not total:
         return None
     conv = sum(v for k, v in per_type.items() if "Conv" in k)
     return {"profiled_step_ms": 1000.0 * wall, "op_time_ms_per_step": total, "conv_share_of_op_time": conv / total,
+            "cross_tower_ms_per_step": cross, "cross_tower_share": cross / total,
+            "cross_tower_definition": CROSS_TOWER_DEFINITION,
             "top_ops": [[k, round(v, 1), round(v / total, 4)] for k, v in per_type.most_common(top)],
             "top_op_instances": [[k, round(v, 1), round(v / total, 4)] for k, v in per_op.most_common(8)],
             "note": "op time summed over TF's executor threads (concurrent ops both count); shares are of op time"}
@@ -485,34 +597,84 @@ def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int =
             "machine": machine_info(), "peak_rss_mb": peak_rss_mb()}
 
 
+def _class_weights(cfg: Config, reader):
+    """loss.class_weights as training computes them (median_frequency scans the train split)."""
+    from seg_train import losses
+    if isinstance(cfg.loss.class_weights, str):
+        from seg_train.datacheck import scan
+        return losses.class_weights_for(cfg, scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label))
+    return None
+
+
+_FIRST_STEP_LINE = re.compile(r"first step done ([\d.]+)s after launch: tracing ([\d.]+)s, graph optimisation and "
+                              r"first execution ([\d.]+)s")
+_PEAK_LINE = re.compile(r"peak resident memory (\d+) MiB")
+
+
+def cli_probe(config_path: str, overrides: list[str], towers: int, steps: int = 1, timeout: float = 3600) -> dict:
+    """Runs seg-train itself for `steps` steps in a fresh process (no evaluation, a scratch run dir) and
+    reads its own report of the first step (seconds from process launch, tracing, first call) and
+    of its peak resident memory: what a user launching seg-train meets."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    run_dir = tempfile.mkdtemp(prefix="seg-bench-probe-")
+    sets = list(overrides) + [f"train.num_steps={steps}", "data.val_split=__seg_bench_no_val__",
+                              "train.image_summary_every=0", f"train.summary_every={steps}",
+                              f"train.checkpoint_every={steps}"]
+    cmd = [sys.executable, "-m", "seg_train.cli", "--config", str(config_path), "--gpus", str(towers),
+           "--run-dir", run_dir] + [x for o in sets for x in ("--set", o)]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    first, peak = _FIRST_STEP_LINE.search(proc.stderr), _PEAK_LINE.search(proc.stderr)
+    if proc.returncode != 0 or not first:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"seg-train probe ({' '.join(cmd)}) failed with exit {proc.returncode}: {tail}")
+    return {"first_step_s": float(first.group(1)), "tracing_s": float(first.group(2)),
+            "first_call_s": float(first.group(3)), "peak_rss_mb": float(peak.group(1)) if peak else None,
+            "process_wall_s": time.time() - t0, "steps": steps}
+
+
 def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: int = 3, warmup: int = 3,
         input_mode: str = "reader", measure_input: bool = True, measure_peak_flops: bool = True,
-        variants: list[tuple[str, Config, str]] | None = None, profile: bool = False, pickup: int = 1) -> dict:
+        variants: list[Variant] | None = None, profile: bool = False, pickup: int = 1,
+        config_path: str | None = None, overrides: tuple = (), bn_images: int = 200, eval_images: int = 64,
+        probes: bool = True) -> dict:
     """The whole benchmark: peak, FLOP count, input alone, then training at each tower count.
 
     Args:
       cfg: the resolved config (its data.batch_size is the GLOBAL batch for every tower count).
       towers: tower counts, e.g. [1, 2, 4].
       all_devices: replicas.Devices for max(towers) towers (set up once, before TensorFlow starts).
-      variants: optional [(name, cfg, input_mode)] to compare (e.g. two precisions); every variant is
-        run at every tower count, all runners interleaved. The first variant is the reference.
+      variants: optional set-ups to compare (e.g. two precisions); every variant is run at every tower
+        count, all runners interleaved. The first variant is the reference.
       profile: after the timing, profile 2 steps of every runner (op time per op type).
       pickup: untimed steps at the start of each window when several runners alternate.
+      config_path, overrides: the config file and --set strings, for the fresh-process probes.
+      bn_images: precise-BN re-estimation timed on this many training images per tower count (0: skip).
+      eval_images: evaluation timed on this many val images per tower count (0: skip).
+      probes: time the first step from process launch in fresh seg-train processes (with and without
+        synchronized BN), and the peak memory of train.accumulate_steps variants.
     Returns:
       The JSON-able result. Top-level figures are those of the largest tower count (of the first
       variant when comparing).
     """
     from seg_train import replicas
-    from seg_train.reader import ImageReader, ensure_data
     from seg_train.config import check_batch
+    from seg_train.reader import ImageReader, class_names_of, ensure_data, split_file
 
-    variants = variants or [("default", cfg, input_mode)]
-    cfg, input_mode = variants[0][1], variants[0][2]
-    for _, vcfg, _ in variants:
+    variants = variants or [Variant("default", cfg, input_mode)]
+    cfg, input_mode = variants[0].cfg, variants[0].input
+    for v in variants:
         for n in towers:
-            check_batch(vcfg, n)
+            check_batch(v.cfg, n)
     ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    class_weights = _class_weights(cfg, reader)
     batch = cfg.data.batch_size
     t0 = time.perf_counter()
     result = {
@@ -521,14 +683,15 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         "crop_size": list(cfg.data.crop_size), "global_batch": batch, "num_classes": cfg.data.num_classes,
         "data_root": str(cfg.data.root), "num_train_images": len(reader), "input": input_mode,
         "device_kind": all_devices.kind, "steps_per_window": steps, "windows": windows, "warmup_steps": warmup,
-        "pickup_steps": pickup,
+        "pickup_steps": pickup, "accumulate_steps": cfg.train.accumulate_steps,
+        "allreduce_pack_mb": cfg.train.allreduce_pack_mb,
         "efficiency_definition": EFFICIENCY_DEFINITION, "input_wait_definition": WAIT_DEFINITION,
         "machine": machine_info(),
     }
     peaks: dict[str, dict] = {}
     if measure_peak_flops:
-        for _, vcfg, _ in variants:
-            dtype = compute_dtype(vcfg.train.precision)
+        for v in variants:
+            dtype = compute_dtype(v.cfg.train.precision)
             if dtype not in peaks:
                 log.info("measuring the device peak (%s matmul and 3x3 conv)", dtype)
                 peaks[dtype] = measure_peak(dtype, all_devices.names[0])
@@ -545,8 +708,8 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
                      flop_counts[key]["forward_gflop_per_image"])
         return flop_counts[key]
 
-    for _, vcfg, _ in variants:
-        flops_of(vcfg)
+    for v in variants:
+        flops_of(v.cfg)
     inp = None
     if measure_input:
         log.info("timing the input pipeline alone")
@@ -554,14 +717,15 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         log.info("input pipeline alone: %.1f images/s", inp["images_per_sec"])
 
     runners = []
-    for vname, vcfg, vinput in variants:
-        vreader = reader if vcfg.data == cfg.data else ImageReader(vcfg.data, vcfg.data.train_split, vcfg.seed)
+    for v in variants:
+        vreader = reader if v.cfg.data == cfg.data else ImageReader(v.cfg.data, v.cfg.data.train_split, v.cfg.seed)
         for n in towers:
-            name = f"gpus={n}" if len(variants) == 1 else f"{vname} gpus={n}"
+            name = f"gpus={n}" if len(variants) == 1 else f"{v.name} gpus={n}"
             devices = replicas.Devices(all_devices.names[:n], all_devices.kind, "")
-            log.info("%s: building (%s input, %s, jit_compile %s)", name, vinput, vcfg.train.precision,
-                     vcfg.train.jit_compile)
-            runners.append((vname, vcfg, TrainRunner(name, vcfg, devices, vreader, vinput)))
+            log.info("%s: building (%s input, %s loop, %s, jit_compile %s)", name, v.input, v.loop,
+                     v.cfg.train.precision, v.cfg.train.jit_compile)
+            runners.append((v.name, v.cfg, TrainRunner(name, v.cfg, devices, vreader, v.input, v.loop,
+                                                       class_weights)))
     log.info("timing: %d warm-up steps each, then %d windows of %d steps per runner, interleaved", warmup, windows,
              steps)
     interleave([r for _, _, r in runners], steps, windows, warmup, pickup)
@@ -572,13 +736,39 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
                 continue  # XLA runs the step as one fused cluster: no per-op times to show
             log.info("%s: profiling 2 steps", r.name)
             profiles[r.name] = profile_ops(r)
+    # Where the time of the largest tower count goes: the share of op time that is cross-tower work.
+    base_runners = [r for name, _, r in runners if name == variants[0].name]
+    top_runner = base_runners[-1]
+    cross = None
+    if top_runner.num_towers > 1 and not cfg.train.jit_compile:
+        log.info("%s: profiling 2 steps for the cross-tower share", top_runner.name)
+        cross = profiles.get(top_runner.name) or profile_ops(top_runner)
+    # Precise BN and evaluation on each tower count (base variant).
+    extra: dict[int, dict] = {}
+    val_reader = None
+    if eval_images and split_file(cfg.data.root, cfg.data.val_split).is_file():
+        val_reader = ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
+        val_reader.samples = val_reader.samples[:eval_images]
+    names = class_names_of(cfg)
+    for r in base_runners:
+        row = {}
+        if bn_images:
+            log.info("%s: precise BN on %d images", r.name, bn_images)
+            row.update(measure_bn_reestimate(r, reader, bn_images))
+        if val_reader is not None:
+            log.info("%s: evaluating %d val images", r.name, len(val_reader))
+            row.update(measure_eval(r, val_reader, names))
+        extra[r.num_towers] = row
 
     per_variant = []
-    for vname, vcfg, vinput in variants:
+    for v in variants:
+        vname, vcfg, vinput = v.name, v.cfg, v.input
         rows = []
         for name, rcfg, r in runners:
             if name == vname:
                 row = r.summary()
+                if v is variants[0]:
+                    row.update(extra.get(r.num_towers, {}))
                 if profile:
                     row["op_profile"] = profiles.get(r.name)
                 _utilisation(row, flops_of(vcfg), peaks.get(compute_dtype(vcfg.train.precision)))
@@ -595,6 +785,8 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         peak = peaks.get(compute_dtype(vcfg.train.precision))
         per_variant.append({
             "name": vname, "precision": vcfg.train.precision, "jit_compile": vcfg.train.jit_compile, "input": vinput,
+            "loop": v.loop, "accumulate_steps": vcfg.train.accumulate_steps, "global_batch": vcfg.data.batch_size,
+            "allreduce_pack_mb": vcfg.train.allreduce_pack_mb,
             "top_level_figures_for_gpus": top["gpus"], "efficiency_reference_gpus": ref["gpus"],
             "train_images_per_sec": top["images_per_sec"],
             "train_images_per_sec_per_tower": top["images_per_sec_per_tower"],
@@ -604,6 +796,32 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             "towers": rows})
     for _, _, r in runners:
         r.close()
+    # Fresh seg-train processes (after every in-process runner is gone): the first step as a user
+    # meets it, timed from launch, with and without synchronized BN; the peak memory of
+    # accumulation variants (one process each: a shared process's peak would mix them).
+    if probes and config_path:
+        for v, rows in zip(variants, [pv["towers"] for pv in per_variant]):
+            is_base, is_accum = v is variants[0], "train.accumulate_steps" in v.name
+            if not (is_base or is_accum):
+                continue
+            for row in rows:
+                n = row["gpus"]
+                log.info("%s gpus=%d: seg-train in a fresh process (first step from launch%s)", v.name, n,
+                         ", peak memory" if is_accum else "")
+                probe = cli_probe(config_path, list(overrides) + list(v.overrides), n, steps=3)
+                row.update({"first_step_s": probe["first_step_s"], "first_step_tracing_s": probe["tracing_s"],
+                            "first_step_first_call_s": probe["first_call_s"],
+                            # TensorFlow does not report its graph optimisation apart from the first
+                            # execution: the steady step time stands in for the execution.
+                            "first_step_graph_optimization_s": max(probe["first_call_s"] - row["step_time_ms"] / 1e3,
+                                                                   0.0),
+                            "first_step_first_execution_s": row["step_time_ms"] / 1e3,
+                            "peak_rss_mb_process": probe["peak_rss_mb"]})
+                if is_base and not cfg.model.sync_batchnorm:
+                    sync = cli_probe(config_path, list(overrides) + ["model.sync_batchnorm=true"], n, steps=1)
+                    row.update({"first_step_sync_bn_s": sync["first_step_s"],
+                                "first_step_sync_bn_tracing_s": sync["tracing_s"],
+                                "first_step_sync_bn_first_call_s": sync["first_call_s"]})
     flops = flops_of(cfg)
     first = per_variant[0]
     result.update({k: first[k] for k in (
@@ -636,6 +854,23 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             v["name"]: first["towers"][-1]["cpu_ms_per_step"] / v["towers"][-1]["cpu_ms_per_step"] for v in per_variant}
         result["cpu_speedup_definition"] = ("process CPU time per step of the first variant / that of the variant "
                                             "(less sensitive to other processes' load than wall time)")
+    # The per-tower-count ratios of issue-level interest (N towers vs 1 tower, same global batch).
+    rows = {r["gpus"]: r for r in first["towers"]}
+    if 1 in rows:
+        one = rows[1]
+        for n, r in rows.items():
+            for key, ratio in (("first_step_s", "first_step_ratio"), ("first_step_sync_bn_s", "first_step_sync_bn_ratio"),
+                               ("bn_reestimate_s", "bn_reestimate_ratio"),
+                               ("bn_reestimate_repeat_s", "bn_reestimate_repeat_ratio"),
+                               ("eval_images_per_sec", "eval_ratio")):
+                if r.get(key) is not None and one.get(key):
+                    r[ratio] = r[key] / one[key]
+    top = first["towers"][-1]
+    result.update({k: top.get(k) for k in (
+        "first_step_s", "first_step_sync_bn_s", "bn_reestimate_s", "eval_images_per_sec", "first_step_ratio",
+        "first_step_sync_bn_ratio", "bn_reestimate_ratio", "eval_ratio")})
+    result["cross_tower_share"] = cross["cross_tower_share"] if cross else None
+    result["cross_tower_profile"] = cross
     result.update({
         "peak_rss_mb": peak_rss_mb(),
         "peak_rss_scope": "whole process: every runner above was alive at once (interleaved timing)",

@@ -390,8 +390,17 @@ def bench_main(argv=None) -> int:
     parser.add_argument("--input", choices=("reader", "cached"), default="reader",
                         help="train from the real ImageReader (default) or from the same batches cached in memory")
     parser.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
-                        help="also time the config with KEY=VALUE (a config key, e.g. train.precision=mixed_bfloat16, "
-                        "or input=cached), interleaved with the base config; repeatable; reports speedups vs the base")
+                        help="also time the config with KEY=VALUE (a config key, e.g. train.precision=mixed_bfloat16; "
+                        "input=cached; loop=blocking: the host waits for every step), interleaved with the base config; "
+                        "repeatable; reports speedups vs the base. train.accumulate_steps=K divides data.batch_size "
+                        "by K (the same images per update) and also reports each variant's peak memory")
+    parser.add_argument("--bn-images", type=int, default=200, metavar="N",
+                        help="time precise-BN re-estimation on N training images per tower count (0: skip; default 200)")
+    parser.add_argument("--eval-images", type=int, default=64, metavar="N",
+                        help="time evaluation on the first N val images per tower count (0: skip; default 64)")
+    parser.add_argument("--no-probes", action="store_true",
+                        help="skip the fresh seg-train processes that time the first step from launch (with and "
+                        "without synchronized BN) and the accumulation variants' peak memory")
     parser.add_argument("--no-input-alone", action="store_true", help="skip timing the input pipeline alone")
     parser.add_argument("--input-only", action="store_true",
                         help="time the input pipeline alone and nothing else (e.g. with --set data.cache=true)")
@@ -424,7 +433,8 @@ def bench_main(argv=None) -> int:
         cfg = config_lib.load(args.config, args.overrides)
         variants = None
         if args.compare:
-            variants = [("base", cfg, args.input)]
+            from seg_train.bench import Variant
+            variants = [Variant("base", cfg, args.input)]
             for spec in args.compare:
                 key, sep, values = spec.partition("=")
                 key, values = key.strip(), [v.strip() for v in values.split(",") if v.strip()]
@@ -435,10 +445,28 @@ def bench_main(argv=None) -> int:
                     if key == "input":
                         if v not in ("reader", "cached"):
                             raise ConfigError("invalid --compare", "--compare", f"expected input=reader or cached, got {v!r}")
-                        variants.append((f"input={v}", cfg, v))
+                        variants.append(Variant(f"input={v}", cfg, v))
+                    elif key == "loop":
+                        if v not in ("overlapped", "blocking"):
+                            raise ConfigError("invalid --compare", "--compare",
+                                              f"expected loop=overlapped or blocking, got {v!r}")
+                        variants.append(Variant(f"loop={v}", cfg, args.input, v))
                     else:
-                        variants.append((f"{key}={v}", config_lib.load(args.config, args.overrides + [f"{key}={v}"]),
-                                         args.input))
+                        extra = [f"{key}={v}"]
+                        if key == "train.accumulate_steps":
+                            # The same images per update: K micro-batches of batch / K.
+                            k = config_lib.parse_override(f"{key}={v}")[1]
+                            if not isinstance(k, int) or k < 1 or cfg.data.batch_size % k:
+                                raise ConfigError("invalid --compare", "--compare",
+                                                  f"train.accumulate_steps=K with K dividing data.batch_size "
+                                                  f"({cfg.data.batch_size}), got {v!r}")
+                            extra.append(f"data.batch_size={cfg.data.batch_size // k}")
+                        variants.append(Variant(f"{key}={v}", config_lib.load(args.config, args.overrides + extra),
+                                                args.input, overrides=tuple(extra)))
+        for name in ("bn_images", "eval_images"):
+            if getattr(args, name) < 0:
+                raise ConfigError(f"invalid --{name.replace('_', '-')}", f"--{name.replace('_', '-')}",
+                                  f"expected an integer >= 0, got {getattr(args, name)}")
         preflight.for_evaluation(cfg)
         import_tensorflow(args.debug)
         from seg_train import bench, replicas
@@ -461,7 +489,9 @@ def bench_main(argv=None) -> int:
             result = bench.run(cfg, towers, devices, steps=args.steps, windows=args.windows, warmup=args.warmup,
                                input_mode=args.input, measure_input=not args.no_input_alone,
                                measure_peak_flops=not args.no_peak, variants=variants,
-                               profile=args.profile, pickup=args.pickup)
+                               profile=args.profile, pickup=args.pickup, config_path=os.path.abspath(args.config),
+                               overrides=tuple(args.overrides), bn_images=args.bn_images,
+                               eval_images=args.eval_images, probes=not args.no_probes)
         result["config"] = os.path.abspath(args.config)
         result["overrides"] = list(args.overrides)
         if args.json:

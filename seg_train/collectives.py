@@ -44,19 +44,19 @@ def all_reduce_sum(values: list):
     ctx = tf.distribute.get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1 or not values:
         return values
-    strategy = ctx.strategy
-    extended = strategy.extended
-    values = [tf.stop_gradient(v) for v in values]
-    if extended._use_merge_call():  # MirroredStrategy: reduce in cross-replica context
-        def merge_fn(distribution, *per_replica):
-            return distribution.extended.batch_reduce_to(
-                tf.distribute.ReduceOp.SUM, [(v, v) for v in per_replica])
+    # One name scope for everything that crosses the towers: seg-bench's profile adds it up.
+    with tf.name_scope("cross_tower"):
+        values = [tf.stop_gradient(v) for v in values]
+        if ctx.strategy.extended._use_merge_call():  # MirroredStrategy: reduce in cross-replica context
+            def merge_fn(distribution, *per_replica):
+                return distribution.extended.batch_reduce_to(
+                    tf.distribute.ReduceOp.SUM, [(v, v) for v in per_replica])
 
-        return list(ctx.merge_call(merge_fn, args=tuple(values)))
-    # MultiWorkerMirroredStrategy: collective ops in replica context. Their results depend on the
-    # other towers only through the collective runtime, not through graph edges, so the
-    # custom_gradient walk of the public API stays inside this tower.
-    return list(ctx.all_reduce(tf.distribute.ReduceOp.SUM, values))
+            return list(ctx.merge_call(merge_fn, args=tuple(values)))
+        # MultiWorkerMirroredStrategy: collective ops in replica context. Their results depend on the
+        # other towers only through the collective runtime, not through graph edges, so the
+        # custom_gradient walk of the public API stays inside this tower.
+        return list(ctx.all_reduce(tf.distribute.ReduceOp.SUM, values))
 
 
 def pack_layout(shapes: list, pack_bytes: int):

@@ -27,6 +27,7 @@ from seg_train.reader import BadSample, ImageReader, class_names_of, ensure_data
 from seg_train.restore import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
 from seg_train.summaries import Summaries
+from seg_train.sysinfo import peak_rss_mb, seconds_since_launch
 from seg_train.trainer import Trainer
 
 log = logging.getLogger("seg_train")
@@ -190,8 +191,10 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
 class _Loop:
     """The host side of each step: reads its outputs, logs, writes summaries, decides on non-finite steps."""
 
-    def __init__(self, cfg: Config, trainer: Trainer, summaries: Summaries, bar, num_towers: int, profiler):
+    def __init__(self, cfg: Config, trainer: Trainer, summaries: Summaries, bar, num_towers: int, profiler,
+                 trace_s: float = 0.0):
         self.cfg, self.trainer, self.summaries, self.bar, self.profiler = cfg, trainer, summaries, bar, profiler
+        self.trace_s, self.loop_start = trace_s, time.perf_counter()
         self.images_per_step = cfg.data.batch_size * cfg.train.accumulate_steps
         self.skipped = 0
         self.first = True
@@ -226,6 +229,10 @@ class _Loop:
                 self.skipped += 1
                 log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, self.skipped)
         if self.first:  # tracing and the first step never count towards throughput
+            # The first step's cost, as TensorFlow lets it be split: tracing (Python building the
+            # graph) before the loop, then graph optimisation + the first execution in the first call.
+            log.info("first step done %.1fs after launch: tracing %.1fs, graph optimisation and first execution %.1fs",
+                     seconds_since_launch(), self.trace_s, time.perf_counter() - self.loop_start)
             self.restart_clock()
             self.first = False
         else:
@@ -358,11 +365,15 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                                     ctx.num_input_pipelines, end_step=cfg.train.num_steps, micro_batches=k_micro)
 
     dist_data = trainer.distribute(dataset_fn)
+    # Trace the step now (the loop reuses this trace), so its cost is reported apart from the rest.
+    t_trace = time.perf_counter()
+    step_graph = trainer.step_function(dist_data.element_spec)
+    trace_s = time.perf_counter() - t_trace
     if cfg.train.deterministic:
         # On a GPU, an op without a deterministic kernel would raise only when it runs: look at the
-        # traced step now, before anything is written (the loop reuses this trace).
+        # traced step now, before anything is written.
         kind = "GPU" if any("GPU" in d.upper() for d in strategy.extended.worker_devices) else "CPU"
-        determinism.check_graph(trainer.step_function(dist_data.element_spec), kind)
+        determinism.check_graph(step_graph, kind)
 
     # From here on the run is known to start: claim the run dir and write the resolved config.
     if lock is not None:
@@ -394,7 +405,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # checkpoint, an evaluation, the last step or a stop does the loop wait for the step itself.
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
-    loop = _Loop(cfg, trainer, summaries, bar, n, profiler)
+    loop = _Loop(cfg, trainer, summaries, bar, n, profiler, trace_s)
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     state_finite = tf.function(lambda: tf.reduce_all(
         [tf.reduce_all(tf.math.is_finite(v)) for v in trainer.model.weights + trainer.optimizer.variables
@@ -462,6 +473,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     # ---- final ----------------------------------------------------------------------------------------
     if status == EXIT_OK:
+        log.info("peak resident memory %.0f MiB", peak_rss_mb())
         log.info("done: step %d, loss %.4f; checkpoints in %s", t_cfg.num_steps, loop.last_loss,
                  run_dir / "checkpoints")
         log.info("view with: tensorboard --logdir %s", run_dir)

@@ -450,8 +450,7 @@ class Trainer:
             tv = [tf.convert_to_tensor(v.value) for v in self.variables]
             st = [tf.convert_to_tensor(v.value) for v in self.state]
             packs, preds = self._tower(tv, st, images, labels, loss_scale, index, stop, want_images, unrolled=True)
-        with tf.name_scope("cross_tower"):
-            packs = collectives.all_reduce_sum(packs)
+        packs = collectives.all_reduce_sum(packs)
         out = apply(packs, _handles(self.variables), [_handles(s) for s in self._slots], _handles(self.state),
                     _handles(self.ema or []), lr, t, loss_scale, want_images, tf.constant(apply_update))
         out["preds"] = preds

@@ -41,7 +41,7 @@ def positive(x):
 
 def test_bench_json_tiny(tiny_cfg):
     r = run_bench(["--config", str(tiny_cfg), "--gpus", "1,2", "--steps", "3", "--windows", "2", "--warmup", "1",
-                   "--json"], tiny_cfg.parent)
+                   "--bn-images", "8", "--eval-images", "2", "--no-probes", "--json"], tiny_cfg.parent)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON object on stdout (json.loads refuses trailing text)
     for key in ("train_images_per_sec", "input_images_per_sec", "input_wait_fraction", "towers",
@@ -59,6 +59,16 @@ def test_bench_json_tiny(tiny_cfg):
     assert 0.0 <= out["input_wait_fraction"] <= 1.0
     assert positive(out["flops_utilization"]) and positive(out["peak_gflops"]) and positive(out["achieved_gflops"])
     assert positive(out["peak_rss_mb"])
+    # Precise BN, evaluation and the cross-tower share, per tower count (issue contract keys).
+    for t in out["towers"]:
+        assert positive(t["bn_reestimate_s"]) and t["bn_reestimate_images"] == 8
+        assert positive(t["eval_images_per_sec"]) and t["eval_images"] == 2
+        assert positive(t["first_step_in_process"]["tracing_s"])
+    assert out["towers"][0]["allreduce_ops_per_step"] == 0  # one tower: nothing crosses
+    assert out["towers"][1]["allreduce_ops_per_step"] == 2  # packed: gradients + BN statistics/scalars
+    assert out["bn_reestimate_ratio"] == pytest.approx(out["towers"][1]["bn_reestimate_s"]
+                                                       / out["towers"][0]["bn_reestimate_s"])
+    assert positive(out["eval_ratio"]) and 0.0 < out["cross_tower_share"] < 1.0
     # The tiny model: 3x3 convs only, so the graph count of training is exactly 3x the forward pass.
     assert out["flops"]["train_to_forward"] == pytest.approx(3.0)
     assert out["precision"] == "float32" and out["jit_compile"] is False
@@ -112,3 +122,21 @@ def test_bench_input_only_with_cache(tiny_cfg):
     assert out["cache"] is True and positive(out["input_images_per_sec"])
     assert positive(out["input"]["first_pass_images_per_sec"]) and positive(out["input"]["cache_mb"])
     assert "towers" not in out  # nothing but the reader was run
+
+
+def test_bench_first_step_probes_and_accumulation_memory(tiny_cfg):
+    """Fresh seg-train processes time the first step from launch (with and without sync BN) and give
+    the accumulation variant's own peak memory; the variant's batch is divided by K."""
+    r = run_bench(["--config", str(tiny_cfg), "--gpus", "2", "--steps", "2", "--windows", "1", "--warmup", "2",
+                   "--bn-images", "0", "--eval-images", "0", "--no-peak", "--no-input-alone",
+                   "--compare", "train.accumulate_steps=2", "--json"], tiny_cfg.parent, timeout=900)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    base, accum = out["variants"]
+    assert accum["name"] == "train.accumulate_steps=2" and accum["global_batch"] == 2 and base["global_batch"] == 4
+    row = base["towers"][0]
+    assert positive(row["first_step_s"]) and positive(row["first_step_sync_bn_s"])
+    assert row["first_step_s"] > row["first_step_tracing_s"] > 0 and positive(row["peak_rss_mb_process"])
+    a = accum["towers"][0]
+    assert a["images_per_step"] == 4 and a["accumulate_steps"] == 2 and positive(a["peak_rss_mb_process"])
+    assert out["first_step_s"] == row["first_step_s"]
