@@ -38,7 +38,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from seg_train import replicas
+from seg_train import models
 from seg_train.config import ConfigError, check_batch
 
 log = logging.getLogger("seg_train")
@@ -193,7 +193,7 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
     n_towers = strategy.num_replicas_in_sync
     batch = cfg.data.batch_size
     check_batch(cfg, n_towers)
-    layers = [layer for layer in replicas.batchnorm_layers(model) if layer.trainable]
+    layers = [layer for layer in models.batchnorm_layers(model) if layer.trainable]
     if not layers:
         trainer.bn_stats_step.assign(trainer.step)
         return True

@@ -1,9 +1,9 @@
-"""All tf.distribute code: device selection, the strategy, and cross-tower arithmetic helpers.
+"""Devices and strategies: which devices the towers run on, the tf.distribute strategy (one machine,
+or several through TF_CONFIG), and which process is the chief.
 
-Keras 3 under tf.distribute has two silent traps this module exists for:
-`optimizer.apply_gradients` inside `strategy.run` already SUMs the towers' gradients, and
-BatchNormalization moving statistics are per-tower variables (aggregation NONE) that drift apart
-unless they are averaged by hand or the BN is synchronized.
+What runs inside the strategy lives elsewhere: the in-graph cross-tower arithmetic (all-reduces,
+packing) in collectives.py, the train step that uses it in trainer.py, synchronized BN in
+models/sync_bn.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import tensorflow as tf
 
 from seg_train.config import ConfigError
@@ -175,55 +174,3 @@ def is_chief(strategy) -> bool:
     if "chief" in spec:
         return resolver.task_type == "chief"
     return resolver.task_type == "worker" and resolver.task_id == 0
-
-
-def all_reduce_sum(value):
-    """Sum of `value` over the towers, from inside a replica function."""
-    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value)
-
-
-def batchnorm_layers(model) -> list:
-    """Every BatchNormalization layer of `model`, nested models included."""
-    import keras
-
-    found, seen = [], set()
-
-    def walk(layer):
-        if id(layer) in seen:
-            return
-        seen.add(id(layer))
-        if isinstance(layer, keras.layers.BatchNormalization):
-            found.append(layer)
-        for child in getattr(layer, "layers", []) or []:
-            walk(child)
-
-    walk(model)
-    return found
-
-
-def average_bn_moving_stats(bn_layers) -> None:
-    """Averages every BN layer's moving mean/variance across towers, from inside a replica function.
-
-    Keras 3 keeps these as MirroredVariables with aggregation NONE: each tower assigns its own copy
-    from its own batch statistics, and a checkpoint would save tower 0's. The mean of the towers'
-    updated copies equals momentum * old + (1 - momentum) * mean(towers' batch statistics), i.e. the
-    update a single device would make with the towers' statistics averaged. This is timm's
-    `distribute_bn` done every step, in the graph.
-    """
-    ctx = tf.distribute.get_replica_context()
-    if ctx is None or ctx.num_replicas_in_sync == 1:
-        return
-    variables = []
-    for layer in bn_layers:
-        variables += [layer.moving_mean, layer.moving_variance]
-    # One batched all-reduce for all statistics instead of one per variable.
-    # tf.identity places each read on this tower's device: a collective needs its inputs to have one
-    # (MultiWorkerMirroredStrategy raised "destinations can not be empty" for the bare reads).
-    values = [tf.identity(v.value) for v in variables]
-    # Packed into one float32 vector: on strategies that reduce tensor by tensor (ReductionToOneDevice,
-    # the logical-CPU default) ~120 tiny reductions per step cost more than the statistics themselves.
-    flat = tf.concat([tf.reshape(tf.cast(x, tf.float32), [-1]) for x in values], axis=0)
-    mean = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, flat)
-    sizes = [int(np.prod(x.shape)) for x in values]
-    for v, x, m in zip(variables, values, tf.split(mean, sizes)):
-        v.assign(tf.cast(tf.reshape(m, x.shape), v.dtype))

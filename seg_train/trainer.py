@@ -54,7 +54,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from seg_train import collectives, losses, models, replicas
+from seg_train import collectives, losses, models
 from seg_train.config import Config, ConfigError
 from seg_train.schedule import lr_at
 
@@ -128,7 +128,7 @@ class Trainer:
                             self.model.trainable_variables]
         self.variables = list(self.model.trainable_variables)
         self.state = list(self.model.non_trainable_variables)
-        self.bn_layers = replicas.batchnorm_layers(self.model)
+        self.bn_layers = models.batchnorm_layers(self.model)
         self.kernels = losses.decay_variables(self.model)
         decay_ids = {id(v) for v in self.kernels}
         self._decay = [id(v) in decay_ids for v in self.variables]

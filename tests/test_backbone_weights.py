@@ -224,7 +224,7 @@ def test_backbone_variable_mask_of_tiny_in_a_strategy_scope():
 
 
 def _bn(model):
-    return [layer for layer in replicas.batchnorm_layers(model)]
+    return [layer for layer in models.batchnorm_layers(model)]
 
 
 def test_freeze_batchnorm_freezes_the_backbone_bn_in_training():

@@ -211,7 +211,7 @@ def test_rejects_no_batches(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=1)
     with pytest.raises(ConfigError, match="bn_reestimate_batches"):
         bn_stats.reestimate(trainer, reader, 0)
-    assert replicas.batchnorm_layers(trainer.model)[0].__dict__.get("call") is None
+    assert models.batchnorm_layers(trainer.model)[0].__dict__.get("call") is None
 
 
 def test_frozen_bn_layer_keeps_its_statistics(tmp_path, data_root):

@@ -93,7 +93,7 @@ def test_fused_kernel_used():
 @pytest.mark.parametrize("backbone", ["tiny", "mobilenetv2"])
 def test_model_fused_batchnorm_matches_keras(backbone):
     """The whole DeepLabV3+ with model.fused_batchnorm true and false: logits and moving statistics."""
-    from seg_train import models, replicas
+    from seg_train import models
     from seg_train.config import ModelConfig
 
     def build(fused):
@@ -101,11 +101,11 @@ def test_model_fused_batchnorm_matches_keras(backbone):
                                         low_level_channels=4), 3, seed=0)
 
     fused, plain = build(True), build(False)
-    kinds = lambda m: [type(l).__name__ for l in replicas.batchnorm_layers(m)]  # noqa: E731
+    kinds = lambda m: [type(l).__name__ for l in models.batchnorm_layers(m)]  # noqa: E731
     assert set(kinds(fused)) == {"FusedBatchNormalization"} and set(kinds(plain)) == {"BatchNormalization"}
     plain.set_weights(fused.get_weights())
     x = np.random.default_rng(4).normal(size=(2, 64, 64, 3)).astype("float32")
     np.testing.assert_allclose(fused(x, training=True).numpy(), plain(x, training=True).numpy(), rtol=2e-3, atol=2e-3)
-    for a, b in zip(replicas.batchnorm_layers(fused), replicas.batchnorm_layers(plain)):
+    for a, b in zip(models.batchnorm_layers(fused), models.batchnorm_layers(plain)):
         np.testing.assert_allclose(a.moving_variance.numpy(), b.moving_variance.numpy(), rtol=1e-3, atol=1e-5)
     np.testing.assert_allclose(fused(x, training=False).numpy(), plain(x, training=False).numpy(), rtol=2e-3, atol=2e-3)

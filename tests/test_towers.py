@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import losses, replicas
+from seg_train import losses, models, replicas
 from seg_train.trainer import Trainer
 from tests.helpers import random_batch, tiny_config
 
@@ -116,7 +116,7 @@ def test_bn_moving_stats_averaged_across_towers(tmp_path):
 
     # Each tower's own update, from the initial weights and its own quarter of the batch.
     ref = Trainer(cfg, strategy(1))
-    bns = replicas.batchnorm_layers(ref.model)
+    bns = models.batchnorm_layers(ref.model)
     init = [(b.moving_mean.numpy(), b.moving_variance.numpy()) for b in bns]
     per_tower = []
     for i in range(4):
@@ -126,7 +126,7 @@ def test_bn_moving_stats_averaged_across_towers(tmp_path):
         ref.model(images[i:i + 1], training=True)
         per_tower.append([(b.moving_mean.numpy(), b.moving_variance.numpy()) for b in bns])
 
-    got = replicas.batchnorm_layers(trainer.model)
+    got = models.batchnorm_layers(trainer.model)
     assert len(got) == len(bns) > 5
     spread = 0.0
     for j, layer in enumerate(got):

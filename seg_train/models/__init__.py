@@ -11,7 +11,7 @@ from seg_train.models import atrous, fused_bn
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 
-__all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "freeze_batchnorm"]
+__all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm"]
 
 
 def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
@@ -74,3 +74,20 @@ def backbone_variable_mask(model: keras.Model) -> list[bool]:
     """
     backbone = {id(v) for v in backbone_of(model).trainable_variables}
     return [id(v) in backbone for v in model.trainable_variables]
+
+
+def batchnorm_layers(model) -> list:
+    """Every BatchNormalization layer of `model`, nested models included."""
+    found, seen = [], set()
+
+    def walk(layer):
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        if isinstance(layer, keras.layers.BatchNormalization):
+            found.append(layer)
+        for child in getattr(layer, "layers", []) or []:
+            walk(child)
+
+    walk(model)
+    return found
