@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """`make bench`: runs the standard benchmarks one after the other and writes docs/PERFORMANCE.md.
 
-    python scripts/bench.py [--only towers,variants,keras,input,accuracy] [--output docs/PERFORMANCE.md]
+    python scripts/bench.py [--only towers,variants,keras,input,accuracy,gradients,accumulation]
+                            [--output docs/PERFORMANCE.md]
                             [--data ../shared/data/camvid] [--steps K] [--windows W] [--dry-run]
                             [--report-only] [--smoke]
 
@@ -19,6 +20,17 @@ from the same run (and each command times its own comparison interleaved in one 
                                                         (towers has it without)
   accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
             evaluation of each run (seg_train.evaluate, BN statistics re-estimated) gives val mIoU
+  gradients seg-bench --gpus 4 --compare train.allreduce_pack_mb=0,1,4 --compare loop=blocking
+                                                        gradient packing (the default 32 MB vs one all-reduce
+                                                        per tensor and smaller packs) and the overlapped host
+                                                        loop vs one that waits for every step, at 4 towers
+  accumulation seg-bench --gpus 1 --compare train.accumulate_steps=4
+                                                        4 micro-batches of 2 vs one batch of 8: images/s and
+                                                        each set-up's peak memory in a fresh process
+
+The towers run also times, per tower count: the first step from process launch in fresh seg-train
+processes (with and without model.sync_batchnorm), precise-BN re-estimation of a fixed number of
+images, evaluation images/s, and at 4 towers the share of op time spent on cross-tower work.
 
 The speed benchmarks use a medium config written to runs/bench/camvid-medium.yaml (shown in the
 report): DeepLabV3+ on MobileNetV2, output stride 16, crop 128x128, global batch 8, CamVid
@@ -49,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 OUT = Path("runs/bench")  # relative to ROOT (commands in the report are run from the repo root)
 CONFIG = OUT / "camvid-medium.yaml"
-SECTIONS = ("towers", "variants", "keras", "input", "accuracy")
+SECTIONS = ("towers", "variants", "keras", "input", "accuracy", "gradients", "accumulation")
 
 TARGETS = {
     "keras": ">= 1.0x, aim 1.2x",
@@ -58,6 +70,10 @@ TARGETS = {
     "bf16": ">= 1.5x faster, demo mIoU within 1 point",
     "jit": "measured; on by default?",
     "flops": "report; aim 40%+",
+    "first_step": "4 towers <= 2x the 1-tower time (from launch to the end of step 1)",
+    "bn": "4 towers <= 1.25x the 1-tower time, same images",
+    "eval": "4 towers >= 0.85x the 1-tower images/s",
+    "cross": "<= 5% of op time at 4 towers",
 }
 
 
@@ -211,10 +227,19 @@ def top_ops(prof: dict) -> str:
     return ", ".join(f"{k.replace('_MklNative', '')} {share:.0%}" for k, _, share in prof["top_ops"][:7])
 
 
+def _le(x, bound):
+    return None if x is None else x <= bound
+
+
+def _ge(x, bound):
+    return None if x is None else x >= bound
+
+
 def report_values(r: dict, config_text: str, data_note: str, run_log: list[str], started: str, total_s: float,
                   config_path: str) -> dict:
     """What the template's fields name: the JSON results as they are, plus the figures derived from them."""
     tw, va, ke, acc = r["towers"], r["variants"], r["keras"], r["accuracy"]
+    gr, ac = r["gradients"], r["accumulation"]
     rows = {t["gpus"]: t for t in tw["towers"]}
     sp, cpu_sp = va["speedup_vs_first_variant"], va["cpu_speedup_vs_first_variant"]
     v = {x["name"]: x for x in va["variants"]}
@@ -235,8 +260,24 @@ def report_values(r: dict, config_text: str, data_note: str, run_log: list[str],
         config_path=config_path, config_text=config_text.rstrip(), data_note=data_note, started=started,
         total_min=total_s / 60, load_min=min(load_vals), load_max=max(load_vals), cores_min=min(cores),
         cores_max=max(cores), isa=", ".join(tw["machine"]["isa"]), run_log="\n".join(run_log),
-        num_towers_runs=len(tw["towers"]), num_variants=len(va["variants"]),
+        num_towers_runs=len(tw["towers"]), num_variants=len(va["variants"]), gr=gr, ac=ac,
     )
+    # Issue-level tower costs: N towers vs 1 (first step from launch, precise BN, evaluation).
+    tn = d["tn"]
+    d.update(
+        first_step_met=_le(tn.get("first_step_ratio"), 2.0),
+        first_step_sync_met=_le(tn.get("first_step_sync_bn_ratio"), 2.0),
+        bn_met=_le(tn.get("bn_reestimate_ratio"), 1.25), eval_met=_ge(tn.get("eval_ratio"), 0.85),
+        cross_met=_le(tw.get("cross_tower_share"), 0.05),
+    )
+    gv = {x["name"]: x for x in gr["variants"]}
+    d["packing_rows"] = gv
+    d["loop_speed"] = 1.0 / gr["speedup_vs_first_variant"]["loop=blocking"]
+    d["loop_cpu"] = 1.0 / gr["cpu_speedup_vs_first_variant"]["loop=blocking"]
+    av = {x["name"]: x for x in ac["variants"]}
+    d["acc_base"], d["acc_k"] = av["base"]["towers"][0], av["train.accumulate_steps=4"]["towers"][0]
+    d["acc_speed"] = ac["speedup_vs_first_variant"]["train.accumulate_steps=4"]
+    d["acc_micro"] = d["acc_k"]["images_per_step"] // 4
     t1, tn, b1 = d["t1"], d["tn"], d["b1"]
     d.update(
         keras_met=d["keras_speed"] >= 1.0, input_met=max(b1["input_wait_fraction"], tn["input_wait_fraction"]) < 0.05,
@@ -299,7 +340,26 @@ def render_report(r: dict, config_text: str, data_note: str, run_log: list[str],
     d["profile_rows"] = "\n".join(fill("profile_row", name=name, prof=prof, top_ops=top_ops(prof)) if prof else
                                   fill("profile_row_missing", name=name) for name, prof in profiles)
     d["accuracy_rows"] = "\n".join(fill("accuracy_row", a=a, miou_pct=100 * a["miou"]) for a in d["r"]["accuracy"])
+    d["cost_rows"] = "\n".join(fill("cost_row", t=t, **_cost_fields(t)) for t in tw["towers"])
+    gr = d["gr"]
+    d["gradient_rows"] = "\n".join(
+        fill("gradient_row", x=x, t=x["towers"][0], speedup=gr["speedup_vs_first_variant"][x["name"]],
+             cpu_speedup=gr["cpu_speedup_vs_first_variant"][x["name"]],
+             lo=gr["speedup_window_range"][x["name"]][0], hi=gr["speedup_window_range"][x["name"]][1])
+        for x in gr["variants"])
     return fill("report")
+
+
+def _cost_fields(t: dict) -> dict:
+    """A tower row's issue-level costs, as text ('n/a' where a figure was not measured)."""
+    def num(key, spec):
+        return "n/a" if t.get(key) is None else format(t[key], spec)
+    return {k: num(k, spec) for k, spec in (
+        ("first_step_s", ".1f"), ("first_step_tracing_s", ".1f"), ("first_step_graph_optimization_s", ".1f"),
+        ("first_step_first_execution_s", ".2f"), ("first_step_ratio", ".2f"), ("first_step_sync_bn_s", ".1f"),
+        ("first_step_sync_bn_ratio", ".2f"), ("bn_reestimate_s", ".1f"), ("bn_reestimate_repeat_s", ".1f"),
+        ("bn_reestimate_ratio", ".2f"), ("eval_images_per_sec", ".2f"), ("eval_ratio", ".2f"),
+        ("peak_rss_mb_process", ".0f"))}
 
 
 def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log: list[str], started: str,
@@ -387,6 +447,11 @@ def main(argv=None) -> int:
         "keras": [str(BIN / "python"), "scripts/baseline_keras_fit_speed.py", *common],
         # The reader alone, 1 worker thread per core as it runs by default, with and without data.cache.
         "input": [seg_bench, *common, "--input-only", "--set", "data.cache=true"],
+        "gradients": [seg_bench, *common, "--gpus", "4", "--no-input-alone", "--no-peak", "--no-probes",
+                      "--bn-images", "0", "--eval-images", "0", "--compare", "train.allreduce_pack_mb=0,1,4",
+                      "--compare", "loop=blocking"],
+        "accumulation": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--no-peak", "--bn-images", "0",
+                         "--eval-images", "0", "--compare", "train.accumulate_steps=4"],
     }
     if args.dry_run:
         for name in SECTIONS:
@@ -401,7 +466,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     run_log: list[str] = []
     results = {}
-    for name in ("towers", "variants", "keras", "input"):
+    for name in ("towers", "variants", "keras", "input", "gradients", "accumulation"):
         if name in only:
             results[name] = run_json(name, commands[name], run_log, out_dir)
     if "accuracy" in only:
