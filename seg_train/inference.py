@@ -135,6 +135,11 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO):
     """
     if is_single_view(cfg):
         return _view_logits(model_fn, image, cfg, cfg.scales[0], num_classes, pad_to)
+    # Several views call the network from several places: through one function that is not
+    # inlined, the graph holds the network once instead of once per view (tracing and graph
+    # optimisation, once per tower, would otherwise grow with the number of views).
+    model_fn = tf.function(model_fn, input_signature=[tf.TensorSpec([1, None, None, 3], tf.float32)],
+                           experimental_attributes={"_noinline": True})
     total = None
     for scale in cfg.scales:
         probs = tf.nn.softmax(_view_logits(model_fn, image, cfg, scale, num_classes, pad_to), axis=-1)
