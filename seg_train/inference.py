@@ -75,35 +75,45 @@ def _forward(model_fn, x, pad_to: int):
     return tf.cast(model_fn(padded)[:, :h, :w], tf.float32)
 
 
+def _window_starts(size, crop: int, stride: int):
+    """Start of each window along one axis: every `stride`, the last one moved back to end at the border."""
+    n = tf.maximum(size - crop + stride - 1, 0) // stride + 1
+    return tf.maximum(tf.minimum(tf.range(n) * stride + crop, size) - crop, 0)
+
+
+def _coverage(size, starts, crop: int):
+    """float32 [size]: how many windows along this axis contain each position."""
+    pos = tf.range(size)[:, None]
+    return tf.reduce_sum(tf.cast((pos >= starts[None]) & (pos < starts[None] + crop), tf.float32), axis=1)
+
+
 def _slide(model_fn, x, crop, stride, num_classes: int, pad_to: int):
     """Logits float32 [1, h, w, C] of x [1, h, w, 3], averaged over overlapping windows."""
     h, w = tf.shape(x)[1], tf.shape(x)[2]
-    ch, cw = crop
-    sh, sw = stride
-    # Enough windows to reach the border; the last one is shifted back to end at it.
-    rows = tf.maximum(h - ch + sh - 1, 0) // sh + 1
-    cols = tf.maximum(w - cw + sw - 1, 0) // sw + 1
+    (ch, cw), (sh, sw) = crop, stride
+    ys, xs = _window_starts(h, ch, sh), _window_starts(w, cw, sw)
+    cols = tf.size(xs)
 
-    def body(i, total, count):
-        r, c = i // cols, i % cols
-        y1 = tf.maximum(tf.minimum(r * sh + ch, h) - ch, 0)
-        x1 = tf.maximum(tf.minimum(c * sw + cw, w) - cw, 0)
+    def body(i, total):
+        y1, x1 = ys[i // cols], xs[i % cols]
         y2, x2 = tf.minimum(y1 + ch, h), tf.minimum(x1 + cw, w)
         logits = _forward(model_fn, x[:, y1:y2, x1:x2], pad_to)
-        # Into image-sized tensors by zero padding: plain adds, deterministic on every device
-        # (a scatter-add has no deterministic GPU kernel under op determinism in every TF release).
-        where = [[0, 0], [y1, h - y2], [x1, w - x2], [0, 0]]
-        total += tf.pad(logits, where)
-        count += tf.pad(tf.ones([1, y2 - y1, x2 - x1, 1], tf.float32), where)
-        return i + 1, total, count
+        # Adds into the window's region of the sum in place (the op reuses the sum's buffer): no
+        # image-sized temporary per window. Not a scatter-add: under op determinism TensorFlow runs
+        # scatter ops on the CPU, moving the sum off the GPU for every window.
+        begin, end = tf.stack([0, y1, x1, 0]), tf.stack([1, y2, x2, num_classes])
+        total = tf.raw_ops.TensorStridedSliceUpdate(input=total, begin=begin, end=end, strides=[1, 1, 1, 1],
+                                                    value=total[:, y1:y2, x1:x2] + logits)
+        return i + 1, total
 
     total = tf.zeros([1, h, w, num_classes], tf.float32)
-    count = tf.zeros([1, h, w, 1], tf.float32)
     # parallel_iterations=1: one window's activations at a time (the windows do not depend on
     # each other, so TensorFlow would otherwise run several at once).
-    _, total, count = tf.while_loop(lambda i, *_: i < rows * cols, body, (tf.constant(0), total, count),
-                                    parallel_iterations=1)
-    return total / count
+    _, total = tf.while_loop(lambda i, _: i < tf.size(ys) * cols, body, (tf.constant(0), total),
+                             parallel_iterations=1)
+    # Windows form a grid, so a pixel's window count is (windows over its row) x (over its column).
+    count = _coverage(h, ys, ch)[:, None] * _coverage(w, xs, cw)[None, :]
+    return total / count[None, :, :, None]
 
 
 def _view_logits(model_fn, x, cfg, scale: float, num_classes: int, pad_to: int):
