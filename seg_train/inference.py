@@ -14,9 +14,9 @@ predict the same classes; `probabilities` gives the softmax of one view or the m
 
 Why in this order (resize the logits to full resolution, then softmax, then average): the model
 itself ends with a bilinear resize of logits, so a view at scale s is the model at that scale, only
-sampled at the image's pixels; averaging probabilities rather than logits lets a confident view
-outweigh an unsure one. DeepLab (eval_scales, add_flipped_images) and mmsegmentation's TTA both do
-it this way.
+sampled at the image's pixels; averaging probabilities (a mixture of the views' predictions) rather
+than logits keeps one view with extreme logits from outweighing the others. DeepLab (eval_scales,
+add_flipped_images) and mmsegmentation's TTA both do it this way.
 
 Padding: every forward pass pads its own input (a scaled view or a window) at the bottom and right
 to a multiple of `pad_to` with zeros (the mean colour after normalisation), as evaluation always
@@ -28,11 +28,12 @@ order that a flip swaps, a + b == b + a in floating point).
 
 Slide (mmsegmentation's slide_inference): windows of eval.crop_size (smaller if the image is) every
 eval.stride pixels cover the image, the last row and column of windows aligned to the bottom and
-right border; each pixel's logits are the mean over the windows that contain it (a count map). With
-flips and scales the windows slide over each scaled (flipped) image, as in mmsegmentation. The
-windows run one after another (a while loop with parallel_iterations=1), so the network's
-activations are those of one window whatever the image size; the accumulators (logits sum and
-count) are image-sized. A window covering the whole image gives exactly whole-image inference.
+right border; each pixel's logits are the mean over the windows that contain it. With flips and
+scales the windows slide over each scaled (flipped) image, as in mmsegmentation, and the softmax is
+taken on each view's averaged logits. The windows run one after another (a while loop with
+parallel_iterations=1), so the network's activations are those of one window whatever the image
+size; the logits sum (and the averaged logits) are image-sized. A window covering the whole image
+gives exactly whole-image inference.
 
 Everything is written for unknown image sizes in graph mode (tf.image.resize with a size tensor;
 Keras' UpSampling2D fails on unknown sizes), so one trace serves every image.
@@ -98,9 +99,10 @@ def _slide(model_fn, x, crop, stride, num_classes: int, pad_to: int):
         y1, x1 = ys[i // cols], xs[i % cols]
         y2, x2 = tf.minimum(y1 + ch, h), tf.minimum(x1 + cw, w)
         logits = _forward(model_fn, x[:, y1:y2, x1:x2], pad_to)
-        # Adds into the window's region of the sum in place (the op reuses the sum's buffer): no
-        # image-sized temporary per window. Not a scatter-add: under op determinism TensorFlow runs
-        # scatter ops on the CPU, moving the sum off the GPU for every window.
+        # Adds into the window's region of the sum, in place where TensorFlow can reuse the sum's
+        # buffer (measured: one image-sized tensor less at the peak than adding a zero-padded
+        # window). Not a scatter-add: under op determinism TensorFlow runs scatter ops on the CPU,
+        # which would move the sum off the GPU for every window.
         begin, end = tf.stack([0, y1, x1, 0]), tf.stack([1, y2, x2, num_classes])
         total = tf.raw_ops.TensorStridedSliceUpdate(input=total, begin=begin, end=end, strides=[1, 1, 1, 1],
                                                     value=total[:, y1:y2, x1:x2] + logits)
