@@ -180,9 +180,28 @@ class LossConfig:
                                          "valid pixels, the ones with the largest (weighted) loss (1.0: all)")
 
 
+def _scales(v):
+    if not v:
+        return "a non-empty list of positive numbers"
+    return None if all(s > 0 for s in v) else "positive numbers"
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     bn_reestimate_batches: int = _c(50, check=_non_negative, doc="training batches used to re-estimate BN statistics before eval and export (0: off)")
+    # The inference modes (seg_train/inference.py): evaluation, seg-predict and the exported model.
+    mode: str = _c("whole", choices=("whole", "slide"),
+                   doc="whole: each image in one forward pass; slide: overlapping eval.crop_size windows "
+                       "every eval.stride pixels, logits averaged per pixel")
+    flip: bool = _c(False, doc="also predict the left-right flipped image; softmax probabilities averaged")
+    scales: list[float] = _c(check=_scales, factory=lambda: [1.0],
+                             doc="image scales predicted (each resized back to full resolution); softmax "
+                                 "probabilities averaged over scales (and flips)")
+    crop_size: Optional[tuple[int, int]] = _c(None, check=_pair_positive,
+                                              doc="[height, width] of the sliding window (eval.mode: slide)")
+    stride: Optional[tuple[int, int]] = _c(None, check=_pair_positive,
+                                           doc="[height, width] step between windows, at most eval.crop_size "
+                                               "(null: two thirds of eval.crop_size, rounded up)")
 
 
 @dataclass(frozen=True)
@@ -439,11 +458,27 @@ def resolve_defaults(cfg: Config) -> Config:
         raise ConfigError("wrong number of class weights", "loss.class_weights",
                           f"expected one weight per class ({cfg.data.num_classes}, data.num_classes), "
                           f"got {len(weights)}")
+    cfg = _resolve_eval(cfg)
     mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
     if cfg.data.mean is None:
         cfg = replace(cfg, "data.mean", mean)
     if cfg.data.std is None:
         cfg = replace(cfg, "data.std", std)
+    return cfg
+
+
+def _resolve_eval(cfg: Config) -> Config:
+    """Checks the slide window against its stride; fills eval.stride's default."""
+    e = cfg.eval
+    if e.mode == "slide" and e.crop_size is None:
+        raise ConfigError("missing value", "eval.crop_size",
+                          "expected [height, width] of the sliding window when eval.mode is slide")
+    if e.crop_size is not None and e.stride is None:
+        cfg = replace(cfg, "eval.stride", tuple(-(-2 * c // 3) for c in e.crop_size))
+    elif e.crop_size is not None and any(s > c for s, c in zip(e.stride, e.crop_size)):
+        raise ConfigError("out of range", "eval.stride",
+                          f"expected a stride at most eval.crop_size {list(e.crop_size)} in each dimension "
+                          f"(windows must overlap or touch), got {list(e.stride)}")
     return cfg
 
 

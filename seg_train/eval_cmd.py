@@ -9,6 +9,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
+from seg_train import inference
 from seg_train import preflight
 from seg_train.config import Config
 from seg_train.evaluate import evaluate
@@ -44,11 +45,12 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
     if not reestimated:
         log.info("BN moving statistics as saved (not re-estimated for step %d; see eval.bn_reestimate_batches)",
                  step)
-    log.info("evaluating %s (step %d) on %d %s images, %d tower(s)", prefix, step, len(reader), split,
-             strategy.num_replicas_in_sync)
+    log.info("evaluating %s (step %d) on %d %s images, %d tower(s), %s", prefix, step, len(reader), split,
+             strategy.num_replicas_in_sync, inference.describe(cfg.eval))
     metrics, num_images = evaluate(trainer, reader, names, progress)
     record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
-              "bn_stats_reestimated": reestimated, **metrics_to_json(metrics, names)}
+              "bn_stats_reestimated": reestimated, "inference": inference.as_dict(cfg.eval),
+              **metrics_to_json(metrics, names)}
     path = out_dir / f"{_split_tag(split)}-step{step}.json"
     write_json(path, record)
     print(format_table(metrics, names))

@@ -1,8 +1,8 @@
 """eval/examples: the predictions of a fixed set of val images, the same ones at every evaluation.
 
 The first `k` images of the val split, in split order, at full resolution. They are predicted by
-the exported model's own function (export.serving_module: the same normalisation, padding and
-crop as evaluation and seg-predict) on one device: a handful of images does not need the towers,
+the exported model's own function (export.serving_module: the same normalisation and inference
+modes, eval.*, as evaluation and seg-predict) on one device: a handful of images does not need the towers,
 and no collective is involved, so every worker of a multi-worker run can do it on its own.
 """
 
@@ -32,7 +32,7 @@ def predict_examples(trainer, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.nd
     """
     module = _MODULES.get(trainer)
     if module is None:
-        module = _MODULES[trainer] = serving_module(trainer.model, reader.cfg.mean, reader.cfg.std)
+        module = _MODULES[trainer] = serving_module(trainer.model, reader.cfg.mean, reader.cfg.std, trainer.cfg.eval)
     out = []
     for i in range(min(k, len(reader))):
         image, label = reader.decode(tf.constant(i, tf.int64))

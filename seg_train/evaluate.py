@@ -1,9 +1,10 @@
 """Full-resolution evaluation: one confusion matrix over every labelled pixel of a split -> mIoU.
 
 How the pixels are counted (why it looks like this):
-- Each tower takes one whole image per step (batch 1): no crop, no resize. ImageReader.eval_dataset
-  pads it to a multiple of 32 and pads the label with ignore_label, so the padding is never counted;
-  ignore-label pixels are excluded like the padding.
+- Each tower takes one whole, unpadded image per step (batch 1) and predicts it with the inference
+  modes of eval.* (inference.py: whole or sliding window, flips, scales; each forward pass pads its
+  own input to a multiple of 32 and crops its logits back). The prediction has the image's size,
+  so padding is never counted; ignore-label pixels are excluded.
 - A step on N towers takes N consecutive images of the split. Towers left without an image in the
   last step get an all-ignore dummy, which counts nothing, so every image is counted exactly once.
 - Each tower counts its (label, prediction) pairs as a product of one-hot matrices, row by row of
@@ -31,12 +32,13 @@ import weakref
 
 import tensorflow as tf
 
+from seg_train import inference
 from seg_train.config import ConfigError
 from seg_train.metrics import SegMetrics, compute_metrics
 from seg_train.reader import ImageReader
 
-# One compiled eval step per Trainer: evaluation during training calls evaluate() many times and
-# must not retrace each time. Weak keys, so a dropped Trainer frees its graph.
+# One compiled eval step per Trainer and inference modes: evaluation during training calls
+# evaluate() many times and must not retrace each time. Weak keys, so a dropped Trainer frees its graph.
 _EVAL_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -57,14 +59,17 @@ def confusion_counts(labels, preds, num_classes: int, ignore_label: int):
     return tf.reshape(tf.reduce_sum(tf.cast(rows, tf.int64), axis=0), [c * c])
 
 
-def _make_eval_step(trainer):
+def _make_eval_step(trainer, eval_cfg):
     """A tf.function (N images, N labels; one per tower) -> int64 counts [C * C] summed over the towers."""
     model, strategy = trainer.model, trainer.strategy
     c, ignore = trainer.cfg.data.num_classes, trainer.cfg.data.ignore_label
 
     def body(tv, st, image, label):
-        logits, _ = model.stateless_call(tv, st, image, training=False)
-        pred = tf.argmax(logits, axis=-1, output_type=tf.int32)
+        def model_fn(x):
+            return model.stateless_call(tv, st, x, training=False)[0]
+
+        scores = inference.class_scores(model_fn, image, eval_cfg, c)
+        pred = tf.argmax(scores, axis=-1, output_type=tf.int32)
         return confusion_counts(label, pred, c, ignore)
 
     n = strategy.num_replicas_in_sync
@@ -96,7 +101,8 @@ def _progress_bar(total: int, desc: str, progress: bool):
                 disable=not (progress and sys.stderr.isatty()))
 
 
-def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True) -> tuple[SegMetrics, int]:
+def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True,
+             eval_cfg=None) -> tuple[SegMetrics, int]:
     """Evaluates the trainer's model on every image of `reader`'s split at full resolution.
 
     Args:
@@ -104,6 +110,7 @@ def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True) -
       reader: the split to evaluate (`ImageReader`); its data config gives ignore_label.
       class_names: one name per class (checked against the model's number of classes).
       progress: show a tqdm bar on stderr (only when stderr is a terminal).
+      eval_cfg: the inference modes (an EvalConfig; default: the trainer's config's `eval`).
     Returns:
       (metrics from the summed confusion matrix, number of images evaluated).
     """
@@ -113,16 +120,19 @@ def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True) -
                           f"expected {c} names (data.num_classes), got {len(class_names)}")
     if reader.cfg.ignore_label != trainer.cfg.data.ignore_label:
         raise ValueError("the reader and the trainer disagree on data.ignore_label")
-    step = _EVAL_STEPS.get(trainer)
+    eval_cfg = trainer.cfg.eval if eval_cfg is None else eval_cfg
+    steps = _EVAL_STEPS.setdefault(trainer, {})
+    key = repr(inference.as_dict(eval_cfg))
+    step = steps.get(key)
     if step is None:
-        step = _EVAL_STEPS[trainer] = _make_eval_step(trainer)
+        step = steps[key] = _make_eval_step(trainer, eval_cfg)
     strategy = trainer.strategy
     n = strategy.num_replicas_in_sync
     dummy = (tf.zeros([1, 32, 32, 3], tf.float32),
              tf.fill([1, 32, 32], tf.constant(reader.cfg.ignore_label, tf.uint8)))  # all ignored
     total = tf.zeros([c * c], tf.int64)
     num_images = 0
-    samples = iter(reader.eval_dataset())
+    samples = iter(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
     with _progress_bar(len(reader), f"eval {reader.split}", progress) as bar:
         while True:
             group = [(image, label) for image, label, _ in itertools.islice(samples, n)]

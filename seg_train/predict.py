@@ -1,7 +1,8 @@
 """seg-predict: class-index PNGs and colour overlays for whole images.
 
-Each image goes through the model in one pass at its own size (padded to a multiple of 32), so the
-largest image is bounded by the memory of one device, not by the training crop.
+Each image is predicted at its own size with the inference modes of eval.* (inference.py): in the
+default mode in one pass (padded to a multiple of 32), so the largest image is bounded by the memory
+of one device, not by the training crop; with eval.mode: slide by the window's memory.
 
 For each input image `<name>.<ext>` it writes, at the image's original size:
 - `<name>.png`: a palette ('P') PNG whose pixel values are the predicted class indices (VOC colours,
@@ -127,7 +128,7 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
     # As in seg-eval and seg-export, so predictions match the exported model and the eval numbers.
     maybe_reestimate_bn(trainer, cfg, progress)
-    module = serving_module(trainer.model, cfg.data.mean, cfg.data.std)
+    module = serving_module(trainer.model, cfg.data.mean, cfg.data.std, cfg.eval)
     palette = voc_colormap()
     out.mkdir(parents=True, exist_ok=True)
 

@@ -31,6 +31,8 @@ HARMLESS = {
     "model.fast_atrous", "model.fused_batchnorm", "data.cache",
     # What is recorded, not what is trained.
     "train.profile_steps",
+    # How a model is evaluated and served (flips, scales, sliding window), not its weights.
+    "eval.mode", "eval.flip", "eval.scales", "eval.crop_size", "eval.stride",
 }
 
 _ABSENT = "<absent>"

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train import determinism, evaluate, losses, replicas
+from seg_train import determinism, evaluate, inference, losses, replicas
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.eval_examples import predict_examples
 from seg_train.metrics import format_table
@@ -150,8 +150,9 @@ def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: li
         evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
         summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(trainer, reader))
         improved = ckpt_lib.keep_best(run_dir, trainer, step, metrics)
-    log.info("eval at step %d on %d %s images (%sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
-             step, count, cfg.data.val_split, "EMA weights, " if trainer.ema is not None else "",
+    log.info("eval at step %d on %d %s images (%s, %sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
+             step, count, cfg.data.val_split, inference.describe(trainer.cfg.eval),
+             "EMA weights, " if trainer.ema is not None else "",
              "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
              100 * metrics.pixel_accuracy, " (new best, kept in best/)" if improved else "",
              format_table(metrics, names))

@@ -1,0 +1,167 @@
+"""The inference modes (eval.mode, eval.flip, eval.scales): one implementation for seg-eval,
+evaluation during training, seg-predict, the SavedModel of seg-export and eval/examples.
+
+`class_scores(model_fn, image, cfg, num_classes)` turns one normalised, UNPADDED image into per-pixel
+scores at the image's size:
+- a view is the image at one scale, flipped left-right or not. Its logits come from one forward pass
+  of the whole (scaled) image (mode whole), or from overlapping windows (mode slide), and are
+  resized back to the image's size with bilinear interpolation;
+- one view (no flip, one scale): the scores are those logits (the default, eval.mode whole with
+  scales [1.0] and no flip, is exactly one plain forward pass);
+- several views: the scores are the mean of the views' softmax probabilities.
+The class is the argmax of the scores everywhere, so evaluation, seg-predict and the SavedModel
+predict the same classes; `probabilities` gives the softmax of one view or the mean of several.
+
+Why in this order (resize the logits to full resolution, then softmax, then average): the model
+itself ends with a bilinear resize of logits, so a view at scale s is the model at that scale, only
+sampled at the image's pixels; averaging probabilities (a mixture of the views' predictions) rather
+than logits keeps one view with extreme logits from outweighing the others. DeepLab (eval_scales,
+add_flipped_images) and mmsegmentation's TTA both do it this way.
+
+Padding: every forward pass pads its own input (a scaled view or a window) at the bottom and right
+to a multiple of `pad_to` with zeros (the mean colour after normalisation), as evaluation always
+did, and crops its logits back. Flips and scales are applied to the unpadded image, so a flip never
+moves padding to the other side of the image, and every output pixel is a pixel of the image: no
+padding can be counted or predicted. A flipped view is flip(view(flip(image))), hence with
+eval.flip a flipped image gives exactly the flipped prediction (sums of two views are added in an
+order that a flip swaps, a + b == b + a in floating point).
+
+Slide (mmsegmentation's slide_inference): windows of eval.crop_size (smaller if the image is) every
+eval.stride pixels cover the image, the last row and column of windows aligned to the bottom and
+right border; each pixel's logits are the mean over the windows that contain it. With flips and
+scales the windows slide over each scaled (flipped) image, as in mmsegmentation, and the softmax is
+taken on each view's averaged logits. The windows run one after another (a while loop with
+parallel_iterations=1), so the network's activations are those of one window whatever the image
+size; the logits sum (and the averaged logits) are image-sized. A window covering the whole image
+gives exactly whole-image inference.
+
+Everything is written for unknown image sizes in graph mode (tf.image.resize with a size tensor;
+Keras' UpSampling2D fails on unknown sizes), so one trace serves every image.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+PAD_TO = 32
+
+
+def is_single_view(cfg) -> bool:
+    """Whether `cfg` (EvalConfig) predicts from one view (no flip, one scale): the scores are logits."""
+    return not cfg.flip and len(cfg.scales) == 1
+
+
+def describe(cfg) -> str:
+    """A short human-readable name of the modes of `cfg`, e.g. 'slide 512x512/341x341, flip, scales 0.75/1/1.25'."""
+    parts = ["whole" if cfg.mode == "whole" else
+             f"slide {'x'.join(map(str, cfg.crop_size))}/{'x'.join(map(str, cfg.stride))}"]
+    if cfg.flip:
+        parts.append("flip")
+    if list(cfg.scales) != [1.0]:
+        parts.append("scales " + "/".join(f"{s:g}" for s in cfg.scales))
+    return ", ".join(parts)
+
+
+def as_dict(cfg) -> dict:
+    """The modes of `cfg` as plain JSON values (for eval records and the SavedModel's metadata)."""
+    return {"mode": cfg.mode, "flip": cfg.flip, "scales": list(cfg.scales),
+            "crop_size": list(cfg.crop_size) if cfg.mode == "slide" else None,
+            "stride": list(cfg.stride) if cfg.mode == "slide" else None}
+
+
+def _forward(model_fn, x, pad_to: int):
+    """Logits float32 [1, h, w, C] of x [1, h, w, 3]: padded to a multiple of pad_to, one pass, cropped."""
+    h, w = tf.shape(x)[1], tf.shape(x)[2]
+    padded = tf.pad(x, [[0, 0], [0, (-h) % pad_to], [0, (-w) % pad_to], [0, 0]])
+    return tf.cast(model_fn(padded)[:, :h, :w], tf.float32)
+
+
+def _window_starts(size, crop: int, stride: int):
+    """Start of each window along one axis: every `stride`, the last one moved back to end at the border."""
+    n = tf.maximum(size - crop + stride - 1, 0) // stride + 1
+    return tf.maximum(tf.minimum(tf.range(n) * stride + crop, size) - crop, 0)
+
+
+def _coverage(size, starts, crop: int):
+    """float32 [size]: how many windows along this axis contain each position."""
+    pos = tf.range(size)[:, None]
+    return tf.reduce_sum(tf.cast((pos >= starts[None]) & (pos < starts[None] + crop), tf.float32), axis=1)
+
+
+def _slide(model_fn, x, crop, stride, num_classes: int, pad_to: int):
+    """Logits float32 [1, h, w, C] of x [1, h, w, 3], averaged over overlapping windows."""
+    h, w = tf.shape(x)[1], tf.shape(x)[2]
+    (ch, cw), (sh, sw) = crop, stride
+    ys, xs = _window_starts(h, ch, sh), _window_starts(w, cw, sw)
+    cols = tf.size(xs)
+
+    def body(i, total):
+        y1, x1 = ys[i // cols], xs[i % cols]
+        y2, x2 = tf.minimum(y1 + ch, h), tf.minimum(x1 + cw, w)
+        logits = _forward(model_fn, x[:, y1:y2, x1:x2], pad_to)
+        # Adds into the window's region of the sum, in place where TensorFlow can reuse the sum's
+        # buffer (measured: one image-sized tensor less at the peak than adding a zero-padded
+        # window). Not a scatter-add: under op determinism TensorFlow runs scatter ops on the CPU,
+        # which would move the sum off the GPU for every window.
+        begin, end = tf.stack([0, y1, x1, 0]), tf.stack([1, y2, x2, num_classes])
+        total = tf.raw_ops.TensorStridedSliceUpdate(input=total, begin=begin, end=end, strides=[1, 1, 1, 1],
+                                                    value=total[:, y1:y2, x1:x2] + logits)
+        return i + 1, total
+
+    total = tf.zeros([1, h, w, num_classes], tf.float32)
+    # parallel_iterations=1: one window's activations at a time (the windows do not depend on
+    # each other, so TensorFlow would otherwise run several at once).
+    _, total = tf.while_loop(lambda i, _: i < tf.size(ys) * cols, body, (tf.constant(0), total),
+                             parallel_iterations=1)
+    # Windows form a grid, so a pixel's window count is (windows over its row) x (over its column).
+    count = _coverage(h, ys, ch)[:, None] * _coverage(w, xs, cw)[None, :]
+    return total / count[None, :, :, None]
+
+
+def _view_logits(model_fn, x, cfg, scale: float, num_classes: int, pad_to: int):
+    """Logits float32 [1, h, w, C] of one view of x at `scale`, at x's size."""
+    h, w = tf.shape(x)[1], tf.shape(x)[2]
+    if scale != 1.0:
+        size = tf.maximum(tf.cast(tf.round(tf.cast(tf.stack([h, w]), tf.float32) * scale), tf.int32), 1)
+        x = tf.image.resize(x, size, method="bilinear")
+    if cfg.mode == "slide":
+        logits = _slide(model_fn, x, cfg.crop_size, cfg.stride, num_classes, pad_to)
+    else:
+        logits = _forward(model_fn, x, pad_to)
+    if scale != 1.0:
+        logits = tf.image.resize(logits, tf.stack([h, w]), method="bilinear")
+    return logits
+
+
+def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO):
+    """Per-pixel scores float32 [1, h, w, C] of `image` whose argmax is the predicted class.
+
+    Args:
+      model_fn: logits of a batch: [1, H, W, 3] -> [1, H, W, C] (H, W multiples of pad_to).
+      image: float32 [1, h, w, 3], normalised, not padded; any size (also unknown in a trace).
+      cfg: the EvalConfig (mode, flip, scales, crop_size, stride).
+      num_classes: C.
+      pad_to: each forward pass's input is padded to a multiple of this.
+    Returns:
+      One view: its logits; several views: the mean of their softmax probabilities (see the module doc).
+    """
+    if is_single_view(cfg):
+        return _view_logits(model_fn, image, cfg, cfg.scales[0], num_classes, pad_to)
+    # Several views call the network from several places: through one function that is not
+    # inlined, the graph holds the network once instead of once per view (tracing and graph
+    # optimisation, once per tower, would otherwise grow with the number of views).
+    model_fn = tf.function(model_fn, input_signature=[tf.TensorSpec([1, None, None, 3], tf.float32)],
+                           experimental_attributes={"_noinline": True})
+    total = None
+    for scale in cfg.scales:
+        probs = tf.nn.softmax(_view_logits(model_fn, image, cfg, scale, num_classes, pad_to), axis=-1)
+        if cfg.flip:
+            flipped = _view_logits(model_fn, tf.reverse(image, [2]), cfg, scale, num_classes, pad_to)
+            probs = probs + tf.reverse(tf.nn.softmax(flipped, axis=-1), [2])
+        total = probs if total is None else total + probs
+    return total / float(len(cfg.scales) * (2 if cfg.flip else 1))
+
+
+def probabilities(scores, cfg):
+    """Per-pixel class probabilities from `class_scores`' output (softmax of a single view's logits)."""
+    return tf.nn.softmax(scores, axis=-1) if is_single_view(cfg) else scores

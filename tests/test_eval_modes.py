@@ -1,0 +1,247 @@
+"""Inference modes (eval.mode whole/slide, eval.flip, eval.scales): the same confusion matrix on 1 and
+4 towers, equal to an independent eager computation; every labelled pixel counted once; a window
+covering the image is whole-image inference; flip equivariance; seg-predict, the SavedModel,
+seg-eval and evaluation during training predict the same classes; the config's checks."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+from PIL import Image
+
+from seg_train import checkpoint as ckpt_lib
+from seg_train import config as config_lib
+from seg_train import eval_cmd, inference, rundir
+from seg_train import evaluate as ev
+from seg_train.config import ConfigError
+from seg_train.eval_examples import predict_examples
+from seg_train.export import run_export, serving_module
+from seg_train.palette import read_label, voc_colormap
+from seg_train.predict import run_predict
+from seg_train.reader import ImageReader
+from seg_train.restore import load_trainer
+from seg_train.summaries import Summaries
+from seg_train.train import run_evaluation
+from seg_train.trainer import Trainer
+from tests.helpers import tiny_config
+from tests.test_evaluate import DEVICES, NAMES, NUM_CLASSES, calibrate_bn, write_split
+
+# Not multiples of 32 nor of the slide strides; 5 images, so the last step on 4 towers is partial.
+SIZES = [(37, 53), (64, 17), (50, 41), (29, 70), (45, 33)]
+CROP, STRIDE = [24, 32], [16, 20]
+MODES = {
+    "whole_flip_scales": {"flip": True, "scales": [0.75, 1.0, 1.25]},
+    "slide": {"mode": "slide", "crop_size": CROP, "stride": STRIDE},
+    "slide_flip": {"mode": "slide", "crop_size": CROP, "stride": STRIDE, "flip": True},
+}
+SLIDE_FLIP_SCALES = {"mode": "slide", "crop_size": CROP, "stride": STRIDE, "flip": True, "scales": [1.0, 1.25]}
+
+
+def eval_config(**keys):
+    """An EvalConfig through the real loader (checks and defaults included)."""
+    return config_lib.from_dict({"data": {"root": "d", "num_classes": NUM_CLASSES}, "eval": keys}).eval
+
+
+def strategy(n):
+    return tf.distribute.MirroredStrategy(DEVICES[:n])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("modes")
+    root = write_split(tmp / "data", SIZES, seed=1)
+    cfg = tiny_config(tmp, data_root=root, data={"num_classes": NUM_CLASSES}, eval={"bn_reestimate_batches": 0})
+    trainer = Trainer(cfg, strategy(1))
+    reader = ImageReader(cfg.data, "val")
+    calibrate_bn(cfg, trainer.model, reader, passes=10)
+    four = Trainer(cfg, strategy(4))
+    four.model.set_weights(trainer.model.get_weights())
+    whole, _ = ev.evaluate(trainer, reader, NAMES, progress=False)
+    return {"tmp": tmp, "root": root, "cfg": cfg, "trainer": trainer, "four": four, "reader": reader,
+            "whole_cm": whole.confusion_matrix}
+
+
+def normalized(cfg, path):
+    image = np.asarray(Image.open(path).convert("RGB"), np.float32)
+    return (image - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
+
+
+def reference_scores(model, x, modes):
+    """The scores of one image [h, w, 3], computed independently: eager calls, Python loops, numpy sums."""
+    h, w = x.shape[:2]
+
+    def forward(t):  # pad to 32 at the bottom/right, crop back
+        th, tw = t.shape[:2]
+        t = np.pad(t, [(0, -th % 32), (0, -tw % 32), (0, 0)])
+        return model(t[None], training=False).numpy()[0, :th, :tw]
+
+    def slide(t):  # mmsegmentation's window placement
+        th, tw = t.shape[:2]
+        (ch, cw), (sh, sw) = modes.crop_size, modes.stride
+        total = np.zeros((th, tw, NUM_CLASSES), np.float32)
+        count = np.zeros((th, tw, 1), np.float32)
+        for r in range(max(th - ch + sh - 1, 0) // sh + 1):
+            for c in range(max(tw - cw + sw - 1, 0) // sw + 1):
+                y2, x2 = min(r * sh + ch, th), min(c * sw + cw, tw)
+                y1, x1 = max(y2 - ch, 0), max(x2 - cw, 0)
+                total[y1:y2, x1:x2] += forward(t[y1:y2, x1:x2])
+                count[y1:y2, x1:x2] += 1
+        return total / count
+
+    def view(t, s):
+        if s != 1.0:
+            t = tf.image.resize(t, [max(1, round(h * s)), max(1, round(w * s))]).numpy()
+        logits = slide(t) if modes.mode == "slide" else forward(t)
+        return logits if s == 1.0 else tf.image.resize(logits, [h, w]).numpy()
+
+    if not modes.flip and len(modes.scales) == 1:
+        return view(x, modes.scales[0])
+    probs = []
+    for s in modes.scales:
+        probs.append(tf.nn.softmax(view(x, s)).numpy())
+        if modes.flip:
+            probs.append(tf.nn.softmax(view(x[:, ::-1], s)).numpy()[:, ::-1])
+    return np.mean(probs, axis=0)
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_modes_on_1_and_4_towers_give_the_reference_matrix_counting_every_pixel_once(setup, name):
+    cfg, reader = setup["cfg"], setup["reader"]
+    modes = eval_config(**MODES[name])
+    one, n1 = ev.evaluate(setup["trainer"], reader, NAMES, progress=False, eval_cfg=modes)
+    four, n4 = ev.evaluate(setup["four"], reader, NAMES, progress=False, eval_cfg=modes)
+    assert n1 == n4 == len(SIZES)
+    np.testing.assert_array_equal(four.confusion_matrix, one.confusion_matrix)
+    labels = [read_label(s.label) for s in reader.samples]
+    # Every non-ignored pixel exactly once: no padding, no window or view counted twice.
+    assert one.confusion_matrix.sum() == sum(int((lb != 255).sum()) for lb in labels)
+    ref = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
+    for s, label in zip(reader.samples, labels):
+        pred = reference_scores(setup["trainer"].model, normalized(cfg, s.image), modes).argmax(-1)
+        keep = label != 255
+        np.add.at(ref, (label[keep], pred[keep]), 1)
+    np.testing.assert_array_equal(one.confusion_matrix, ref)
+    # The mode changes the predictions (an evaluation that ignored it would give the whole-image matrix).
+    assert not np.array_equal(one.confusion_matrix, setup["whole_cm"])
+    assert (one.confusion_matrix.sum(axis=0) > 500).sum() >= 2  # not one class everywhere: a real comparison
+
+
+def test_a_window_covering_the_image_is_whole_image_inference(setup):
+    covering = eval_config(mode="slide", crop_size=[64, 70], stride=[64, 70])  # the largest image is 64 x 70
+    got, _ = ev.evaluate(setup["trainer"], setup["reader"], NAMES, progress=False, eval_cfg=covering)
+    np.testing.assert_array_equal(got.confusion_matrix, setup["whole_cm"])
+    # Scores too, exactly: windows larger than the image, and exactly the image's size.
+    model = setup["trainer"].model
+    x = tf.constant(normalized(setup["cfg"], setup["reader"].samples[0].image)[None])  # 37 x 53
+    whole = inference.class_scores(lambda t: model(t, training=False), x, eval_config(), NUM_CLASSES)
+    for crop in ([64, 64], [37, 53]):
+        slide = inference.class_scores(lambda t: model(t, training=False), x,
+                                       eval_config(mode="slide", crop_size=crop, stride=crop), NUM_CLASSES)
+        np.testing.assert_array_equal(slide.numpy(), whole.numpy())
+
+
+@pytest.mark.parametrize("keys", [{"flip": True}, MODES["whole_flip_scales"], SLIDE_FLIP_SCALES],
+                         ids=["flip", "whole_flip_scales", "slide_flip_scales"])
+def test_a_flipped_image_gives_the_flipped_probabilities(setup, keys):
+    cfg = setup["cfg"]
+    image = np.asarray(Image.open(setup["reader"].samples[0].image).convert("RGB"))  # 37 x 53: padded
+    flipped = np.ascontiguousarray(image[:, ::-1])
+    module = serving_module(setup["trainer"].model, cfg.data.mean, cfg.data.std, eval_config(**keys))
+    a, b = module.serve(tf.constant(image)), module.serve(tf.constant(flipped))
+    np.testing.assert_array_equal(b["probabilities"].numpy(), a["probabilities"].numpy()[:, ::-1])
+    np.testing.assert_array_equal(b["classes"].numpy(), a["classes"].numpy()[:, ::-1])
+    np.testing.assert_allclose(a["probabilities"].numpy().sum(-1), 1.0, atol=1e-5)
+    # Without eval.flip the model is not symmetric: the check above is not true by construction.
+    plain = serving_module(setup["trainer"].model, cfg.data.mean, cfg.data.std)
+    p, q = plain.serve(tf.constant(image))["probabilities"].numpy(), plain.serve(tf.constant(flipped))["probabilities"]
+    assert np.abs(q.numpy() - p[:, ::-1]).max() > 1e-3
+
+
+def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
+    """seg-predict's classes, used as labels, are what seg-eval predicts (a diagonal matrix), what the
+    SavedModel predicts, and what evaluation during training and its eval/examples predict."""
+    tmp, trainer = setup["tmp"], setup["trainer"]
+    keys = SLIDE_FLIP_SCALES
+    cfg = tiny_config(tmp / "mode", data_root=setup["root"], data={"num_classes": NUM_CLASSES},
+                      eval={"bn_reestimate_batches": 0, **keys})
+    run_dir = tmp / "mode" / "run"
+    trainer.step.assign(3)
+    try:
+        ckpt_lib.Checkpointer(run_dir / "checkpoints", 1, **trainer.checkpoint_objects()).save(3)
+    finally:
+        trainer.step.assign(0)
+    pred_root = tmp / "pred_labels"
+    written = run_predict(cfg, strategy(1), str(run_dir), [str(setup["root"] / "JPEGImages")],
+                          pred_root / "SegmentationClass", progress=False)
+    assert len(written) == len(SIZES)
+    # seg-predict applies the mode: its classes are the independent computation's.
+    first = setup["reader"].samples[0]
+    ref = reference_scores(trainer.model, normalized(cfg, first.image), cfg.eval).argmax(-1)
+    np.testing.assert_array_equal(read_label(written[0]), ref)
+    (pred_root / "JPEGImages").symlink_to(setup["root"] / "JPEGImages")
+    (pred_root / "ImageSets").symlink_to(setup["root"] / "ImageSets")
+    (pred_root / "classes.txt").write_text("\n".join(NAMES) + "\n")
+    pred_cfg = config_lib.replace(cfg, "data.root", pred_root)
+    record = eval_cmd.run_eval(pred_cfg, strategy(1), str(run_dir), progress=False)
+    cm = np.array(record["confusion_matrix"])
+    assert cm.sum() == sum(h * w for h, w in SIZES) and np.trace(cm) == cm.sum()
+    assert record["inference"] == {"mode": "slide", "flip": True, "scales": [1.0, 1.25], "crop_size": CROP,
+                                   "stride": STRIDE}
+
+    # The SavedModel gives the same classes.
+    export_dir = tmp / "mode" / "model"
+    run_export(cfg, strategy(1), str(run_dir), export_dir, progress=False)
+    assert json.loads((export_dir / "seg_train.json").read_text())["inference"] == record["inference"]
+    serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
+    for path in written:
+        image = np.asarray(Image.open(setup["root"] / "JPEGImages" / f"{path.stem}.jpg").convert("RGB"))
+        np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), read_label(path))
+
+    # Evaluation during training and its eval/examples use the mode too.
+    mode_trainer, _, _ = load_trainer(cfg, strategy(1), str(run_dir))
+    examples = predict_examples(mode_trainer, ImageReader(pred_cfg.data, "val"))
+    for (_, label, pred), path in zip(examples, written):
+        np.testing.assert_array_equal(pred, read_label(path))
+        np.testing.assert_array_equal(label, read_label(path))
+    train_dir = tmp / "mode" / "train"
+    summaries = Summaries(train_dir, voc_colormap(), 255, cfg.data.mean, cfg.data.std)
+    run_evaluation(pred_cfg, mode_trainer, ImageReader(pred_cfg.data, "val"), NAMES, summaries, train_dir, 3, False)
+    assert json.loads((train_dir / "best" / "best.json").read_text())["miou"] == 1.0
+
+
+@pytest.mark.parametrize("keys, where, message", [
+    ({"scales": []}, "eval.scales", "non-empty list"),
+    ({"scales": [1.0, 0]}, "eval.scales", "positive numbers"),
+    ({"scales": [1.0, -0.5]}, "eval.scales", "positive numbers"),
+    ({"mode": "tiles"}, "eval.mode", "one of whole, slide"),
+    ({"mode": "slide"}, "eval.crop_size", "when eval.mode is slide"),
+    ({"mode": "slide", "crop_size": [0, 32]}, "eval.crop_size", "two positive numbers"),
+    ({"mode": "slide", "crop_size": [32, 32], "stride": [16, -1]}, "eval.stride", "two positive numbers"),
+    ({"mode": "slide", "crop_size": [32, 32], "stride": [16, 40]}, "eval.stride", "at most eval.crop_size"),
+    ({"crop_size": [32]}, "eval.crop_size", "a list of 2 integers"),
+])
+def test_bad_mode_keys_are_refused_with_one_line(keys, where, message):
+    with pytest.raises(ConfigError) as e:
+        eval_config(**keys)
+    assert e.value.where == where and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mode_defaults_and_stride_default():
+    e = eval_config()
+    assert (e.mode, e.flip, e.scales, e.crop_size, e.stride) == ("whole", False, [1.0], None, None)
+    assert inference.is_single_view(e)
+    e = eval_config(mode="slide", crop_size=[32, 49])
+    assert e.stride == (22, 33)  # two thirds, rounded up
+    assert inference.describe(e) == "slide 32x49/22x33"
+
+
+def test_mode_keys_may_change_on_resume(tmp_path):
+    (tmp_path / "run").mkdir()
+    config_lib.dump(tiny_config(tmp_path), tmp_path / "run" / "config.yaml")
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["eval"]["mode"] == "whole"
+    changed = tiny_config(tmp_path, eval={"mode": "slide", "crop_size": [32, 32], "flip": True, "scales": [0.5, 1]})
+    rundir.check_resume_config(changed, tmp_path / "run", allow_change=False)  # no error
+    with pytest.raises(ConfigError, match="differs"):  # while a key that changes the weights is refused
+        rundir.check_resume_config(tiny_config(tmp_path, model={"aspp_channels": 16}), tmp_path / "run", False)
