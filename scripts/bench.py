@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """`make bench`: runs the standard benchmarks one after the other and writes docs/PERFORMANCE.md.
 
-    python scripts/bench.py [--only towers,variants,keras,input,accuracy,gradients,accumulation]
+    python scripts/bench.py [--only towers,variants,keras,input,accuracy,gradients,accumulation,slide]
                             [--output docs/PERFORMANCE.md]
                             [--data ../shared/data/camvid] [--steps K] [--windows W] [--dry-run]
                             [--report-only] [--smoke]
@@ -27,6 +27,8 @@ from the same run (and each command times its own comparison interleaved in one 
   accumulation seg-bench --gpus 1 --compare train.accumulate_steps=4
                                                         4 micro-batches of 2 vs one batch of 8: images/s and
                                                         each set-up's peak memory in a fresh process
+  slide     scripts/bench_slide_memory.py               peak memory of whole-image vs sliding-window
+                                                        evaluation of a synthetic 2048x1024 (and 4096x2048) image
 
 The towers run also times, per tower count: the first step from process launch in fresh seg-train
 processes (with and without model.sync_batchnorm), precise-BN re-estimation of a fixed number of
@@ -61,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 OUT = Path("runs/bench")  # relative to ROOT (commands in the report are run from the repo root)
 CONFIG = OUT / "camvid-medium.yaml"
-SECTIONS = ("towers", "variants", "keras", "input", "accuracy", "gradients", "accumulation")
+SECTIONS = ("towers", "variants", "keras", "input", "accuracy", "gradients", "accumulation", "slide")
 
 TARGETS = {
     "keras": ">= 1.0x, aim 1.2x",
@@ -239,7 +241,7 @@ def report_values(r: dict, config_text: str, data_note: str, run_log: list[str],
                   config_path: str) -> dict:
     """What the template's fields name: the JSON results as they are, plus the figures derived from them."""
     tw, va, ke, acc = r["towers"], r["variants"], r["keras"], r["accuracy"]
-    gr, ac = r["gradients"], r["accumulation"]
+    gr, ac, sl = r["gradients"], r["accumulation"], r["slide"]
     rows = {t["gpus"]: t for t in tw["towers"]}
     sp, cpu_sp = va["speedup_vs_first_variant"], va["cpu_speedup_vs_first_variant"]
     v = {x["name"]: x for x in va["variants"]}
@@ -260,7 +262,8 @@ def report_values(r: dict, config_text: str, data_note: str, run_log: list[str],
         config_path=config_path, config_text=config_text.rstrip(), data_note=data_note, started=started,
         total_min=total_s / 60, load_min=min(load_vals), load_max=max(load_vals), cores_min=min(cores),
         cores_max=max(cores), isa=", ".join(tw["machine"]["isa"]), run_log="\n".join(run_log),
-        num_towers_runs=len(tw["towers"]), num_variants=len(va["variants"]), gr=gr, ac=ac,
+        num_towers_runs=len(tw["towers"]), num_variants=len(va["variants"]), gr=gr, ac=ac, sl=sl,
+        slc=sl["cases"],
     )
     # Issue-level tower costs: N towers vs 1 (first step from launch, precise BN, evaluation).
     tn = d["tn"]
@@ -452,6 +455,7 @@ def main(argv=None) -> int:
                       "--compare", "loop=blocking"],
         "accumulation": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--no-peak", "--bn-images", "0",
                          "--eval-images", "0", "--compare", "train.accumulate_steps=4"],
+        "slide": [str(BIN / "python"), "scripts/bench_slide_memory.py"],
     }
     if args.dry_run:
         for name in SECTIONS:
@@ -466,7 +470,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     run_log: list[str] = []
     results = {}
-    for name in ("towers", "variants", "keras", "input", "gradients", "accumulation"):
+    for name in ("towers", "variants", "keras", "input", "gradients", "accumulation", "slide"):
         if name in only:
             results[name] = run_json(name, commands[name], run_log, out_dir)
     if "accuracy" in only:

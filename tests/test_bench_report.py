@@ -128,8 +128,17 @@ def fake_results():
     accuracy = [{"precision": "float32", "miou": 0.8911, "pixel_accuracy": 0.974, "step": 300, "_command": "a f32"},
                 {"precision": "mixed_bfloat16", "miou": 0.8933, "pixel_accuracy": None, "step": 300,
                  "_command": "a bf16"}]
+    slide = {"_command": ".venv/bin/python scripts/bench_slide_memory.py", "_loadavg_1min_before_after": [1.0, 1.0],
+             "backbone": "mobilenetv2", "num_classes": 19, "crop": [512, 1024], "stride": [341, 683],
+             "cases": {"model": {"image": [1024, 2048], "peak_rss_mb": 685.0, "above_model_mb": 0.0, "windows": 0},
+                       "whole": {"image": [1024, 2048], "peak_rss_mb": 1535.0, "above_model_mb": 850.0, "windows": 1},
+                       "slide": {"image": [1024, 2048], "peak_rss_mb": 1385.0, "above_model_mb": 700.0, "windows": 9},
+                       "whole_large": {"image": [2048, 4096], "peak_rss_mb": 4196.0, "above_model_mb": 3511.0,
+                                       "windows": 1},
+                       "slide_large": {"image": [2048, 4096], "peak_rss_mb": 2503.0, "above_model_mb": 1818.0,
+                                       "windows": 36}}}
     results = {"towers": towers, "variants": variants, "keras": keras, "input": inp, "accuracy": accuracy,
-               "gradients": gradients, "accumulation": accumulation}
+               "gradients": gradients, "accumulation": accumulation, "slide": slide}
     meta = {"config_text": "seed: 0\ndata:\n  root: d\n", "data_note": "data: d, 11 classes",
             "run_log": ["towers: 220s, load 1.4 -> 1.6", "total: 946s"], "started": "2026-11-22 09:30 UTC",
             "total_s": 946.0, "config_path": "runs/bench/camvid-medium.yaml"}
