@@ -315,17 +315,16 @@ class Trainer:
                 _, grads, bn, loss_sum, norm = tf.while_loop(
                     lambda m, *_: m < k, body, (tf.constant(1), grads, bn, loss_sum, norm),
                     parallel_iterations=1)
-        # BN statistics: the mean over micro-batches and towers of each one's updated statistics
-        # (with synchronized BN the towers' values are already equal, and their mean is that value).
-        bn = [x / float(k * n) for x in bn]
         grad_packs = collectives.pack(grads, self._grad_layout)
         grad_sq = tf.add_n([tf.reduce_sum(tf.square(p)) for p in grad_packs])
         finite = tf.cast(tf.math.is_finite(grad_sq) & tf.math.is_finite(loss_sum), tf.float32)
         row = collectives.one_hot_row(tf.stack([loss_sum, norm, grad_sq, finite]), tower_index, n)
         scalars = tf.concat([row, tf.reshape(tf.cast(stop, tf.float32), [1])], axis=0)
-        # The BN statistics and the scalars ride in one more pack (or tensor by tensor with packing off).
-        state_packs = collectives.pack(bn + [scalars], self._state_layout)
-        return grad_packs + state_packs, preds
+        # BN statistics: the mean over micro-batches and towers of each one's updated statistics
+        # (with synchronized BN the towers' values are already equal, and their mean is that value),
+        # scaled pack by pack.
+        bn_packs = [p * (1.0 / (k * n)) for p in collectives.pack(bn, self._state_layout)]
+        return grad_packs + bn_packs + [scalars], preds
 
     def _tower_from_handles(self, var_handles, state_handles, images, labels, loss_scale, tower_index, stop,
                             want_preds):
@@ -344,8 +343,8 @@ class Trainer:
         """
         cfg, n = self.cfg, self.num_replicas
         n_grad_packs = len(self._grad_layout) if self._grad_layout is not None else len(self.variables)
-        grad_packs, state_flat = packs[:n_grad_packs], collectives.unpack(packs[n_grad_packs:], self._state_layout)
-        bn, scalars = state_flat[:-1], state_flat[-1]
+        grad_packs, scalars = packs[:n_grad_packs], packs[-1]
+        bn = collectives.unpack(packs[n_grad_packs:-1], self._state_layout)
         towers = tf.reshape(scalars[:-1], [n, _NF])
         loss_total, norm_total = tf.reduce_sum(towers[:, 0]), tf.reduce_sum(towers[:, 1])
         # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
@@ -420,7 +419,7 @@ class Trainer:
         k = self.accumulate
         self._scale_back = self._pixel_scale(images.shape[0] // k, images.shape[1], images.shape[2])
         grad_shapes = [v.shape for v in self.variables]
-        state_shapes = [self.state[i].shape for i in self._bn_pos] + [[self.num_replicas * _NF + 1]]
+        state_shapes = [self.state[i].shape for i in self._bn_pos]
         self._grad_layout = collectives.pack_layout(grad_shapes, self.pack_bytes)
         self._state_layout = collectives.pack_layout(state_shapes, self.pack_bytes)
         tower = None
@@ -431,7 +430,7 @@ class Trainer:
 
         pack_specs = [tf.TensorSpec(x, tf.float32) for x in
                       collectives.pack_sizes(grad_shapes, self._grad_layout) +
-                      collectives.pack_sizes(state_shapes, self._state_layout)]
+                      collectives.pack_sizes(state_shapes, self._state_layout) + [[self.num_replicas * _NF + 1]]]
         apply = self._apply_fn.get_concrete_function(
             pack_specs, [res] * len(self.variables), [[res] * len(s) for s in self._slots], [res] * len(self.state),
             [res] * len(self.ema or []), scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool),

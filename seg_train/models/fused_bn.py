@@ -46,9 +46,17 @@ class FusedBatchNormalization(layers.BatchNormalization):
         if training and self.trainable:
             y, mean, var = tf.compat.v1.nn.fused_batch_norm(inputs, gamma, beta, epsilon=self.epsilon,
                                                             data_format="NHWC", is_training=True)
-            shape = tf.shape(inputs)
-            n = tf.cast(shape[0] * shape[1] * shape[2], tf.float32)
-            var = var * ((n - 1.0) / tf.maximum(n, 1.0))  # the fused op's variance is Bessel-corrected
+            # The fused op's variance is Bessel-corrected: undo it. A Python number when the shape is
+            # static (always in a traced train step): a few graph ops less per layer, which the
+            # graph optimisation of every tower pays for.
+            dims = inputs.shape[:3].as_list()
+            if None in dims:
+                shape = tf.shape(inputs)
+                n = tf.cast(shape[0] * shape[1] * shape[2], tf.float32)
+                var = var * ((n - 1.0) / tf.maximum(n, 1.0))
+            else:
+                n = dims[0] * dims[1] * dims[2]
+                var = var * ((n - 1.0) / max(n, 1.0))
             m = self.momentum
             self.moving_mean.assign(self.moving_mean * m + tf.stop_gradient(mean) * (1.0 - m))
             self.moving_variance.assign(self.moving_variance * m + tf.stop_gradient(var) * (1.0 - m))
