@@ -164,13 +164,16 @@ def test_backbone_lr_multiplier_must_be_positive(tmp_path):
 @pytest.mark.parametrize("key, value", [("model.freeze_batchnorm", True), ("train.backbone_lr_multiplier", 0.1),
                                         ("loss.class_weights", "median_frequency"),
                                         ("loss.class_weights", [1.0, 2.0, 3.0]),
-                                        ("loss.top_k_percent_pixels", 0.5)])
+                                        ("loss.top_k_percent_pixels", 0.5), ("train.accumulate_steps", 2),
+                                        ("train.clip_global_norm", 1.0), ("train.ema_decay", 0.999)])
 def test_new_keys_change_what_a_checkpoint_means(tmp_path, key, value):
     from seg_train.rundir import check_resume_config
 
     cfg = C.load(write(tmp_path, BASE))
     old = cfg.to_dict()
     del old["loss"], old["model"]["freeze_batchnorm"], old["train"]["backbone_lr_multiplier"]  # an older run
+    for k in ("accumulate_steps", "clip_global_norm", "ema_decay"):
+        del old["train"][k]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     check_resume_config(cfg, tmp_path, allow_change=False)  # absent = the default: no change
     with pytest.raises(C.ConfigError, match=f"changed: {key}"):

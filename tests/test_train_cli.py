@@ -1,6 +1,7 @@
 """seg-train end to end through the real command: train, TensorBoard tags, resume, errors."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,12 +56,15 @@ def test_train_tags_and_resume(tmp_path, demo_root):
     r = run(["--config", str(cfg), "--gpus", "2"], tmp_path)
     assert r.returncode == 0, r.stderr
     assert "logical CPU devices" in r.stderr
+    assert re.search(r"step 4/4  loss [0-9.]+  gnorm [0-9.e+-]+  lr ", r.stderr), r.stderr  # the log line
+    assert re.search(r"first step done [0-9.]+s after launch: tracing [0-9.]+s", r.stderr), r.stderr
     run_dir = tmp_path / "run"
     assert (run_dir / "config.yaml").is_file()
     assert tf.train.latest_checkpoint(str(run_dir / "checkpoints")).endswith("ckpt-4")
     scalars, images, acc = event_tags(run_dir)
     for tag in ["loss/total", "loss/weight_decay", "loss/tower_0", "loss/tower_1", "learning_rate",
-                "throughput/images_per_sec"]:
+                "throughput/images_per_sec", "gradients/global_norm", "gradients/norm/tower_0",
+                "gradients/norm/tower_1", "gradients/clipped"]:
         assert tag in scalars, (tag, scalars)
     for i in range(2):
         for kind in ("image", "label", "prediction"):
@@ -84,12 +88,13 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, demo_root):
     not, with an evaluation in the middle: at step 2 the BN statistics are re-estimated, then the
     checkpoint is written, so the resumed run must start from the re-estimated statistics as the
     straight run went on with them. ckpt-3 (no evaluation before it) holds the statistics the step
-    after the evaluation left; ckpt-4 the weights and slots."""
+    after the evaluation left; ckpt-4 the weights and slots. Each update is 2 micro-batches
+    (train.accumulate_steps): the resumed run must pick up the stream at micro-batch 2 * step."""
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     for d in (a, b):
         write_config(d, demo_root, deterministic=True, image_summary_every=0, eval_every=2, checkpoint_every=1,
-                     keep_checkpoints=5)
+                     keep_checkpoints=5, accumulate_steps=2)
     ra = run(["--config", str(a / "cfg.yaml"), "--gpus", "2"], a)
     assert ra.returncode == 0, ra.stderr
     assert ra.stderr.count("re-estimated the statistics") == 2 and "eval at step 2 " in ra.stderr, ra.stderr
