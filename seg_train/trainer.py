@@ -407,8 +407,22 @@ class Trainer:
                 "gradients": grads, "bn_stats": bn}
 
     # ---- the step ------------------------------------------------------------------------------------
+    def _tower_shape(self, images) -> tf.TensorShape:
+        """One tower's image shape with its batch dimension known.
+
+        A multi-worker strategy's distributed dataset loses the static batch size (it rebatches);
+        the tower graph needs it (the pixel scale and the micro-batch reshape are static), and it
+        is the reader's per-tower batch: K micro-batches of data.batch_size / towers images.
+        """
+        shape = images.shape
+        if shape[0] is None:
+            shape = tf.TensorShape([self.accumulate * (self.cfg.data.batch_size // self.num_replicas)]).concatenate(
+                shape[1:])
+        return shape
+
     def _signatures(self, images):
         """Traces the tower and apply functions once for this per-tower input shape (module doc)."""
+        images = tf.TensorSpec(self._tower_shape(images), images.dtype)
         key = tuple(images.shape.as_list())
         if key in self._concrete:
             return self._concrete[key]
@@ -440,6 +454,8 @@ class Trainer:
 
     def _replica(self, images, labels, lr, t, loss_scale, stop, want_images, apply_update=True):
         """One tower's part of the step (replica context)."""
+        shape = self._tower_shape(images)
+        images, labels = tf.ensure_shape(images, shape), tf.ensure_shape(labels, shape[:3])
         tower, apply = self._signatures(images)  # traced in _train_step already; a lookup here
         index = collectives.replica_id()
         if tower is not None:
