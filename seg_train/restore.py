@@ -46,8 +46,10 @@ def load_trainer(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str)
     """
     prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
     # The checkpoint holds every weight: the ImageNet file the run started from is not read again
-    # (it may have moved since).
-    trainer = Trainer(config_lib.replace(cfg, "model.backbone_weights", None), strategy)
+    # (it may have moved since). The loss's class weights change no variable and no prediction, and
+    # a named scheme (median_frequency) would need the train split's histogram: not needed here.
+    cfg = config_lib.replace(config_lib.replace(cfg, "model.backbone_weights", None), "loss.class_weights", None)
+    trainer = Trainer(cfg, strategy)
     try:
         step = trainer.restore_weights(prefix)
     except (AssertionError, ValueError, tf.errors.OpError) as e:
