@@ -349,11 +349,10 @@ def check_data_main(args) -> int:
     cfg = config_lib.load(args.config, args.overrides, args.run_dir)
     import_tensorflow(args.debug)
     from seg_train.datacheck import format_report, scan
-    from seg_train.palette import load_class_names
     from seg_train.train import prepare_data
-    from seg_train.reader import ImageReader, split_file
+    from seg_train.reader import ImageReader, class_names_of, split_file
     prepare_data(cfg)
-    names = load_class_names(cfg.data.root, cfg.data.num_classes, cfg.data.class_names)
+    names = class_names_of(cfg)  # a wrong classes.txt is a one-line user error (exit 2)
     bad = 0
     for split in dict.fromkeys([cfg.data.train_split, cfg.data.val_split]):
         if split == cfg.data.val_split and not split_file(cfg.data.root, split).is_file():

@@ -123,6 +123,7 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, demo_root):
     (["--set", "data.batch_size=3", "--gpus", "2"], "error: batch does not divide across towers (data.batch_size)"),
     (["--set", "train.nm_steps=3"], "error: unknown key (train.nm_steps): did you mean 'num_steps'?"),
     (["--set", "data.root=/nonexistent/voc"], "error: data root not found (data.root)"),
+    (["--set", "data.class_names=[a,b]", "--check-data"], "error: wrong class names (data.class_names)"),
 ])
 def test_user_errors_one_line_exit_2(tmp_path, demo_root, args, expected):
     cfg = write_config(tmp_path, demo_root)
