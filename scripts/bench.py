@@ -211,6 +211,13 @@ def _share(prof: dict | None, *names: str) -> float:
     return sum(share for k, _, share in prof["top_ops"] if any(n in k for n in names))
 
 
+def _ms(prof: dict | None, *names: str) -> float:
+    """Op time per step (ms) of the op types whose name contains any of `names` (from their shares)."""
+    if not prof or "op_time_ms_per_step" not in prof:
+        return float("nan")
+    return _share(prof, *names) * prof["op_time_ms_per_step"]
+
+
 def slowest(prof: dict, n: int = 4) -> str:
     """The n slowest single ops of a profile: 'layer (OpType) share', layer = the name part after the model."""
     out = []
@@ -294,6 +301,13 @@ def report_values(r: dict, config_text: str, data_note: str, run_log: list[str],
         bn_share_f32=_share(d["p1"], "FusedBatchNorm"), depthwise_share_f32=_share(d["p1"], "Depthwise"),
         depthwise_share_bf16=_share(d["pb"], "Depthwise"), cast_share_bf16=_share(d["pb"], "Cast"),
     )
+    # Where the N-tower step's extra op time goes (the towers' own op profiles).
+    q1, qn = t1.get("op_profile"), tn.get("op_profile")
+    d.update(op1=(q1 or {}).get("op_time_ms_per_step", float("nan")),
+             opn=(qn or {}).get("op_time_ms_per_step", float("nan")),
+             conv1=_ms(q1, "Conv2D", "Depthwise"), convn=_ms(qn, "Conv2D", "Depthwise"),
+             bn1=_ms(q1, "FusedBatchNorm"), bnn=_ms(qn, "FusedBatchNorm"),
+             adam1=_ms(q1, "ApplyAdam"), adamn=_ms(qn, "ApplyAdam"))
     # seg-train's own layers against Keras' (the variants with each one off): 1 / the variant's speed.
     for key in ("fast_atrous", "fused_batchnorm"):
         name = f"model.{key}=false"
@@ -325,6 +339,10 @@ def render_report(r: dict, config_text: str, data_note: str, run_log: list[str],
     plain_layers = all(sp.get(f"model.{k}=false") for k in ("fast_atrous", "fused_batchnorm"))
     d["remark_keras_layers"] = fill("remark_keras_layers") if plain_layers else "."
     remarks = ["remark_towers_ok" if d["tn"]["efficiency"] >= 0.85 else "remark_towers_slow"]
+    remarks += ["remark_sync_first_step_slow"] * (d["first_step_sync_met"] is False and
+                                                  "first_step_sync_bn_tracing_s" in d["tn"])
+    remarks += ["remark_precise_bn_again"] * ("bn_reestimate_repeat_s" in d["tn"] and
+                                              d["tn"]["bn_reestimate_repeat_s"] > 1.25 * d["t1"]["bn_reestimate_repeat_s"])
     remarks += ["remark_flops"] * bool(d["p1"]) + ["remark_bf16"] * bool(d["pb"]) + ["remark_keras"]
     d["remarks"] = "\n".join(fill(name) for name in remarks)
     d["input_cache"] = fill("input_cache") if d["inp"] else ""

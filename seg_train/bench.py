@@ -700,10 +700,14 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     flop_counts: dict[tuple, dict] = {}
 
     def flops_of(vcfg):
-        key = (vcfg.model, vcfg.data.crop_size, vcfg.data.batch_size, vcfg.data.num_classes)
+        k = vcfg.train.accumulate_steps
+        key = (vcfg.model, vcfg.data.crop_size, vcfg.data.batch_size, vcfg.data.num_classes, k)
         if key not in flop_counts:
             log.info("counting the FLOPs of the train step")
-            flop_counts[key] = count_train_flops(vcfg, vcfg.data.batch_size)
+            counts = count_train_flops(vcfg, vcfg.data.batch_size)
+            # A step of K micro-batches does K times one micro-batch's work (per-image figures unchanged).
+            flop_counts[key] = dict(counts, train_flops_per_step=counts["train_flops_per_step"] * k,
+                                    forward_flops_per_step=counts["forward_flops_per_step"] * k)
             log.info("train step: %.2f GFLOP per image (forward %.2f)", flop_counts[key]["train_gflop_per_image"],
                      flop_counts[key]["forward_gflop_per_image"])
         return flop_counts[key]

@@ -141,4 +141,7 @@ def test_bench_first_step_probes_and_accumulation_memory(tiny_cfg):
     assert row["first_step_s"] > row["first_step_tracing_s"] > 0 and positive(row["peak_rss_mb_process"])
     a = accum["towers"][0]
     assert a["images_per_step"] == 4 and a["accumulate_steps"] == 2 and positive(a["peak_rss_mb_process"])
+    # K micro-batches of 2 do the FLOPs of one batch of 4: the same work per step as the base.
+    assert a["achieved_gflops"] * a["step_time_ms"] == pytest.approx(row["achieved_gflops"] * row["step_time_ms"],
+                                                                     rel=0.05)
     assert out["first_step_s"] == row["first_step_s"]
