@@ -3,8 +3,11 @@ for a bad install or an unwritable place, through the real console scripts. No t
 trains from a built wheel)."""
 
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -114,17 +117,64 @@ def test_check_run_dir(tmp_path):
         preflight.check_run_dir(tmp_path / "f")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a read-only folder")
-def test_read_only_run_dir(tmp_path):
-    (tmp_path / "ro").mkdir()
-    os.chmod(tmp_path / "ro", 0o555)
+def _check_run_dirs_as_nobody(paths) -> list[str]:
+    """preflight.check_run_dir on each path in a forked child that drops root for the user nobody.
+
+    Forked, not executed: the interpreter may live where nobody cannot read it (e.g. under /root),
+    and the child needs nothing but the modules already loaded and the kernel's permission check.
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on, only os._exit
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            out = []
+            for p in paths:
+                try:
+                    preflight.check_run_dir(p)
+                    out.append("ok")
+                except ConfigError as e:
+                    out.append(str(e))
+            os.write(write, "\n".join(out).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 60)
+    if not ready:  # never hang the suite: a forked child of a threaded process could block
+        os.kill(pid, signal.SIGKILL)
+    with os.fdopen(read) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child as user nobody failed"
+    return text.splitlines()
+
+
+def test_read_only_run_dir():
+    # A chmod 555 folder is read-only for everyone but root, and CI runs as root: there the check
+    # runs in a child process that is the unprivileged user nobody, for whom the folder is read-only.
+    ro = Path(tempfile.mkdtemp(prefix="seg-train-ro-"))  # under /tmp, which everyone may traverse
+    os.chmod(ro, 0o555)
     try:
-        with pytest.raises(ConfigError, match=r"^run dir is not writable \("):
-            preflight.check_run_dir(tmp_path / "ro")
-        with pytest.raises(ConfigError, match=r"^run dir cannot be created \(.*is not writable"):
-            preflight.check_run_dir(tmp_path / "ro" / "run")
+        paths = [str(ro), str(ro / "run")]
+        if os.geteuid() == 0:
+            messages = _check_run_dirs_as_nobody(paths)
+        else:
+            messages = []
+            for p in paths:
+                with pytest.raises(ConfigError) as info:
+                    preflight.check_run_dir(p)
+                messages.append(str(info.value))
+        assert messages[0].startswith(f"run dir is not writable ({ro}): "), messages
+        assert messages[1].startswith(f"run dir cannot be created ({ro}/run): ") and "is not writable" in messages[1], \
+            messages
     finally:
-        os.chmod(tmp_path / "ro", 0o755)
+        os.chmod(ro, 0o755)
+        ro.rmdir()
 
 
 def test_synthetic_data_folder_in_the_way(tmp_path):
