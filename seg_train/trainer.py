@@ -410,8 +410,9 @@ class Trainer:
     def _tower_shape(self, images) -> tf.TensorShape:
         """One tower's image shape with its batch dimension known.
 
-        A multi-worker strategy's distributed dataset loses the static batch size (it rebatches);
-        the tower graph needs it (the pixel scale and the micro-batch reshape are static), and it
+        Under MultiWorkerMirroredStrategy (TF 2.21) the distributed dataset's per-tower tensors come
+        without a static batch size, although the reader batches with drop_remainder; the tower
+        graph needs it (the pixel scale and the micro-batch reshape are static), and it
         is the reader's per-tower batch: K micro-batches of data.batch_size / towers images.
         """
         shape = images.shape
