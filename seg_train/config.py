@@ -158,9 +158,13 @@ class TrainConfig:
                                                       "TensorBoard's Profile tab (null: none)")
 
 
+CLASS_WEIGHT_SCHEMES = ("median_frequency", "sqrt_median_frequency")
+
+
 def _class_weights(v):
     if isinstance(v, str):
-        return None if v == "median_frequency" else "null, a list of per-class weights or 'median_frequency'"
+        return None if v in CLASS_WEIGHT_SCHEMES else \
+            "null, a list of per-class weights, 'median_frequency' or 'sqrt_median_frequency'"
     if any(w < 0 for w in v):
         return "weights >= 0"
     if not any(w > 0 for w in v):
@@ -173,7 +177,8 @@ class LossConfig:
     class_weights: Optional[typing.Union[list[float], str]] = _c(
         None, check=_class_weights,
         doc="per-class loss weights: null (all 1), a list of data.num_classes weights >= 0, or 'median_frequency' "
-            "(SegNet's median frequency balancing from the train split's pixel counts); the loss is divided by "
+            "(SegNet's median frequency balancing from the train split's pixel counts) or 'sqrt_median_frequency' "
+            "(their square roots: milder); the loss is divided by "
             "the sum of the weights of the pixels it counts")
     top_k_percent_pixels: float = _c(1.0, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
                                      doc="hard-pixel mining: the loss counts only this fraction of each image's "

@@ -134,14 +134,16 @@ def test_loss_section_and_fine_tuning_keys(tmp_path):
     assert cfg.model.freeze_batchnorm is True and cfg.train.backbone_lr_multiplier == 0.1
     cfg = C.load(write(tmp_path, BASE), ["loss.class_weights=median_frequency"])
     assert cfg.loss.class_weights == "median_frequency"
+    assert C.load(write(tmp_path, BASE), ["loss.class_weights=sqrt_median_frequency"]).loss.class_weights == \
+        "sqrt_median_frequency"
     out = tmp_path / "resolved.yaml"
     C.dump(cfg, out)
     assert C.from_dict(yaml.safe_load(out.read_text())) == cfg
 
 
 @pytest.mark.parametrize("loss, expected", [
-    ({"class_weights": "median"}, "invalid value (loss.class_weights): expected null, a list of per-class weights "
-                                  "or 'median_frequency', got 'median'"),
+    ({"class_weights": "median"}, "invalid value (loss.class_weights): expected null, a list of per-class weights, "
+                                  "'median_frequency' or 'sqrt_median_frequency', got 'median'"),
     ({"class_weights": [1, 2]}, "wrong number of class weights (loss.class_weights): expected one weight per "
                                 "class (3, data.num_classes), got 2"),
     ({"class_weights": [1, -1, 2]}, "out of range (loss.class_weights): expected weights >= 0, got [1.0, -1.0, 2.0]"),

@@ -212,6 +212,10 @@ def test_class_weights_for_from_the_scan(tmp_path):
     assert report.image_pixels.tolist() == [8, 6, 4, 0]
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": "median_frequency"})
     np.testing.assert_allclose(losses.class_weights_for(cfg, report), [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)
+    cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": "sqrt_median_frequency"})
+    w = losses.class_weights_for(cfg, report)
+    np.testing.assert_allclose(w, [1.0, 1.0, (2 / 3) ** 0.5, 0.0], rtol=1e-6)
+    assert w.dtype == np.float32
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": [1, 2, 3, 0]})
     assert losses.class_weights_for(cfg, report).tolist() == [1.0, 2.0, 3.0, 0.0]
     assert losses.class_weights_for(tiny_config(tmp_path, tmp_path), report) is None
