@@ -6,11 +6,19 @@ per layer (sum, sum of squares, count) through `ReplicaContext.all_reduce`, whos
 (see collectives.py): a 4-tower MobileNetV2 DeepLabV3+ step was still tracing after 17 minutes.
 
 Here, in training mode across several towers:
-- forward: each tower sums, per channel, x - s and (x - s)^2 over its pixels, with s the layer's
-  moving mean (identical on every tower; shifting by a value near the mean keeps
-  E[(x-s)^2] - E[x-s]^2 accurate in float32). Those sums and the pixel count travel in ONE
-  all-reduce; every tower then normalises with the same global mean and (biased) variance and
-  updates the moving statistics with them, as Keras' synchronized BN does;
+- forward: each tower computes, per channel, its pixel count n_i, its own mean m_i and its centred
+  sum of squares M2_i = sum((x - m_i)^2) (two passes over its own pixels, so nothing cancels). The
+  N rows (n_i, m_i, M2_i) travel in ONE all-reduce, each tower's row in its own slot (an all-gather
+  by summation), and every tower then combines them as Chan et al.'s parallel variance does:
+      n = sum n_i,   mean = sum n_i m_i / n,   M2 = sum M2_i + sum n_i (m_i - mean)^2.
+  Every term is a sum of non-negative numbers or of small differences, so the result keeps float32
+  accuracy when a channel's mean is far larger than its spread (a layer trained from scratch, its
+  moving mean still 0). A one-pass E[x^2] - E[x]^2 loses most of its digits there: on a channel whose
+  mean is 100x its spread, outputs 3e-4 and the gamma gradient 7e-4 away from float64, where Keras'
+  own float32 layer stays within about 2e-6 (tests/test_sync_bn.py holds this layer to Keras'
+  BatchNormalization computed in float64). The payload is N x (2C + 1) floats instead of 2C + 1, a
+  few KB per layer. Every tower then normalises with the same global mean and (biased) variance and
+  updates the moving statistics with them, as Keras' BatchNormalization does on the whole batch;
 - backward: the gradient of the towers' summed loss w.r.t. this tower's input is
   dx = gamma / sqrt(var + eps) * (dy - sum_g(dy) / n - xhat * sum_g(dy * xhat) / n),
   where sum_g runs over the pixels of ALL towers: the two per-channel sums travel in one
@@ -60,17 +68,7 @@ class SyncBatchNormalization(FusedBatchNormalization):
                 or self.renorm or not (self.scale and self.center):
             return super().call(inputs, training=training, mask=mask)
         x = tf.cast(inputs, tf.float32)
-        shift = tf.stop_gradient(tf.cast(tf.convert_to_tensor(self.moving_mean), tf.float32))
-        xs = x - shift
-        count = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), tf.float32)
-        local = tf.concat([tf.reduce_sum(xs, [0, 1, 2]), tf.reduce_sum(tf.square(xs), [0, 1, 2]),
-                           tf.reshape(count, [1])], axis=0)
-        (total,) = [local] if _LOCAL_STATISTICS_FOR_TESTS else collectives.all_reduce_sum([local])
-        c = x.shape[-1]
-        n = tf.maximum(total[2 * c], 1.0)
-        mean_s = total[:c] / n
-        var = tf.maximum(total[c:2 * c] / n - tf.square(mean_s), 0.0)
-        mean = mean_s + shift
+        mean, var, n = _global_moments(x)
         gamma = tf.cast(tf.convert_to_tensor(self.gamma), tf.float32)
         beta = tf.cast(tf.convert_to_tensor(self.beta), tf.float32)
         y = _normalize(x, gamma, beta, tf.stop_gradient(mean), tf.stop_gradient(var), n, self.epsilon)
@@ -78,6 +76,33 @@ class SyncBatchNormalization(FusedBatchNormalization):
         self.moving_mean.assign(self.moving_mean * m + tf.stop_gradient(mean) * (1.0 - m))
         self.moving_variance.assign(self.moving_variance * m + tf.stop_gradient(var) * (1.0 - m))
         return tf.cast(y, self.compute_dtype)
+
+
+def _global_moments(x):
+    """The per-channel mean and biased variance of `x` over the pixels of all towers, and their count.
+
+    Chan's combination of each tower's (count, mean, centred sum of squares), gathered in one
+    all-reduce (module doc).
+    """
+    dims = x.shape[:3].as_list()
+    if None in dims:
+        count = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), tf.float32)
+    else:
+        count = tf.constant(float(dims[0] * dims[1] * dims[2]))
+    local_mean = tf.reduce_sum(x, [0, 1, 2]) / tf.maximum(count, 1.0)
+    local_m2 = tf.reduce_sum(tf.square(x - local_mean), [0, 1, 2])
+    towers = 1 if _LOCAL_STATISTICS_FOR_TESTS else collectives.num_replicas()
+    if towers == 1:
+        return local_mean, local_m2 / tf.maximum(count, 1.0), tf.maximum(count, 1.0)
+    c = x.shape[-1]
+    row = tf.concat([tf.reshape(count, [1]), local_mean, local_m2], axis=0)
+    (gathered,) = collectives.all_reduce_sum([collectives.one_hot_row(row, collectives.replica_id(), towers)])
+    table = tf.reshape(gathered, [towers, 2 * c + 1])
+    counts, means, m2s = table[:, :1], table[:, 1:c + 1], table[:, c + 1:]
+    n = tf.maximum(tf.reduce_sum(counts), 1.0)
+    mean = tf.reduce_sum(counts * means, axis=0) / n
+    m2 = tf.reduce_sum(m2s, axis=0) + tf.reduce_sum(counts * tf.square(means - mean), axis=0)
+    return mean, m2 / n, n
 
 
 def _normalize(x, gamma, beta, mean, var, n, epsilon):
