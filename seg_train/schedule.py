@@ -7,8 +7,6 @@ step would make the host wait for the step to finish before it could dispatch th
 
 from __future__ import annotations
 
-import keras
-
 
 def lr_at(step: int, base: float, num_steps: int, power: float = 0.9, warmup_steps: int = 0) -> float:
     """Learning rate of the update made at `step` (0-based), as a Python float.
@@ -21,9 +19,3 @@ def lr_at(step: int, base: float, num_steps: int, power: float = 0.9, warmup_ste
         return base * (step + 1.0) / float(warmup_steps)
     frac = 1.0 - min(float(step), float(num_steps)) / float(num_steps)
     return base * frac ** power
-
-
-def keras_poly_lr(step: int, base: float, num_steps: int, power: float = 0.9) -> float:
-    """The same decay through keras.optimizers.schedules.PolynomialDecay (the reference for lr_at)."""
-    schedule = keras.optimizers.schedules.PolynomialDecay(base, num_steps, end_learning_rate=0.0, power=power)
-    return float(schedule(step))
