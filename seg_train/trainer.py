@@ -20,7 +20,7 @@ The maths is that of "K x N towers" (K micro-batches on N towers): every micro-b
 divided by the normaliser of ALL micro-batches on all towers (the valid pixels, or the weights of
 the kept pixels with loss options), weight decay is counted once per update, each micro-batch's
 BN update starts from the same statistics and the K x N results are averaged. So K micro-batches
-on N towers equal one step on K x N towers (tests/test_accumulation.py).
+on N towers equal one step on K x N towers (tests/test_gradients.py, test_accumulation_equals_towers).
 
 Why it is built this way (each point measured on MobileNetV2 DeepLabV3+, 64x64 crops, global
 batch 8, 2-core CPU, 4 logical towers; docs/PERFORMANCE.md):
