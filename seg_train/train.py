@@ -28,7 +28,7 @@ from seg_train.restore import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
 from seg_train.summaries import Summaries
 from seg_train.sysinfo import peak_rss_mb, seconds_since_launch
-from seg_train.trainer import Trainer
+from seg_train.trainer import LOSS_SCALE_FLOOR, Trainer
 
 log = logging.getLogger("seg_train")
 
@@ -198,6 +198,7 @@ class _Loop:
         self.trace_s, self.loop_start = trace_s, time.perf_counter()
         self.images_per_step = cfg.data.batch_size * cfg.train.accumulate_steps
         self.skipped = 0
+        self.overflows = 0  # float16 loss-scale overflows (mixed_float16), skipped by design
         self.first = True
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.images_per_sec = float("nan")
@@ -216,15 +217,20 @@ class _Loop:
         self.last_loss = loss
         if not applied:
             finite = out["finite"].numpy()
-            if t_cfg.precision == "mixed_float16" and bool(out["loss_finite"]):
-                # A float16 gradient overflow: the step was skipped and the loss scale halved.
-                log.debug("loss-scale overflow at step %d: scale now %g", step, float(out["loss_scale"]))
+            used = float(out["loss_scale_used"])
+            if t_cfg.precision == "mixed_float16" and bool(out["loss_finite"]) and used > LOSS_SCALE_FLOOR:
+                # A float16 gradient overflow: the step was skipped and the loss scale halved. At the
+                # floor the loss is no longer scaled up, so halving cures nothing: a non-finite step.
+                self.overflows += 1
+                log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
+                         "(%d overflow(s) so far)", step, used, float(out["loss_scale"]), self.overflows)
             else:
                 # The step applied nothing (see Trainer): weights, optimizer slots and BN statistics
                 # are those of the step before.
                 towers = [i for i, f in enumerate(finite) if not f] or list(range(len(finite)))
+                at_scale = f", loss scale {used:g}" if t_cfg.precision == "mixed_float16" else ""
                 msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
-                       f"(loss {loss:.4g}, learning rate {lr:.3g})")
+                       f"(loss {loss:.4g}, learning rate {lr:.3g}{at_scale})")
                 if t_cfg.on_nan == "stop":
                     raise NonFiniteError(msg)
                 self.skipped += 1
@@ -263,6 +269,9 @@ class _Loop:
             scalars[f"gradients/norm/tower_{i}"] = g
         if self.skipped:
             scalars["train/skipped_steps"] = self.skipped
+        mixed16 = self.cfg.train.precision == "mixed_float16"
+        if mixed16:  # the scale after this step's update: halved on an overflow
+            scalars["train/loss_scale"] = float(out["loss_scale"])
         if not math.isnan(self.images_per_sec):
             scalars["throughput/images_per_sec"] = self.images_per_sec
         self.summaries.scalars(step, scalars)
@@ -270,11 +279,12 @@ class _Loop:
         self.summaries.tower_scalars(step, "loss/tower", out["tower_ce"].numpy())
         self.summaries.tower_scalars(step, "gradients/norm/tower", out["tower_grad_norm"].numpy())
         t_cfg = self.cfg.train
+        scale = {"loss_scale": f"{float(out['loss_scale']):g}"} if mixed16 else {}
         if self.bar is None:
-            log.info("step %d/%d  loss %.4f  gnorm %.3g  lr %.3g  %.1f img/s", step, t_cfg.num_steps, loss, gnorm, lr,
-                     self.images_per_sec)
+            log.info("step %d/%d  loss %.4f  gnorm %.3g  lr %.3g%s  %.1f img/s", step, t_cfg.num_steps, loss, gnorm, lr,
+                     f"  loss scale {scale['loss_scale']}" if scale else "", self.images_per_sec)
         else:
-            self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{gnorm:.3g}", lr=f"{lr:.2e}",
+            self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{gnorm:.3g}", lr=f"{lr:.2e}", **scale,
                                  img_s=f"{self.images_per_sec:.1f}")
 
     def _images(self, step, out, dist_batch) -> None:

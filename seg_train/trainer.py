@@ -62,6 +62,11 @@ from seg_train.schedule import lr_at
 TOWER_FIELDS = ("loss_sum", "normalizer", "grad_sq", "finite")
 _NF = len(TOWER_FIELDS)
 
+# train.precision mixed_float16: the dynamic loss scale starts at LOSS_SCALE_INITIAL and is never
+# halved below LOSS_SCALE_FLOOR (TensorFlow's LossScaleOptimizer's floor): a gradient that is still
+# non-finite with the loss unscaled is a non-finite step, not a float16 overflow.
+LOSS_SCALE_INITIAL, LOSS_SCALE_FLOOR = 2.0 ** 15, 1.0
+
 
 def _read(handle, like):
     """A variable's value from its resource handle (inside a function traced once for every tower)."""
@@ -102,8 +107,9 @@ class Trainer:
             finally:
                 keras.config.set_dtype_policy(previous)
             # Dynamic loss scaling for float16 (bfloat16 has float32's range and needs none).
-            self.loss_scale = tf.Variable(2.0 ** 15 if t.precision == "mixed_float16" else 1.0, trainable=False,
-                                          name="loss_scale", aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            self.loss_scale = tf.Variable(LOSS_SCALE_INITIAL if t.precision == "mixed_float16" else 1.0,
+                                          trainable=False, name="loss_scale",
+                                          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps",
                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step",
@@ -490,10 +496,15 @@ class Trainer:
         loss_scale = tf.identity(self.loss_scale)
         out = s.run(self._replica, (images, labels, tf.cast(lr, tf.float32), t, loss_scale,
                                     tf.convert_to_tensor(stop), tf.convert_to_tensor(want_images)))
-        return self._finish_step(out)
+        return self._finish_step(out, loss_scale)
 
-    def _finish_step(self, out) -> dict:
-        """Cross-replica end of a step: counters, loss scale, and the outputs the host reads."""
+    def _finish_step(self, out, loss_scale_used) -> dict:
+        """Cross-replica end of a step: counters, loss scale, and the outputs the host reads.
+
+        `loss_scale_used` is the scale this step's gradients were computed with: the host needs it
+        (not only the scale after the update) to tell a float16 overflow, which a smaller scale
+        cures, from a non-finite gradient at the scale's floor, which no scale cures.
+        """
         s = self.strategy
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731  (identical on every tower)
         applied = first(out["applied"])
@@ -501,7 +512,7 @@ class Trainer:
         towers = first(out["towers"])
         loss_finite = tf.math.is_finite(first(out["loss_total"]))
         if self.cfg.train.precision == "mixed_float16":
-            self._update_loss_scale(applied, loss_finite)
+            self._update_loss_scale(applied)
         self.step.assign_add(1)
         return {
             "loss": tf.math.divide_no_nan(first(out["loss_total"]), first(out["norm_total"])) +
@@ -516,7 +527,8 @@ class Trainer:
             "global_norm": first(out["global_norm"]),
             "clipped": first(out["clipped"]),
             "stop": first(out["stop"]) > 0.5,
-            "loss_scale": tf.identity(self.loss_scale),
+            "loss_scale": tf.identity(self.loss_scale),  # after this step's update (the next step's)
+            "loss_scale_used": loss_scale_used,
             "preds": s.experimental_local_results(out["preds"]),
             "var_grad_norms": first(out["var_grad_norms"]),
         }
@@ -547,8 +559,12 @@ class Trainer:
         """The BN moving statistics the step updates, in the order probe() returns them."""
         return [self.state[i] for i in self._bn_pos]
 
-    def _update_loss_scale(self, applied, loss_finite):
-        """Dynamic loss scaling: halve on a gradient overflow, double after 2000 applied steps (Keras' defaults)."""
+    def _update_loss_scale(self, applied):
+        """Dynamic loss scaling: halve on a skipped step, double after 2000 applied steps (Keras' defaults).
+
+        The scale never goes below LOSS_SCALE_FLOOR; a step skipped at the floor is not an overflow
+        but a non-finite step (train.py's _Loop decides that from the step's `loss_scale_used`).
+        """
         def grow():
             self.good_steps.assign_add(1)
             done = self.good_steps >= 2000
@@ -557,7 +573,7 @@ class Trainer:
             return tf.constant(0)
 
         def shrink():
-            self.loss_scale.assign(tf.maximum(self.loss_scale / 2.0, 1.0))
+            self.loss_scale.assign(tf.maximum(self.loss_scale / 2.0, LOSS_SCALE_FLOOR))
             self.good_steps.assign(0)
             return tf.constant(0)
 

@@ -334,6 +334,10 @@ def batch(tmp_path_factory, baseline, stopped_run, demo_root):
     # (No val split: evaluation is not the point and costs a trace.)
     explode = ["--set", "train.learning_rate=1e30", "--set", "train.checkpoint_every=1", "--set", "data.val_split=none"]
     case("nan_stop", ["--config", nan_cfg, "--gpus", 1, "--run-dir", base / "nan" / "stop", *explode])
+    # The same under float16 (its step 1 is a normal float16 step): a non-finite loss is never taken
+    # for a loss-scale overflow.
+    case("nan_stop_mixed_float16", ["--config", nan_cfg, "--gpus", 1, "--run-dir", base / "nan" / "stop16", *explode,
+                                    "--set", "train.precision=mixed_float16"])
     case("nan_skip", ["--config", nan_cfg, "--gpus", 1, "--run-dir", base / "nan" / "skip", *explode,
                       "--set", "train.on_nan=skip_step", "--set", "train.num_steps=4"])
     # A finite gradient whose UPDATE overflows: SGD on a huge weight decay.
@@ -572,17 +576,37 @@ def _all_checkpoints_finite(run_dir: Path) -> list[str]:
     return prefixes
 
 
-def test_nonfinite_loss_stops_with_exit_3(batch):
-    res = batch["results"]["nan_stop"]
+@pytest.mark.parametrize("case, run", [("nan_stop", "stop"), ("nan_stop_mixed_float16", "stop16")])
+def test_nonfinite_loss_stops_with_exit_3(batch, case, run):
+    res = batch["results"][case]
     err = res["stderr"]
     assert res["rc"] == 3, err
     assert "Traceback" not in err, err
     lines = error_lines(err)
     assert len(lines) == 1, err
     assert re.match(r"error: non-finite loss or gradient at step 2 on tower\(s\) \[0\]", lines[0]), err
-    run_dir = batch["base"] / "nan" / "stop"
+    run_dir = batch["base"] / "nan" / run
     prefixes = _all_checkpoints_finite(run_dir)
     assert [Path(p).name for p in prefixes] == ["ckpt-1"], prefixes  # nothing saved for the bad step
+
+
+def test_mixed_float16_step_applied_and_loss_scale_shown(batch):
+    """The float16 run above, step 1 (before its weights blow up): applied at the initial loss scale (an
+    overflow would halve it and say so), the scale in the step log line, in TensorBoard
+    (train/loss_scale) and in the checkpoint with its count of applied steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    err = batch["results"]["nan_stop_mixed_float16"]["stderr"]
+    assert re.search(r"I step 1/6  loss [0-9.]+  gnorm [0-9.e+-]+  lr [0-9.e+-]+  loss scale 32768  ", err), err
+    assert "overflow" not in err, err
+    run_dir = batch["base"] / "nan" / "stop16"
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    scales = [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in acc.Tensors("train/loss_scale")]
+    assert scales == [(1, 32768.0)], scales
+    reader = tf.train.load_checkpoint(str(ckpt_dir(run_dir) / "ckpt-1"))
+    assert float(reader.get_tensor("loss_scale/.ATTRIBUTES/VARIABLE_VALUE")) == 32768.0
+    assert int(reader.get_tensor("good_steps/.ATTRIBUTES/VARIABLE_VALUE")) == 1  # one applied step
+    assert int(reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE")) == 1
 
 
 def test_nonfinite_loss_skip_step_continues(batch):

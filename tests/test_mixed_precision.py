@@ -1,0 +1,208 @@
+"""Mixed precision trained for real: float16 with dynamic loss scaling, bfloat16, and the loss-scale floor.
+
+References: the float32 trainer's gradient on the same batch from the same initial weights (the
+precision policy changes the compute dtype, never the float32 variables), the scale's arithmetic by
+hand (halve on a skipped step, floor 1), and the state before a skipped step.
+
+Tolerances. The whole gradient of this randomly initialised tiny model is ill-conditioned: BN over a
+few 2x2 feature maps amplifies any rounding on the way back, so the float32 gradient itself moves by
+~10% (relative L2) when the images move by one part in 1000. A half-precision gradient therefore
+agrees with float32's only to that order overall, and tightly in the layers next to the loss
+(`HEAD_*`), where rounding has not been amplified yet. Both bounds fail for a gradient left multiplied
+by the loss scale (2**15 off) or off by any factor of 2.
+
+Cost: one tiny trace per trainer, 1 tower except the 4-tower pair.
+"""
+
+import logging
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from seg_train import config as config_lib
+from seg_train import replicas
+from seg_train.palette import voc_colormap
+from seg_train.profiling import StepProfiler
+from seg_train.summaries import Summaries
+from seg_train.train import NonFiniteError, _Loop
+from seg_train.trainer import Trainer
+from tests.helpers import random_batch, tiny_config
+
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+IMAGES, LABELS = random_batch(batch=4, seed=3)
+# The layers nearest the loss. bfloat16 (8 significant bits to float16's 11) keeps decoder_conv2's
+# kernel gradient, a sum over every pixel, only to ~10%: its head stops one layer later.
+HEAD_FLOAT16 = ("logits/", "decoder_conv2_conv/", "decoder_conv2_bn/")
+HEAD_BFLOAT16 = ("logits/", "decoder_conv2_bn/")
+
+
+def make(tmp_path_factory, precision, towers=1, **train):
+    cfg = tiny_config(tmp_path_factory.mktemp(precision), train={"precision": precision, **train})
+    return Trainer(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", "")))
+
+
+def batch_for(trainer):
+    data = tf.data.Dataset.from_tensors((IMAGES, LABELS))
+    return next(iter(trainer.strategy.experimental_distribute_dataset(data)))
+
+
+def rel_l2(ref, other) -> float:
+    num = sum(float(np.sum((np.asarray(a) - np.asarray(b)) ** 2)) for a, b in zip(ref, other))
+    return (num / sum(float(np.sum(np.asarray(a) ** 2)) for a in ref)) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """(precision, towers) -> (trainer, probe output), built on first use."""
+    cache = {}
+
+    def get(precision, towers=1):
+        if (precision, towers) not in cache:
+            trainer = make(tmp_path_factory, precision, towers)
+            cache[precision, towers] = trainer, trainer.probe(batch_for(trainer))
+        return cache[precision, towers]
+    return get
+
+
+def compare(probes, precision, towers, whole_tol, head, head_tol):
+    ref_trainer, ref = probes("float32", towers)
+    trainer, out = probes(precision, towers)
+    # Same seed, same initial weights: the policy changes the compute dtype, not the variables.
+    assert trainer.model.weights[0].dtype == "float32"
+    for a, b in zip(ref_trainer.model.weights, trainer.model.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
+    paths = [v.path for v in trainer.variables]
+    head = [i for i, p in enumerate(paths) if p.startswith(head)]
+    assert len(head) >= 4, paths  # the logits kernel and bias, decoder_conv2's BN gamma and beta at least
+    g_ref, g = ref["gradients"], out["gradients"]
+    whole, near = rel_l2(g_ref, g), rel_l2([g_ref[i] for i in head], [g[i] for i in head])
+    assert whole < whole_tol, f"{precision} x{towers}: gradient {whole:.3g} (relative L2) from float32's"
+    assert near < head_tol, f"{precision} x{towers}: head gradient {near:.3g} (relative L2) from float32's"
+    np.testing.assert_allclose(float(out["loss"]), float(ref["loss"]), rtol=2e-3)
+    return whole, near
+
+
+@pytest.mark.parametrize("towers", [1, 4])
+def test_float16_gradient_is_unscaled_and_matches_float32(probes, towers):
+    trainer, _ = probes("mixed_float16", towers)
+    assert float(trainer.loss_scale.numpy()) == 2.0 ** 15  # the gradient was computed scaled
+    compare(probes, "mixed_float16", towers, whole_tol=0.15, head=HEAD_FLOAT16, head_tol=1e-2)
+
+
+def test_bfloat16_gradient_matches_float32(probes):
+    compare(probes, "mixed_bfloat16", 1, whole_tol=0.3, head=HEAD_BFLOAT16, head_tol=2e-2)
+
+
+def _state(trainer):
+    """Weights (BN moving statistics included) and optimizer slots; iterations apart."""
+    out = {v.path: np.asarray(v) for v in trainer.model.weights}
+    out.update({f"slot/{i}": np.asarray(v) for i, v in enumerate(trainer.optimizer.variables)
+                if v is not trainer.optimizer.iterations})
+    return out
+
+
+def _loop(trainer, tmp_path, on_nan="stop"):
+    cfg = config_lib.replace(trainer.cfg, "train.on_nan", on_nan)
+    d = cfg.data
+    summaries = Summaries(tmp_path, voc_colormap(), d.ignore_label, d.mean, d.std)
+    return _Loop(cfg, trainer, summaries, None, trainer.num_replicas, StepProfiler(tmp_path, None))
+
+
+def test_overflow_skips_the_update_halves_the_scale_and_keeps_iterations(tmp_path_factory, tmp_path, caplog):
+    trainer = make(tmp_path_factory, "mixed_float16")
+    batch = batch_for(trainer)
+    first = trainer.train_step(batch, lr=0.01)
+    assert bool(first["applied"]) and float(first["loss_scale_used"]) == 2.0 ** 15
+    assert int(trainer.optimizer.iterations.numpy()) == 1 and int(trainer.good_steps.numpy()) == 1
+    before = _state(trainer)
+    # 2**40 / P (P = 4096 pixels) times a per-pixel gradient of O(1) is far above float16's 65504.
+    trainer.loss_scale.assign(2.0 ** 40)
+    out = trainer.train_step(batch, lr=0.01)
+    assert bool(out["loss_finite"]) and not bool(out["applied"])
+    assert float(out["loss_scale_used"]) == 2.0 ** 40
+    assert float(trainer.loss_scale.numpy()) == 2.0 ** 39 == float(out["loss_scale"])
+    assert int(trainer.good_steps.numpy()) == 0
+    # Adam's bias correction counts updates, not batches; the data stream and the schedule count batches.
+    assert int(trainer.optimizer.iterations.numpy()) == 1
+    assert int(trainer.step.numpy()) == 2
+    after = _state(trainer)
+    assert before.keys() == after.keys() and len(before) > 50
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key], err_msg=key)
+
+    # The host: an overflow is logged at INFO with the new scale, not counted as a non-finite step.
+    loop = _loop(trainer, tmp_path)
+    with caplog.at_level(logging.INFO, logger="seg_train"):
+        loop.finish((2, out, batch, 0.01, False))
+    assert loop.skipped == 0 and loop.overflows == 1
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(r.levelno == logging.INFO and re.fullmatch(
+        r"loss-scale overflow at step 2 \(scale 1\.09951e\+12\): update skipped, loss scale now 5\.49756e\+11 .*",
+        r.getMessage()) for r in caplog.records), msgs
+    assert any(re.match(r"step 2/4 .* loss scale 5\.49756e\+11 ", m) for m in msgs), msgs
+
+
+def _float16_trap(trainer) -> None:
+    """Weights whose forward pass is finite in float16 and whose backward pass is not.
+
+    decoder_conv2's output channel 0 is made constant (its kernel slice zero), so its BN sees zero
+    variance: the forward pass gives exactly beta there, but the backward pass multiplies by
+    gamma / sqrt(eps). With gamma = 6e4 and that channel feeding class 0's logit with weight 6e4,
+    the input gradient of that BN is ~1e9, beyond float16's 65504 (and no loss scale >= 1 shrinks it),
+    while float32 holds it.
+    """
+    layers = {layer.name: layer for layer in trainer.model.layers}
+    kernel = layers["decoder_conv2_conv"].kernel
+    k = np.asarray(kernel).copy()
+    k[..., 0] = 0.0
+    kernel.assign(k)
+    bn = layers["decoder_conv2_bn"]
+    bn.gamma.assign(np.r_[6e4, np.asarray(bn.gamma)[1:]].astype(np.float32))
+    bn.beta.assign(np.r_[1e-3, np.asarray(bn.beta)[1:]].astype(np.float32))
+    logits = layers["logits"].kernel
+    w = np.asarray(logits).copy()
+    w[0, 0, 0, :] = [6e4, 0.0, 0.0]
+    logits.assign(w)
+
+
+@pytest.fixture(scope="module")
+def floor_step(tmp_path_factory):
+    """A real float16 step at the floor (scale 1) whose gradient is non-finite while its loss is finite."""
+    reference = make(tmp_path_factory, "float32")
+    _float16_trap(reference)
+    assert np.isfinite(float(reference.probe(batch_for(reference))["global_norm"]))  # float16's problem only
+    trainer = make(tmp_path_factory, "mixed_float16")
+    _float16_trap(trainer)
+    trainer.loss_scale.assign(1.0)
+    batch = batch_for(trainer)
+    before = _state(trainer)
+    out = trainer.train_step(batch, lr=0.01)
+    return trainer, batch, out, before
+
+
+def test_nonfinite_gradient_at_the_floor_is_a_nonfinite_step(floor_step, tmp_path):
+    trainer, batch, out, before = floor_step
+    assert bool(out["loss_finite"]) and np.isfinite(float(out["loss"]))
+    assert not bool(out["applied"]) and not np.isfinite(float(out["global_norm"]))
+    assert float(out["loss_scale_used"]) == 1.0 and float(trainer.loss_scale.numpy()) == 1.0  # the floor
+    assert int(trainer.optimizer.iterations.numpy()) == 0
+    after = _state(trainer)
+    for key in before:
+        np.testing.assert_array_equal(before[key], after[key], err_msg=key)
+    with pytest.raises(NonFiniteError, match=r"^non-finite loss or gradient at step 1 on tower\(s\) \[0\] "
+                                             r"\(loss [\d.e+]+, learning rate 0\.01, loss scale 1\)$"):
+        _loop(trainer, tmp_path / "stop").finish((1, out, batch, 0.01, False))
+
+
+def test_nonfinite_gradient_at_the_floor_skip_step_warns_and_counts(floor_step, tmp_path, caplog):
+    trainer, batch, out, _ = floor_step
+    loop = _loop(trainer, tmp_path, on_nan="skip_step")
+    with caplog.at_level(logging.INFO, logger="seg_train"):
+        loop.finish((1, out, batch, 0.01, False))
+        loop.finish((2, out, batch, 0.01, False))
+    assert loop.skipped == 2 and loop.overflows == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and warned[1].startswith("non-finite loss or gradient at step 2 on tower(s) [0]"), warned
+    assert "update skipped (train.on_nan: skip_step; 2 skipped so far)" in warned[1]
