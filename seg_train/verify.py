@@ -33,7 +33,8 @@ the beta of a BN feeding a 1x1 convolution and another BN, which cancels it (nor
 max(its own norm, FLOOR = 1e-3 of the whole norm): the worst variable is then at 2.3%, and no
 variable carrying a thousandth of the update is excused. The recovered batch statistics agree to
 3e-5 per variable (the same floor; batch means exactly 0 in theory come out at 1e-7) at
-bn_momentum 0.9 and 0.99. The tiny test model agrees to ~4e-6 everywhere. A wrong reduction is
+bn_momentum 0.9 and 0.99, and to 9e-5 at 0.999 (the recovery divides the float32 rounding of the
+moving statistics by 1 - m). The tiny test model agrees to ~4e-6 everywhere. A wrong reduction is
 nowhere near: a double reduction is off by a factor N (100%+), per-tower BN statistics by 50% or
 more (synchronized BN with its all-reduces switched off, the test hook in models/sync_bn.py, puts
 the tiny test model's gradients 280% apart), one variable counted twice by 100%. 0.1 sits between
