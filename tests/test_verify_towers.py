@@ -161,6 +161,10 @@ def test_unreduced_sync_bn_fails_with_exit_1(cfg_path, monkeypatch, capsys):
     assert rc == 1
     assert r["ok"] is False and r["same_start"] is True
     assert r["gradient_rel_l2"] > 0.5  # ~2.8 measured: far beyond the 0.1 tolerance
+    # A broken reduction fails variable after variable; the report names the worst few.
+    assert r["num_gradients_over_tolerance"] > r["num_gradient_variables"] // 2
+    assert len(r["gradients_over_tolerance"]) == 5 and r["worst_gradient"]["rel_l2"] > 0.5
+    assert r["gradients_over_tolerance"][0] == r["worst_gradient"]
     assert {"gpus", "gradient_rel_l2", "bn_stats_rel_l2", "tolerance", "ok"} <= set(r)
 
 
