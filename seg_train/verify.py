@@ -25,8 +25,8 @@ few float32 roundings; and a ReLU6 / ReLU kink turns a 1e-7 difference in its in
 that is either 0 or not, so a handful of gradient elements differ by O(1) of their own size, and
 the backward pass carries that into every earlier layer. configs/demo.yaml with
 model.backbone=mobilenetv2 (64x64 crops, global batch 16, every BN synchronised), 1 vs 4 logical
-CPU towers: the gradients are 1.6% apart concatenated (1.56% at global batch 8), of which the largest 1000 of 2.5 million
-elements carry 69% of the squared difference (kinks, not a drift); per variable 1.4-2.3% in the
+CPU towers: the gradients are 1.6% apart concatenated (1.56% at global batch 8), of which the
+largest 1000 of 2.5 million elements carry 69% of the squared difference (kinks, not a drift); per variable 1.4-2.3% in the
 variables that hold the norm, and up to 157% in variables whose gradient is rounding noise, e.g.
 the beta of a BN feeding a 1x1 convolution and another BN, which cancels it (norm 1e-8, against
 73 for the whole gradient). Hence each variable's difference is taken relative to
