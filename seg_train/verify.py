@@ -26,12 +26,12 @@ that is either 0 or not, so a handful of gradient elements differ by O(1) of the
 the backward pass carries that into every earlier layer. configs/demo.yaml with
 model.backbone=mobilenetv2 (64x64 crops, global batch 16, every BN synchronised), 1 vs 4 logical
 CPU towers: the gradients are 1.6% apart concatenated (1.56% at global batch 8), of which the
-largest 1000 of 2.5 million elements carry 69% of the squared difference (kinks, not a drift); per variable 1.4-2.3% in the
-variables that hold the norm, and up to 157% in variables whose gradient is rounding noise, e.g.
-the beta of a BN feeding a 1x1 convolution and another BN, which cancels it (norm 1e-8, against
-73 for the whole gradient). Hence each variable's difference is taken relative to
-max(its own norm, FLOOR = 1e-3 of the whole norm): the worst variable is then at 2.3%, and no
-variable carrying a thousandth of the update is excused. The recovered batch statistics agree to
+largest 1000 of 2.5 million elements carry 69% of the squared difference (kinks, not a drift);
+per variable 1.4-2.3% in the variables that hold the norm, and up to 157% in variables whose
+gradient is rounding noise, e.g. the beta of a BN feeding a 1x1 convolution and another BN, which
+cancels it (norm 1e-8, against 73 for the whole gradient). Hence each variable's difference is
+taken relative to max(its own norm, FLOOR = 1e-3 of the whole norm): the worst variable is then at
+2.3%, and no variable carrying a thousandth of the update is excused. The recovered batch statistics agree to
 3e-5 per variable (the same floor; batch means exactly 0 in theory come out at 1e-7) at
 bn_momentum 0.9 and 0.99, and to 9e-5 at 0.999 (the recovery divides the float32 rounding of the
 moving statistics by 1 - m). The tiny test model agrees to ~4e-6 everywhere. A wrong reduction is
