@@ -39,7 +39,7 @@ EXIT_OK, EXIT_NONFINITE = 0, 3
 
 
 class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient (train.on_nan: stop)."""
+    """A non-finite loss, gradient or BN statistics update (train.on_nan: stop)."""
 
 
 def _progress(total: int, initial: int):
@@ -222,9 +222,17 @@ class _Loop:
             else:
                 # The step applied nothing (see Trainer): weights, optimizer slots and BN statistics
                 # are those of the step before.
-                towers = [i for i, f in enumerate(finite) if not f] or list(range(len(finite)))
-                msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
-                       f"(loss {loss:.4g}, learning rate {lr:.3g})")
+                bad_grad = [i for i, f in enumerate(out["loss_grad_finite"].numpy()) if not f]
+                bad_bn = [i for i, f in enumerate(out["bn_finite"].numpy()) if not f]
+                if bad_grad or not bad_bn:
+                    # With no tower's own values non-finite, their reduced sum overflowed: every tower.
+                    towers = bad_grad or list(range(len(finite)))
+                    msg = f"non-finite loss or gradient at step {step} on tower(s) {towers}"
+                    if bad_bn:
+                        msg += f" and BN statistics on tower(s) {bad_bn}"
+                else:
+                    msg = f"non-finite BN statistics at step {step} on tower(s) {bad_bn}"
+                msg += f" (loss {loss:.4g}, learning rate {lr:.3g})"
                 if t_cfg.on_nan == "stop":
                     raise NonFiniteError(msg)
                 self.skipped += 1
