@@ -126,7 +126,7 @@ class TrainConfig:
     image_summary_every: int = _c(500, check=_non_negative, doc="steps between image summaries (0: never)")
     deterministic: bool = _c(False, doc="TensorFlow op determinism for reproducible runs")
     eval_every: int = _c(0, check=_non_negative, doc="steps between evaluations on the val split (0: only at the end)")
-    on_nan: str = _c("stop", choices=("stop", "skip_step"), doc="a non-finite loss or gradient: stop, or skip the update")
+    on_nan: str = _c("stop", choices=("stop", "skip_step"), doc="a non-finite loss, gradient or BN statistics: stop, or skip the update")
     precision: str = _c("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"),
                         doc="compute dtype policy (mixed_float16 uses dynamic loss scaling)")
     jit_compile: bool = _c(False, doc="XLA-compile each tower's forward/backward pass")

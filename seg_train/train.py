@@ -39,7 +39,7 @@ EXIT_OK, EXIT_NONFINITE = 0, 3
 
 
 class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient (train.on_nan: stop)."""
+    """A non-finite loss, gradient or BN statistics update (train.on_nan: stop)."""
 
 
 def _progress(total: int, initial: int):
@@ -218,19 +218,30 @@ class _Loop:
         if not applied:
             finite = out["finite"].numpy()
             used = float(out["loss_scale_used"])
-            if t_cfg.precision == "mixed_float16" and bool(out["loss_finite"]) and used > LOSS_SCALE_FLOOR:
+            if t_cfg.precision == "mixed_float16" and bool(out["loss_finite"]) and used > LOSS_SCALE_FLOOR \
+                    and all(out["bn_finite"].numpy()):
                 # A float16 gradient overflow: the step was skipped and the loss scale halved. At the
                 # floor the loss is no longer scaled up, so halving cures nothing: a non-finite step.
+                # Non-finite BN statistics are not the loss scale's doing (they are float32 and
+                # unscaled): a non-finite step too.
                 self.overflows += 1
                 log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
                          "(%d overflow(s) so far)", step, used, float(out["loss_scale"]), self.overflows)
             else:
                 # The step applied nothing (see Trainer): weights, optimizer slots and BN statistics
                 # are those of the step before.
-                towers = [i for i, f in enumerate(finite) if not f] or list(range(len(finite)))
+                bad_grad = [i for i, f in enumerate(out["loss_grad_finite"].numpy()) if not f]
+                bad_bn = [i for i, f in enumerate(out["bn_finite"].numpy()) if not f]
+                if bad_grad or not bad_bn:
+                    # With no tower's own values non-finite, their reduced sum overflowed: every tower.
+                    towers = bad_grad or list(range(len(finite)))
+                    msg = f"non-finite loss or gradient at step {step} on tower(s) {towers}"
+                    if bad_bn:
+                        msg += f" and BN statistics on tower(s) {bad_bn}"
+                else:
+                    msg = f"non-finite BN statistics at step {step} on tower(s) {bad_bn}"
                 at_scale = f", loss scale {used:g}" if t_cfg.precision == "mixed_float16" else ""
-                msg = (f"non-finite loss or gradient at step {step} on tower(s) {towers} "
-                       f"(loss {loss:.4g}, learning rate {lr:.3g}{at_scale})")
+                msg += f" (loss {loss:.4g}, learning rate {lr:.3g}{at_scale})"
                 if t_cfg.on_nan == "stop":
                     raise NonFiniteError(msg)
                 self.skipped += 1

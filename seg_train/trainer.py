@@ -58,8 +58,9 @@ from seg_train import collectives, losses, models
 from seg_train.config import Config, ConfigError
 from seg_train.schedule import lr_at
 
-# Per-tower scalars carried in one-hot slots of the all-reduce (see _tower).
-TOWER_FIELDS = ("loss_sum", "normalizer", "grad_sq", "finite")
+# Per-tower scalars carried in one-hot slots of the all-reduce (see _tower): "finite" is the loss
+# and gradient's, "bn_finite" the new BN statistics'.
+TOWER_FIELDS = ("loss_sum", "normalizer", "grad_sq", "finite", "bn_finite")
 _NF = len(TOWER_FIELDS)
 
 # train.precision mixed_float16: the dynamic loss scale starts at LOSS_SCALE_INITIAL and is never
@@ -324,12 +325,17 @@ class Trainer:
         grad_packs = collectives.pack(grads, self._grad_layout)
         grad_sq = tf.add_n([tf.reduce_sum(tf.square(p)) for p in grad_packs])
         finite = tf.cast(tf.math.is_finite(grad_sq) & tf.math.is_finite(loss_sum), tf.float32)
-        row = collectives.one_hot_row(tf.stack([loss_sum, norm, grad_sq, finite]), tower_index, n)
-        scalars = tf.concat([row, tf.reshape(tf.cast(stop, tf.float32), [1])], axis=0)
         # BN statistics: the mean over micro-batches and towers of each one's updated statistics
         # (with synchronized BN the towers' values are already equal, and their mean is that value),
         # scaled pack by pack.
         bn_packs = [p * (1.0 / (k * n)) for p in collectives.pack(bn, self._state_layout)]
+        # A moving statistic can turn non-finite while the loss and gradient stay finite (the
+        # batch statistics are finite, the moving update is not): assigning it would poison every
+        # later evaluation, so it vetoes the update like a non-finite gradient does.
+        bn_finite = tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(p)) for p in bn_packs]), tf.float32) \
+            if bn_packs else tf.constant(1.0)
+        row = collectives.one_hot_row(tf.stack([loss_sum, norm, grad_sq, finite, bn_finite]), tower_index, n)
+        scalars = tf.concat([row, tf.reshape(tf.cast(stop, tf.float32), [1])], axis=0)
         return grad_packs + bn_packs + [scalars], preds
 
     def _tower_from_handles(self, var_handles, state_handles, images, labels, loss_scale, tower_index, stop,
@@ -364,7 +370,8 @@ class Trainer:
             [g * to_mean for g in grad_packs]
         weight_decay = 0.5 * coeff * tf.add_n([tf.reduce_sum(tf.square(w)) for w in w_packs])
         global_norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in update]))
-        finite = tf.math.is_finite(global_norm) & tf.math.is_finite(loss_total)
+        finite = tf.math.is_finite(global_norm) & tf.math.is_finite(loss_total) & \
+            (tf.reduce_min(towers[:, 4]) > 0.5)
         clip = cfg.train.clip_global_norm
         clipped = global_norm > clip if clip else tf.constant(False)
         factor = tf.where(clipped, clip / tf.maximum(global_norm, 1e-30), 1.0) if clip else tf.constant(1.0)
@@ -521,7 +528,10 @@ class Trainer:
             # Each tower's own loss: its sum over its own normaliser.
             "tower_ce": tf.math.divide_no_nan(towers[:, 0], towers[:, 1]),
             "tower_grad_norm": first(out["tower_grad_norm"]),
-            "finite": towers[:, 3] > 0.5,
+            # Per tower: everything it contributed was finite; then the two parts, for the log.
+            "finite": (towers[:, 3] > 0.5) & (towers[:, 4] > 0.5),
+            "loss_grad_finite": towers[:, 3] > 0.5,
+            "bn_finite": towers[:, 4] > 0.5,
             "loss_finite": loss_finite,
             "applied": applied,
             "global_norm": first(out["global_norm"]),
