@@ -18,12 +18,12 @@ import sys
 import tempfile
 import traceback
 
-from seg_train import preflight
+from seg_train import exit_codes, preflight
 from seg_train.config import ConfigError
 
 log = logging.getLogger("seg_train")
 
-EXIT_USER_ERROR, EXIT_INTERNAL, EXIT_PEER_FAILED = 2, 1, 4
+EXIT_USER_ERROR, EXIT_INTERNAL, EXIT_PEER_FAILED = exit_codes.USER_ERROR, exit_codes.INTERNAL, exit_codes.PEER_FAILED
 
 
 class _TqdmSafeHandler(logging.StreamHandler):
@@ -524,7 +524,7 @@ def verify_towers_main(args) -> int:
         result = verify.run(cfg, devices, towers[0])
     result["config"], result["overrides"] = os.path.abspath(args.config), list(args.overrides)
     print(json.dumps(result) if args.json else verify.format_report(result))
-    return 0 if result["ok"] else 1  # the towers disagree (not a user error: no exit 2)
+    return exit_codes.OK if result["ok"] else exit_codes.VERIFY_FAILED  # a verdict, not a user error
 
 
 if __name__ == "__main__":  # pragma: no cover

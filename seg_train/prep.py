@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 
-EXIT_INPUT_ERROR = 2
+from seg_train.exit_codes import USER_ERROR as EXIT_INPUT_ERROR
 
 
 class PrepError(Exception):

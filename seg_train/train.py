@@ -16,6 +16,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
+from seg_train import exit_codes
 from seg_train import config as config_lib
 from seg_train import determinism, evaluate, inference, losses, replicas
 from seg_train.config import Config, ConfigError, check_batch
@@ -32,10 +33,7 @@ from seg_train.trainer import LOSS_SCALE_FLOOR, Trainer
 
 log = logging.getLogger("seg_train")
 
-# Exit codes (documented in README): 0 done, 1 internal error, 2 user error (config, data, flags),
-# 3 stopped on a non-finite loss/gradient, 4 a peer worker failed (cli.run_guarded: EXIT_PEER_FAILED),
-# 128 + signal number after SIGINT/SIGTERM (checkpoint written).
-EXIT_OK, EXIT_NONFINITE = 0, 3
+EXIT_OK, EXIT_NONFINITE = exit_codes.OK, exit_codes.NONFINITE
 
 
 class NonFiniteError(RuntimeError):
@@ -109,7 +107,7 @@ class _StopSignals:
                 os.write(2, f"error: interrupted again ({name} after {signal.Signals(self.signum).name}): "
                             "stopped at once, no checkpoint for the step in progress; rerun the same command to "
                             "resume from the newest checkpoint\n".encode())
-                os._exit(128 + signum)
+                os._exit(exit_codes.signalled(signum))
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -356,7 +354,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # ---- model, optimizer, restore ----------------------------------------------------------------
     if stop.signum is not None:  # signalled during the checks: nothing written yet, nothing to save
         log.warning("interrupted by %s before training started", signal.Signals(stop.signum).name)
-        return 128 + stop.signum
+        return exit_codes.signalled(stop.signum)
     # Resuming: the checkpoint holds every weight, so the ImageNet file the run started from is not
     # read again (it may have moved since).
     build_cfg = config_lib.replace(cfg, "model.backbone_weights", None) if resuming else cfg
@@ -479,7 +477,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                 log.warning("interrupted by %s at step %d: checkpoint %s written; rerun the same command "
                             "to resume", "a peer worker" if stop.signum is None else signal.Signals(signum).name,
                             step, path if write_dir == run_dir else run_dir / "checkpoints")
-                status = 128 + signum
+                status = exit_codes.signalled(signum)
                 break
         if pending is not None:
             loop.finish(pending)
