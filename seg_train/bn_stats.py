@@ -30,7 +30,6 @@ with their moving statistics, so those ARE the statistics the weights were train
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -38,6 +37,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from seg_train.progress import progress_bar, shown
 from seg_train import models
 from seg_train.config import ConfigError, check_batch
 
@@ -212,11 +212,7 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
         return ds.take(num_batches * n_local)
 
     forward, layout = _forward_fn(trainer, layers)
-    bar = None
-    if progress and sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(total=num_batches, unit="batch", desc="BN statistics", dynamic_ncols=True,
-                   file=sys.stderr, leave=False)
+    bar = progress_bar(num_batches, "BN statistics", "batch") if shown(progress) else None
     for i, layer in enumerate(layers):
         _wrap(layer, i)
     acc, seen = [None] * len(layers), 0

@@ -8,13 +8,13 @@ in seconds instead of crashing a run hours later.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from seg_train.progress import progress_bar, shown
 from seg_train.reader import BadSample, Sample, load_sample
 
 log = logging.getLogger("seg_train")
@@ -53,10 +53,7 @@ def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str =
     t0 = time.perf_counter()
     report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64),
                         image_pixels=np.zeros(num_classes, np.int64))
-    bar = None
-    if sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(total=len(samples), desc=f"checking {what}", unit="img", leave=False, file=sys.stderr)
+    bar = progress_bar(len(samples), f"checking {what}") if shown() else None
     with ThreadPoolExecutor(workers) as pool:
         for sample, problem, counts in pool.map(lambda s: _check(s, num_classes, ignore_label), samples):
             if problem:

@@ -27,11 +27,11 @@ the best checkpoint is checkpoint.keep_best.
 from __future__ import annotations
 
 import itertools
-import sys
 import weakref
 
 import tensorflow as tf
 
+from seg_train.progress import progress_bar
 from seg_train import inference
 from seg_train.config import ConfigError
 from seg_train.metrics import SegMetrics, compute_metrics
@@ -94,13 +94,6 @@ def _make_eval_step(trainer, eval_cfg):
     return step
 
 
-def _progress_bar(total: int, desc: str, progress: bool):
-    """A tqdm bar on stderr, disabled unless `progress` and stderr is a terminal."""
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="img", dynamic_ncols=True, file=sys.stderr, leave=False,
-                disable=not (progress and sys.stderr.isatty()))
-
-
 def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True,
              eval_cfg=None) -> tuple[SegMetrics, int]:
     """Evaluates the trainer's model on every image of `reader`'s split at full resolution.
@@ -133,7 +126,7 @@ def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True,
     total = tf.zeros([c * c], tf.int64)
     num_images = 0
     samples = iter(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
-    with _progress_bar(len(reader), f"eval {reader.split}", progress) as bar:
+    with progress_bar(len(reader), f"eval {reader.split}", enabled=progress) as bar:
         while True:
             group = [(image, label) for image, label, _ in itertools.islice(samples, n)]
             if not group:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from seg_train.progress import progress_bar
 from seg_train.config import Config, ConfigError
 from seg_train.palette import save_index_png, voc_colormap
 
@@ -118,7 +118,6 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
       The class-index PNGs written (one per input image, in input order).
     """
     import tensorflow as tf
-    from tqdm import tqdm
 
     from seg_train.restore import load_trainer, maybe_reestimate_bn
     from seg_train.export import serving_module
@@ -133,8 +132,8 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     out.mkdir(parents=True, exist_ok=True)
 
     written = []
-    for f in tqdm(files, desc="predict", unit="img", dynamic_ncols=True, file=sys.stderr, leave=False,
-                  disable=not (progress and sys.stderr.isatty())):
+    bar = progress_bar(len(files), "predict", enabled=progress)
+    for f in files:
         with Image.open(f) as im:
             image = np.asarray(im.convert("RGB"))
         classes = module.serve(tf.constant(image))["classes"].numpy()
@@ -143,6 +142,8 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
         blended = Image.fromarray(overlay(image, classes, palette))
         _write_atomic(out / f"{f.stem}_overlay.jpg", functools.partial(blended.save, format="JPEG", quality=90))
         written.append(mask_path)
+        bar.update(1)
+    bar.close()
     print(f"wrote {len(written)} class-index PNG(s) and {len(written)} overlay(s) to {out} "
           f"(step {step}, {prefix})")
     return written

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import exit_codes
+from seg_train.progress import progress_bar, shown
 from seg_train import config as config_lib
 from seg_train import determinism, evaluate, inference, losses, replicas
 from seg_train.config import Config, ConfigError, check_batch
@@ -42,10 +43,7 @@ class NonFiniteError(RuntimeError):
 
 def _progress(total: int, initial: int):
     """A tqdm bar on a terminal, None otherwise (then plain log lines are written)."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stderr)
+    return progress_bar(total, unit="step", initial=initial, leave=True) if shown() else None
 
 
 class _StopSignals:
