@@ -51,7 +51,7 @@ def audit(cfg, towers: int, devices, show_all: bool) -> dict:
     from seg_train import determinism, replicas
     from seg_train.trainer import Trainer
 
-    strategy = replicas.make_strategy(replicas.Devices(devices.names[:towers], devices.kind, ""))
+    strategy = replicas.strategy_for(cfg.train, devices, towers)
     trainer = Trainer(cfg, strategy)
     h, w = cfg.data.crop_size
     k = cfg.train.accumulate_steps

@@ -331,7 +331,7 @@ class TrainRunner:
         self.batch = cfg.data.batch_size
         k = cfg.train.accumulate_steps
         self.images_per_step = self.batch * k
-        self.strategy = replicas.make_strategy(devices, cfg.train.allreduce, cfg.train.allreduce_num_packs)
+        self.strategy = replicas.strategy_for(cfg.train, devices)
         t0 = time.perf_counter()
         self.trainer = Trainer(cfg, self.strategy, class_weights=class_weights)
         self.build_s = time.perf_counter() - t0

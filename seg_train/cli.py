@@ -219,7 +219,7 @@ def _setup(args, run_dir_flag=None, checks=None):
         return cfg, strategy
     with quiet_stderr(args.debug):
         devices = replicas.setup_devices(args.gpus)
-        strategy = replicas.make_strategy(devices, t.allreduce, t.allreduce_num_packs, t.allreduce_pack_mb)
+        strategy = replicas.strategy_for(t, devices)
     log.info("%s", devices.message)
     return cfg, strategy
 

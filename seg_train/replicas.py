@@ -66,8 +66,16 @@ def setup_devices(num_towers: int) -> Devices:
     return Devices(names, "CPU", f"no GPU found: {num_towers} tower(s) on logical CPU devices (the CPU split {num_towers} ways)")
 
 
-def make_strategy(devices: Devices, allreduce: str = "auto", num_packs: int = 1,
-                  pack_mb: float = 0.0) -> tf.distribute.Strategy:
+def strategy_for(train_cfg, devices: Devices, towers: int | None = None) -> tf.distribute.Strategy:
+    """THE strategy of a run on one machine: the first `towers` of `devices` (default: all), with the
+    config's all-reduce (train.allreduce, train.allreduce_num_packs). seg-train, seg-eval,
+    seg-predict, seg-export, seg-bench and --verify-towers all build theirs here."""
+    if towers is not None:
+        devices = Devices(devices.names[:towers], devices.kind, devices.message)
+    return make_strategy(devices, train_cfg.allreduce, train_cfg.allreduce_num_packs)
+
+
+def make_strategy(devices: Devices, allreduce: str = "auto", num_packs: int = 1) -> tf.distribute.Strategy:
     """One MirroredStrategy over the chosen devices: one set of variables, one replica per tower.
 
     `allreduce` picks TensorFlow's cross-device implementation. On logical CPU devices `auto` means

@@ -2,7 +2,7 @@
 
 The self-test a user runs on a new GPU box, before trusting it with a long run. It builds the real
 train step twice from the same config, on 1 tower and on N towers of the user's own devices and
-all-reduce (train.allreduce through replicas.make_strategy; on logical CPU towers that is
+all-reduce (train.allreduce through replicas.strategy_for; on logical CPU towers that is
 ReductionToOneDevice), and feeds both the same global batch: the first training batch of the
 config's data through the real ImageReader, distributed the way training distributes it. Each
 step runs as Trainer.probe (the update's gradient and the BN moving statistics it would set,
@@ -129,8 +129,7 @@ def _probe(cfg: Config, devices, n: int, reader) -> dict:
     from seg_train.trainer import Trainer
 
     t = cfg.train
-    sub = replicas.Devices(devices.names[:n], devices.kind, "")
-    strategy = replicas.make_strategy(sub, t.allreduce, t.allreduce_num_packs, t.allreduce_pack_mb)
+    strategy = replicas.strategy_for(t, devices, n)
     weights = cfg.loss.class_weights
     if isinstance(weights, str):
         # 'median_frequency' needs a scan of the whole train split; any weights exercise the same
