@@ -126,12 +126,14 @@ def imports_the_copy(copy: Path) -> bool:
 
 
 def first_failure(output: str) -> str:
-    """pytest's first 'FAILED node - message' (or ERROR) summary line, shortened."""
-    for line in output.splitlines():
-        if line.startswith(("FAILED ", "ERROR ")):
-            return line[:200]
-    tail = [line for line in output.splitlines() if line.strip()]
-    return tail[-1][:200] if tail else ""
+    """pytest's first failing node id and the first 'E ' lines of its report (the assertion), shortened."""
+    lines = output.splitlines()
+    node = next((line.split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))), "")
+    message = " | ".join([line[1:].strip() for line in lines if line.startswith("E ") and line[1:].strip()][:3])
+    if not node and not message:
+        tail = [line for line in lines if line.strip()]
+        return tail[-1][:200] if tail else ""
+    return f"{node}: {message[:200]}" if message else node
 
 
 def check_mutant(m: dict, timeout: float) -> dict:
