@@ -6,10 +6,11 @@ an interrupted run leaves nothing behind), the one text replaced there, and `pyt
 <its tests>` run in the copy with PYTHONPATH pointing at it. Verdicts:
   KILLED    a listed test failed: the tests catch this bug;
   SURVIVED  every listed test passed: a hole in the tests (exit 1);
-  ERROR     the find text is missing or not unique, a test id is wrong, the copy did not import, or
-            the per-mutant timeout (exit 1: the check proved nothing for that mutant).
+  ERROR     the find text is missing or not unique, pytest could not collect the tests on the mutant
+            (e.g. it does not import), or the per-mutant timeout (exit 1: nothing proved for it).
 The listed tests are first run once on an unmutated copy: a mutant "killed" by a test that fails
-anyway proves nothing, so the check aborts (exit 2) when they do not pass.
+anyway (or by a test id that does not exist) proves nothing, so the check aborts (exit 2) unless
+they all pass.
 
   python scripts/mutants.py                 # all mutants (make mutants)
   python scripts/mutants.py --list          # the list, checked, nothing run
@@ -217,8 +218,8 @@ def main(argv=None) -> int:
     ok, out, seconds = baseline(runnable, args.timeout) if runnable else (True, "", 0.0)
     if not ok:
         print(out[-4000:], file=sys.stderr)
-        print("error: the listed tests fail without any mutation (scripts/mutants.yaml): expected them to pass "
-              "first, a mutant killed by a failing test proves nothing", file=sys.stderr)
+        print(f"error: the listed tests fail without any mutation ({args.file}): expected them to pass first "
+              "(a mutant killed by a failing test proves nothing)", file=sys.stderr)
         return 2
     print(f"baseline: passed ({seconds:.1f} s)", flush=True)
 
