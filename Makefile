@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-accuracy clean
+.PHONY: demo test mutants bench bench-accuracy clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The mutation check (scripts/mutants.yaml): every listed bug must make its targeted tests fail. Not part of
+# `make test`; run it after changing the train step, BN, losses, inference, EMA, accumulation or clipping.
+mutants: $(STAMP)
+	nice -n 10 $(BIN)/python scripts/mutants.py
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py

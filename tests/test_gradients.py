@@ -205,6 +205,28 @@ def test_packing_is_exact(tmp_path):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
 
 
+
+def test_backbone_lr_multiplier_scales_only_the_backbone_step(tmp_path):
+    """One plain SGD step with train.backbone_lr_multiplier 0.1: every backbone weight moves by
+    -0.1 * lr * (the plain tape's gradient), every head weight by -lr * gradient. Wrong answers: the
+    multiplier ignored (backbone steps 10x too large), or applied to the head instead."""
+    lr, mult = 0.5, 0.1
+    cfg = tiny_config(tmp_path, model={"sync_batchnorm": False, "weight_decay": 0.05},
+                      train={"optimizer": "sgd", "momentum": 0.0, "learning_rate": lr, "backbone_lr_multiplier": mult})
+    images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    grads, _ = plain_gradient(cfg, images, labels)
+    trainer = Trainer(cfg, strategy(1))
+    start = [v.numpy() for v in trainer.model.trainable_variables]
+    dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    trainer.train_step(next(iter(dist)), lr=lr)
+    paths = [v.path for v in trainer.model.trainable_variables]
+    in_backbone = [p.startswith(("stem_", "stage")) for p in paths]  # the tiny backbone's layer names
+    assert 0 < sum(in_backbone) < len(paths)
+    for g, w0, v, backbone in zip(grads, start, trainer.model.trainable_variables, in_backbone):
+        want = -lr * (mult if backbone else 1.0) * g.numpy()
+        np.testing.assert_allclose(v.numpy() - w0, want, rtol=1e-3, atol=1e-6, err_msg=v.path)
+    assert max(float(np.abs(g.numpy()).max()) for g, b in zip(grads, in_backbone) if b) * lr > 1e-3
+
 # Top-k alone is the combined case with unit weights; the combined case also checks the weighted
 # normaliser of the kept pixels (it depends on the logits).
 @pytest.mark.parametrize("loss_cfg", [{"class_weights": [0.2, 1.0, 3.0]},

@@ -97,3 +97,24 @@ def test_cache_gives_the_same_stream_and_decodes_once(tmp_path, monkeypatch):
     for (a_img, a_lbl), (b_img, b_lbl) in zip(plain, cached):
         np.testing.assert_array_equal(a_img.numpy(), b_img.numpy())
         np.testing.assert_array_equal(a_lbl.numpy(), b_lbl.numpy())
+
+
+def test_mirror_flips_image_and_label_together(tmp_path):
+    """A mirrored sample's label is mirrored with its image: the wrong answer is a label left as it was
+    (bright pixels would then carry the dark half's class on two thirds of the columns)."""
+    root = make_voc(tmp_path / "voc", [np.zeros((20, 30), np.uint8)])
+    label = np.zeros((20, 30), np.uint8)
+    label[:, 10:] = 1  # an asymmetric split, so a mirror really moves the boundary
+    image = np.where(label[..., None] == 1, 220, 30).astype(np.uint8).repeat(3, axis=-1)
+    Image.fromarray(image).save(root / "JPEGImages" / "img0.jpg")
+    save_index_png(root / "SegmentationClass" / "img0.png", label, voc_colormap())
+    cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [20, 30], "random_scale": [1.0, 1.0]})
+    reader = ImageReader(cfg.data, "train", seed=0)
+    decoded = reader.decode(0)
+    mirrored = []
+    for k in range(8):
+        img, lbl = (t.numpy() for t in reader.augment(*decoded, np.int64(k)))
+        mirrored.append(bool(lbl[0, 0] == 1))
+        bright = img[..., 0] > 0.0  # normalised: the dark half is far below the mean colour, the bright far above
+        assert (bright == (lbl == 1)).mean() > 0.95, k
+    assert any(mirrored) and not all(mirrored)  # both cases really seen
