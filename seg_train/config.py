@@ -29,9 +29,13 @@ class ConfigError(ValueError):
         super().__init__(f"{what} ({where}): {expected}")
 
 
-def _c(default=dataclasses.MISSING, *, check=None, doc="", path=False, choices=None, factory=None):
-    """A config field: default, an optional check(value) -> error string or None, and a doc line."""
-    meta = {"check": check, "doc": doc, "path": path, "choices": choices}
+def _c(default=dataclasses.MISSING, *, check=None, path=False, choices=None, factory=None):
+    """A config field: default, an optional check(value) -> error string or None, path, choices.
+
+    What each key means is written once, in README.md's config table (tests/test_config_docs.py
+    checks that every key has a row there and that every row names a key).
+    """
+    meta = {"check": check, "path": path, "choices": choices}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -69,43 +73,38 @@ def _label_value(v):
 
 @dataclass(frozen=True)
 class DataConfig:
-    root: Path = _c(check=None, path=True,
-                    doc="VOC-layout folder (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/); "
-                        "with synthetic: true, default data/<config name> in the current folder")
-    num_classes: int = _c(check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]", doc="number of classes")
-    train_split: str = _c("train", doc="split name under ImageSets/Segmentation/, or a list file of 'image label' pairs")
-    val_split: str = _c("val", doc="split used for evaluation")
-    ignore_label: int = _c(255, check=_label_value, doc="label value excluded from loss and metrics")
-    batch_size: int = _c(8, check=_positive, doc="GLOBAL batch size, split evenly across towers")
-    crop_size: tuple[int, int] = _c((321, 321), check=_pair_positive, doc="[height, width] of training crops")
-    random_scale: tuple[float, float] = _c((0.5, 2.0), check=_scale_range, doc="[lo, hi] random rescale range")
-    random_mirror: bool = _c(True, doc="random left-right flip")
-    mean: Optional[tuple[float, float, float]] = _c(None, doc="RGB mean subtracted from images (default: the backbone's)")
-    std: Optional[tuple[float, float, float]] = _c(None, check=_pair_positive, doc="RGB std dividing images (default: the backbone's)")
-    class_names: Optional[list[str]] = _c(None, doc="class names; default classes.txt in the data root")
-    synthetic: bool = _c(False, doc="generate the synthetic demo data set at data.root if it is not there")
-    num_parallel_calls: int = _c(-1, check=lambda v: None if v == -1 or v > 0 else "-1 (autotune) or a positive integer", doc="parallel decode/augment workers")
-    on_bad_sample: str = _c("error", choices=("error", "skip"), doc="a sample that fails to decode during training: stop or skip it")
-    cache: bool = _c(False, doc="keep each decoded image and label in memory after its first read (RAM: ~4 bytes per pixel)")
+    root: Path = _c(check=None, path=True)
+    num_classes: int = _c(check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]")
+    train_split: str = _c("train")
+    val_split: str = _c("val")
+    ignore_label: int = _c(255, check=_label_value)
+    batch_size: int = _c(8, check=_positive)
+    crop_size: tuple[int, int] = _c((321, 321), check=_pair_positive)
+    random_scale: tuple[float, float] = _c((0.5, 2.0), check=_scale_range)
+    random_mirror: bool = _c(True)
+    mean: Optional[tuple[float, float, float]] = _c(None)
+    std: Optional[tuple[float, float, float]] = _c(None, check=_pair_positive)
+    class_names: Optional[list[str]] = _c(None)
+    synthetic: bool = _c(False)
+    num_parallel_calls: int = _c(-1, check=lambda v: None if v == -1 or v > 0 else "-1 (autotune) or a positive integer")
+    on_bad_sample: str = _c("error", choices=("error", "skip"))
+    cache: bool = _c(False)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    backbone: str = _c("mobilenetv2", choices=("tiny", "mobilenetv2", "resnet50", "resnet101"), doc="feature extractor")
-    output_stride: int = _c(16, choices=(8, 16), doc="input/feature resolution ratio (dilated last stages)")
-    sync_batchnorm: bool = _c(False, doc="synchronized BN across towers (else per-tower statistics, moving stats averaged)")
-    bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)", doc="momentum of every BatchNormalization layer")
-    weight_decay: float = _c(4e-5, check=_non_negative, doc="L2 coefficient on conv/dense kernels")
-    backbone_weights: Optional[Path] = _c(None, path=True, doc="the Keras ImageNet weights file of the backbone (the include_top=False .h5 keras.applications downloads)")
-    aspp_channels: int = _c(256, check=_positive, doc="channels of the ASPP branches")
-    decoder_channels: int = _c(256, check=_positive, doc="channels of the decoder convolutions")
-    low_level_channels: int = _c(48, check=_positive, doc="channels the low-level features are projected to")
-    fused_batchnorm: bool = _c(True, doc="BN as TensorFlow's fused kernel, Keras' semantics (models/fused_bn.py); false: Keras' unfused BN")
-    fast_atrous: bool = _c(True, doc="dilated convs as one native conv, taps that only read padding dropped (exact; models/atrous.py)")
-    freeze_batchnorm: bool = _c(False, doc="every BN layer of the BACKBONE runs in inference mode with its loaded "
-                                           "statistics, gamma/beta frozen (Keras trainable=False; DeepLab's "
-                                           "fine_tune_batch_norm: false, for per-GPU batches too small for BN); "
-                                           "the head's BN layers train as usual")
+    backbone: str = _c("mobilenetv2", choices=("tiny", "mobilenetv2", "resnet50", "resnet101"))
+    output_stride: int = _c(16, choices=(8, 16))
+    sync_batchnorm: bool = _c(False)
+    bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)")
+    weight_decay: float = _c(4e-5, check=_non_negative)
+    backbone_weights: Optional[Path] = _c(None, path=True)
+    aspp_channels: int = _c(256, check=_positive)
+    decoder_channels: int = _c(256, check=_positive)
+    low_level_channels: int = _c(48, check=_positive)
+    fused_batchnorm: bool = _c(True)
+    fast_atrous: bool = _c(True)
+    freeze_batchnorm: bool = _c(False)
 
 
 # train.allreduce_pack_mb's default, chosen by measurement (docs/PERFORMANCE.md, "packing").
@@ -114,48 +113,30 @@ PACK_MB_DEFAULT = 32.0
 
 @dataclass(frozen=True)
 class TrainConfig:
-    num_steps: int = _c(30000, check=_positive, doc="total optimizer steps")
-    learning_rate: float = _c(1e-3, check=_positive, doc="base learning rate of the poly schedule")
-    lr_power: float = _c(0.9, check=_non_negative, doc="poly schedule exponent")
-    warmup_steps: int = _c(0, check=_non_negative, doc="linear warmup steps before the poly schedule")
-    optimizer: str = _c("adam", choices=("adam", "sgd"), doc="adam, or sgd with momentum")
-    momentum: float = _c(0.9, check=_fraction, doc="SGD momentum")
-    checkpoint_every: int = _c(1000, check=_positive, doc="steps between checkpoints")
-    keep_checkpoints: int = _c(3, check=_positive, doc="checkpoints kept")
-    summary_every: int = _c(20, check=_positive, doc="steps between scalar summaries and log lines")
-    image_summary_every: int = _c(500, check=_non_negative, doc="steps between image summaries (0: never)")
-    deterministic: bool = _c(False, doc="TensorFlow op determinism for reproducible runs")
-    eval_every: int = _c(0, check=_non_negative, doc="steps between evaluations on the val split (0: only at the end)")
-    on_nan: str = _c("stop", choices=("stop", "skip_step"), doc="a non-finite loss, gradient or BN statistics: stop, or skip the update")
-    precision: str = _c("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"),
-                        doc="compute dtype policy (mixed_float16 uses dynamic loss scaling)")
-    jit_compile: bool = _c(False, doc="XLA-compile each tower's forward/backward pass")
-    allreduce: str = _c("auto", choices=("auto", "nccl", "hierarchical_copy", "reduction_to_one_device", "ring"),
-                        doc="gradient all-reduce: one machine: nccl, hierarchical_copy, reduction_to_one_device; "
-                            "several: ring or nccl collectives; auto: TensorFlow's choice")
-    allreduce_pack_mb: float = _c(PACK_MB_DEFAULT, check=_non_negative,
-                                  doc="gradients (and BN statistics) cross the towers flattened into packs of at "
-                                      "most this many MB, one all-reduce per pack, on one machine and across "
-                                      "machines; 0: one all-reduce per tensor")
-    accumulate_steps: int = _c(1, check=_positive,
-                               doc="micro-batches per update: each step sums the gradients of this many global "
-                                   "batches of data.batch_size on every tower, then all-reduces once")
-    clip_global_norm: Optional[float] = _c(None, check=_positive,
-                                           doc="clip the update's all-reduced gradient to this global L2 norm "
-                                               "(null: no clipping)")
-    allreduce_num_packs: int = _c(1, check=_positive, doc="one machine, nccl/hierarchical_copy: gradient packs")
-    collective_timeout: float = _c(600.0, check=_positive,
-                                   doc="multi-worker: seconds a collective may wait for a peer before the run stops")
-    ema_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v < 1 else "a number in (0, 1)",
-                                    doc="keep an exponential moving average of the weights with this decay (TF's "
-                                        "ExponentialMovingAverage with num_updates: min(decay, (1 + t) / (10 + t))); "
-                                        "evaluation, best/ and export use it (null: off)")
-    backbone_lr_multiplier: float = _c(1.0, check=_positive,
-                                       doc="the backbone's variables learn at this multiple of the learning rate "
-                                           "(e.g. 0.1 when fine-tuning ImageNet weights); the head at 1x")
-    profile_steps: Optional[tuple[int, int]] = _c(None, check=_step_range,
-                                                  doc="[a, b]: a TensorFlow profiler trace of steps a..b for "
-                                                      "TensorBoard's Profile tab (null: none)")
+    num_steps: int = _c(30000, check=_positive)
+    learning_rate: float = _c(1e-3, check=_positive)
+    lr_power: float = _c(0.9, check=_non_negative)
+    warmup_steps: int = _c(0, check=_non_negative)
+    optimizer: str = _c("adam", choices=("adam", "sgd"))
+    momentum: float = _c(0.9, check=_fraction)
+    checkpoint_every: int = _c(1000, check=_positive)
+    keep_checkpoints: int = _c(3, check=_positive)
+    summary_every: int = _c(20, check=_positive)
+    image_summary_every: int = _c(500, check=_non_negative)
+    deterministic: bool = _c(False)
+    eval_every: int = _c(0, check=_non_negative)
+    on_nan: str = _c("stop", choices=("stop", "skip_step"))
+    precision: str = _c("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"))
+    jit_compile: bool = _c(False)
+    allreduce: str = _c("auto", choices=("auto", "nccl", "hierarchical_copy", "reduction_to_one_device", "ring"))
+    allreduce_pack_mb: float = _c(PACK_MB_DEFAULT, check=_non_negative)
+    accumulate_steps: int = _c(1, check=_positive)
+    clip_global_norm: Optional[float] = _c(None, check=_positive)
+    allreduce_num_packs: int = _c(1, check=_positive)
+    collective_timeout: float = _c(600.0, check=_positive)
+    ema_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v < 1 else "a number in (0, 1)")
+    backbone_lr_multiplier: float = _c(1.0, check=_positive)
+    profile_steps: Optional[tuple[int, int]] = _c(None, check=_step_range)
 
 
 CLASS_WEIGHT_SCHEMES = ("median_frequency", "sqrt_median_frequency")
@@ -175,14 +156,8 @@ def _class_weights(v):
 @dataclass(frozen=True)
 class LossConfig:
     class_weights: Optional[typing.Union[list[float], str]] = _c(
-        None, check=_class_weights,
-        doc="per-class loss weights: null (all 1), a list of data.num_classes weights >= 0, or 'median_frequency' "
-            "(SegNet's median frequency balancing from the train split's pixel counts) or 'sqrt_median_frequency' "
-            "(their square roots: milder); the loss is divided by "
-            "the sum of the weights of the pixels it counts")
-    top_k_percent_pixels: float = _c(1.0, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
-                                     doc="hard-pixel mining: the loss counts only this fraction of each image's "
-                                         "valid pixels, the ones with the largest (weighted) loss (1.0: all)")
+        None, check=_class_weights)
+    top_k_percent_pixels: float = _c(1.0, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]")
 
 
 def _scales(v):
@@ -193,20 +168,13 @@ def _scales(v):
 
 @dataclass(frozen=True)
 class EvalConfig:
-    bn_reestimate_batches: int = _c(50, check=_non_negative, doc="training batches used to re-estimate BN statistics before eval and export (0: off)")
+    bn_reestimate_batches: int = _c(50, check=_non_negative)
     # The inference modes (seg_train/inference.py): evaluation, seg-predict and the exported model.
-    mode: str = _c("whole", choices=("whole", "slide"),
-                   doc="whole: each image in one forward pass; slide: overlapping eval.crop_size windows "
-                       "every eval.stride pixels, logits averaged per pixel")
-    flip: bool = _c(False, doc="also predict the left-right flipped image; softmax probabilities averaged")
-    scales: list[float] = _c(check=_scales, factory=lambda: [1.0],
-                             doc="image scales predicted (each resized back to full resolution); softmax "
-                                 "probabilities averaged over scales (and flips)")
-    crop_size: Optional[tuple[int, int]] = _c(None, check=_pair_positive,
-                                              doc="[height, width] of the sliding window (eval.mode: slide)")
-    stride: Optional[tuple[int, int]] = _c(None, check=_pair_positive,
-                                           doc="[height, width] step between windows, at most eval.crop_size "
-                                               "(null: two thirds of eval.crop_size, rounded up)")
+    mode: str = _c("whole", choices=("whole", "slide"))
+    flip: bool = _c(False)
+    scales: list[float] = _c(check=_scales, factory=lambda: [1.0])
+    crop_size: Optional[tuple[int, int]] = _c(None, check=_pair_positive)
+    stride: Optional[tuple[int, int]] = _c(None, check=_pair_positive)
 
 
 @dataclass(frozen=True)
@@ -216,8 +184,8 @@ class Config:
     train: TrainConfig = _c(factory=TrainConfig)
     loss: LossConfig = _c(factory=LossConfig)
     eval: EvalConfig = _c(factory=EvalConfig)
-    seed: int = _c(0, check=_non_negative, doc="one seed for weights, data order and augmentation")
-    run_dir: Optional[Path] = _c(None, path=True, doc="checkpoints, events and the resolved config (default runs/<config name>)")
+    seed: int = _c(0, check=_non_negative)
+    run_dir: Optional[Path] = _c(None, path=True)
 
     def to_dict(self) -> dict:
         """Plain YAML-able dict (paths as strings, tuples as lists)."""
