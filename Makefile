@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test mutants bench bench-accuracy clean
+.PHONY: demo test lint mutants bench bench-accuracy clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ test: $(STAMP)
 # `make test`; run it after changing the train step, BN, losses, inference, EMA, accumulation or clipping.
 mutants: $(STAMP)
 	nice -n 10 $(BIN)/python scripts/mutants.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check seg_train scripts tests
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py

@@ -25,7 +25,8 @@ from K training batches (population statistics of each BN input over those batch
 separates "bad weights" from "stale BN statistics".
 
 Usage:
-    python scripts/baseline_keras_fit_accuracy.py --data ../shared/data/camvid --minutes 30 --out runs/bench-accuracy/baseline
+    python scripts/baseline_keras_fit_accuracy.py --data ../shared/data/camvid --minutes 30 \
+        --out runs/bench-accuracy/baseline
 
 Writes OUT/result.json (figures, per-class IoU, confusion matrices, steps, timings), OUT/log.csv
 (per-epoch loss) and OUT/model.weights.h5. Exit codes: 0 done, 2 bad arguments or data.
@@ -37,22 +38,24 @@ import time
 
 T_START = time.monotonic()  # the budget counts from here: imports and data loading are part of it
 
-import argparse
-import json
-import math
-import os
-import shlex
-import sys
-from pathlib import Path
+# The imports below come after T_START on purpose, so that their time counts against the budget.
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import numpy as np
-from PIL import Image
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="VOC-layout root (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/)")
+    p.add_argument("--data", required=True,
+                   help="VOC-layout root (JPEGImages/, SegmentationClass/, ImageSets/Segmentation/)")
     p.add_argument("--num-classes", type=int, default=None, help="default: the number of lines of classes.txt")
     p.add_argument("--ignore-label", type=int, default=255)
     p.add_argument("--train-split", default="train")

@@ -152,7 +152,8 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"seg-train step: {result['seg_train_images_per_sec']:.2f} images/s ({result['seg_train_step_time_ms']:.0f} ms)")
+        print(f"seg-train step: {result['seg_train_images_per_sec']:.2f} images/s "
+              f"({result['seg_train_step_time_ms']:.0f} ms)")
         print(f"keras model.fit: {keras_rate:.2f} images/s ({result['keras_fit_step_time_ms']:.0f} ms, "
               f"jit_compile {result['keras_fit_jit_compile']})")
         print(f"seg-train / keras: {result['speedup_seg_train_vs_keras_fit']:.3f}x")

@@ -68,7 +68,8 @@ class BenchError(RuntimeError):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--steps", type=int, default=None,
                    help="train both sides for N steps (default: the config's train.num_steps); "
                         "a run with --steps does not update the docs")

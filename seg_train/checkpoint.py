@@ -87,7 +87,8 @@ def resolve(path: str | Path) -> str:
                 return latest
     if Path(str(p) + ".index").is_file():
         return str(p)
-    raise ConfigError("checkpoint not found", str(path), "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
+    raise ConfigError("checkpoint not found", str(path),
+                      "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
 
 
 def read_best(run_dir: Path) -> dict | None:

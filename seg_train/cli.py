@@ -133,7 +133,7 @@ def run_guarded(main, args) -> int:
             print(f"error: {msg}", file=sys.stderr)
             return EXIT_USER_ERROR
         if not getattr(args, "debug", False):
-            lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
             print(f"error: internal error ({type(e).__name__}): {lines[-1] if lines else ''} "
                   "-- rerun with --debug for the traceback", file=sys.stderr)
         return EXIT_INTERNAL
@@ -321,7 +321,8 @@ def predict_main(argv=None) -> int:
 
     return _checkpoint_command(
         argv, "seg-predict", "Segment whole images (each in one pass: any size that fits in memory): <name>.png "
-        "(palette PNG of class indices, original size) and <name>_overlay.jpg for each input.", add_arguments, fail_fast, run)
+        "(palette PNG of class indices, original size) and <name>_overlay.jpg for each input.",
+        add_arguments, fail_fast, run)
 
 
 def export_main(argv=None) -> int:
@@ -377,7 +378,8 @@ def bench_main(argv=None) -> int:
     _version(parser)
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (dotted, YAML-typed; repeatable), e.g. --set train.precision=mixed_bfloat16")
+                        help="override a config key (dotted, YAML-typed; repeatable), "
+                        "e.g. --set train.precision=mixed_bfloat16")
     parser.add_argument("--gpus", default="1", metavar="N[,N...]",
                         help="tower counts to measure, e.g. 1,2,4 (logical CPU devices if no GPU); default 1")
     parser.add_argument("--steps", type=int, default=10, metavar="K", help="timed steps per window (default 10)")
@@ -390,11 +392,13 @@ def bench_main(argv=None) -> int:
                         help="train from the real ImageReader (default) or from the same batches cached in memory")
     parser.add_argument("--compare", action="append", default=[], metavar="KEY=VALUE[,VALUE...]",
                         help="also time the config with KEY=VALUE (a config key, e.g. train.precision=mixed_bfloat16; "
-                        "input=cached; loop=blocking: the host waits for every step), interleaved with the base config; "
+                        "input=cached; loop=blocking: the host waits for every step), "
+                        "interleaved with the base config; "
                         "repeatable; reports speedups vs the base. train.accumulate_steps=K divides data.batch_size "
                         "by K (the same images per update) and also reports each variant's peak memory")
     parser.add_argument("--bn-images", type=int, default=200, metavar="N",
-                        help="time precise-BN re-estimation on N training images per tower count (0: skip; default 200)")
+                        help="time precise-BN re-estimation on N training images per tower count "
+                        "(0: skip; default 200)")
     parser.add_argument("--eval-images", type=int, default=64, metavar="N",
                         help="time evaluation on the first N val images per tower count (0: skip; default 64)")
     parser.add_argument("--no-probes", action="store_true",
@@ -424,11 +428,13 @@ def bench_main(argv=None) -> int:
         towers = parse_towers(args.gpus)
         for name in ("steps", "windows"):
             if getattr(args, name) < 1:
-                raise ConfigError(f"invalid --{name}", f"--{name}", f"expected a positive integer, got {getattr(args, name)}")
+                raise ConfigError(f"invalid --{name}", f"--{name}",
+                                  f"expected a positive integer, got {getattr(args, name)}")
         if args.pickup < 0:
             raise ConfigError("invalid --pickup", "--pickup", f"expected an integer >= 0, got {args.pickup}")
         if args.warmup < 1:
-            raise ConfigError("invalid --warmup", "--warmup", f"expected at least 1 (tracing is never timed), got {args.warmup}")
+            raise ConfigError("invalid --warmup", "--warmup",
+                              f"expected at least 1 (tracing is never timed), got {args.warmup}")
         cfg = config_lib.load(args.config, args.overrides)
         variants = None
         if args.compare:
@@ -439,11 +445,13 @@ def bench_main(argv=None) -> int:
                 key, values = key.strip(), [v.strip() for v in values.split(",") if v.strip()]
                 if not sep or not key or not values:
                     raise ConfigError("invalid --compare", "--compare",
-                                      f"expected KEY=VALUE[,VALUE...] (e.g. train.precision=mixed_bfloat16), got {spec!r}")
+                                      "expected KEY=VALUE[,VALUE...] (e.g. train.precision=mixed_bfloat16), "
+                                      f"got {spec!r}")
                 for v in values:
                     if key == "input":
                         if v not in ("reader", "cached"):
-                            raise ConfigError("invalid --compare", "--compare", f"expected input=reader or cached, got {v!r}")
+                            raise ConfigError("invalid --compare", "--compare",
+                                              f"expected input=reader or cached, got {v!r}")
                         variants.append(Variant(f"input={v}", cfg, v))
                     elif key == "loop":
                         if v not in ("overlapped", "blocking"):

@@ -86,7 +86,8 @@ class DataConfig:
     std: Optional[tuple[float, float, float]] = _c(None, check=_pair_positive)
     class_names: Optional[list[str]] = _c(None)
     synthetic: bool = _c(False)
-    num_parallel_calls: int = _c(-1, check=lambda v: None if v == -1 or v > 0 else "-1 (autotune) or a positive integer")
+    num_parallel_calls: int = _c(-1, check=lambda v: None if v == -1 or v > 0
+                                 else "-1 (autotune) or a positive integer")
     on_bad_sample: str = _c("error", choices=("error", "skip"))
     cache: bool = _c(False)
 
@@ -220,7 +221,8 @@ def _type_name(tp) -> str:
         return f"a list of {len(args)} {_plural(args[0])}"
     if origin is list:
         return f"a list of {_plural(typing.get_args(tp)[0])}"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}.get(tp, str(tp))
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}
+    return names.get(tp, str(tp))
 
 
 def _coerce(value, tp, key: str):
@@ -314,10 +316,12 @@ def _build(cls, raw: Any, prefix: str, base_dir: Path):
         meta = f.metadata
         if value is not None:
             if meta.get("choices") and value not in meta["choices"]:
-                raise ConfigError("invalid value", key, f"expected one of {', '.join(map(str, meta['choices']))}, got {value!r}")
+                raise ConfigError("invalid value", key,
+                                  f"expected one of {', '.join(map(str, meta['choices']))}, got {value!r}")
             problem = meta["check"](value) if meta.get("check") else None
             if problem:
-                raise ConfigError("invalid value" if isinstance(value, str) else "out of range", key, f"expected {problem}, got {_to_plain(value)!r}")
+                raise ConfigError("invalid value" if isinstance(value, str) else "out of range", key,
+                                  f"expected {problem}, got {_to_plain(value)!r}")
             if meta.get("path"):
                 value = Path(os.path.normpath(base_dir / Path(value).expanduser()))
         kwargs[name] = value
@@ -348,7 +352,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError("invalid override value", f"--set {key}", f"expected a YAML value ({str(e).splitlines()[0]})") from None
+        raise ConfigError("invalid override value", f"--set {key}",
+                          f"expected a YAML value ({str(e).splitlines()[0]})") from None
     return key, value
 
 
@@ -375,7 +380,8 @@ def read_yaml(path: Path) -> dict:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError("wrong type", str(path), f"expected a YAML mapping at the top level, got {type(raw).__name__}")
+        raise ConfigError("wrong type", str(path),
+                          f"expected a YAML mapping at the top level, got {type(raw).__name__}")
     return raw
 
 

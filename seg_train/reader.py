@@ -65,7 +65,8 @@ def list_samples(root: Path, split: str) -> list[Sample]:
     path = split_file(root, split)
     if not path.is_file():
         raise ConfigError("split not found", f"{path}", f"expected a split file for split {split!r} "
-                          f"(ImageSets/Segmentation/{split}.txt under data.root, or a list file of 'image label' pairs)")
+                          f"(ImageSets/Segmentation/{split}.txt under data.root, "
+                          "or a list file of 'image label' pairs)")
     samples = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         parts = line.split()

@@ -52,7 +52,8 @@ def setup_devices(num_towers: int) -> Devices:
         return Devices(names, "GPU", f"{num_towers} tower(s) on GPUs 0..{num_towers - 1}")
     if num_towers > MAX_LOGICAL_CPU_TOWERS:
         raise ConfigError("too many towers", "--gpus",
-                          f"no GPU here; expected at most {MAX_LOGICAL_CPU_TOWERS} logical CPU towers, got {num_towers}")
+                          f"no GPU here; expected at most {MAX_LOGICAL_CPU_TOWERS} logical CPU towers, "
+                          f"got {num_towers}")
     cpu = tf.config.list_physical_devices("CPU")[0]
     existing = tf.config.get_logical_device_configuration(cpu)
     if existing is None or len(existing) < num_towers:
@@ -63,7 +64,8 @@ def setup_devices(num_towers: int) -> Devices:
             if existing is None and num_towers > 1:
                 raise
     names = [f"/device:CPU:{i}" for i in range(num_towers)]
-    return Devices(names, "CPU", f"no GPU found: {num_towers} tower(s) on logical CPU devices (the CPU split {num_towers} ways)")
+    return Devices(names, "CPU",
+                   f"no GPU found: {num_towers} tower(s) on logical CPU devices (the CPU split {num_towers} ways)")
 
 
 def strategy_for(train_cfg, devices: Devices, towers: int | None = None) -> tf.distribute.Strategy:

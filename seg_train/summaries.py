@@ -93,7 +93,7 @@ class Summaries:
                 rgb = np.clip(images[:k] * self.std + self.mean, 0, 255).astype(np.uint8)
                 tf.summary.image(f"tower_{i}/image", rgb, max_outputs=k)
                 tf.summary.image(f"tower_{i}/label", np.stack(
-                    [colorize(l, self.palette, self.ignore_label) for l in labels[:k]]), max_outputs=k)
+                    [colorize(label, self.palette, self.ignore_label) for label in labels[:k]]), max_outputs=k)
                 # Ignored pixels are marked in the prediction too, so the two panels line up.
                 marked = np.where(labels[:k] == self.ignore_label, self.ignore_label, preds[:k])
                 tf.summary.image(f"tower_{i}/prediction", np.stack(

@@ -279,7 +279,8 @@ class Trainer:
         return float(2.0 ** round(math.log2(max(b * h * w, 1))))
 
     def _micro(self, tv, st, images, labels, scale, want_preds):
-        """One micro-batch on this tower: (gradients of loss_sum * scale, new BN statistics, loss_sum, normalizer, preds)."""
+        """One micro-batch on this tower: (gradients of loss_sum * scale, new BN statistics, loss_sum,
+        normalizer, preds)."""
         cfg = self.cfg
         with tf.GradientTape() as tape:
             tape.watch(tv)
@@ -310,8 +311,9 @@ class Trainer:
         grads, bn, loss_sum, norm, preds = self._micro(tv, st, images[0], labels[0], scale, want_preds)
         if k > 1:
             def body(m, grads, bn, loss_sum, norm):
-                g, s, l, z, _ = self._micro(tv, st, images[m], labels[m], scale, None)
-                return (m + 1, [a + x for a, x in zip(grads, g)], [a + x for a, x in zip(bn, s)], loss_sum + l,
+                g, s, micro_loss, z, _ = self._micro(tv, st, images[m], labels[m], scale, None)
+                return (m + 1, [a + x for a, x in zip(grads, g)], [a + x for a, x in zip(bn, s)],
+                        loss_sum + micro_loss,
                         norm + z)
 
             if unrolled:  # synchronized BN: all-reduces cannot sit inside a while loop (module doc)
@@ -410,7 +412,8 @@ class Trainer:
 
         applied = tf.cond(finite & apply_update, apply, lambda: tf.constant(False))
         # Per-variable norms of the update's gradient (before clipping), for the histogram.
-        var_norms = tf.cond(want_details, lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
+        var_norms = tf.cond(want_details,
+                            lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
                             lambda: tf.zeros([len(grads)]))
         return {"applied": applied, "global_norm": global_norm, "clipped": clipped & applied,
                 "loss_total": loss_total, "norm_total": norm_total, "weight_decay": weight_decay,

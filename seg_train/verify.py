@@ -32,14 +32,14 @@ gradient is rounding noise, e.g. the beta of a BN feeding a 1x1 convolution and 
 cancels it (norm 1e-8, against 73 for the whole gradient). Hence each variable's difference is
 taken relative to max(its own norm, FLOOR = 1e-3 of the whole norm): the worst variable is then at
 2.3-2.8% (two measurements, docs/SCALING.md), and no variable carrying a thousandth of the update
-is excused. The recovered batch statistics agree to 3e-5 per variable (the same floor; batch means exactly 0 in theory come out at 1e-7) at
-bn_momentum 0.9 and 0.99, and to 9e-5 at 0.999 (the recovery divides the float32 rounding of the
-moving statistics by 1 - m). The tiny test model agrees to ~4e-6 everywhere. A wrong reduction is
-nowhere near: a double reduction is off by a factor N (100%+), per-tower BN statistics by 50% or
-more (synchronized BN with its all-reduces switched off, the test hook in models/sync_bn.py, puts
-the tiny test model's gradients 280% apart), one variable counted twice by 100%. 0.1 sits between
-the 2.3-2.8% of rounding and the 50% of the smallest of those, about 4x from each, on every variable
-and on the concatenated differences alike.
+is excused. The recovered batch statistics agree to 3e-5 per variable (the same floor; batch means
+exactly 0 in theory come out at 1e-7) at bn_momentum 0.9 and 0.99, and to 9e-5 at 0.999 (the recovery
+divides the float32 rounding of the moving statistics by 1 - m). The tiny test model agrees to ~4e-6
+everywhere. A wrong reduction is nowhere near: a double reduction is off by a factor N (100%+),
+per-tower BN statistics by 50% or more (synchronized BN with its all-reduces switched off, the test
+hook in models/sync_bn.py, puts the tiny test model's gradients 280% apart), one variable counted
+twice by 100%. 0.1 sits between the 2.3-2.8% of rounding and the 50% of the smallest of those, about
+4x from each, on every variable and on the concatenated differences alike.
 
 The check runs in float32 whatever train.precision says (the figures above are float32; bfloat16
 keeps 8 significant bits, so its rounding alone would be of the order of the tolerance) and without

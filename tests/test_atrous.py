@@ -41,8 +41,9 @@ def _grads(layer, x):
 def test_equals_keras_conv2d(shape, rate, traced):
     ref, new = _pair(rate, use_bias=True)
     x = np.random.default_rng(1).normal(size=shape).astype("float32")
-    f_ref, f_new = (tf.function(lambda v, l=l: _grads(l, v)) if traced else (lambda v, l=l: _grads(l, v))
-                    for l in (ref, new))
+    f_ref, f_new = (tf.function(lambda v, layer=layer: _grads(layer, v)) if traced
+                    else (lambda v, layer=layer: _grads(layer, v))
+                    for layer in (ref, new))
     for a, b in zip(tf.nest.flatten(f_ref(x)), tf.nest.flatten(f_new(x))):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-4, atol=1e-4)
 
@@ -90,7 +91,7 @@ def test_model_fast_atrous_is_exact(backbone):
                                         low_level_channels=4), 3, seed=0)
 
     fast, plain = build(True), build(False)
-    kinds = lambda m: {type(l).__name__ for l in m._flatten_layers()}  # noqa: E731
+    kinds = lambda m: {type(layer).__name__ for layer in m._flatten_layers()}  # noqa: E731
     assert "AtrousConv2D" in kinds(fast) and "AtrousConv2D" not in kinds(plain)
     plain.set_weights(fast.get_weights())
     x = np.random.default_rng(4).normal(size=(1, 64, 96, 3)).astype("float32")  # ASPP map 4x6: rates 6+ drop taps

@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CITED = re.compile(r"(?<![\w/.-])((?:seg_train|tests|scripts|docs|configs|models|\.ci)/[\w./-]*\.(?:py|md|yaml|sh|json|png))")
+CITED = re.compile(r"(?<![\w/.-])((?:seg_train|tests|scripts|docs|configs|models|\.ci)/"
+                   r"[\w./-]*\.(?:py|md|yaml|sh|json|png))")
 BARE = re.compile(r"(?<![\w/.-])([a-z_]\w*\.py)\b")
 # Paths that name what a run or a command WRITES, not repository files.
 NOT_REPO = ("docs/PERFORMANCE.md.new",)

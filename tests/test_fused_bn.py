@@ -101,7 +101,7 @@ def test_model_fused_batchnorm_matches_keras(backbone):
                                         low_level_channels=4), 3, seed=0)
 
     fused, plain = build(True), build(False)
-    kinds = lambda m: [type(l).__name__ for l in models.batchnorm_layers(m)]  # noqa: E731
+    kinds = lambda m: [type(layer).__name__ for layer in models.batchnorm_layers(m)]  # noqa: E731
     assert set(kinds(fused)) == {"FusedBatchNormalization"} and set(kinds(plain)) == {"BatchNormalization"}
     plain.set_weights(fused.get_weights())
     x = np.random.default_rng(4).normal(size=(2, 64, 64, 3)).astype("float32")

@@ -62,7 +62,7 @@ def synthetic_config(tmp_path):
 
 def assert_one_line_error(r, start, tmp_path):
     assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(start), r.stderr
     assert "Traceback" not in r.stderr and "internal error" not in r.stderr
     # Checked before any work: neither the run dir nor the synthetic data set was created.

@@ -140,7 +140,8 @@ def reference(logits, labels, class_weights=None, top_k=1.0):
     return total, norm
 
 
-MODES = [{}, {"class_weights": [0.5, 2.0, 0.0, 1.0]}, {"top_k": 0.3}, {"class_weights": [0.5, 2.0, 0.0, 1.0], "top_k": 0.3}]
+MODES = [{}, {"class_weights": [0.5, 2.0, 0.0, 1.0]}, {"top_k": 0.3},
+         {"class_weights": [0.5, 2.0, 0.0, 1.0], "top_k": 0.3}]
 
 
 @pytest.fixture(scope="module")

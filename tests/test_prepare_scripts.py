@@ -184,8 +184,10 @@ def test_prepare_voc_sbd_unreadable_mat(tmp_path):
     make_voc(tmp_path / "VOC2012")
     make_sbd(tmp_path / "sbd")
     (tmp_path / "sbd/cls/2008_000010.mat").write_bytes(b"MATLAB 5.0 MAT-file, truncated")
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", tmp_path / "out")
-    assert_one_line_error(result, "unreadable SBD mask", "2008_000010.mat", "a MATLAB file with a GTcls.Segmentation array")
+    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd",
+                 "--output", tmp_path / "out")
+    assert_one_line_error(result, "unreadable SBD mask", "2008_000010.mat",
+                          "a MATLAB file with a GTcls.Segmentation array")
 
 
 # --- prepare_camvid ----------------------------------------------------------------------------

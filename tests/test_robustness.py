@@ -105,7 +105,8 @@ def write_config(directory: Path, root: Path, drop=(), **train) -> Path:
 
 def error_lines(stderr: str) -> list[str]:
     """stderr without the log lines (HH:MM:SS L message) and the indented/table lines that follow them."""
-    return [l for l in stderr.splitlines() if l.strip() and not LOG_LINE.match(l) and l[0] not in "|+ "]
+    return [line for line in stderr.splitlines()
+            if line.strip() and not LOG_LINE.match(line) and line[0] not in "|+ "]
 
 
 def assert_user_error(rc, stderr, expected: str):
@@ -213,9 +214,14 @@ def stopped_run(tmp_path_factory, baseline, demo_root):
 
 def _bad_roots(base: Path, demo_root: Path) -> dict[str, Path]:
     """One copy of the demo data per defect."""
-    img = lambda r, sid=TARGET: r / "JPEGImages" / f"{sid}.jpg"
-    lbl = lambda r, sid=TARGET: r / "SegmentationClass" / f"{sid}.png"
-    split = lambda r: r / "ImageSets" / "Segmentation" / "train.txt"
+    def img(r, sid=TARGET):
+        return r / "JPEGImages" / f"{sid}.jpg"
+
+    def lbl(r, sid=TARGET):
+        return r / "SegmentationClass" / f"{sid}.png"
+
+    def split(r):
+        return r / "ImageSets" / "Segmentation" / "train.txt"
 
     def label_resized(r):
         with Image.open(lbl(r)) as im:
@@ -525,7 +531,7 @@ def _config_case(name, tmp_path, cfg, run_dir):
 
     if name == "yaml_syntax":
         text = yaml.safe_dump(good, sort_keys=False).splitlines()
-        line = next(i for i, l in enumerate(text) if l.strip().startswith("batch_size:"))
+        line = next(i for i, yaml_line in enumerate(text) if yaml_line.strip().startswith("batch_size:"))
         text[line] = text[line] + ": 5"  # "batch_size: 4: 5"
         p = write("\n".join(text) + "\n")
         return ["--config", p, "--run-dir", run_dir], f"error: YAML syntax error ({p}:{line + 1}): "

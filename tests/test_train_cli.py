@@ -129,7 +129,7 @@ def test_user_errors_one_line_exit_2(tmp_path, demo_root, args, expected):
     cfg = write_config(tmp_path, demo_root)
     r = run(["--config", str(cfg), *args], tmp_path)
     assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.strip() and not l[:8].count(":") == 2]
+    lines = [line for line in r.stderr.splitlines() if line.strip() and not line[:8].count(":") == 2]
     assert len(lines) == 1 and lines[0].startswith(expected), r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()  # nothing written for a run that never started

@@ -83,8 +83,9 @@ def _resnet_plan(output_stride, blocks):
 
 _APPS = {
     # name: (constructor, low-level layer, high-level layer, plan)
-    "mobilenetv2": (lambda: keras.applications.MobileNetV2(input_shape=(None, None, 3), include_top=False, weights=None),
-                    "block_2_add", "block_16_project_BN", _mobilenetv2_plan),
+    "mobilenetv2": (
+        lambda: keras.applications.MobileNetV2(input_shape=(None, None, 3), include_top=False, weights=None),
+        "block_2_add", "block_16_project_BN", _mobilenetv2_plan),
     "resnet50": (lambda: keras.applications.ResNet50(input_shape=(None, None, 3), include_top=False, weights=None),
                  "conv2_block3_out", "conv5_block3_out", lambda os: _resnet_plan(os, (3, 4, 6, 3))),
     "resnet101": (lambda: keras.applications.ResNet101(input_shape=(None, None, 3), include_top=False, weights=None),

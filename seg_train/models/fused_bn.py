@@ -69,7 +69,8 @@ class FusedBatchNormalization(layers.BatchNormalization):
             offset = beta - tf.cast(self.moving_mean.value, tf.float32) * scale
             y = tf.cast(inputs, tf.float32) * scale + offset
         else:
-            y, _, _ = tf.compat.v1.nn.fused_batch_norm(inputs, gamma, beta, mean=tf.cast(self.moving_mean.value, tf.float32),
+            y, _, _ = tf.compat.v1.nn.fused_batch_norm(inputs, gamma, beta,
+                                                       mean=tf.cast(self.moving_mean.value, tf.float32),
                                                        variance=tf.cast(self.moving_variance.value, tf.float32),
                                                        epsilon=self.epsilon, data_format="NHWC", is_training=False)
         return tf.cast(y, self.compute_dtype)
