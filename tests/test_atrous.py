@@ -71,7 +71,7 @@ def test_mixed_bfloat16_runs_in_bfloat16():
 
 def test_fallback_without_native_dilation(monkeypatch):
     """TensorFlow's plain CPU kernels have no dilated filter gradient: the Keras path must be kept."""
-    monkeypatch.setattr(atrous, "native_dilation_supported", lambda: False)
+    monkeypatch.setattr(atrous, "native_dilation_supported", lambda *dtype: False)
     ref, new = _pair(6)
     x = np.random.default_rng(3).normal(size=(2, 8, 8, 4)).astype("float32")
     graph = tf.function(lambda v: new(v)).get_concrete_function(tf.TensorSpec(x.shape)).graph
@@ -96,3 +96,20 @@ def test_model_fast_atrous_is_exact(backbone):
     plain.set_weights(fast.get_weights())
     x = np.random.default_rng(4).normal(size=(1, 64, 96, 3)).astype("float32")  # ASPP map 4x6: rates 6+ drop taps
     np.testing.assert_allclose(fast(x, training=False).numpy(), plain(x, training=False).numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_float16_dilated_conv_and_its_gradients_run_and_match_float32():
+    """mixed_float16 on a CPU: oneDNN takes no float16 here and TensorFlow's plain kernels refuse a
+    dilated input gradient, which crashed the first train step of the demo with
+    `train.precision: mixed_float16`. The float16 layer must run forward and backward (traced, as
+    in a train step) and agree with Keras' float32 Conv2D to float16 precision."""
+    ref, _ = _pair(2)
+    new = AtrousConv2D(5, 3, padding="same", dilation_rate=2, use_bias=False, dtype="float16")
+    new.build((None, None, None, 4))
+    new.set_weights([w.astype("float16") for w in ref.get_weights()])
+    x = np.random.default_rng(1).normal(size=(2, 9, 10, 4)).astype("float32")
+    y_ref, gx_ref, gw_ref = _grads(ref, x)
+    y, gx, gw = tf.function(lambda v: _grads(new, v))(tf.constant(x, tf.float16))
+    for a, b in [(y, y_ref), (gx, gx_ref), (gw[0], gw_ref[0])]:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 2e-3 * np.linalg.norm(b)

@@ -33,15 +33,25 @@ from seg_train.models.switch import Switch
 
 
 @functools.cache
-def native_dilation_supported() -> bool:
-    """Whether this process's conv kernels take `dilations` directly (forward and both gradients)."""
+def native_dilation_supported(dtype=tf.float32) -> bool:
+    """Whether this process's conv kernels take `dilations` directly (forward and both gradients).
+
+    float16 on a CPU never does: oneDNN's CPU kernels take no float16 here ("oneDNN supports
+    DT_HALF only on platforms with AVX-512", seen on an AVX-512 machine), so TensorFlow falls back
+    to its plain kernels, whose input gradient refuses dilations ("Current CPU implementations do
+    not yet support dilation rates larger than 1"): train.precision mixed_float16 crashed at the
+    first step on the demo. There the Keras path (SpaceToBatchND + a dense conv) is kept.
+    """
+    gpus = bool(tf.config.list_physical_devices("GPU"))
+    if tf.as_dtype(dtype) == tf.float16:
+        return gpus
     try:
         from tensorflow.python.util import _pywrap_util_port  # TF's own "is oneDNN on" switch
         if _pywrap_util_port.IsMklEnabled():
             return True
     except Exception:  # a TF build without it: decide by the devices alone
         pass
-    return bool(tf.config.list_physical_devices("GPU"))
+    return gpus
 
 
 def live_taps(size: int | None, kernel: int, rate: int) -> slice:
@@ -68,7 +78,7 @@ class AtrousConv2D(layers.Conv2D):
         kernel = kernel[rows, cols]
         rh = rh if rows.stop - rows.start > 1 else 1
         rw = rw if cols.stop - cols.start > 1 else 1
-        if (rh, rw) == (1, 1) or native_dilation_supported():
+        if (rh, rw) == (1, 1) or native_dilation_supported(inputs.dtype):
             return tf.nn.conv2d(inputs, kernel, strides=1, padding="SAME", dilations=[1, rh, rw, 1])
         return keras.ops.conv(inputs, kernel, strides=1, padding="same", dilation_rate=(rh, rw))
 
