@@ -17,6 +17,7 @@ import time
 
 from seg_train.sysinfo import seconds_since_launch
 
+WAITED_S = 1e-3  # a read of a step's output that takes longer waited for the step to end
 STEADY_TOLERANCE = 0.10  # a step is "steady" when its time is within 10% of the steady-state step time
 
 
@@ -41,8 +42,8 @@ class StepLoop:
         self.stop_requested = stop_requested
         self.pending = None
         self.last_input_wait = 0.0  # seconds blocked in next(batches) by the last dispatch
-        # (step, perf_counter, seconds since launch) when each step's outputs had been read: the
-        # step had finished by then, so consecutive differences are step times.
+        self.launch_offset = seconds_since_launch() - time.perf_counter()
+        # (step, perf_counter, seconds since launch) when each step ended (see _finish).
         self.finished: list[tuple[int, float, float]] = []
 
     def want_images(self, step: int) -> bool:
@@ -63,9 +64,10 @@ class StepLoop:
         want_images = self.want_images(step)
         lr = self.trainer.learning_rate(step)
         out = self.trainer.train_step(batch, lr, self.stop_requested(), want_images)
+        dispatched = time.perf_counter()
         self.step = step + 1
         stop = self._finish(self.pending) if self.pending is not None else False
-        self.pending = (self.step, out, batch, lr, want_images)
+        self.pending = (self.step, out, batch, lr, want_images, dispatched)
         return stop
 
     def drain(self) -> bool:
@@ -76,13 +78,20 @@ class StepLoop:
         return self._finish(pending)
 
     def _finish(self, pending) -> bool:
-        stop = self.host.finish(pending)
-        self.finished.append((pending[0], time.perf_counter(), seconds_since_launch()))
-        return stop
+        # When did the step end? If reading an output waits, at the end of the wait (a device that
+        # runs the step after train_step returned); if not, the step had ended by the time train_step
+        # returned (a call that runs the whole step, as on CPU): then, not at this read, which comes
+        # after the next step's dispatch.
+        t0 = time.perf_counter()
+        pending[1]["stop"].numpy()
+        t1 = time.perf_counter()
+        end = t1 if t1 - t0 > WAITED_S else pending[5]
+        self.finished.append((pending[0], end, end + self.launch_offset))
+        return self.host.finish(pending[:5])
 
     def step_times(self) -> list[float]:
-        """Seconds of each finished step but the first: from the end of the previous step's bookkeeping to
-        the end of its own (the first has no start in this clock: it is timed from launch)."""
+        """Seconds of each finished step but the first (end of the step before to its own end; the first
+        has no start in this clock)."""
         ends = [t for _, t, _ in self.finished]
         return [b - a for a, b in zip(ends, ends[1:])]
 

@@ -74,6 +74,9 @@ def test_bench_json_tiny(tiny_cfg):
     # The tiny model: 3x3 convs only, so the graph count of training is exactly 3x the forward pass.
     assert out["flops"]["train_to_forward"] == pytest.approx(3.0)
     assert out["precision"] == "float32" and out["jit_compile"] is False
+    # --warmup 1: the one warm-up step is the first (tracing), never steady.
+    assert out["warmup_steps_to_steady"] == 1 and out["warmup_reached_steady"] is False
+    assert out["warmup_runner"] == "gpus=1" and positive(out["launch_to_steady_s"])
 
 
 def test_bench_bad_gpus_is_a_user_error(tiny_cfg):
