@@ -370,8 +370,8 @@ class TrainRunner:
     def before_step(self, step: int) -> None:
         self.host.before_step(step)
 
-    def finish(self, pending) -> bool:
-        stop = self.host.finish(pending)
+    def finish(self, pending, ended=None) -> bool:
+        stop = self.host.finish(pending, ended)
         self.losses.append(self.host.last_loss)
         return stop
 

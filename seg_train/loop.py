@@ -17,7 +17,7 @@ import time
 
 from seg_train.sysinfo import seconds_since_launch
 
-WAITED_S = 1e-3  # a read of a step's output that takes longer waited for the step to end
+WAITED_S = 0.01  # a read of a step's output that takes longer waited for the step to end (not a busy host)
 STEADY_TOLERANCE = 0.10  # a step is "steady" when its time is within 10% of the steady-state step time
 
 
@@ -28,7 +28,8 @@ class StepLoop:
       trainer: a Trainer (train_step, learning_rate).
       batches: an iterator over the distributed dataset.
       start: the step counter before the first dispatched step.
-      host: the host side of a step: `finish(pending) -> bool` (whether the group asked to stop), and
+      host: the host side of a step: `finish(pending, ended) -> bool` (whether the group asked to stop;
+        ended: when the step ended, perf_counter), and
         optionally `before_step(step)`; pending is (step, outputs, batch, learning rate, want_images).
       image_summary_every: train.image_summary_every (0: never); the first step always has images.
       stop_requested: () -> bool, the host's stop flag, fed to every step.
@@ -87,7 +88,7 @@ class StepLoop:
         t1 = time.perf_counter()
         end = t1 if t1 - t0 > WAITED_S else pending[5]
         self.finished.append((pending[0], end, end + self.launch_offset))
-        return self.host.finish(pending[:5])
+        return self.host.finish(pending[:5], ended=end)
 
     def step_times(self) -> list[float]:
         """Seconds of each finished step but the first (end of the step before to its own end; the first

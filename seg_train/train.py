@@ -213,8 +213,11 @@ class _Loop:
     def before_step(self, step: int) -> None:
         self.profiler.before_step(step)
 
-    def finish(self, pending) -> bool:
-        """Bookkeeping of one dispatched step; returns whether the group asked to stop after it."""
+    def finish(self, pending, ended: float | None = None) -> bool:
+        """Bookkeeping of one dispatched step; returns whether the group asked to stop after it.
+
+        ended: when the step ended (perf_counter; loop.StepLoop knows), if earlier than now: the loop
+        reads step k after dispatching step k+1, which on CPU has run step k+1 by then."""
         step, out, dist_batch, lr, want_images = pending
         t_cfg = self.cfg.train
         applied = bool(out["applied"])
@@ -254,8 +257,10 @@ class _Loop:
         if self.first:  # tracing and the first step never count towards throughput
             # The first step's cost, as TensorFlow lets it be split: tracing (Python building the
             # graph) before the loop, then graph optimisation + the first execution in the first call.
+            now = time.perf_counter()
+            ended = now if ended is None else ended
             log.log(self.log_level, "first step done %.1fs after launch: tracing %.1fs, graph optimisation and first "
-                    "execution %.1fs", seconds_since_launch(), self.trace_s, time.perf_counter() - self.loop_start)
+                    "execution %.1fs", seconds_since_launch() - (now - ended), self.trace_s, ended - self.loop_start)
             self.restart_clock()
             self.first = False
         else:
@@ -488,6 +493,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         summaries.flush()
 
     # ---- final ----------------------------------------------------------------------------------------
+    log.debug("steps %d..%d ended at (s after launch): %s", start + 1, steps.step,
+              " ".join(f"{since:.2f}" for _, _, since in steps.finished))
     if status == EXIT_OK:
         log.info("peak resident memory %.0f MiB", peak_rss_mb())
         log.info("done: step %d, loss %.4f; checkpoints in %s", t_cfg.num_steps, loop.last_loss,
