@@ -966,8 +966,9 @@ def format_report(r: dict) -> str:
                 lines.append(f"op time {v['name']} gpus={t['gpus']}: convolutions {prof['conv_share_of_op_time']:.0%} "
                              f"of {prof['op_time_ms_per_step']:.0f} ms/step; top: {top}")
     if r.get("warmup_steps_to_steady") is not None:
+        more = "" if r["warmup_reached_steady"] else " (not reached: more --warmup)"
         lines.append(f"warm-up ({r['warmup_runner']}): {r['warmup_steps_to_steady']} steps until the step time is "
-                     f"within 10% of steady state{'' if r['warmup_reached_steady'] else ' (not reached: more --warmup)'}"
+                     f"within 10% of steady state{more}"
                      f", {r['launch_to_steady_s']:.1f}s after launch ({r['build_to_steady_s']:.1f}s after building)")
     lines.append(f"efficiency = {r['efficiency_definition']}")
     lines.append(f"input wait = {r['input_wait_definition']}")

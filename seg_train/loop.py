@@ -100,7 +100,8 @@ class StepLoop:
 def warmup(step_times: list[float], steady: float | None = None, tolerance: float = STEADY_TOLERANCE) -> int:
     """The number of steps before the first one whose time is within `tolerance` of the steady state.
 
-    steady defaults to the median of the second half of step_times (a run long enough to settle). Returns len(step_times) if no step gets there.
+    steady defaults to the median of the second half of step_times (a run long enough to settle).
+    Returns len(step_times) if no step gets there.
     """
     if not step_times:
         return 0
