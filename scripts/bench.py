@@ -333,6 +333,7 @@ def render_report(r: dict, config_text: str, data_note: str, run_log: list[str],
 
     sp, tw, va = d["sp"], d["tw"], d["va"]
     d["row_fast_atrous"] = fill("row_fast_atrous") if "model.fast_atrous=false" in sp else ""
+    d["warmup_line"] = fill("warmup_line") if tw.get("warmup_steps_to_steady") is not None else ""
     d["row_fused_batchnorm"] = fill("row_fused_batchnorm") if "model.fused_batchnorm=false" in sp else ""
     d["row_bf16_flops"] = fill("row_bf16_flops") if d["bf16"]["peak_gflops"] else ""
     d["bf16_peak"] = fill("bf16_peak") if d["bf16_peak"] else ""

@@ -308,7 +308,11 @@ def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro
 
 
 class TrainRunner:
-    """seg-train's real train step on some towers, fed like train.py feeds it; timed in windows.
+    """seg-train's real train step on some towers, run by seg-train's own loop; timed in windows.
+
+    The steps go through loop.StepLoop with train.py's per-step host work (`_Loop`: scalar summaries
+    every train.summary_every steps, image summaries, the log line, the non-finite checks), written
+    to a throw-away folder, so the images/s measured here is what seg-train delivers.
 
     Args:
       name: label of this runner (e.g. "gpus=4" or "train.precision=mixed_bfloat16").
@@ -317,13 +321,20 @@ class TrainRunner:
       reader: the training ImageReader.
       input_mode: "reader" (the real pipeline) or "cached" (the same batches from memory).
       loop: "overlapped" (train.py's loop: step k's outputs are read after step k+1 is dispatched)
-        or "blocking" (the host reads every step's loss and flags before dispatching the next one).
+        or "blocking" (the host reads every step's outputs before dispatching the next one).
       class_weights: loss.class_weights as computed for training (median_frequency needs the scan).
     """
 
     def __init__(self, name: str, cfg: Config, devices, reader, input_mode: str = "reader", loop: str = "overlapped",
                  class_weights=None):
+        import tempfile
+
         from seg_train import replicas
+        from seg_train.loop import StepLoop
+        from seg_train.palette import voc_colormap
+        from seg_train.profiling import StepProfiler
+        from seg_train.summaries import Summaries
+        from seg_train.train import _Loop
         from seg_train.trainer import Trainer
 
         self.name, self.cfg, self.input_mode, self.loop = name, cfg, input_mode, loop
@@ -332,7 +343,7 @@ class TrainRunner:
         k = cfg.train.accumulate_steps
         self.images_per_step = self.batch * k
         self.strategy = replicas.strategy_for(cfg.train, devices)
-        t0 = time.perf_counter()
+        self.build_start = t0 = time.perf_counter()
         self.trainer = Trainer(cfg, self.strategy, class_weights=class_weights)
         self.build_s = time.perf_counter() - t0
         batch = self.batch
@@ -344,36 +355,38 @@ class TrainRunner:
                                             ctx.num_input_pipelines, micro_batches=k)
         self.dataset = self.trainer.distribute(dataset_fn)
         self.batches = iter(self.dataset)
+        self.scratch = tempfile.TemporaryDirectory(prefix="seg-bench-summaries-")
+        self.summaries = Summaries(self.scratch.name, voc_colormap(), cfg.data.ignore_label, cfg.data.mean,
+                                   cfg.data.std)
+        self.host = _Loop(cfg, self.trainer, self.summaries, None, self.num_towers,
+                          StepProfiler(self.scratch.name, None), log_level=logging.DEBUG)
+        self.steps = StepLoop(self.trainer, self.batches, 0, self, cfg.train.image_summary_every)
         self.first_step_s = None
         self.first_step = {}
-        self.pending = None
         self.rates, self.waits, self.step_ms, self.losses = [], [], [], []
         self.cpu_ms, self.cores = [], []
 
-    def _read(self, out) -> None:
-        self.losses.append(float(out["loss"]))
-        bool(out["applied"])
+    # The host side StepLoop calls: train.py's, plus the loss for the summary.
+    def before_step(self, step: int) -> None:
+        self.host.before_step(step)
+
+    def finish(self, pending, ended=None) -> bool:
+        stop = self.host.finish(pending, ended)
+        self.losses.append(self.host.last_loss)
+        return stop
 
     def step(self) -> tuple[float, float]:
         """One training step as train.py runs it; returns (seconds blocked in next(), total seconds)."""
         t0 = time.perf_counter()
-        b = next(self.batches)
-        t1 = time.perf_counter()
-        out = self.trainer.train_step(b)
+        self.steps.dispatch()
         if self.loop == "blocking":
-            self._read(out)
-        else:  # train.py's loop: the previous step's outputs are read once this one is dispatched
-            if self.pending is not None:
-                self._read(self.pending)
-            self.pending = out
-        return t1 - t0, time.perf_counter() - t0
+            self.steps.drain()
+        return self.steps.last_input_wait, time.perf_counter() - t0
 
     def drain(self) -> float:
         """Waits for the last dispatched step (end of a timed window); returns the seconds it took."""
         t0 = time.perf_counter()
-        if self.pending is not None:
-            self._read(self.pending)
-            self.pending = None
+        self.steps.drain()
         return time.perf_counter() - t0
 
     def warmup(self, steps: int) -> None:
@@ -387,11 +400,14 @@ class TrainRunner:
         t0 = time.perf_counter()
         self.trainer.step_function(self.dataset.element_spec)
         trace = time.perf_counter() - t0
+        self.host.trace_s, self.host.loop_start = trace, time.perf_counter()
         t1 = time.perf_counter()
-        self._read(self.trainer.train_step(next(self.batches)))
+        self.step()
+        self.drain()
         first_call = time.perf_counter() - t1
         t2 = time.perf_counter()
-        self._read(self.trainer.train_step(next(self.batches)))
+        self.step()
+        self.drain()
         second = time.perf_counter() - t2
         self.first_step_s = self.build_s + trace + first_call
         self.first_step = {"build_s": self.build_s, "tracing_s": trace, "first_call_s": first_call,
@@ -401,6 +417,25 @@ class TrainRunner:
         for _ in range(max(steps - 2, 0)):
             self.step()
         self.drain()
+        # Only the warm-up's steps follow each other without another runner's window in between.
+        self.warmup_finished = list(self.steps.finished)
+
+    def warmup_figures(self) -> dict:
+        """The warm-up as the loop saw it (after the timed windows): the steps until the step time is
+        within 10% of the steady state (the median step of the timed windows), and when that was, in
+        seconds from this process's launch and from this runner's build. With fewer warm-up steps
+        than that, warmup_steps_to_steady is the warm-up's length and `reached` is false."""
+        from seg_train.loop import warmup
+
+        ends = self.warmup_finished
+        times = [b[1] - a[1] for a, b in zip(ends, ends[1:])]  # steps 2, 3, ...
+        steady = _median(self.step_ms) / 1e3
+        n = 1 + warmup(times, steady)  # the first step (tracing, graph optimisation) is never steady
+        reached = n - 1 < len(times)
+        n = min(n, len(ends))
+        return {"warmup_steps_to_steady": n, "warmup_reached_steady": reached,
+                "launch_to_steady_s": ends[n - 1][2], "build_to_steady_s": ends[n - 1][1] - self.build_start,
+                "warmup_step_ms": [round(1e3 * t, 1) for t in times]}
 
     def window(self, steps: int, reentry: int = 0) -> None:
         """`reentry` untimed steps (after another runner had the CPU), then `steps` timed steps."""
@@ -443,8 +478,10 @@ class TrainRunner:
                 "allreduce_pack_mb": self.cfg.train.allreduce_pack_mb}
 
     def close(self) -> None:
-        del self.batches, self.dataset, self.trainer, self.strategy
+        self.summaries.flush()
+        del self.steps, self.host, self.summaries, self.batches, self.dataset, self.trainer, self.strategy
         gc.collect()
+        self.scratch.cleanup()
 
 
 def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
@@ -770,7 +807,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         rows = []
         for name, rcfg, r in runners:
             if name == vname:
-                row = r.summary()
+                row = dict(r.summary(), **r.warmup_figures())
                 if v is variants[0]:
                     row.update(extra.get(r.num_towers, {}))
                 if profile:
@@ -798,6 +835,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             "efficiency": top["efficiency"], "achieved_gflops": top["achieved_gflops"],
             "peak_gflops": peak["peak_gflops"] if peak else None, "flops_utilization": top["flops_utilization"],
             "towers": rows})
+    first_warmup = runners[0][2].warmup_figures()
     for _, _, r in runners:
         r.close()
     # Fresh seg-train processes (after every in-process runner is gone): the first step as a user
@@ -873,6 +911,10 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     result.update({k: top.get(k) for k in (
         "first_step_s", "first_step_sync_bn_s", "bn_reestimate_s", "eval_images_per_sec", "first_step_ratio",
         "first_step_sync_bn_ratio", "bn_reestimate_ratio", "eval_ratio")})
+    # The warm-up of the runner that ran first in this process: the only one whose launch_to_steady_s
+    # is not delayed by other runners' building and warming up.
+    result.update({"warmup_runner": runners[0][2].name, **{k: first_warmup[k] for k in (
+        "warmup_steps_to_steady", "warmup_reached_steady", "launch_to_steady_s", "build_to_steady_s")}})
     result["cross_tower_share"] = cross["cross_tower_share"] if cross else None
     result["cross_tower_profile"] = cross
     result.update({
@@ -923,6 +965,11 @@ def format_report(r: dict) -> str:
                 top = ", ".join(f"{k} {share:.0%}" for k, _, share in prof["top_ops"][:6])
                 lines.append(f"op time {v['name']} gpus={t['gpus']}: convolutions {prof['conv_share_of_op_time']:.0%} "
                              f"of {prof['op_time_ms_per_step']:.0f} ms/step; top: {top}")
+    if r.get("warmup_steps_to_steady") is not None:
+        more = "" if r["warmup_reached_steady"] else " (not reached: more --warmup)"
+        lines.append(f"warm-up ({r['warmup_runner']}): {r['warmup_steps_to_steady']} steps until the step time is "
+                     f"within 10% of steady state{more}"
+                     f", {r['launch_to_steady_s']:.1f}s after launch ({r['build_to_steady_s']:.1f}s after building)")
     lines.append(f"efficiency = {r['efficiency_definition']}")
     lines.append(f"input wait = {r['input_wait_definition']}")
     lines.append(f"peak resident memory: {r['peak_rss_mb']:.0f} MiB ({r['peak_rss_scope']})")

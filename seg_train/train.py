@@ -22,6 +22,7 @@ from seg_train import config as config_lib
 from seg_train import determinism, evaluate, inference, losses, replicas
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.eval_examples import predict_examples
+from seg_train.loop import StepLoop
 from seg_train.metrics import format_table
 from seg_train.palette import voc_colormap
 from seg_train.profiling import StepProfiler
@@ -189,8 +190,9 @@ class _Loop:
     """The host side of each step: reads its outputs, logs, writes summaries, decides on non-finite steps."""
 
     def __init__(self, cfg: Config, trainer: Trainer, summaries: Summaries, bar, num_towers: int, profiler,
-                 trace_s: float = 0.0):
+                 trace_s: float = 0.0, log_level: int = logging.INFO):
         self.cfg, self.trainer, self.summaries, self.bar, self.profiler = cfg, trainer, summaries, bar, profiler
+        self.log_level = log_level  # of the per-step lines (seg-bench does the same work, but quietly)
         self.trace_s, self.loop_start = trace_s, time.perf_counter()
         self.images_per_step = cfg.data.batch_size * cfg.train.accumulate_steps
         self.skipped = 0
@@ -204,8 +206,14 @@ class _Loop:
     def restart_clock(self) -> None:
         self.window_start, self.window_steps = time.perf_counter(), 0
 
-    def finish(self, pending) -> bool:
-        """Bookkeeping of one dispatched step; returns whether the group asked to stop after it."""
+    def before_step(self, step: int) -> None:
+        self.profiler.before_step(step)
+
+    def finish(self, pending, ended: float | None = None) -> bool:
+        """Bookkeeping of one dispatched step; returns whether the group asked to stop after it.
+
+        ended: when the step ended (perf_counter; loop.StepLoop knows), if earlier than now: the loop
+        reads step k after dispatching step k+1, which on CPU has run step k+1 by then."""
         step, out, dist_batch, lr, want_images = pending
         t_cfg = self.cfg.train
         applied = bool(out["applied"])
@@ -245,8 +253,10 @@ class _Loop:
         if self.first:  # tracing and the first step never count towards throughput
             # The first step's cost, as TensorFlow lets it be split: tracing (Python building the
             # graph) before the loop, then graph optimisation + the first execution in the first call.
-            log.info("first step done %.1fs after launch: tracing %.1fs, graph optimisation and first execution %.1fs",
-                     seconds_since_launch(), self.trace_s, time.perf_counter() - self.loop_start)
+            now = time.perf_counter()
+            ended = now if ended is None else ended
+            log.log(self.log_level, "first step done %.1fs after launch: tracing %.1fs, graph optimisation and first "
+                    "execution %.1fs", seconds_since_launch() - (now - ended), self.trace_s, ended - self.loop_start)
             self.restart_clock()
             self.first = False
         else:
@@ -288,8 +298,8 @@ class _Loop:
         t_cfg = self.cfg.train
         scale = {"loss_scale": f"{float(out['loss_scale']):g}"} if mixed16 else {}
         if self.bar is None:
-            log.info("step %d/%d  loss %.4f  gnorm %.3g  lr %.3g%s  %.1f img/s", step, t_cfg.num_steps, loss, gnorm, lr,
-                     f"  loss scale {scale['loss_scale']}" if scale else "", self.images_per_sec)
+            log.log(self.log_level, "step %d/%d  loss %.4f  gnorm %.3g  lr %.3g%s  %.1f img/s", step, t_cfg.num_steps,
+                    loss, gnorm, lr, f"  loss scale {scale['loss_scale']}" if scale else "", self.images_per_sec)
         else:
             self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{gnorm:.3g}", lr=f"{lr:.2e}", **scale,
                                  img_s=f"{self.images_per_sec:.1f}")
@@ -417,10 +427,9 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
              f" x {k_micro} micro-batches per update" if k_micro > 1 else "", start, cfg.train.num_steps, run_dir)
 
     # ---- loop ---------------------------------------------------------------------------------------
-    # The host never waits for a step before dispatching the next one: step k's outputs (losses,
-    # finiteness, norms) are read after step k+1 has been dispatched, so a GPU is never idle
-    # between steps. The learning rate comes from the host's step counter. Only before a
-    # checkpoint, an evaluation, the last step or a stop does the loop wait for the step itself.
+    # loop.StepLoop (shared with seg-bench, so that its images/s is this loop's): step k's outputs are
+    # read after step k+1 has been dispatched; before a checkpoint, an evaluation, the last step or a
+    # stop the loop is drained (waits for the step itself).
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
     loop = _Loop(cfg, trainer, summaries, bar, n, profiler, trace_s)
@@ -428,7 +437,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     state_finite = tf.function(lambda: tf.reduce_all(
         [tf.reduce_all(tf.math.is_finite(v)) for v in trainer.model.weights + trainer.optimizer.variables
          if tf.as_dtype(v.dtype).is_floating]))
-    status, saved_at, out = EXIT_OK, None, None
+    status, saved_at = EXIT_OK, None
 
     def save_checked(at: int) -> str:
         # The loss and gradients were finite, but an update can still overflow (a huge learning
@@ -437,19 +446,11 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
             raise NonFiniteError(f"non-finite weights or optimizer state after the update of step {at}")
         return ckpt.save(at)
 
+    steps = StepLoop(trainer, batches, start, loop, t_cfg.image_summary_every, lambda: stop.signum is not None)
     try:
-        step = start
-        pending = None
-        while step < t_cfg.num_steps:
-            profiler.before_step(step + 1)
-            dist_batch = next(batches)
-            want_images = bool(t_cfg.image_summary_every) and (
-                (step + 1) % t_cfg.image_summary_every == 0 or step == start)
-            lr = trainer.learning_rate(step)
-            out = trainer.train_step(dist_batch, lr, stop.signum is not None, want_images)
-            step += 1
-            group_stop = loop.finish(pending) if pending is not None else False  # the step before this one
-            pending = (step, out, dist_batch, lr, want_images)
+        while steps.step < t_cfg.num_steps:
+            group_stop = steps.dispatch()  # finishes the step before this one
+            step = steps.step
             evaluate_now = val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
                                                        or step == t_cfg.num_steps)
             checkpoint_now = step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps
@@ -458,8 +459,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
             stopping = group_stop or (stop.signum is not None and not multiworker)
             if not (evaluate_now or checkpoint_now or stopping):
                 continue
-            group_stop = loop.finish(pending) or group_stop
-            pending = None
+            group_stop = steps.drain() or group_stop
             stopping = group_stop or (stop.signum is not None and not multiworker)
             # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
             # resumed from this step's checkpoint must hold the same values as one that went on.
@@ -477,8 +477,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                             step, path if write_dir == run_dir else run_dir / "checkpoints")
                 status = exit_codes.signalled(signum)
                 break
-        if pending is not None:
-            loop.finish(pending)
+        steps.drain()
     except NonFiniteError as e:
         print(f"error: {e} (not saved; newest checkpoint: {ckpt.latest}): a finite loss; lower "
               "train.learning_rate, or set train.on_nan: skip_step to skip such steps", file=sys.stderr)
@@ -490,6 +489,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         summaries.flush()
 
     # ---- final ----------------------------------------------------------------------------------------
+    log.debug("steps %d..%d ended at (s after launch): %s", start + 1, steps.step,
+              " ".join(f"{since:.2f}" for _, _, since in steps.finished))
     if status == EXIT_OK:
         log.info("peak resident memory %.0f MiB", peak_rss_mb())
         log.info("done: step %d, loss %.4f; checkpoints in %s", t_cfg.num_steps, loop.last_loss,

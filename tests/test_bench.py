@@ -74,6 +74,11 @@ def test_bench_json_tiny(tiny_cfg):
     # The tiny model: 3x3 convs only, so the graph count of training is exactly 3x the forward pass.
     assert out["flops"]["train_to_forward"] == pytest.approx(3.0)
     assert out["precision"] == "float32" and out["jit_compile"] is False
+    # --warmup 1 still makes two warm-up steps (the first call, then a second one to split it): the first
+    # is never steady; with the second not steady either, the warm-up was not seen to end.
+    n = out["warmup_steps_to_steady"]
+    assert n in (1, 2) and out["warmup_reached_steady"] is (n == 1)
+    assert out["warmup_runner"] == "gpus=1" and positive(out["launch_to_steady_s"])
 
 
 def test_bench_bad_gpus_is_a_user_error(tiny_cfg):

@@ -64,6 +64,8 @@ def fake_results():
         "peak": {"peak_gflops": 191.2, "matmul_gflops": 188.1, "conv3x3_gflops": 191.2},
         "towers": [tower(1, 11.30, 1.0, 0.003, 105.7, 0.553, 1325, 1.85, prof=P_BASE),
                    tower(4, 8.26, 0.73, 0.007, 77.1, 0.404, 1851, 1.91, prof=P_FOUR)],
+        "warmup_runner": "gpus=1", "warmup_steps_to_steady": 17, "warmup_reached_steady": True,
+        "launch_to_steady_s": 61.3, "build_to_steady_s": 38.4,
         "cross_tower_share": 0.031,
         "cross_tower_profile": {"cross_tower_ms_per_step": 42.5, "op_time_ms_per_step": 1371.0,
                                 "cross_tower_definition": "cross-tower op time over all op time"},
