@@ -223,7 +223,8 @@ def slowest(prof: dict, n: int = 4) -> str:
     out = []
     for name, _, share in prof.get("top_op_instances", [])[:n]:
         path, _, typ = name.rpartition(":")
-        parts = [p for p in path.split("/") if p and not p.startswith(("gradient_tape", "deeplabv3plus", "convolution"))]
+        skipped = ("gradient_tape", "deeplabv3plus", "convolution")
+        parts = [p for p in path.split("/") if p and not p.startswith(skipped)]
         if len(parts) > 1 and parts[-1] == typ.replace("_MklNative", ""):
             parts = parts[:-1]  # the op's own name: the layer is the part before it
         layer = parts[-1] if parts else path
@@ -342,8 +343,9 @@ def render_report(r: dict, config_text: str, data_note: str, run_log: list[str],
     remarks = ["remark_towers_ok" if d["tn"]["efficiency"] >= 0.85 else "remark_towers_slow"]
     remarks += ["remark_sync_first_step_slow"] * (d["first_step_sync_met"] is False and
                                                   "first_step_sync_bn_tracing_s" in d["tn"])
-    remarks += ["remark_precise_bn_again"] * ("bn_reestimate_repeat_s" in d["tn"] and
-                                              d["tn"]["bn_reestimate_repeat_s"] > 1.25 * d["t1"]["bn_reestimate_repeat_s"])
+    remarks += ["remark_precise_bn_again"] * (
+        "bn_reestimate_repeat_s" in d["tn"]
+        and d["tn"]["bn_reestimate_repeat_s"] > 1.25 * d["t1"]["bn_reestimate_repeat_s"])
     remarks += ["remark_flops"] * bool(d["p1"]) + ["remark_bf16"] * bool(d["pb"]) + ["remark_keras"]
     d["remarks"] = "\n".join(fill(name) for name in remarks)
     d["input_cache"] = fill("input_cache") if d["inp"] else ""

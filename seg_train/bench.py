@@ -901,7 +901,8 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     if 1 in rows:
         one = rows[1]
         for n, r in rows.items():
-            for key, ratio in (("first_step_s", "first_step_ratio"), ("first_step_sync_bn_s", "first_step_sync_bn_ratio"),
+            for key, ratio in (("first_step_s", "first_step_ratio"),
+                               ("first_step_sync_bn_s", "first_step_sync_bn_ratio"),
                                ("bn_reestimate_s", "bn_reestimate_ratio"),
                                ("bn_reestimate_repeat_s", "bn_reestimate_repeat_ratio"),
                                ("eval_images_per_sec", "eval_ratio")):
@@ -945,7 +946,8 @@ def format_report(r: dict) -> str:
     if r["input_images_per_sec"] is not None:
         lines.append(f"input pipeline alone: {r['input_images_per_sec']:.1f} images/s")
     f = r["flops"]
-    lines.append(f"train step: {f['train_gflop_per_image']:.3f} GFLOP/image (forward {f['forward_gflop_per_image']:.3f}, "
+    lines.append(f"train step: {f['train_gflop_per_image']:.3f} GFLOP/image "
+                 f"(forward {f['forward_gflop_per_image']:.3f}, "
                  f"ratio {f['train_to_forward']:.2f}); {f['method']}")
     if r["peak"]:
         p = r["peak"]

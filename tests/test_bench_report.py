@@ -55,7 +55,8 @@ def fake_results():
     machine = {"cpu": "Test CPU", "logical_cpus": 2, "usable_cpus": 2, "isa": ["avx2", "avx512f", "amx_bf16"],
                "tensorflow": "2.21.0", "keras": "3.15.1", "python": "3.11.7"}
     towers = {
-        "_command": ".venv/bin/seg-bench --config c.yaml --gpus 1,4 --profile", "_loadavg_1min_before_after": [1.4, 1.6],
+        "_command": ".venv/bin/seg-bench --config c.yaml --gpus 1,4 --profile",
+        "_loadavg_1min_before_after": [1.4, 1.6],
         "machine": machine, "global_batch": 8, "backbone": "mobilenetv2", "crop_size": [128, 128],
         "output_stride": 16, "warmup_steps": 2, "windows": 4, "steps_per_window": 3,
         "input_images_per_sec": 272.0, "peak_rss_mb": 2802.4,
@@ -86,9 +87,11 @@ def fake_results():
     gnames = ["base", "train.allreduce_pack_mb=0", "train.allreduce_pack_mb=1", "loop=blocking"]
     gspeed, gops = [1.0, 0.88, 0.97, 0.96], [2, 262, 24, 2]
     gradients = {
-        "_command": ".venv/bin/seg-bench --config c.yaml --gpus 4 --compare ...", "_loadavg_1min_before_after": [1.2, 1.3],
+        "_command": ".venv/bin/seg-bench --config c.yaml --gpus 4 --compare ...",
+        "_loadavg_1min_before_after": [1.2, 1.3],
         "allreduce_pack_mb": 32.0,
-        "speedup_vs_first_variant": dict(zip(gnames, gspeed)), "cpu_speedup_vs_first_variant": dict(zip(gnames, gspeed)),
+        "speedup_vs_first_variant": dict(zip(gnames, gspeed)),
+        "cpu_speedup_vs_first_variant": dict(zip(gnames, gspeed)),
         "speedup_window_range": {n: [s - 0.03, s + 0.03] for n, s in zip(gnames, gspeed)},
         "towers": [tower(4, 8.3, 1.0, 0.004, 77.0, 0.40, 1850, 1.9)],
         "variants": [{"name": n, "towers": [dict(tower(4, 8.3 * s, 1.0, 0.004, 77.0, 0.40, 1850, 1.9),
@@ -110,7 +113,8 @@ def fake_results():
     speed = [1.0, 1.10, 1.54, 0.30, 0.5435, 0.99]
     cpu = [1.0, 1.17, 1.57, 0.28, 0.5025, 0.9434]
     variants = {
-        "_command": ".venv/bin/seg-bench --config c.yaml --gpus 1 --compare ...", "_loadavg_1min_before_after": [1.6, 1.0],
+        "_command": ".venv/bin/seg-bench --config c.yaml --gpus 1 --compare ...",
+        "_loadavg_1min_before_after": [1.6, 1.0],
         "speedup_vs_first_variant": dict(zip(names, speed)), "cpu_speedup_vs_first_variant": dict(zip(names, cpu)),
         "speedup_window_range": {n: [s - 0.07, s + 0.15] for n, s in zip(names, speed)},
         "peaks": {"float32": {"conv3x3_gflops": 185.0}, "bfloat16": {"matmul_gflops": 414.0, "conv3x3_gflops": 647.0}},
@@ -178,7 +182,8 @@ def lines_with(text, start):
 def test_remarks_are_picked_by_the_figures(bench, tmp_path):
     results, meta = fake_results()
     text = render(bench, tmp_path, results, meta)
-    assert lines_with(text, "- **Towers**: 4 logical towers reach 0.73 of 1-tower speed (CPU time per step 1325 -> 1851 ms).")
+    assert lines_with(
+        text, "- **Towers**: 4 logical towers reach 0.73 of 1-tower speed (CPU time per step 1325 -> 1851 ms).")
     assert lines_with(text, "**XLA**: XLA is slower here (0.30x wall, 0.28x by CPU time)")
 
     faster = copy.deepcopy(results)
@@ -212,11 +217,14 @@ def test_rows_and_figures_that_depend_on_the_results(bench, tmp_path):
     del results["variants"]["peaks"]["bfloat16"]
     text = render(bench, tmp_path, results, meta)
     summary = lines_with(text, "| train.precision mixed_bfloat16 vs float32 |")[0]
-    assert "demo mIoU 87.1% vs 89.1% (-2.0 points)" in summary and summary.endswith("| speed met, accuracy **missed** |")
-    assert lines_with(text, "| seg-train step vs plain Keras `model.fit`, 1 device |")[0].endswith("| 2.74x | **missed** |")
+    assert "demo mIoU 87.1% vs 89.1% (-2.0 points)" in summary
+    assert summary.endswith("| speed met, accuracy **missed** |")
+    row = lines_with(text, "| seg-train step vs plain Keras `model.fit`, 1 device |")[0]
+    assert row.endswith("| 2.74x | **missed** |")
     assert not lines_with(text, "| the same, mixed_bfloat16, 1 tower |")
     assert lines_with(text, "- measured peak, float32: ") == [
-        "- measured peak, float32: matmul 188 GFLOP/s, 3x3 conv 191 GFLOP/s (measured in this run, under the load above)"]
+        "- measured peak, float32: matmul 188 GFLOP/s, 3x3 conv 191 GFLOP/s "
+        "(measured in this run, under the load above)"]
     assert lines_with(text, "Difference: ") == ["Difference: -2.00 points (target: within 1). Each mIoU is the final "
                                                 "evaluation of its run"]
     assert "| mixed_bfloat16 | 87.11% | n/a | 300 | `a bf16` |" in text.splitlines()
@@ -225,4 +233,5 @@ def test_rows_and_figures_that_depend_on_the_results(bench, tmp_path):
 def test_docstring_lists_every_section(bench):
     usage, table = bench.__doc__.split("\n\n")[1], bench.__doc__.split("\n\n")[3]
     assert f"--only {','.join(bench.SECTIONS)}]" in usage
-    assert [line.split()[0] for line in table.splitlines() if line[:2] == "  " and line[2] != " "] == list(bench.SECTIONS)
+    firsts = [line.split()[0] for line in table.splitlines() if line[:2] == "  " and line[2] != " "]
+    assert firsts == list(bench.SECTIONS)
