@@ -44,9 +44,6 @@ from seg_train.config import ConfigError
 
 TF_VERSION = "2.21"
 
-# Ops TensorFlow runs as calls to library functions (their body is another FunctionDef).
-_CALL_OPS = {"PartitionedCall", "StatefulPartitionedCall"}
-
 
 @dataclass(frozen=True)
 class Entry:

@@ -34,8 +34,8 @@ batch 8, 2-core CPU, 4 logical towers; docs/PERFORMANCE.md):
 - Under MirroredStrategy a replica function is traced once per tower. The tower's forward and
   backward pass is therefore a tf.function traced ONCE and called by every tower with its own
   variable handles, and marked not to be inlined, so TensorFlow also optimises its graph once per
-  device instead of one whole graph N times the size. Process start to the end of step 1 went
-  from 60.7 s to 21.2 s at 4 towers (1 tower: 18.8 s -> 13.4 s).
+  device instead of one whole graph N times the size (docs/SCALING.md, "One trace for every
+  tower": the first step at 4 towers in about a third of the time).
 - With synchronized BN on several towers the BN layers all-reduce inside the forward and backward
   passes, which needs each tower's own replica context: the tower function is then traced per
   tower (models/sync_bn.py keeps that trace cheap), and micro-batches are unrolled in Python,

@@ -53,3 +53,15 @@ def test_every_cited_repository_path_exists():
                     missing.append(f"{path.relative_to(ROOT)}:{number}: {cited}")
     assert checked > 100  # the scan reads what it should
     assert not missing, "cited paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_module_is_in_the_readme_layout():
+    """README's Layout section names every module of the package (a newcomer's map of the code).
+
+    Fails for a module added without a line there (six were missing once)."""
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    layout = layout[:layout.index("```", layout.index("```") + 3)]
+    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "seg_train").rglob("*.py"))
+               if p.name != "__init__.py" and str(p.relative_to(ROOT)) not in layout and p.name not in layout]
+    assert not missing, f"modules missing from README's Layout section: {missing}"
