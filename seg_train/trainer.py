@@ -81,6 +81,23 @@ def _handles(variables) -> list:
     return [(v.value if isinstance(v, keras.Variable) else v).handle for v in variables]
 
 
+def slot_variables(optimizer, variables) -> list:
+    """Keras' own slot variables of each variable, in the order TensorFlow's fused update ops take them.
+
+    Adam: [m, v]; SGD with momentum: [momentum]; plain SGD (momentum 0): [] (Keras keeps none).
+    The one place that reads Keras' private slot lists (Keras 3 has no public per-variable lookup);
+    tests/test_trainer_slots.py holds the mapping to what Keras' own update writes.
+    """
+    index = optimizer._get_variable_index
+    if isinstance(optimizer, keras.optimizers.Adam):
+        return [[optimizer._momentums[index(v)], optimizer._velocities[index(v)]] for v in variables]
+    if isinstance(optimizer, keras.optimizers.SGD) and optimizer.momentum:
+        return [[optimizer.momentums[index(v)]] for v in variables]
+    if isinstance(optimizer, keras.optimizers.SGD):
+        return [[] for _ in variables]
+    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam or SGD")
+
+
 class Trainer:
     """Builds the model and a built optimizer inside `strategy.scope()`, and the compiled train step.
 
@@ -144,14 +161,7 @@ class Trainer:
         state_pos = {id(v): i for i, v in enumerate(self.state)}
         self._bn_pos = [state_pos[id(v)] for b in self.bn_layers if b.trainable
                         for v in (b.moving_mean, b.moving_variance)]
-        opt = self.optimizer
-        if t.optimizer == "adam":
-            self._slots = [[opt._momentums[opt._get_variable_index(v)], opt._velocities[opt._get_variable_index(v)]]
-                           for v in self.variables]
-        elif t.momentum:
-            self._slots = [[opt.momentums[opt._get_variable_index(v)]] for v in self.variables]
-        else:  # plain SGD: Keras keeps no slot
-            self._slots = [[] for _ in self.variables]
+        self._slots = slot_variables(self.optimizer, self.variables)
         # train.backbone_lr_multiplier scales the learning rate (not the gradient: Adam would undo that).
         self._lr_mult = [t.backbone_lr_multiplier if in_backbone else 1.0
                          for in_backbone in models.backbone_variable_mask(self.model)]
