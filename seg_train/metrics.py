@@ -12,56 +12,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-def confusion_matrix(labels, preds, num_classes: int, ignore_label: int | None = 255) -> np.ndarray:
-    """Count (ground truth, prediction) pairs over all labelled pixels.
-
-    Args:
-        labels: Integer array of ground-truth class ids, any shape.
-        preds: Integer array of predicted class ids, same shape as `labels`.
-        num_classes: Number of classes C.
-        ignore_label: Label value whose pixels are skipped (None: skip nothing).
-
-    Returns:
-        int64 array [C, C]; rows are ground truth, columns are predictions.
-
-    Raises:
-        ValueError: on shape mismatch, or on a label (other than `ignore_label`)
-            or any prediction outside [0, C).
-        TypeError: if labels or preds are not integer arrays.
-    """
-    if num_classes < 1:
-        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
-    labels = np.asarray(labels)
-    preds = np.asarray(preds)
-    if labels.shape != preds.shape:
-        raise ValueError(f"labels shape {labels.shape} != preds shape {preds.shape}")
-    # Refuse floats: silently truncating e.g. probabilities would give garbage counts.
-    for name, arr in (("labels", labels), ("preds", preds)):
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
-
-    # Widen before arithmetic: uint8 labels would overflow in label * C + pred.
-    labels = labels.reshape(-1).astype(np.int64, copy=False)
-    preds = preds.reshape(-1).astype(np.int64, copy=False)
-
-    # Predictions are checked everywhere, ignored pixels included: a model can
-    # never legitimately emit an out-of-range id, so one anywhere is a bug.
-    if preds.size and (preds.min() < 0 or preds.max() >= num_classes):
-        bad = preds[(preds < 0) | (preds >= num_classes)]
-        raise ValueError(f"prediction values out of range [0, {num_classes}): {np.unique(bad)[:10].tolist()}")
-
-    if ignore_label is not None:
-        keep = labels != ignore_label
-        labels, preds = labels[keep], preds[keep]
-    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
-        bad = labels[(labels < 0) | (labels >= num_classes)]
-        raise ValueError(f"label values out of range [0, {num_classes}): {np.unique(bad)[:10].tolist()}")
-
-    # Encode each (gt, pred) pair as one flat index so a single bincount counts them all.
-    counts = np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes)
-    return counts.reshape(num_classes, num_classes).astype(np.int64, copy=False)
-
-
 @dataclass(frozen=True)
 class SegMetrics:
     """Summary metrics derived from one confusion matrix (fractions in [0, 1])."""

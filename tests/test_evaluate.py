@@ -21,7 +21,7 @@ from seg_train.config import ConfigError
 from seg_train.palette import read_label, save_index_png, voc_colormap
 from seg_train.reader import ImageReader
 from seg_train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import confusion_matrix, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 NUM_CLASSES = 4
@@ -88,7 +88,7 @@ def reference(cfg, model, reader):
         x = (image - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
         x = np.pad(x, [(0, -h % 32), (0, -w % 32), (0, 0)])
         logits = model(x[None], training=False).numpy()[0, :h, :w]
-        cm += metrics_lib.confusion_matrix(label, logits.argmax(-1), NUM_CLASSES, 255)
+        cm += confusion_matrix(label, logits.argmax(-1), NUM_CLASSES, 255)
     return cm
 
 

@@ -9,10 +9,10 @@ import pytest
 from seg_train.metrics import (
     SegMetrics,
     compute_metrics,
-    confusion_matrix,
     format_table,
     metrics_to_json,
 )
+from tests.helpers import confusion_matrix
 
 IGNORE = 255
 NAMES = ["background", "road", "sky"]
