@@ -49,14 +49,6 @@ def _pair(text: str) -> tuple[int, int]:
     return h, w
 
 
-def _peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _write_split(root: Path, h: int, w: int) -> None:
     """A one-image VOC-layout split: smooth random colours, random labels."""
     import numpy as np
@@ -82,6 +74,7 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
     from seg_train import config as config_lib
     from seg_train.evaluate import evaluate
     from seg_train.reader import ImageReader
+    from seg_train.sysinfo import peak_rss_mb
     from seg_train.trainer import Trainer
 
     h, w = size
@@ -106,7 +99,7 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
             if modes:
                 (ch, cw), (sh, sw) = crop, stride
                 result["windows"] = ((max(h - ch + sh - 1, 0) // sh + 1) * (max(w - cw + sw - 1, 0) // sw + 1))
-        result["peak_rss_mb"] = round(_peak_rss_mb(), 1)
+        result["peak_rss_mb"] = round(peak_rss_mb(), 1)
     return result
 
 

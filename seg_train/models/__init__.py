@@ -33,12 +33,6 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     return model
 
 
-def _walk(layer):
-    yield layer
-    for child in getattr(layer, "layers", None) or []:
-        yield from _walk(child)
-
-
 def freeze_batchnorm(backbone: keras.Model) -> int:
     """Sets `trainable = False` on every BatchNormalization layer of `backbone`; returns how many.
 
@@ -52,7 +46,7 @@ def freeze_batchnorm(backbone: keras.Model) -> int:
     with neither normalisation nor a bias (DeepLab keeps gamma/beta trainable there, which Keras'
     trainable flag cannot express).
     """
-    layers = [layer for layer in _walk(backbone) if isinstance(layer, keras.layers.BatchNormalization)]
+    layers = batchnorm_layers(backbone)
     for layer in layers:
         layer.trainable = False
     return len(layers)
