@@ -13,10 +13,10 @@ import pytest
 import tensorflow as tf
 
 from seg_train import bn_stats, demo_data, models, replicas
-from seg_train.metrics import compute_metrics, confusion_matrix
+from seg_train.metrics import compute_metrics
 from seg_train.reader import ImageReader
 from seg_train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import confusion_matrix, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 NUM_CLASSES = 3
