@@ -16,7 +16,7 @@ from seg_train import bn_stats, demo_data, models, replicas
 from seg_train.metrics import compute_metrics
 from seg_train.reader import ImageReader
 from seg_train.trainer import Trainer
-from tests.helpers import confusion_matrix, tiny_config
+from tests.helpers import confusion_matrix, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 NUM_CLASSES = 3
@@ -43,9 +43,7 @@ def global_batches(trainer, reader, num_batches):
 
 
 def train_steps(trainer, reader, n):
-    batch = trainer.cfg.data.batch_size
-    it = iter(trainer.distribute(lambda ctx: reader.train_dataset(
-        batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id, ctx.num_input_pipelines)))
+    it = train_batches(trainer, reader)
     for _ in range(n):
         trainer.train_step(next(it))
 

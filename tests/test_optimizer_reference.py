@@ -39,7 +39,7 @@ import tensorflow as tf
 from seg_train import demo_data, losses, models, replicas
 from seg_train.reader import ImageReader
 from seg_train.trainer import Trainer
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 STEPS = 3
@@ -94,9 +94,7 @@ def replay(tmp_path, data_root, optimizer, towers):
                              "backbone_lr_multiplier": MULT, "ema_decay": EMA_DECAY})
     adam = optimizer == "adam"
     trainer = Trainer(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", "")))
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-    it = iter(trainer.distribute(lambda ctx: reader.train_dataset(
-        cfg.data.batch_size, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id, ctx.num_input_pipelines)))
+    it = train_batches(trainer, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
 
     variables = trainer.model.trainable_variables
     mask = models.backbone_variable_mask(trainer.model)

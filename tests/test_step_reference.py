@@ -15,7 +15,7 @@ from seg_train import demo_data, replicas
 from seg_train.reader import ImageReader
 from seg_train.train import NonFiniteError, _Loop
 from seg_train.trainer import Trainer
-from tests.helpers import random_batch, tiny_config
+from tests.helpers import random_batch, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
@@ -167,10 +167,7 @@ def data_root(tmp_path_factory):
 def run(cfg, towers, steps):
     """`steps` updates through the real reader stream, as train.py feeds them."""
     trainer = Trainer(cfg, strategy(towers))
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-    k, b = cfg.train.accumulate_steps, cfg.data.batch_size
-    it = iter(trainer.distribute(lambda ctx: reader.train_dataset(
-        b, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id, ctx.num_input_pipelines, micro_batches=k)))
+    it = train_batches(trainer, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
     for _ in range(steps):
         trainer.train_step(next(it))
     return trainer
