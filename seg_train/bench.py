@@ -425,10 +425,10 @@ class TrainRunner:
         within 10% of the steady state (the median step of the timed windows), and when that was, in
         seconds from this process's launch and from this runner's build. With fewer warm-up steps
         than that, warmup_steps_to_steady is the warm-up's length and `reached` is false."""
-        from seg_train.loop import warmup
+        from seg_train.loop import step_times, warmup
 
         ends = self.warmup_finished
-        times = [b[1] - a[1] for a, b in zip(ends, ends[1:])]  # steps 2, 3, ...
+        times = step_times(ends)  # steps 2, 3, ...
         steady = _median(self.step_ms) / 1e3
         n = 1 + warmup(times, steady)  # the first step (tracing, graph optimisation) is never steady
         reached = n - 1 < len(times)

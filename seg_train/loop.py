@@ -90,11 +90,12 @@ class StepLoop:
         self.finished.append((pending[0], end, end + self.launch_offset))
         return self.host.finish(pending[:5], ended=end)
 
-    def step_times(self) -> list[float]:
-        """Seconds of each finished step but the first (end of the step before to its own end; the first
-        has no start in this clock)."""
-        ends = [t for _, t, _ in self.finished]
-        return [b - a for a, b in zip(ends, ends[1:])]
+
+def step_times(finished: list) -> list[float]:
+    """Seconds of each step in StepLoop.finished but the first (end of the step before to its own end;
+    the first has no start in this clock)."""
+    ends = [t for _, t, _ in finished]
+    return [b - a for a, b in zip(ends, ends[1:])]
 
 
 def warmup(step_times: list[float], steady: float | None = None, tolerance: float = STEADY_TOLERANCE) -> int:
