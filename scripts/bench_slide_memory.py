@@ -9,7 +9,7 @@ Each case runs in its own process (so each peak is its own), through the real ev
 confusion matrix) on a one-image split written to a temporary folder. The model has random weights
 (the memory does not depend on them). Cases:
 
-  model  the Trainer built, nothing evaluated: the baseline of the process (TensorFlow, the model)
+  model  the TrainState built, nothing evaluated: the baseline of the process (TensorFlow, the model)
   whole  eval.mode: whole on the WxH image
   slide  eval.mode: slide with the given window and stride on the same image
   whole_large, slide_large  the same on the --large image (4x the pixels by default): whole
@@ -75,7 +75,7 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
     from seg_train.evaluate import evaluate
     from seg_train.reader import ImageReader
     from seg_train.sysinfo import peak_rss_mb
-    from seg_train.trainer import Trainer
+    from seg_train.state import TrainState
 
     h, w = size
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,14 +87,14 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
             "model": {"backbone": backbone},
             "eval": {"bn_reestimate_batches": 0, **modes},
         })
-        trainer = Trainer(cfg, replicas.make_strategy(devices))
+        state = TrainState(cfg, replicas.make_strategy(devices), optimizer=False)
         result = {"image": [h, w]}
         if case != "model":
             reader = ImageReader(cfg.data, "val")
             names = [f"c{i}" for i in range(NUM_CLASSES)]
-            evaluate(trainer, reader, names, progress=False)  # traces
+            evaluate(state, reader, names, progress=False)  # traces
             start = time.perf_counter()
-            evaluate(trainer, reader, names, progress=False)
+            evaluate(state, reader, names, progress=False)
             result["seconds"] = round(time.perf_counter() - start, 2)
             if modes:
                 (ch, cw), (sh, sw) = crop, stride

@@ -1,6 +1,6 @@
 """Which ops of seg-train's traced train step have no deterministic GPU kernel (seg_train/determinism.py).
 
-Traces the real step (Trainer on logical CPU towers, one train_step on a small synthetic batch, then
+Traces the real step (TrainStep on logical CPU towers, one train_step on a small synthetic batch, then
 the concrete function of the step with its whole function library) and prints the ops of
 seg_train.determinism.TABLE found in it. No GPU is needed: the graph is the same, only kernels differ.
 
@@ -49,10 +49,11 @@ def audit(cfg, towers: int, devices, show_all: bool) -> dict:
     import tensorflow as tf
 
     from seg_train import determinism, replicas
-    from seg_train.trainer import Trainer
+    from seg_train.state import TrainState
+    from seg_train.step import TrainStep
 
     strategy = replicas.strategy_for(cfg.train, devices, towers)
-    trainer = Trainer(cfg, strategy)
+    train_step = TrainStep(TrainState(cfg, strategy))
     h, w = cfg.data.crop_size
     k = cfg.train.accumulate_steps
     b = cfg.data.batch_size * k
@@ -65,11 +66,11 @@ def audit(cfg, towers: int, devices, show_all: bool) -> dict:
         lambda ctx: (tf.constant(images[ctx.replica_id_in_sync_group * per:(ctx.replica_id_in_sync_group + 1) * per]),
                      tf.constant(labels[ctx.replica_id_in_sync_group * per:(ctx.replica_id_in_sync_group + 1) * per])))
     # The trace train_step would make (same signature), then one real step on these CPU towers.
-    step = trainer._step_fn.get_concrete_function(dist, tf.constant(0.0), tf.constant(False), tf.constant(False))
+    step = train_step.concrete_function(dist)
     t0 = time.perf_counter()
     error = None
     try:
-        trainer.train_step(dist)
+        train_step(dist)
     except tf.errors.UnimplementedError as e:  # e.g. XLA's refusals under op determinism, on any device
         lines = [line.strip() for line in e.message.splitlines() if line.strip()]
         error = next((line for line in lines if "determinis" in line), lines[0] if lines else "")

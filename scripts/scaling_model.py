@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     for c in counts:
         t = step_time[c.name]
         # Gradients in one pack, BN moving statistics in one more, plus two scalar all-reduces (the
-        # global valid-pixel count and the stop flag): what Trainer._train_step issues per step.
+        # global valid-pixel count and the stop flag): what TrainStep._train_step issues per step.
         size = 4 * c.params
         for n in gpus:
             for net in (nets if n > per_node else nets[:1]):

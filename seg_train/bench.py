@@ -2,7 +2,7 @@
 
 What is measured, and how (docs/PERFORMANCE.md quotes these definitions):
 
-- **Training images/s** (per tower count N): the real `Trainer.train_step` on batches from the
+- **Training images/s** (per tower count N): the real `TrainStep` (step.py) on batches from the
   real `ImageReader.train_dataset` distributed with `distribute_datasets_from_function`, exactly as
   `seg-train` runs it, reading the loss back to the host every step (as train.py does). Warm-up
   steps (tracing, the first steps, tf.data autotuning) are never timed; then `windows` windows of
@@ -335,7 +335,8 @@ class TrainRunner:
         from seg_train.profiling import StepProfiler
         from seg_train.summaries import Summaries
         from seg_train.train import _Loop
-        from seg_train.trainer import Trainer
+        from seg_train.state import TrainState
+        from seg_train.step import TrainStep
 
         self.name, self.cfg, self.input_mode, self.loop = name, cfg, input_mode, loop
         self.num_towers = len(devices.names)
@@ -344,7 +345,8 @@ class TrainRunner:
         self.images_per_step = self.batch * k
         self.strategy = replicas.strategy_for(cfg.train, devices)
         self.build_start = t0 = time.perf_counter()
-        self.trainer = Trainer(cfg, self.strategy, class_weights=class_weights)
+        self.state = TrainState(cfg, self.strategy)
+        self.train_step = TrainStep(self.state, class_weights=class_weights)
         self.build_s = time.perf_counter() - t0
         batch = self.batch
         if input_mode == "cached":
@@ -353,14 +355,14 @@ class TrainRunner:
             def dataset_fn(ctx):
                 return reader.train_dataset(batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
                                             ctx.num_input_pipelines, micro_batches=k)
-        self.dataset = self.trainer.distribute(dataset_fn)
+        self.dataset = self.state.distribute(dataset_fn)
         self.batches = iter(self.dataset)
         self.scratch = tempfile.TemporaryDirectory(prefix="seg-bench-summaries-")
         self.summaries = Summaries(self.scratch.name, voc_colormap(), cfg.data.ignore_label, cfg.data.mean,
                                    cfg.data.std)
-        self.host = _Loop(cfg, self.trainer, self.summaries, None, self.num_towers,
+        self.host = _Loop(cfg, self.state, self.summaries, None, self.num_towers,
                           StepProfiler(self.scratch.name, None), log_level=logging.DEBUG)
-        self.steps = StepLoop(self.trainer, self.batches, 0, self, cfg.train.image_summary_every)
+        self.steps = StepLoop(self.train_step, self.batches, 0, self, cfg.train.image_summary_every)
         self.first_step_s = None
         self.first_step = {}
         self.rates, self.waits, self.step_ms, self.losses = [], [], [], []
@@ -398,7 +400,7 @@ class TrainRunner:
         execution time alone, so graph_optimization_s ~ first call - second call.
         """
         t0 = time.perf_counter()
-        self.trainer.step_function(self.dataset.element_spec)
+        self.train_step.concrete_function(self.dataset.element_spec)
         trace = time.perf_counter() - t0
         self.host.trace_s, self.host.loop_start = trace, time.perf_counter()
         t1 = time.perf_counter()
@@ -470,7 +472,7 @@ class TrainRunner:
     def graph_counts(self) -> dict:
         """What crosses the towers per step, read from the traced step: tensors all-reduced (gradient
         packs, or one per gradient with packing off) and graph ops in the cross-tower scope."""
-        graph = self.trainer.step_function(self.dataset.element_spec).graph
+        graph = self.train_step.concrete_function(self.dataset.element_spec).graph
         cross = [op for op in graph.get_operations() if "cross_tower" in op.name]
         reduce_ops = [op for op in cross if op.type in ("AddN", "CollectiveReduceV2", "CollectiveReduceV3",
                                                         "NcclAllReduce")]
@@ -479,7 +481,8 @@ class TrainRunner:
 
     def close(self) -> None:
         self.summaries.flush()
-        del self.steps, self.host, self.summaries, self.batches, self.dataset, self.trainer, self.strategy
+        del self.steps, self.host, self.summaries, self.batches, self.dataset
+        del self.train_step, self.state, self.strategy
         gc.collect()
         self.scratch.cleanup()
 
@@ -489,18 +492,18 @@ def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
     (which traces) and a second one (trace cached), in seconds."""
     from seg_train import bn_stats
 
-    trainer = runner.trainer
+    state = runner.state
     batches = max(images // runner.batch, 1)
-    saved = [np.asarray(v) for v in trainer.state] + [int(trainer.bn_stats_step.numpy())]
+    saved = [np.asarray(v) for v in state.non_trainable] + [int(state.bn_stats_step.numpy())]
     times = []
     for _ in range(2):
-        trainer.bn_stats_step.assign(-7)  # forces the re-estimation (it is skipped when already done)
+        state.bn_stats_step.assign(-7)  # forces the re-estimation (it is skipped when already done)
         t0 = time.perf_counter()
-        bn_stats.reestimate(trainer, reader, batches, progress=False)
+        bn_stats.reestimate(state, reader, batches, progress=False)
         times.append(time.perf_counter() - t0)
-    for v, x in zip(trainer.state, saved[:-1]):  # the runner goes on training from its own statistics
+    for v, x in zip(state.non_trainable, saved[:-1]):  # the runner goes on training from its own statistics
         v.assign(x)
-    trainer.bn_stats_step.assign(saved[-1])
+    state.bn_stats_step.assign(saved[-1])
     return {"bn_reestimate_s": times[0], "bn_reestimate_repeat_s": times[1],
             "bn_reestimate_images": batches * runner.batch}
 
@@ -511,10 +514,10 @@ def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
     from seg_train import evaluate
 
     t0 = time.perf_counter()
-    evaluate.evaluate(runner.trainer, val_reader, names, progress=False)
+    evaluate.evaluate(runner.state, val_reader, names, progress=False)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, count = evaluate.evaluate(runner.trainer, val_reader, names, progress=False)
+    _, count = evaluate.evaluate(runner.state, val_reader, names, progress=False)
     seconds = time.perf_counter() - t0
     return {"eval_images_per_sec": count / seconds, "eval_images": count, "eval_first_pass_s": first}
 

@@ -9,13 +9,13 @@ measurements.
 
 What `reestimate` does ("precise BN", Wu & Johnson, "Rethinking Batch in BatchNorm", 2021):
 - runs `num_batches` training batches (the normal training augmentation, the global batch split
-  over the trainer's towers exactly as in training) forward through the model in training mode, so
+  over the state's towers exactly as in training) forward through the model in training mode, so
   each BN layer normalises with its batch statistics as it did while the weights were trained;
 - records, per BN layer and per channel, the moments of that layer's INPUT over all pixels of all
   batches on all towers, and combines them on the host in float64;
 - sets moving_mean / moving_variance to that population mean and (biased) variance, in cross-replica
   context so every tower's copy is the same, and marks the statistics as matching the weights
-  (`trainer.bn_stats_step = trainer.step`).
+  (`state.bn_stats_step = state.step`).
 No gradient is taken and the optimizer is not touched: only moving statistics change.
 
 The batches come from the training stream started at `stream_start_step(batch)` (sample counter
@@ -109,15 +109,15 @@ def _combine(acc, count, mean, m2):
     return n, mean_a + delta * (count / n), m2_a + m2 + delta * delta * (n_a * count / n)
 
 
-# One compiled forward pass per trainer and batch shape, so that re-estimating before every
-# evaluation does not trace the model again each time (weak keys: a dropped trainer drops it).
+# One compiled forward pass per state and batch shape, so that re-estimating before every
+# evaluation does not trace the model again each time (weak keys: a dropped state drops it).
 _FORWARD = weakref.WeakKeyDictionary()
 
 
-def _forward_fn(trainer, layers):
+def _forward_fn(state, layers):
     """The tf.function running one global batch on all towers; returns the recorded moments.
 
-    The model's forward pass is traced ONCE for all towers (Trainer.tower_function) and each
+    The model's forward pass is traced ONCE for all towers (TrainState.tower_function) and each
     tower's records come back as one flat float32 vector: [count, mean (C), m2 (C)] per call of
     each layer, in the order `layout` gives ((layer index, channels) per record). The host reads
     one [towers, F] array per batch instead of three small tensors per layer per tower.
@@ -126,10 +126,10 @@ def _forward_fn(trainer, layers):
     around the whole loop); once traced, the moments are outputs of the graph.
     """
     key = tuple(id(layer) for layer in layers)
-    cached = _FORWARD.get(trainer)
+    cached = _FORWARD.get(state)
     if cached is not None and cached[0] == key:
         return cached[1], cached[2]
-    model, strategy = trainer.model, trainer.strategy
+    model, strategy = state.model, state.strategy
     layout = []
 
     def body(tv, st, images):
@@ -153,11 +153,11 @@ def _forward_fn(trainer, layers):
     def forward(batch):
         images, _ = batch
         per_tower = strategy.experimental_local_results(images)[0]
-        tower = trainer.tower_function(body, [tf.TensorSpec(per_tower.shape, per_tower.dtype)], training=True)
+        tower = state.tower_function(body, [tf.TensorSpec(per_tower.shape, per_tower.dtype)], training=True)
         out = strategy.run(tower, (images,))
         return tf.stack(strategy.experimental_local_results(out))
 
-    _FORWARD[trainer] = (key, forward, layout)
+    _FORWARD[state] = (key, forward, layout)
     return forward, layout
 
 
@@ -171,31 +171,31 @@ def _combine_rows(acc, rows, layout):
             acc[i] = _combine(acc[i], count, mean, m2)
 
 
-def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool:
+def reestimate(state, reader, num_batches: int, progress: bool = True) -> bool:
     """Sets every BN layer's moving statistics to the population statistics of the current weights.
 
     Args:
-      trainer: a `Trainer` (model, strategy, step, bn_stats_step); its towers do the forward passes.
+      state: a `TrainState` (model, strategy, step, bn_stats_step); its towers do the forward passes.
       reader: the training split's `ImageReader` (batches with the training augmentation).
       num_batches: global batches of `cfg.data.batch_size` images to estimate from.
       progress: show a tqdm bar on stderr (only when stderr is a terminal).
     Returns:
       True if the statistics were re-estimated; False if they already matched this step
-      (`trainer.bn_stats_step == trainer.step`), in which case nothing changes.
+      (`state.bn_stats_step == state.step`), in which case nothing changes.
     """
-    if int(trainer.bn_stats_step.numpy()) == int(trainer.step.numpy()):
+    if int(state.bn_stats_step.numpy()) == int(state.step.numpy()):
         return False
     t0 = time.perf_counter()
     if num_batches < 1:
         raise ConfigError("invalid number of BN re-estimation batches", "eval.bn_reestimate_batches",
                           f"expected a positive number of batches, got {num_batches}")
-    cfg, strategy, model = trainer.cfg, trainer.strategy, trainer.model
+    cfg, strategy, model = state.cfg, state.strategy, state.model
     n_towers = strategy.num_replicas_in_sync
     batch = cfg.data.batch_size
     check_batch(cfg, n_towers)
     layers = [layer for layer in models.batchnorm_layers(model) if layer.trainable]
     if not layers:
-        trainer.bn_stats_step.assign(trainer.step)
+        state.bn_stats_step.assign(state.step)
         return True
     start = stream_start_step(batch)
 
@@ -211,13 +211,13 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
         # stream would keep prefetching, and tearing that down cost seconds.
         return ds.take(num_batches * n_local)
 
-    forward, layout = _forward_fn(trainer, layers)
+    forward, layout = _forward_fn(state, layers)
     bar = progress_bar(num_batches, "BN statistics", "batch") if shown(progress) else None
     for i, layer in enumerate(layers):
         _wrap(layer, i)
     acc, seen = [None] * len(layers), 0
     try:
-        for dist_batch in trainer.distribute(dataset_fn):
+        for dist_batch in state.distribute(dataset_fn):
             rows = forward(dist_batch).numpy().astype(np.float64)  # one host read per batch
             seen += 1
             _combine_rows(acc, rows, layout)
@@ -244,8 +244,8 @@ def reestimate(trainer, reader, num_batches: int, progress: bool = True) -> bool
     if unused:
         log.warning("BN re-estimation: %d layer(s) never called in the forward pass, left as they were: %s",
                     len(unused), ", ".join(unused))
-    trainer.bn_stats_step.assign(trainer.step)
+    state.bn_stats_step.assign(state.step)
     log.info("re-estimated the statistics of %d BN layers at step %d from %d batches (%d images, %d tower(s)) "
-             "in %.1fs", len(layers) - len(unused), int(trainer.step.numpy()), num_batches, num_batches * batch,
+             "in %.1fs", len(layers) - len(unused), int(state.step.numpy()), num_batches, num_batches * batch,
              n_towers, time.perf_counter() - t0)
     return True

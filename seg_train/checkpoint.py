@@ -1,7 +1,7 @@
 """Checkpoints of a run: the training state under RUN_DIR/checkpoints/, the best weights under RUN_DIR/best/.
 
 A training checkpoint (`Checkpointer`, a tf.train.CheckpointManager) holds what
-`Trainer.checkpoint_objects` lists: model, optimizer (built, slots included), step, bn_stats_step
+`TrainState.checkpoint_objects` lists: model, optimizer (built, slots included), step, bn_stats_step
 (the step the BN moving statistics were last re-estimated at), and with train.precision
 mixed_float16 also the dynamic loss scale's `loss_scale` and `good_steps`. The data pipeline's
 position needs no state of its own: the stream is a pure function of (seed, step) (see reader.py),
@@ -100,19 +100,19 @@ def read_best(run_dir: Path) -> dict | None:
         return None
 
 
-def keep_best(run_dir: Path, trainer, step: int, metrics) -> bool:
+def keep_best(run_dir: Path, state, step: int, metrics) -> bool:
     """Saves the weights under RUN_DIR/best/ if mIoU beats the best so far.
 
     The checkpoint (model, step, bn_stats_step; no optimizer) is written first (CheckpointManager:
     data files, then its state file, then the previous best is deleted), then best.json atomically
     (`rundir.write_json`). A crash in between leaves the better checkpoint with the older best.json,
-    never a half-written file. `resolve(RUN_DIR/best)` and `Trainer.restore_weights` read it back.
-    `step` names the checkpoint; the step saved inside it is trainer.step (the same value during
+    never a half-written file. `resolve(RUN_DIR/best)` and `TrainState.restore_weights` read it back.
+    `step` names the checkpoint; the step saved inside it is state.step (the same value during
     training).
 
     Args:
       run_dir: the run dir.
-      trainer: a `Trainer` (its model, step and bn_stats_step are saved).
+      state: a `TrainState` (its model, step and bn_stats_step are saved).
       step: the training step.
       metrics: `metrics.SegMetrics` of this evaluation.
     Returns:
@@ -122,7 +122,7 @@ def keep_best(run_dir: Path, trainer, step: int, metrics) -> bool:
     best = read_best(run_dir)
     if best is not None and not metrics.miou > best["miou"]:
         return False
-    ckpt = tf.train.Checkpoint(model=trainer.model, step=trainer.step, bn_stats_step=trainer.bn_stats_step)
+    ckpt = tf.train.Checkpoint(model=state.model, step=state.step, bn_stats_step=state.bn_stats_step)
     manager = tf.train.CheckpointManager(ckpt, str(best_dir), max_to_keep=1)
     prefix = manager.save(checkpoint_number=step)
     write_json(best_dir / BEST_JSON, {"step": int(step), "miou": metrics.miou, "pixel_accuracy": metrics.pixel_accuracy,

@@ -15,7 +15,7 @@ from seg_train.config import Config
 from seg_train.evaluate import evaluate
 from seg_train.metrics import format_table, metrics_to_json
 from seg_train.reader import ImageReader, class_names_of, ensure_data
-from seg_train.restore import load_trainer, maybe_reestimate_bn, run_dir_of
+from seg_train.restore import load_state, maybe_reestimate_bn, run_dir_of
 from seg_train.rundir import write_json
 
 log = logging.getLogger("seg_train")
@@ -40,14 +40,14 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
     ensure_data(cfg)
     reader = ImageReader(cfg.data, split, cfg.seed)
     names = class_names_of(cfg)
-    trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
-    reestimated = maybe_reestimate_bn(trainer, cfg, progress)
+    state, prefix, step = load_state(cfg, strategy, checkpoint)
+    reestimated = maybe_reestimate_bn(state, cfg, progress)
     if not reestimated:
         log.info("BN moving statistics as saved (not re-estimated for step %d; see eval.bn_reestimate_batches)",
                  step)
     log.info("evaluating %s (step %d) on %d %s images, %d tower(s), %s", prefix, step, len(reader), split,
              strategy.num_replicas_in_sync, inference.describe(cfg.eval))
-    metrics, num_images = evaluate(trainer, reader, names, progress)
+    metrics, num_images = evaluate(state, reader, names, progress)
     record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
               "bn_stats_reestimated": reestimated, "inference": inference.as_dict(cfg.eval),
               **metrics_to_json(metrics, names)}

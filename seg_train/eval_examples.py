@@ -17,22 +17,22 @@ from seg_train.export import serving_module
 
 NUM_EXAMPLES = 4  # val images shown in eval/examples
 
-# One traced serving function per Trainer: evaluation during training runs many times.
+# One traced serving function per TrainState: evaluation during training runs many times.
 _MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def predict_examples(trainer, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def predict_examples(state, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(uint8 RGB image [h, w, 3], uint8 label [h, w], uint8 prediction [h, w]) of the first k images.
 
     Args:
-      trainer: a `Trainer`; its model is run in inference mode (use it after any BN re-estimation,
+      state: a `TrainState`; its model is run in inference mode (use it after any BN re-estimation,
         so the pictures match the evaluation's numbers).
       reader: the val split (`ImageReader`); its data config gives the normalisation.
       k: how many images (fewer if the split is smaller).
     """
-    module = _MODULES.get(trainer)
+    module = _MODULES.get(state)
     if module is None:
-        module = _MODULES[trainer] = serving_module(trainer.model, reader.cfg.mean, reader.cfg.std, trainer.cfg.eval)
+        module = _MODULES[state] = serving_module(state.model, reader.cfg.mean, reader.cfg.std, state.cfg.eval)
     out = []
     for i in range(min(k, len(reader))):
         image, label = reader.decode(tf.constant(i, tf.int64))

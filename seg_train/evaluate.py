@@ -15,7 +15,7 @@ How the pixels are counted (why it looks like this):
   deterministic GPU kernel: under train.deterministic TensorFlow refuses to run it on a GPU.
 - Images differ in size, so the step is traced once for unknown heights and widths (an input
   signature of N plain tensors, dealt to the towers inside the graph), and the model's forward
-  pass once for all towers (Trainer.tower_function); the model resizes with tf.image.resize, which
+  pass once for all towers (TrainState.tower_function); the model resizes with tf.image.resize, which
   takes dynamic sizes (models.ResizeLike: Keras' bilinear UpSampling2D fails on unknown sizes in
   graph mode).
 
@@ -37,8 +37,8 @@ from seg_train.config import ConfigError
 from seg_train.metrics import SegMetrics, compute_metrics
 from seg_train.reader import ImageReader
 
-# One compiled eval step per Trainer and inference modes: evaluation during training calls
-# evaluate() many times and must not retrace each time. Weak keys, so a dropped Trainer frees its graph.
+# One compiled eval step per TrainState and inference modes: evaluation during training calls
+# evaluate() many times and must not retrace each time. Weak keys, so a dropped TrainState frees its graph.
 _EVAL_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -59,10 +59,10 @@ def confusion_counts(labels, preds, num_classes: int, ignore_label: int):
     return tf.reshape(tf.reduce_sum(tf.cast(rows, tf.int64), axis=0), [c * c])
 
 
-def _make_eval_step(trainer, eval_cfg):
+def _make_eval_step(state, eval_cfg):
     """A tf.function (N images, N labels; one per tower) -> int64 counts [C * C] summed over the towers."""
-    model, strategy = trainer.model, trainer.strategy
-    c, ignore = trainer.cfg.data.num_classes, trainer.cfg.data.ignore_label
+    model, strategy = state.model, state.strategy
+    c, ignore = state.cfg.data.num_classes, state.cfg.data.ignore_label
 
     def body(tv, st, image, label):
         def model_fn(x):
@@ -84,7 +84,7 @@ def _make_eval_step(trainer, eval_cfg):
             # tf.identity under the replica's device scope places the sample on that tower.
             return tf.identity(images[i]), tf.identity(labels[i])
 
-        tower = trainer.tower_function(body, [image_spec, label_spec], training=False)
+        tower = state.tower_function(body, [image_spec, label_spec], training=False)
         counts = strategy.run(tower, strategy.experimental_distribute_values_from_function(tower_input))
         if multiworker:
             # Each worker holds only its own towers' counts: sum them over the workers too.
@@ -94,32 +94,32 @@ def _make_eval_step(trainer, eval_cfg):
     return step
 
 
-def evaluate(trainer, reader: ImageReader, class_names, progress: bool = True,
+def evaluate(state, reader: ImageReader, class_names, progress: bool = True,
              eval_cfg=None) -> tuple[SegMetrics, int]:
-    """Evaluates the trainer's model on every image of `reader`'s split at full resolution.
+    """Evaluates the state's model on every image of `reader`'s split at full resolution.
 
     Args:
-      trainer: a `Trainer` (its model in inference mode, its strategy's towers share the images).
+      state: a `TrainState` (its model in inference mode, its strategy's towers share the images).
       reader: the split to evaluate (`ImageReader`); its data config gives ignore_label.
       class_names: one name per class (checked against the model's number of classes).
       progress: show a tqdm bar on stderr (only when stderr is a terminal).
-      eval_cfg: the inference modes (an EvalConfig; default: the trainer's config's `eval`).
+      eval_cfg: the inference modes (an EvalConfig; default: the state's config's `eval`).
     Returns:
       (metrics from the summed confusion matrix, number of images evaluated).
     """
-    c = trainer.cfg.data.num_classes
+    c = state.cfg.data.num_classes
     if len(class_names) != c:
         raise ConfigError("wrong number of class names", "data.class_names",
                           f"expected {c} names (data.num_classes), got {len(class_names)}")
-    if reader.cfg.ignore_label != trainer.cfg.data.ignore_label:
-        raise ValueError("the reader and the trainer disagree on data.ignore_label")
-    eval_cfg = trainer.cfg.eval if eval_cfg is None else eval_cfg
-    steps = _EVAL_STEPS.setdefault(trainer, {})
+    if reader.cfg.ignore_label != state.cfg.data.ignore_label:
+        raise ValueError("the reader and the state disagree on data.ignore_label")
+    eval_cfg = state.cfg.eval if eval_cfg is None else eval_cfg
+    steps = _EVAL_STEPS.setdefault(state, {})
     key = repr(inference.as_dict(eval_cfg))
     step = steps.get(key)
     if step is None:
-        step = steps[key] = _make_eval_step(trainer, eval_cfg)
-    strategy = trainer.strategy
+        step = steps[key] = _make_eval_step(state, eval_cfg)
+    strategy = state.strategy
     n = strategy.num_replicas_in_sync
     dummy = (tf.zeros([1, 32, 32, 3], tf.float32),
              tf.fill([1, 32, 32], tf.constant(reader.cfg.ignore_label, tf.uint8)))  # all ignored

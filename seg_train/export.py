@@ -107,13 +107,13 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
 
     from seg_train import inference
     from seg_train.reader import class_names_of
-    from seg_train.restore import load_trainer, maybe_reestimate_bn
+    from seg_train.restore import load_state, maybe_reestimate_bn
 
     out = check_output(output, force)
     names = class_names_of(cfg)
-    trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
-    reestimated = maybe_reestimate_bn(trainer, cfg, progress)
-    module = serving_module(trainer.model, cfg.data.mean, cfg.data.std, cfg.eval)
+    state, prefix, step = load_state(cfg, strategy, checkpoint)
+    reestimated = maybe_reestimate_bn(state, cfg, progress)
+    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval)
 
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():  # left over by an interrupted export

@@ -25,7 +25,7 @@ class StepLoop:
     """Dispatches train steps and hands each step's outputs to `host.finish` one step late.
 
     Args:
-      trainer: a Trainer (train_step, learning_rate).
+      train_step: a TrainStep (called per step; its state's learning_rate gives each step's rate).
       batches: an iterator over the distributed dataset.
       start: the step counter before the first dispatched step.
       host: the host side of a step: `finish(pending, ended) -> bool` (whether the group asked to stop;
@@ -35,9 +35,9 @@ class StepLoop:
       stop_requested: () -> bool, the host's stop flag, fed to every step.
     """
 
-    def __init__(self, trainer, batches, start: int, host, image_summary_every: int = 0,
+    def __init__(self, train_step, batches, start: int, host, image_summary_every: int = 0,
                  stop_requested=lambda: False):
-        self.trainer, self.batches, self.host = trainer, batches, host
+        self.train_step, self.batches, self.host = train_step, batches, host
         self.start = self.step = start
         self.image_summary_every = image_summary_every
         self.stop_requested = stop_requested
@@ -63,8 +63,8 @@ class StepLoop:
         batch = next(self.batches)
         self.last_input_wait = time.perf_counter() - t0
         want_images = self.want_images(step)
-        lr = self.trainer.learning_rate(step)
-        out = self.trainer.train_step(batch, lr, self.stop_requested(), want_images)
+        lr = self.train_step.state.learning_rate(step)
+        out = self.train_step(batch, lr, self.stop_requested(), want_images)
         dispatched = time.perf_counter()
         self.step = step + 1
         stop = self._finish(self.pending) if self.pending is not None else False
@@ -84,7 +84,7 @@ class StepLoop:
         # returned (a call that runs the whole step, as on CPU): then, not at this read, which comes
         # after the next step's dispatch.
         t0 = time.perf_counter()
-        pending[1]["stop"].numpy()
+        pending[1].stop.numpy()
         t1 = time.perf_counter()
         end = t1 if t1 - t0 > WAITED_S else pending[5]
         self.finished.append((pending[0], end, end + self.launch_offset))

@@ -119,15 +119,15 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     """
     import tensorflow as tf
 
-    from seg_train.restore import load_trainer, maybe_reestimate_bn
+    from seg_train.restore import load_state, maybe_reestimate_bn
     from seg_train.export import serving_module
 
     files = collect_inputs(inputs)
     out = check_output_dir(output)
-    trainer, prefix, step = load_trainer(cfg, strategy, checkpoint)
+    state, prefix, step = load_state(cfg, strategy, checkpoint)
     # As in seg-eval and seg-export, so predictions match the exported model and the eval numbers.
-    maybe_reestimate_bn(trainer, cfg, progress)
-    module = serving_module(trainer.model, cfg.data.mean, cfg.data.std, cfg.eval)
+    maybe_reestimate_bn(state, cfg, progress)
+    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval)
     palette = voc_colormap()
     out.mkdir(parents=True, exist_ok=True)
 

@@ -2,7 +2,7 @@
 or several through TF_CONFIG), and which process is the chief.
 
 What runs inside the strategy lives elsewhere: the in-graph cross-tower arithmetic (all-reduces,
-packing) in collectives.py, the train step that uses it in trainer.py, synchronized BN in
+packing) in collectives.py, the train step that uses it in step.py, synchronized BN in
 models/sync_bn.py.
 """
 

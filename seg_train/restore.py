@@ -1,4 +1,4 @@
-"""A trained model for seg-eval, seg-predict and seg-export: a Trainer loaded from a checkpoint, and
+"""A trained model for seg-eval, seg-predict and seg-export: a TrainState loaded from a checkpoint, and
 the gate that re-estimates its BN statistics before use (eval.bn_reestimate_batches).
 
 Also used by train.py before each evaluation during training (`maybe_reestimate_bn`).
@@ -18,7 +18,7 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.reader import ImageReader, ensure_data, split_file
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
 
 log = logging.getLogger("seg_train")
 
@@ -38,38 +38,38 @@ def _mismatch(e: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def load_trainer(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
-    """Builds a Trainer for `cfg` and loads the weights of CKPT_OR_RUN_DIR into it.
+def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
+    """Builds a TrainState for `cfg` (without an optimizer) and loads the weights of CKPT_OR_RUN_DIR into it.
 
     Returns:
-      (trainer, checkpoint prefix, the checkpoint's step).
+      (state, checkpoint prefix, the checkpoint's step).
     """
     prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
     # The checkpoint holds every weight: the ImageNet file the run started from is not read again
     # (it may have moved since). The loss's class weights change no variable and no prediction, and
     # a named scheme (median_frequency) would need the train split's histogram: not needed here.
     cfg = config_lib.replace(config_lib.replace(cfg, "model.backbone_weights", None), "loss.class_weights", None)
-    trainer = Trainer(cfg, strategy)
+    state = TrainState(cfg, strategy, optimizer=False)  # inference: no optimizer slots are built or read
     try:
-        step = trainer.restore_weights(prefix)
+        step = state.restore_weights(prefix)
     except (AssertionError, ValueError, tf.errors.OpError) as e:
         # A checkpoint of another model (backbone, channels, num_classes) fails here.
         raise ConfigError("checkpoint does not fit the model", prefix,
                           f"expected a checkpoint of the model this config builds (model.*, data.num_classes): "
                           f"{_mismatch(e)}") from None
-    if trainer.ema_restored:
-        trainer.use_averaged_weights()
+    if state.ema_restored:
+        state.use_averaged_weights()
         log.info("using the exponential moving average of the weights (train.ema_decay)")
-    return trainer, prefix, step
+    return state, prefix, step
 
 
-def maybe_reestimate_bn(trainer, cfg: Config, progress: bool = True) -> bool:
+def maybe_reestimate_bn(state, cfg: Config, progress: bool = True) -> bool:
     """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
 
     Returns:
       Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
     """
-    if cfg.eval.bn_reestimate_batches > 0 and int(trainer.bn_stats_step.numpy()) != int(trainer.step.numpy()):
+    if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
         ensure_data(cfg)  # the re-estimation reads the training split
         if not split_file(cfg.data.root, cfg.data.train_split).is_file():
             # Predicting or exporting where the training data is not at hand: go on with the
@@ -78,5 +78,5 @@ def maybe_reestimate_bn(trainer, cfg: Config, progress: bool = True) -> bool:
                         "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
             return False
         train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-        bn_stats.reestimate(trainer, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
-    return int(trainer.bn_stats_step.numpy()) == int(trainer.step.numpy())
+        bn_stats.reestimate(state, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
+    return int(state.bn_stats_step.numpy()) == int(state.step.numpy())

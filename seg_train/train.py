@@ -31,7 +31,8 @@ from seg_train.restore import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
 from seg_train.summaries import Summaries
 from seg_train.sysinfo import peak_rss_mb, seconds_since_launch
-from seg_train.trainer import LOSS_SCALE_FLOOR, Trainer
+from seg_train.state import LOSS_SCALE_FLOOR, TrainState
+from seg_train.step import TrainStep
 
 log = logging.getLogger("seg_train")
 
@@ -134,22 +135,22 @@ def open_val(cfg: Config) -> ImageReader | None:
     return ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
 
 
-def run_evaluation(cfg: Config, trainer: Trainer, reader: ImageReader, names: list[str], summaries: Summaries,
+def run_evaluation(cfg: Config, state: TrainState, reader: ImageReader, names: list[str], summaries: Summaries,
                    run_dir: Path, step: int, progress: bool) -> None:
     """Evaluates on the val split (BN statistics re-estimated first if configured), logs, keeps the best.
 
     With train.ema_decay the averaged weights are evaluated (and kept in best/), with BN statistics
     re-estimated for them; the training weights and statistics are back in place afterwards.
     """
-    with trainer.averaged_weights():
-        reestimated = maybe_reestimate_bn(trainer, cfg, progress)
-        metrics, count = evaluate.evaluate(trainer, reader, names, progress=progress)
+    with state.averaged_weights():
+        reestimated = maybe_reestimate_bn(state, cfg, progress)
+        metrics, count = evaluate.evaluate(state, reader, names, progress=progress)
         evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
-        summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(trainer, reader))
-        improved = ckpt_lib.keep_best(run_dir, trainer, step, metrics)
+        summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(state, reader))
+        improved = ckpt_lib.keep_best(run_dir, state, step, metrics)
     log.info("eval at step %d on %d %s images (%s, %sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
-             step, count, cfg.data.val_split, inference.describe(trainer.cfg.eval),
-             "EMA weights, " if trainer.ema is not None else "",
+             step, count, cfg.data.val_split, inference.describe(state.cfg.eval),
+             "EMA weights, " if state.ema is not None else "",
              "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
              100 * metrics.pixel_accuracy, " (new best, kept in best/)" if improved else "",
              format_table(metrics, names))
@@ -189,9 +190,9 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
 class _Loop:
     """The host side of each step: reads its outputs, logs, writes summaries, decides on non-finite steps."""
 
-    def __init__(self, cfg: Config, trainer: Trainer, summaries: Summaries, bar, num_towers: int, profiler,
+    def __init__(self, cfg: Config, state: TrainState, summaries: Summaries, bar, num_towers: int, profiler,
                  trace_s: float = 0.0, log_level: int = logging.INFO):
-        self.cfg, self.trainer, self.summaries, self.bar, self.profiler = cfg, trainer, summaries, bar, profiler
+        self.cfg, self.state, self.summaries, self.bar, self.profiler = cfg, state, summaries, bar, profiler
         self.log_level = log_level  # of the per-step lines (seg-bench does the same work, but quietly)
         self.trace_s, self.loop_start = trace_s, time.perf_counter()
         self.images_per_step = cfg.data.batch_size * cfg.train.accumulate_steps
@@ -216,26 +217,26 @@ class _Loop:
         reads step k after dispatching step k+1, which on CPU has run step k+1 by then."""
         step, out, dist_batch, lr, want_images = pending
         t_cfg = self.cfg.train
-        applied = bool(out["applied"])
-        loss = float(out["loss"])
+        applied = bool(out.applied)
+        loss = float(out.loss)
         self.last_loss = loss
         if not applied:
-            finite = out["finite"].numpy()
-            used = float(out["loss_scale_used"])
-            if t_cfg.precision == "mixed_float16" and bool(out["loss_finite"]) and used > LOSS_SCALE_FLOOR \
-                    and all(out["bn_finite"].numpy()):
+            finite = out.finite.numpy()
+            used = float(out.loss_scale_used)
+            if t_cfg.precision == "mixed_float16" and bool(out.loss_finite) and used > LOSS_SCALE_FLOOR \
+                    and all(out.bn_finite.numpy()):
                 # A float16 gradient overflow: the step was skipped and the loss scale halved. At the
                 # floor the loss is no longer scaled up, so halving cures nothing: a non-finite step.
                 # Non-finite BN statistics are not the loss scale's doing (they are float32 and
                 # unscaled): a non-finite step too.
                 self.overflows += 1
                 log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
-                         "(%d overflow(s) so far)", step, used, float(out["loss_scale"]), self.overflows)
+                         "(%d overflow(s) so far)", step, used, float(out.loss_scale), self.overflows)
             else:
-                # The step applied nothing (see Trainer): weights, optimizer slots and BN statistics
+                # The step applied nothing (see step.py): weights, optimizer slots and BN statistics
                 # are those of the step before.
-                bad_grad = [i for i, f in enumerate(out["loss_grad_finite"].numpy()) if not f]
-                bad_bn = [i for i, f in enumerate(out["bn_finite"].numpy()) if not f]
+                bad_grad = [i for i, f in enumerate(out.loss_grad_finite.numpy()) if not f]
+                bad_bn = [i for i, f in enumerate(out.bn_finite.numpy()) if not f]
                 if bad_grad or not bad_bn:
                     # With no tower's own values non-finite, their reduced sum overflowed: every tower.
                     towers = bad_grad or list(range(len(finite)))
@@ -269,34 +270,34 @@ class _Loop:
             self.bar.update(1)
         # After the step's outputs were read: the step has finished, so a trace ending here holds it all.
         self.profiler.after_step(step)
-        return bool(out["stop"])
+        return bool(out.stop)
 
     def _scalars(self, step, out, lr, loss) -> None:
         elapsed = time.perf_counter() - self.window_start
         if self.window_steps:
             self.images_per_sec = self.window_steps * self.images_per_step / max(elapsed, 1e-9)
         self.restart_clock()
-        gnorm = float(out["global_norm"])
-        scalars = {"loss/total": loss, "loss/weight_decay": float(out["weight_decay"]), "learning_rate": lr,
-                   "gradients/global_norm": gnorm, "gradients/clipped": float(bool(out["clipped"]))}
+        gnorm = float(out.global_norm)
+        scalars = {"loss/total": loss, "loss/weight_decay": float(out.weight_decay), "learning_rate": lr,
+                   "gradients/global_norm": gnorm, "gradients/clipped": float(bool(out.clipped))}
         # Every tower of the group (all workers): the values travel in the step's all-reduce.
-        for i, ce in enumerate(out["tower_ce"].numpy()):
+        for i, ce in enumerate(out.tower_ce.numpy()):
             scalars[f"loss/tower_{i}"] = ce
-        for i, g in enumerate(out["tower_grad_norm"].numpy()):
+        for i, g in enumerate(out.tower_grad_norm.numpy()):
             scalars[f"gradients/norm/tower_{i}"] = g
         if self.skipped:
             scalars["train/skipped_steps"] = self.skipped
         mixed16 = self.cfg.train.precision == "mixed_float16"
         if mixed16:  # the scale after this step's update: halved on an overflow
-            scalars["train/loss_scale"] = float(out["loss_scale"])
+            scalars["train/loss_scale"] = float(out.loss_scale)
         if not math.isnan(self.images_per_sec):
             scalars["throughput/images_per_sec"] = self.images_per_sec
         self.summaries.scalars(step, scalars)
         # The same values as one chart with a line per tower (RUN_DIR/towers/tower_<i>/).
-        self.summaries.tower_scalars(step, "loss/tower", out["tower_ce"].numpy())
-        self.summaries.tower_scalars(step, "gradients/norm/tower", out["tower_grad_norm"].numpy())
+        self.summaries.tower_scalars(step, "loss/tower", out.tower_ce.numpy())
+        self.summaries.tower_scalars(step, "gradients/norm/tower", out.tower_grad_norm.numpy())
         t_cfg = self.cfg.train
-        scale = {"loss_scale": f"{float(out['loss_scale']):g}"} if mixed16 else {}
+        scale = {"loss_scale": f"{float(out.loss_scale):g}"} if mixed16 else {}
         if self.bar is None:
             log.log(self.log_level, "step %d/%d  loss %.4f  gnorm %.3g  lr %.3g%s  %.1f img/s", step, t_cfg.num_steps,
                     loss, gnorm, lr, f"  loss scale {scale['loss_scale']}" if scale else "", self.images_per_sec)
@@ -306,11 +307,11 @@ class _Loop:
 
     def _images(self, step, out, dist_batch) -> None:
         images, labels = dist_batch
-        local = self.trainer.strategy.experimental_local_results
+        local = self.state.strategy.experimental_local_results
         b = self.micro
         self.summaries.triplets(step, [(im.numpy()[:b], lb.numpy()[:b], pr.numpy()) for im, lb, pr in
-                                       zip(local(images), local(labels), out["preds"])])
-        self.summaries.histogram(step, "gradients/per_variable_norm", out["var_grad_norms"].numpy())
+                                       zip(local(images), local(labels), out.preds)])
+        self.summaries.histogram(step, "gradients/per_variable_norm", out.var_grad_norms.numpy())
 
 
 def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None = None,
@@ -366,17 +367,18 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # Resuming: the checkpoint holds every weight, so the ImageNet file the run started from is not
     # read again (it may have moved since).
     build_cfg = config_lib.replace(cfg, "model.backbone_weights", None) if resuming else cfg
-    trainer = Trainer(build_cfg, strategy, class_weights=class_weights)
-    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **trainer.checkpoint_objects())
+    state = TrainState(build_cfg, strategy)
+    train_step = TrainStep(state, class_weights=class_weights)
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **state.checkpoint_objects())
     restored = ckpt.restore_latest()
     if write_dir != run_dir:
-        ckpt = ckpt_lib.Checkpointer(write_dir / "checkpoints", 1, **trainer.checkpoint_objects())
+        ckpt = ckpt_lib.Checkpointer(write_dir / "checkpoints", 1, **state.checkpoint_objects())
     if init_from and not restored:
         from seg_train.init_from import load_weights
-        loaded, skipped = load_weights(trainer.model, init_from)
+        loaded, skipped = load_weights(state.model, init_from)
         log.info("initialised %d weights from %s; skipped %d with other shapes%s", loaded, init_from, len(skipped),
                  (": " + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")) if skipped else "")
-    start = int(trainer.step.numpy())
+    start = int(state.step.numpy())
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         _check_same_start(strategy, start)
     if restored:
@@ -392,10 +394,10 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
                                     ctx.num_input_pipelines, end_step=cfg.train.num_steps, micro_batches=k_micro)
 
-    dist_data = trainer.distribute(dataset_fn)
+    dist_data = state.distribute(dataset_fn)
     # Trace the step now (the loop reuses this trace), so its cost is reported apart from the rest.
     t_trace = time.perf_counter()
-    step_graph = trainer.step_function(dist_data.element_spec)
+    step_graph = train_step.concrete_function(dist_data.element_spec)
     trace_s = time.perf_counter() - t_trace
     if cfg.train.deterministic:
         # On a GPU, an op without a deterministic kernel would raise only when it runs: look at the
@@ -423,7 +425,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     summaries.config_text(start + 1, cfg, towers=n)  # the first step of this run segment
     profiler = StepProfiler(write_dir, cfg.train.profile_steps)
     log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower)%s, steps %d..%d, run dir %s",
-             trainer.model.name, n, len(reader), batch, batch // n,
+             state.model.name, n, len(reader), batch, batch // n,
              f" x {k_micro} micro-batches per update" if k_micro > 1 else "", start, cfg.train.num_steps, run_dir)
 
     # ---- loop ---------------------------------------------------------------------------------------
@@ -432,10 +434,10 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # stop the loop is drained (waits for the step itself).
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
-    loop = _Loop(cfg, trainer, summaries, bar, n, profiler, trace_s)
+    loop = _Loop(cfg, state, summaries, bar, n, profiler, trace_s)
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     state_finite = tf.function(lambda: tf.reduce_all(
-        [tf.reduce_all(tf.math.is_finite(v)) for v in trainer.model.weights + trainer.optimizer.variables
+        [tf.reduce_all(tf.math.is_finite(v)) for v in state.model.weights + state.optimizer.variables
          if tf.as_dtype(v.dtype).is_floating]))
     status, saved_at = EXIT_OK, None
 
@@ -446,7 +448,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
             raise NonFiniteError(f"non-finite weights or optimizer state after the update of step {at}")
         return ckpt.save(at)
 
-    steps = StepLoop(trainer, batches, start, loop, t_cfg.image_summary_every, lambda: stop.signum is not None)
+    steps = StepLoop(train_step, batches, start, loop, t_cfg.image_summary_every, lambda: stop.signum is not None)
     try:
         while steps.step < t_cfg.num_steps:
             group_stop = steps.dispatch()  # finishes the step before this one
@@ -464,7 +466,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
             # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
             # resumed from this step's checkpoint must hold the same values as one that went on.
             if evaluate_now:
-                run_evaluation(cfg, trainer, val_reader, names, summaries, write_dir, step, bar is not None)
+                run_evaluation(cfg, state, val_reader, names, summaries, write_dir, step, bar is not None)
                 loop.restart_clock()  # evaluation is not training time
             if checkpoint_now:
                 save_checked(step)

@@ -5,7 +5,7 @@ train step twice from the same config, on 1 tower and on N towers of the user's 
 all-reduce (train.allreduce through replicas.strategy_for; on logical CPU towers that is
 ReductionToOneDevice), and feeds both the same global batch: the first training batch of the
 config's data through the real ImageReader, distributed the way training distributes it. Each
-step runs as Trainer.probe (the update's gradient and the BN moving statistics it would set,
+step runs as TrainStep.probe (the update's gradient and the BN moving statistics it would set,
 nothing applied). Synchronized BN is forced on, because then N towers compute the same function as
 1 tower, and every cross-tower path is exercised: the packed gradient all-reduce, the BN statistics
 riding in it, and the per-layer forward and backward all-reduces of synchronized BN. Both builds
@@ -124,9 +124,10 @@ def verify_config(cfg: Config) -> Config:
 
 
 def _probe(cfg: Config, devices, n: int, reader) -> dict:
-    """One probe step of the real Trainer on the first n devices; numpy results."""
+    """One probe step of the real TrainStep on the first n devices; numpy results."""
     from seg_train import replicas
-    from seg_train.trainer import Trainer
+    from seg_train.state import TrainState
+    from seg_train.step import TrainStep
 
     t = cfg.train
     strategy = replicas.strategy_for(t, devices, n)
@@ -135,27 +136,28 @@ def _probe(cfg: Config, devices, n: int, reader) -> dict:
         # 'median_frequency' needs a scan of the whole train split; any weights exercise the same
         # weighted-loss path across towers, so unit weights stand in for them here.
         weights = np.ones(cfg.data.num_classes, np.float32)
-    trainer = Trainer(cfg, strategy, class_weights=weights)
+    state = TrainState(cfg, strategy)
+    train_step = TrainStep(state, class_weights=weights)
     batch, k = cfg.data.batch_size, t.accumulate_steps
 
     def dataset_fn(ctx):
         return reader.train_dataset(batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
                                     ctx.num_input_pipelines, end_step=1, micro_batches=k)
 
-    first = next(iter(trainer.distribute(dataset_fn)))
+    first = next(iter(state.distribute(dataset_fn)))
     # The moving statistics before the probe, to recover the batch statistics it used (module doc).
-    bn_old = [np.asarray(v) for v in trainer.bn_variables]
-    out = trainer.probe(first)
+    bn_old = [np.asarray(v) for v in state.bn_variables]
+    out = train_step.probe(first)
     return {
-        "weights": [np.asarray(v) for v in trainer.model.weights],
-        "names": [v.path for v in trainer.model.trainable_variables],
-        "gradients": [np.asarray(g) for g in out["gradients"]],
-        "bn_names": [v.path for v in trainer.bn_variables],
+        "weights": [np.asarray(v) for v in state.model.weights],
+        "names": [v.path for v in state.model.trainable_variables],
+        "gradients": [np.asarray(g) for g in out.gradients],
+        "bn_names": [v.path for v in state.bn_variables],
         "bn_old": bn_old,
-        "bn_momentum": [float(b.momentum) for b in trainer.bn_layers if b.trainable for _ in range(2)],
-        "bn_stats": [np.asarray(b) for b in out["bn_stats"]],
-        "loss": float(out["loss"]),
-        "global_norm": float(out["global_norm"]),
+        "bn_momentum": state.bn_momenta,
+        "bn_stats": [np.asarray(b) for b in out.bn_stats],
+        "loss": float(out.loss),
+        "global_norm": float(out.global_norm),
     }
 
 

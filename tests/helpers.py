@@ -44,12 +44,12 @@ def random_batch(batch=4, size=32, num_classes=3, seed=0, ignore_rows=None):
 
 
 
-def train_batches(trainer, reader):
-    """The real reader's training stream from step 0, distributed as train.py distributes it
+def train_batches(state, reader):
+    """The real reader's training stream from step 0 for a TrainState, distributed as train.py distributes it
     (data.batch_size global images per micro-batch, train.accumulate_steps micro-batches)."""
-    cfg = trainer.cfg
+    cfg = state.cfg
     k, b = cfg.train.accumulate_steps, cfg.data.batch_size
-    return iter(trainer.distribute(lambda ctx: reader.train_dataset(
+    return iter(state.distribute(lambda ctx: reader.train_dataset(
         b, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id, ctx.num_input_pipelines, micro_batches=k)))
 
 # A numpy confusion matrix, the by-hand reference the evaluation's bincount path is checked against

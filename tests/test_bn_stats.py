@@ -15,7 +15,8 @@ import tensorflow as tf
 from seg_train import bn_stats, demo_data, models, replicas
 from seg_train.metrics import compute_metrics
 from seg_train.reader import ImageReader
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import confusion_matrix, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -31,21 +32,21 @@ def data_root(tmp_path_factory):
 def make(tmp_path, data_root, towers, **sections):
     cfg = tiny_config(tmp_path, data_root, data={"batch_size": 8}, **sections)
     strategy = replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", "test"))
-    trainer = Trainer(cfg, strategy)
+    trainer = TrainStep(TrainState(cfg, strategy))
     return trainer, ImageReader(cfg.data, "train", cfg.seed)
 
 
 def global_batches(trainer, reader, num_batches):
     """The images reestimate() reads: global batches of the training stream at its fixed start."""
-    batch = trainer.cfg.data.batch_size
+    batch = trainer.state.cfg.data.batch_size
     ds = reader.train_dataset(batch, bn_stats.stream_start_step(batch), 1)
     return [images.numpy() for images, _ in ds.take(num_batches)]
 
 
 def train_steps(trainer, reader, n):
-    it = train_batches(trainer, reader)
+    it = train_batches(trainer.state, reader)
     for _ in range(n):
-        trainer.train_step(next(it))
+        trainer(next(it))
 
 
 def tower_values(variable, strategy):
@@ -53,7 +54,8 @@ def tower_values(variable, strategy):
 
 
 def moving_stats(trainer):
-    return [(layer.moving_mean.numpy().copy(), layer.moving_variance.numpy().copy()) for layer in trainer.bn_layers]
+    return [(layer.moving_mean.numpy().copy(), layer.moving_variance.numpy().copy())
+            for layer in trainer.state.bn_layers]
 
 
 def population(features):
@@ -63,42 +65,42 @@ def population(features):
 
 def test_first_bn_layer_gets_population_stats_of_its_input(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=2)
-    assert bn_stats.reestimate(trainer, reader, 3, progress=False) is True
+    assert bn_stats.reestimate(trainer.state, reader, 3, progress=False) is True
     # stem_bn's input is stem_conv(image): a 3x3 stride-2 'same' convolution, no bias.
-    conv = trainer.model.get_layer("tiny").get_layer("stem_conv")
+    conv = trainer.state.model.get_layer("tiny").get_layer("stem_conv")
     kernel = conv.kernel.numpy()
     feats = [tf.nn.conv2d(images, kernel, strides=2, padding="SAME").numpy()
              for images in global_batches(trainer, reader, 3)]
     assert sum(f.shape[0] for f in feats) == 24
     mean, var = population(feats)
-    bn = trainer.model.get_layer("tiny").get_layer("stem_bn")
+    bn = trainer.state.model.get_layer("tiny").get_layer("stem_bn")
     np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bn.moving_variance.numpy(), var, rtol=1e-5, atol=1e-7)
-    assert int(trainer.bn_stats_step.numpy()) == int(trainer.step.numpy()) == 0
+    assert int(trainer.state.bn_stats_step.numpy()) == int(trainer.state.step.numpy()) == 0
 
 
 @pytest.mark.parametrize("towers", [2, 4])
 def test_every_bn_layer_matches_per_tower_training_mode_reference(tmp_path, data_root, towers):
     trainer, reader = make(tmp_path, data_root, towers)
-    model = trainer.model
+    model = trainer.state.model
     # Non-trivial gamma/beta, so that each layer's input depends on how the layers before it
     # normalised (with each tower's own batch statistics, as in training).
     rng = np.random.default_rng(1)
-    for layer in trainer.bn_layers:
+    for layer in trainer.state.bn_layers:
         layer.gamma.assign(rng.uniform(0.5, 2.0, layer.gamma.shape).astype(np.float32))
         layer.beta.assign(rng.normal(0, 0.5, layer.beta.shape).astype(np.float32))
 
     # Reference: a plain (non-distributed) copy, BN inputs read through sub-models in training mode
     # on each tower's slice (consecutive per-tower batches of each global batch).
-    ref = models.build(trainer.cfg.model, NUM_CLASSES, trainer.cfg.seed)
+    ref = models.build(trainer.state.cfg.model, NUM_CLASSES, trainer.state.cfg.seed)
     ref.set_weights(model.get_weights())
     backbone = ref.get_layer("tiny")
     bb_bn = [lay for lay in backbone.layers if isinstance(lay, keras.layers.BatchNormalization)]
     head_bn = [lay for lay in ref.layers if isinstance(lay, keras.layers.BatchNormalization)]
-    assert len(bb_bn) + len(head_bn) == len(trainer.bn_layers) == 15
+    assert len(bb_bn) + len(head_bn) == len(trainer.state.bn_layers) == 15
     bb_probe = keras.Model(backbone.input, [lay.input for lay in bb_bn])
     head_probe = keras.Model(ref.input, [lay.input for lay in head_bn])
-    per_tower = trainer.cfg.data.batch_size // towers
+    per_tower = trainer.state.cfg.data.batch_size // towers
     feats = {lay.name: [] for lay in bb_bn + head_bn}
     for images in global_batches(trainer, reader, 2):
         for r in range(towers):
@@ -107,41 +109,41 @@ def test_every_bn_layer_matches_per_tower_training_mode_reference(tmp_path, data
             for lay, f in zip(bb_bn + head_bn, outs):
                 feats[lay.name].append(f.numpy())
 
-    assert bn_stats.reestimate(trainer, reader, 2, progress=False)
-    for layer in trainer.bn_layers:
+    assert bn_stats.reestimate(trainer.state, reader, 2, progress=False)
+    for layer in trainer.state.bn_layers:
         mean, var = population(feats[layer.name])
         np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-4, atol=1e-5, err_msg=layer.name)
         np.testing.assert_allclose(layer.moving_variance.numpy(), var, rtol=1e-4, atol=1e-5, err_msg=layer.name)
         # Every tower holds the same copy (the training-mode pass had moved each one by momentum
         # from its own batches; only a cross-replica assignment makes them agree).
         for v in (layer.moving_mean, layer.moving_variance):
-            copies = tower_values(v, trainer.strategy)
+            copies = tower_values(v, trainer.state.strategy)
             assert len(copies) == towers
             for c in copies[1:]:
                 np.testing.assert_array_equal(c, copies[0], err_msg=layer.name)
-    assert "call" not in trainer.bn_layers[0].__dict__  # the recording wrapper is gone
+    assert "call" not in trainer.state.bn_layers[0].__dict__  # the recording wrapper is gone
 
 
 def test_only_moving_stats_change_and_result_is_deterministic(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=2)
     train_steps(trainer, reader, 1)
-    trainable = [v.numpy().copy() for v in trainer.model.trainable_variables]
-    slots = [np.asarray(v).copy() for v in trainer.optimizer.variables]
+    trainable = [v.numpy().copy() for v in trainer.state.model.trainable_variables]
+    slots = [np.asarray(v).copy() for v in trainer.state.optimizer.variables]
     assert any(np.abs(s).sum() > 0 for s in slots[2:])  # slots are live (Adam moments after a step)
     before = moving_stats(trainer)
 
-    assert bn_stats.reestimate(trainer, reader, 2, progress=False)
-    for a, v in zip(trainable, trainer.model.trainable_variables):
+    assert bn_stats.reestimate(trainer.state, reader, 2, progress=False)
+    for a, v in zip(trainable, trainer.state.model.trainable_variables):
         np.testing.assert_array_equal(a, v.numpy(), err_msg=v.path)
-    for a, v in zip(slots, trainer.optimizer.variables):
+    for a, v in zip(slots, trainer.state.optimizer.variables):
         np.testing.assert_array_equal(a, np.asarray(v), err_msg=v.path)
-    assert int(trainer.step.numpy()) == 1 and int(trainer.bn_stats_step.numpy()) == 1
+    assert int(trainer.state.step.numpy()) == 1 and int(trainer.state.bn_stats_step.numpy()) == 1
     after = moving_stats(trainer)
     assert all(not np.allclose(a[0], b[0]) for a, b in zip(before, after))
 
     # Forced again (bn_stats_step reset): the same batches, the same statistics.
-    trainer.bn_stats_step.assign(-1)
-    assert bn_stats.reestimate(trainer, reader, 2, progress=False)
+    trainer.state.bn_stats_step.assign(-1)
+    assert bn_stats.reestimate(trainer.state, reader, 2, progress=False)
     for (m1, v1), (m2, v2) in zip(after, moving_stats(trainer)):
         np.testing.assert_allclose(m1, m2, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(v1, v2, rtol=1e-6, atol=1e-7)
@@ -149,44 +151,44 @@ def test_only_moving_stats_change_and_result_is_deterministic(tmp_path, data_roo
 
 def test_checkpoint_marked_reestimated_is_not_reestimated_again(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=2)
-    trainer.step.assign(1)  # as after one training step (the weights do not matter here)
-    assert bn_stats.reestimate(trainer, reader, 1, progress=False) is True
-    assert bn_stats.reestimate(trainer, reader, 1, progress=False) is False  # same step: no-op
-    prefix = tf.train.Checkpoint(**trainer.checkpoint_objects()).write(str(tmp_path / "ckpt"))
+    trainer.state.step.assign(1)  # as after one training step (the weights do not matter here)
+    assert bn_stats.reestimate(trainer.state, reader, 1, progress=False) is True
+    assert bn_stats.reestimate(trainer.state, reader, 1, progress=False) is False  # same step: no-op
+    prefix = tf.train.Checkpoint(**trainer.state.checkpoint_objects()).write(str(tmp_path / "ckpt"))
     saved = moving_stats(trainer)
 
     restored, _ = make(tmp_path, data_root, towers=2)
-    assert restored.restore_weights(prefix) == 1
-    assert int(restored.bn_stats_step.numpy()) == 1
-    assert bn_stats.reestimate(restored, reader, 1, progress=False) is False
+    assert restored.state.restore_weights(prefix) == 1
+    assert int(restored.state.bn_stats_step.numpy()) == 1
+    assert bn_stats.reestimate(restored.state, reader, 1, progress=False) is False
     for (m1, v1), (m2, v2) in zip(saved, moving_stats(restored)):
         np.testing.assert_array_equal(m1, m2)
         np.testing.assert_array_equal(v1, v2)
     # A later step no longer matches: re-estimated again.
-    restored.step.assign_add(1)
-    assert bn_stats.reestimate(restored, reader, 1, progress=False) is True
-    assert int(restored.bn_stats_step.numpy()) == 2
+    restored.state.step.assign_add(1)
+    assert bn_stats.reestimate(restored.state, reader, 1, progress=False) is True
+    assert int(restored.state.bn_stats_step.numpy()) == 2
 
 
 def test_mixed_bfloat16_moments_in_float32(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=2, train={"precision": "mixed_bfloat16"})
-    conv = trainer.model.get_layer("tiny").get_layer("stem_conv")
+    conv = trainer.state.model.get_layer("tiny").get_layer("stem_conv")
     assert conv.compute_dtype == "bfloat16"
-    assert bn_stats.reestimate(trainer, reader, 2, progress=False)
+    assert bn_stats.reestimate(trainer.state, reader, 2, progress=False)
     # The BN input is bfloat16; its moments are taken in float32 (as Keras' BN computes them).
     feats = [conv(images).numpy().astype(np.float32) for images in global_batches(trainer, reader, 2)]
     mean, var = population(feats)
-    bn = trainer.model.get_layer("tiny").get_layer("stem_bn")
+    bn = trainer.state.model.get_layer("tiny").get_layer("stem_bn")
     assert bn.moving_mean.dtype == "float32"
     np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bn.moving_variance.numpy(), var, rtol=1e-5, atol=1e-6)
 
 
 def val_miou(trainer, data_root):
-    reader = ImageReader(trainer.cfg.data, "val", trainer.cfg.seed)
+    reader = ImageReader(trainer.state.cfg.data, "val", trainer.state.cfg.seed)
     cm = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
     for image, label, _ in reader.eval_dataset(pad_to=16):
-        pred = np.argmax(trainer.model(image, training=False).numpy(), -1)
+        pred = np.argmax(trainer.state.model(image, training=False).numpy(), -1)
         cm += confusion_matrix(label.numpy(), pred, NUM_CLASSES, 255)
     return compute_metrics(cm).miou
 
@@ -198,7 +200,7 @@ def test_stale_moving_stats_vs_reestimated_eval(tmp_path, data_root):
                            train={"learning_rate": 3e-3, "num_steps": 1000})
     train_steps(trainer, reader, 40)
     stale = val_miou(trainer, data_root)
-    assert bn_stats.reestimate(trainer, reader, 8, progress=False)
+    assert bn_stats.reestimate(trainer.state, reader, 8, progress=False)
     fresh = val_miou(trainer, data_root)
     print(f"val mIoU: stale moving stats {stale:.3f}, re-estimated {fresh:.3f}")
     assert fresh > stale + 0.15, (stale, fresh)
@@ -208,19 +210,19 @@ def test_rejects_no_batches(tmp_path, data_root):
     from seg_train.config import ConfigError
     trainer, reader = make(tmp_path, data_root, towers=1)
     with pytest.raises(ConfigError, match="bn_reestimate_batches"):
-        bn_stats.reestimate(trainer, reader, 0)
-    assert models.batchnorm_layers(trainer.model)[0].__dict__.get("call") is None
+        bn_stats.reestimate(trainer.state, reader, 0)
+    assert models.batchnorm_layers(trainer.state.model)[0].__dict__.get("call") is None
 
 
 def test_frozen_bn_layer_keeps_its_statistics(tmp_path, data_root):
     # A BN layer with trainable=False normalises with its moving statistics even in training mode:
     # those are what the weights were trained with, so re-estimation must leave them alone.
     trainer, reader = make(tmp_path, data_root, towers=2)
-    frozen = trainer.model.get_layer("tiny").get_layer("stem_bn")
+    frozen = trainer.state.model.get_layer("tiny").get_layer("stem_bn")
     frozen.trainable = False
     frozen.moving_mean.assign(np.full(frozen.moving_mean.shape, 0.25, np.float32))
-    assert bn_stats.reestimate(trainer, reader, 1, progress=False)
+    assert bn_stats.reestimate(trainer.state, reader, 1, progress=False)
     np.testing.assert_array_equal(frozen.moving_mean.numpy(), 0.25)
     np.testing.assert_array_equal(frozen.moving_variance.numpy(), 1.0)
-    other = trainer.model.get_layer("aspp0_bn")
+    other = trainer.state.model.get_layer("aspp0_bn")
     assert not np.allclose(other.moving_variance.numpy(), 1.0)

@@ -7,7 +7,8 @@ from tensorflow.python.framework import config as tf_config
 
 from seg_train import determinism, replicas
 from seg_train.config import ConfigError
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
 
@@ -20,11 +21,11 @@ def _trace_step(cfg, deterministic: bool):
         tf.config.experimental.enable_op_determinism()
     try:
         strategy = replicas.make_strategy(replicas.Devices(["/device:CPU:0", "/device:CPU:1"], "CPU", ""))
-        trainer = Trainer(cfg, strategy)
+        trainer = TrainStep(TrainState(cfg, strategy))
         images, labels = random_batch(batch=2)
         dist = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
         batch = next(iter(dist))
-        trainer.train_step(batch)
+        trainer(batch)
         return trainer._step_fn.get_concrete_function(batch, tf.constant(0.0), tf.constant(False), tf.constant(False))
     finally:
         if not was:

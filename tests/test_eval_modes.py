@@ -21,10 +21,10 @@ from seg_train.export import run_export, serving_module
 from seg_train.palette import read_label, voc_colormap
 from seg_train.predict import run_predict
 from seg_train.reader import ImageReader
-from seg_train.restore import load_trainer
+from seg_train.restore import load_state
 from seg_train.summaries import Summaries
 from seg_train.train import run_evaluation
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
 from tests.helpers import tiny_config
 from tests.test_evaluate import DEVICES, NAMES, NUM_CLASSES, calibrate_bn, write_split
 
@@ -53,10 +53,10 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("modes")
     root = write_split(tmp / "data", SIZES, seed=1)
     cfg = tiny_config(tmp, data_root=root, data={"num_classes": NUM_CLASSES}, eval={"bn_reestimate_batches": 0})
-    trainer = Trainer(cfg, strategy(1))
+    trainer = TrainState(cfg, strategy(1))
     reader = ImageReader(cfg.data, "val")
     calibrate_bn(cfg, trainer.model, reader, passes=10)
-    four = Trainer(cfg, strategy(4))
+    four = TrainState(cfg, strategy(4))
     four.model.set_weights(trainer.model.get_weights())
     whole, _ = ev.evaluate(trainer, reader, NAMES, progress=False)
     return {"tmp": tmp, "root": root, "cfg": cfg, "trainer": trainer, "four": four, "reader": reader,
@@ -200,7 +200,7 @@ def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
         np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), read_label(path))
 
     # Evaluation during training and its eval/examples use the mode too.
-    mode_trainer, _, _ = load_trainer(cfg, strategy(1), str(run_dir))
+    mode_trainer, _, _ = load_state(cfg, strategy(1), str(run_dir))
     examples = predict_examples(mode_trainer, ImageReader(pred_cfg.data, "val"))
     for (_, label, pred), path in zip(examples, written):
         np.testing.assert_array_equal(pred, read_label(path))

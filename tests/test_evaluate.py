@@ -20,7 +20,8 @@ from seg_train import metrics as metrics_lib
 from seg_train.config import ConfigError
 from seg_train.palette import read_label, save_index_png, voc_colormap
 from seg_train.reader import ImageReader
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import confusion_matrix, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -72,9 +73,9 @@ def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     root = write_split(tmp / "data", SIZES)
     cfg = tiny_config(tmp, data_root=root, data={"num_classes": NUM_CLASSES})
-    trainer = Trainer(cfg, strategy(1))
+    trainer = TrainStep(TrainState(cfg, strategy(1)))
     reader = ImageReader(cfg.data, "val")
-    calibrate_bn(cfg, trainer.model, reader)
+    calibrate_bn(cfg, trainer.state.model, reader)
     return cfg, trainer, reader
 
 
@@ -94,12 +95,12 @@ def reference(cfg, model, reader):
 
 def test_evaluate_equals_numpy_reference_and_counts_every_pixel_once(setup):
     cfg, trainer, reader = setup
-    metrics, num_images = ev.evaluate(trainer, reader, NAMES, progress=False)
+    metrics, num_images = ev.evaluate(trainer.state, reader, NAMES, progress=False)
     assert num_images == len(SIZES)
     labels = [read_label(s.label) for s in reader.samples]
     # Every non-ignored pixel exactly once: not the padding, not the ignored block, no image twice.
     assert metrics.confusion_matrix.sum() == sum(int((lb != 255).sum()) for lb in labels)
-    cm = reference(cfg, trainer.model, reader)
+    cm = reference(cfg, trainer.state.model, reader)
     np.testing.assert_array_equal(metrics.confusion_matrix, cm)
     expected = metrics_lib.compute_metrics(cm)
     assert metrics == expected
@@ -110,33 +111,33 @@ def test_evaluate_equals_numpy_reference_and_counts_every_pixel_once(setup):
 @pytest.mark.parametrize("n", [2, 4])
 def test_n_towers_give_the_identical_confusion_matrix(setup, n):
     cfg, trainer, reader = setup
-    one, _ = ev.evaluate(trainer, reader, NAMES, progress=False)
-    multi = Trainer(cfg, strategy(n))
-    multi.model.set_weights(trainer.model.get_weights())
-    got, num_images = ev.evaluate(multi, reader, NAMES, progress=False)
+    one, _ = ev.evaluate(trainer.state, reader, NAMES, progress=False)
+    multi = TrainStep(TrainState(cfg, strategy(n)))
+    multi.state.model.set_weights(trainer.state.model.get_weights())
+    got, num_images = ev.evaluate(multi.state, reader, NAMES, progress=False)
     assert num_images == len(SIZES)
     np.testing.assert_array_equal(got.confusion_matrix, one.confusion_matrix)
     # A second call reuses the compiled step and gives the same answer.
-    again, _ = ev.evaluate(multi, reader, NAMES, progress=False)
+    again, _ = ev.evaluate(multi.state, reader, NAMES, progress=False)
     np.testing.assert_array_equal(again.confusion_matrix, one.confusion_matrix)
 
 
 def test_wrong_number_of_class_names_is_refused(setup):
     _, trainer, reader = setup
     with pytest.raises(ConfigError, match="class names"):
-        ev.evaluate(trainer, reader, NAMES[:2], progress=False)
+        ev.evaluate(trainer.state, reader, NAMES[:2], progress=False)
 
 
 def test_run_eval_writes_the_record(setup, tmp_path, capsys):
     cfg, trainer, _ = setup
     run_dir = tmp_path / "run"
-    trainer.step.assign(7)
-    trainer.bn_stats_step.assign(7)
+    trainer.state.step.assign(7)
+    trainer.state.bn_stats_step.assign(7)
     try:
-        ckpt_lib.Checkpointer(run_dir / "checkpoints", 2, **trainer.checkpoint_objects()).save(7)
+        ckpt_lib.Checkpointer(run_dir / "checkpoints", 2, **trainer.state.checkpoint_objects()).save(7)
     finally:
-        trainer.step.assign(0)
-        trainer.bn_stats_step.assign(-1)
+        trainer.state.step.assign(0)
+        trainer.state.bn_stats_step.assign(-1)
     # The run's config as trained with class weights from the train split's histogram: evaluation
     # needs no loss, so it neither reads that split nor refuses the config.
     trained_cfg = config_lib.replace(cfg, "loss.class_weights", "median_frequency")
@@ -147,7 +148,7 @@ def test_run_eval_writes_the_record(setup, tmp_path, capsys):
     assert record["checkpoint"] == str(run_dir / "checkpoints" / "ckpt-7")
     assert record["bn_stats_reestimated"] is True  # saved with bn_stats_step == step
     assert list(record["per_class_iou"]) == NAMES
-    cm = reference(cfg, trainer.model, ImageReader(cfg.data, "val"))
+    cm = reference(cfg, trainer.state.model, ImageReader(cfg.data, "val"))
     assert record["confusion_matrix"] == cm.tolist()
     assert record["miou"] == metrics_lib.compute_metrics(cm).miou
     out = capsys.readouterr().out
@@ -157,8 +158,8 @@ def test_run_eval_writes_the_record(setup, tmp_path, capsys):
 
 def test_keep_best_saves_only_improvements(setup, tmp_path):
     cfg, _, _ = setup
-    trainer = Trainer(cfg, strategy(1))
-    calibrate_bn(cfg, trainer.model, ImageReader(cfg.data, "val"), passes=2)  # weights unlike a fresh model's
+    trainer = TrainStep(TrainState(cfg, strategy(1)))
+    calibrate_bn(cfg, trainer.state.model, ImageReader(cfg.data, "val"), passes=2)  # weights unlike a fresh model's
     run_dir = tmp_path / "run"
 
     def m(miou_cm):
@@ -167,16 +168,16 @@ def test_keep_best_saves_only_improvements(setup, tmp_path):
     low, mid, high = m([[1, 1], [1, 1]]), m([[3, 1], [1, 3]]), m([[9, 1], [0, 9]])
     assert low.miou < mid.miou < high.miou
     for step, metrics, improved in ((10, mid, True), (20, low, False), (30, mid, False), (40, high, True)):
-        trainer.step.assign(step)
-        assert ckpt_lib.keep_best(run_dir, trainer, step, metrics) is improved
+        trainer.state.step.assign(step)
+        assert ckpt_lib.keep_best(run_dir, trainer.state, step, metrics) is improved
     best = json.loads((run_dir / "best" / "best.json").read_text())
     assert best["step"] == 40 and best["miou"] == high.miou
     prefix = ckpt_lib.resolve(run_dir / "best")
     assert prefix.endswith("ckpt-40")
     assert not list((run_dir / "best").glob("ckpt-10*"))  # the superseded best is gone
-    restored = Trainer(cfg, strategy(1))
-    assert restored.restore_weights(prefix) == 40
-    for a, b in zip(restored.model.weights, trainer.model.weights):
+    restored = TrainStep(TrainState(cfg, strategy(1)))
+    assert restored.state.restore_weights(prefix) == 40
+    for a, b in zip(restored.state.model.weights, trainer.state.model.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 

@@ -14,7 +14,8 @@ import tensorflow as tf
 
 from seg_train import demo_data, losses, replicas
 from seg_train.reader import ImageReader
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -32,17 +33,17 @@ def data_root(tmp_path_factory):
 
 def run(cfg, towers, steps):
     """`steps` updates through the real reader stream, as train.py feeds them."""
-    trainer = Trainer(cfg, strategy(towers))
-    it = train_batches(trainer, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
-    outs = [trainer.train_step(next(it)) for _ in range(steps)]
+    trainer = TrainStep(TrainState(cfg, strategy(towers)))
+    it = train_batches(trainer.state, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
+    outs = [trainer(next(it)) for _ in range(steps)]
     return trainer, outs
 
 
 def state(trainer):
     """Weights (BN moving statistics included) and optimizer slots, by path."""
-    out = {v.path: np.asarray(v) for v in trainer.model.weights}
+    out = {v.path: np.asarray(v) for v in trainer.state.model.weights}
     # Keras names each optimizer instance apart (adam, adam_1, ...): key slots by position.
-    out.update({f"optimizer/{i}": np.asarray(v) for i, v in enumerate(trainer.optimizer.variables)})
+    out.update({f"optimizer/{i}": np.asarray(v) for i, v in enumerate(trainer.state.optimizer.variables)})
     return out
 
 
@@ -71,12 +72,12 @@ def test_accumulation_equals_towers(tmp_path, data_root, towers, k, batch):
     acc, acc_out = run(acc_cfg, towers, 2)
     assert_states_close(state(ref), state(acc), atol=1e-5)
     for a, b in zip(ref_out, acc_out):
-        np.testing.assert_allclose(float(a["loss"]), float(b["loss"]), rtol=1e-5)
-        np.testing.assert_allclose(float(a["global_norm"]), float(b["global_norm"]), rtol=1e-4)
+        np.testing.assert_allclose(float(a.loss), float(b.loss), rtol=1e-5)
+        np.testing.assert_allclose(float(a.global_norm), float(b.global_norm), rtol=1e-4)
     # It trained (an equality of two no-ops proves nothing), and the BN statistics moved.
-    fresh = Trainer(ref_cfg, strategy(1))
+    fresh = TrainStep(TrainState(ref_cfg, strategy(1)))
     moved = max(float(np.abs(np.asarray(v) - np.asarray(w)).max())
-                for v, w in zip(fresh.model.weights, acc.model.weights))
+                for v, w in zip(fresh.state.model.weights, acc.state.model.weights))
     assert moved > 1e-3
 
 
@@ -90,21 +91,21 @@ def test_accumulation_equals_towers_mobilenetv2(tmp_path, data_root):
                           **{**common, "train": {**common["train"], "accumulate_steps": 2}}), 2, 1)[0]
     a, b = state(ref), state(acc)
     num = sum(float(np.sum((a[k] - b[k]) ** 2)) for k in a)
-    fresh = state(Trainer(tiny_config(tmp_path / "f", data={"batch_size": 4}, **common), strategy(1)))
+    fresh = state(TrainStep(TrainState(tiny_config(tmp_path / "f", data={"batch_size": 4}, **common), strategy(1))))
     step = sum(float(np.sum((a[k] - fresh[k]) ** 2)) for k in a)
     assert step > 0 and num / step < 1e-4  # the two updates agree to 1% of the update (relative L2)
 
 
 def probe(cfg, towers, images, labels, class_weights=None):
-    trainer = Trainer(cfg, strategy(towers), class_weights=class_weights)
-    dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    trainer = TrainStep(TrainState(cfg, strategy(towers)), class_weights=class_weights)
+    dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
     return trainer, dist, trainer.probe(next(iter(dist)))
 
 
 def plain_gradient(cfg, images, labels):
     """The update's gradient by the book: one model, one GradientTape, the global mean + decay."""
-    trainer = Trainer(cfg, strategy(1))
-    model = trainer.model
+    trainer = TrainStep(TrainState(cfg, strategy(1)))
+    model = trainer.state.model
     with tf.GradientTape() as tape:
         logits = model(images, training=True)
         ce, count = losses.pixel_cross_entropy_sum(logits, labels, 255)
@@ -118,12 +119,12 @@ def test_global_norm_is_the_plain_tape_norm_on_any_tower_count(tmp_path):
     images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
     _, expected = plain_gradient(cfg, images, labels)
     for n in (1, 4):
-        trainer = Trainer(cfg, strategy(n))
-        dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-        out = trainer.train_step(next(iter(dist)))
-        np.testing.assert_allclose(float(out["global_norm"]), expected, rtol=1e-5)
+        trainer = TrainStep(TrainState(cfg, strategy(n)))
+        dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        out = trainer(next(iter(dist)))
+        np.testing.assert_allclose(float(out.global_norm), expected, rtol=1e-5)
         # Each tower's share before the all-reduce: shares add up to the cross-entropy gradient.
-        assert out["tower_grad_norm"].shape == (n,) and np.all(out["tower_grad_norm"].numpy() > 0)
+        assert out.tower_grad_norm.shape == (n,) and np.all(out.tower_grad_norm.numpy() > 0)
 
 
 def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(tmp_path):
@@ -135,26 +136,26 @@ def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(tmp_path):
     assert norm > 4 * clip  # clipping really happens
     results = []
     for n in (1, 4):
-        trainer = Trainer(cfg, strategy(n))
-        dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-        out = trainer.train_step(next(iter(dist)))
-        assert bool(out["clipped"])
+        trainer = TrainStep(TrainState(cfg, strategy(n)))
+        dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        out = trainer(next(iter(dist)))
+        assert bool(out.clipped)
         results.append(trainer)
-    for a, b in zip(results[0].model.weights, results[1].model.weights):
+    for a, b in zip(results[0].state.model.weights, results[1].state.model.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
     # SGD's first step is -lr * clipped gradient: check the clipped update against the plain tape's.
-    fresh = Trainer(cfg, strategy(1))
-    for g, v0, v1 in zip(grads, fresh.model.trainable_variables, results[0].model.trainable_variables):
+    fresh = TrainStep(TrainState(cfg, strategy(1)))
+    for g, v0, v1 in zip(grads, fresh.state.model.trainable_variables, results[0].state.model.trainable_variables):
         np.testing.assert_allclose(v1.numpy() - v0.numpy(), -0.5 * g.numpy() * clip / norm, atol=1e-6)
 
     # Keras' global_clipnorm under a strategy clips each tower's partial gradient before its own
     # all-reduce: the same step on 4 towers then moves the weights differently.
     st = strategy(4)
-    keras_trainer = Trainer(cfg, st)
+    keras_trainer = TrainStep(TrainState(cfg, st))
     with st.scope():
         opt = keras.optimizers.SGD(learning_rate=0.5, momentum=0.9, global_clipnorm=clip)
-        opt.build(keras_trainer.model.trainable_variables)
-    model = keras_trainer.model
+        opt.build(keras_trainer.state.model.trainable_variables)
+    model = keras_trainer.state.model
 
     @tf.function
     def keras_step(x, y):
@@ -172,7 +173,7 @@ def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(tmp_path):
     dist = st.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
     keras_step(*next(iter(dist)))
     diff = max(float(np.abs(a.numpy() - b.numpy()).max())
-               for a, b in zip(results[1].model.trainable_variables, model.trainable_variables))
+               for a, b in zip(results[1].state.model.trainable_variables, model.trainable_variables))
     assert diff > 1e-3
 
 
@@ -191,14 +192,14 @@ def test_packing_is_exact(tmp_path):
     ref = results["unpacked"][2]
     for name in ("default", "small"):
         got = results[name][2]
-        for a, b in zip(ref["gradients"] + ref["bn_stats"], got["gradients"] + got["bn_stats"]):
+        for a, b in zip(ref.gradients + ref.bn_stats, got.gradients + got.bn_stats):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
     # Not reduced twice: on one tower the reduced gradient is the plain tape's (on 4 towers without
     # sync BN each tower's BN normalises its own quarter, which a single tape cannot reproduce).
     cfg = tiny_config(tmp_path / "one", model={"sync_batchnorm": False})
     _, _, one = probe(cfg, 1, images, labels)
     grads, _ = plain_gradient(cfg, images, labels)
-    for a, b in zip(grads, one["gradients"]):
+    for a, b in zip(grads, one.gradients):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
 
 
@@ -212,14 +213,14 @@ def test_backbone_lr_multiplier_scales_only_the_backbone_step(tmp_path):
                       train={"optimizer": "sgd", "momentum": 0.0, "learning_rate": lr, "backbone_lr_multiplier": mult})
     images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
     grads, _ = plain_gradient(cfg, images, labels)
-    trainer = Trainer(cfg, strategy(1))
-    start = [v.numpy() for v in trainer.model.trainable_variables]
-    dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-    trainer.train_step(next(iter(dist)), lr=lr)
-    paths = [v.path for v in trainer.model.trainable_variables]
+    trainer = TrainStep(TrainState(cfg, strategy(1)))
+    start = [v.numpy() for v in trainer.state.model.trainable_variables]
+    dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    trainer(next(iter(dist)), lr=lr)
+    paths = [v.path for v in trainer.state.model.trainable_variables]
     in_backbone = [p.startswith(("stem_", "stage")) for p in paths]  # the tiny backbone's layer names
     assert 0 < sum(in_backbone) < len(paths)
-    for g, w0, v, backbone in zip(grads, start, trainer.model.trainable_variables, in_backbone):
+    for g, w0, v, backbone in zip(grads, start, trainer.state.model.trainable_variables, in_backbone):
         want = -lr * (mult if backbone else 1.0) * g.numpy()
         np.testing.assert_allclose(v.numpy() - w0, want, rtol=1e-3, atol=1e-6, err_msg=v.path)
     assert max(float(np.abs(g.numpy()).max()) for g, b in zip(grads, in_backbone) if b) * lr > 1e-3
@@ -233,9 +234,9 @@ def test_loss_options_tower_invariant(tmp_path, loss_cfg):
     images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
     _, _, one = probe(cfg, 1, images, labels)
     _, _, four = probe(cfg, 4, images, labels)
-    np.testing.assert_allclose(float(one["loss"]), float(four["loss"]), rtol=1e-5)
-    g1 = np.concatenate([g.numpy().ravel() for g in one["gradients"]])
-    g4 = np.concatenate([g.numpy().ravel() for g in four["gradients"]])
+    np.testing.assert_allclose(float(one.loss), float(four.loss), rtol=1e-5)
+    g1 = np.concatenate([g.numpy().ravel() for g in one.gradients])
+    g4 = np.concatenate([g.numpy().ravel() for g in four.gradients])
     # Relative L2: with top-k, pixels whose losses tie at the cut-off to float precision may be
     # kept on one tower count and not the other (a few gradient elements); ranking per tower batch
     # instead of per image would change the kept set wholesale (tens of %).
@@ -243,7 +244,7 @@ def test_loss_options_tower_invariant(tmp_path, loss_cfg):
     # And the option changes the loss (it is really on).
     plain = tiny_config(tmp_path / "plain", model={"sync_batchnorm": True})
     _, _, base = probe(plain, 1, images, labels)
-    assert abs(float(base["loss"]) - float(one["loss"])) > 1e-3
+    assert abs(float(base.loss) - float(one.loss)) > 1e-3
 
 
 def test_keras_gradient_accumulation_is_not_usable_with_towers():

@@ -25,18 +25,17 @@ def runner(tmp_path_factory):
 
 
 class Recorder:
-    """Wraps the real Trainer (train_step, learning_rate) and the real host side, logging the calls."""
+    """Wraps the real TrainStep (called per step; its state gives the learning rate) and the real host
+    side, logging the calls."""
 
-    def __init__(self, trainer, host):
-        self.trainer, self.host, self.events, self.fed = trainer, host, [], []
+    def __init__(self, train_step, host):
+        self.train_step, self.host, self.events, self.fed = train_step, host, [], []
+        self.state = train_step.state
         self.called, self.ended = [], {}  # when each train_step call began; when the loop says each step ended
 
-    def learning_rate(self, step):
-        return self.trainer.learning_rate(step)
-
-    def train_step(self, batch, lr, stop, want_images):
+    def __call__(self, batch, lr, stop, want_images):
         self.called.append(time.perf_counter())
-        out = self.trainer.train_step(batch, lr, stop, want_images)
+        out = self.train_step(batch, lr, stop, want_images)
         self.fed.append((lr, want_images))
         self.events.append(("dispatch", len(self.fed), id(out)))
         return out
@@ -49,7 +48,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def recorded(runner):
-    rec = Recorder(runner.trainer, runner.host)
+    rec = Recorder(runner.train_step, runner.host)
     steps = loop.StepLoop(rec, runner.batches, 0, rec, image_summary_every=2)
     for _ in range(3):
         steps.dispatch()

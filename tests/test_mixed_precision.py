@@ -27,7 +27,8 @@ from seg_train.palette import voc_colormap
 from seg_train.profiling import StepProfiler
 from seg_train.summaries import Summaries
 from seg_train.train import NonFiniteError, _Loop
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -40,12 +41,12 @@ HEAD_BFLOAT16 = ("logits/", "decoder_conv2_bn/")
 
 def make(tmp_path_factory, precision, towers=1, **train):
     cfg = tiny_config(tmp_path_factory.mktemp(precision), train={"precision": precision, **train})
-    return Trainer(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", "")))
+    return TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", ""))))
 
 
 def batch_for(trainer):
     data = tf.data.Dataset.from_tensors((IMAGES, LABELS))
-    return next(iter(trainer.strategy.experimental_distribute_dataset(data)))
+    return next(iter(trainer.state.strategy.experimental_distribute_dataset(data)))
 
 
 def rel_l2(ref, other) -> float:
@@ -70,24 +71,24 @@ def compare(probes, precision, towers, whole_tol, head, head_tol):
     ref_trainer, ref = probes("float32", towers)
     trainer, out = probes(precision, towers)
     # Same seed, same initial weights: the policy changes the compute dtype, not the variables.
-    assert trainer.model.weights[0].dtype == "float32"
-    for a, b in zip(ref_trainer.model.weights, trainer.model.weights):
+    assert trainer.state.model.weights[0].dtype == "float32"
+    for a, b in zip(ref_trainer.state.model.weights, trainer.state.model.weights):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
-    paths = [v.path for v in trainer.variables]
+    paths = [v.path for v in trainer.state.variables]
     head = [i for i, p in enumerate(paths) if p.startswith(head)]
     assert len(head) >= 4, paths  # the logits kernel and bias, decoder_conv2's BN gamma and beta at least
-    g_ref, g = ref["gradients"], out["gradients"]
+    g_ref, g = ref.gradients, out.gradients
     whole, near = rel_l2(g_ref, g), rel_l2([g_ref[i] for i in head], [g[i] for i in head])
     assert whole < whole_tol, f"{precision} x{towers}: gradient {whole:.3g} (relative L2) from float32's"
     assert near < head_tol, f"{precision} x{towers}: head gradient {near:.3g} (relative L2) from float32's"
-    np.testing.assert_allclose(float(out["loss"]), float(ref["loss"]), rtol=2e-3)
+    np.testing.assert_allclose(float(out.loss), float(ref.loss), rtol=2e-3)
     return whole, near
 
 
 @pytest.mark.parametrize("towers", [1, 4])
 def test_float16_gradient_is_unscaled_and_matches_float32(probes, towers):
     trainer, _ = probes("mixed_float16", towers)
-    assert float(trainer.loss_scale.numpy()) == 2.0 ** 15  # the gradient was computed scaled
+    assert float(trainer.state.loss_scale.numpy()) == 2.0 ** 15  # the gradient was computed scaled
     compare(probes, "mixed_float16", towers, whole_tol=0.15, head=HEAD_FLOAT16, head_tol=1e-2)
 
 
@@ -97,36 +98,36 @@ def test_bfloat16_gradient_matches_float32(probes):
 
 def _state(trainer):
     """Weights (BN moving statistics included) and optimizer slots; iterations apart."""
-    out = {v.path: np.asarray(v) for v in trainer.model.weights}
-    out.update({f"slot/{i}": np.asarray(v) for i, v in enumerate(trainer.optimizer.variables)
-                if v is not trainer.optimizer.iterations})
+    out = {v.path: np.asarray(v) for v in trainer.state.model.weights}
+    out.update({f"slot/{i}": np.asarray(v) for i, v in enumerate(trainer.state.optimizer.variables)
+                if v is not trainer.state.optimizer.iterations})
     return out
 
 
 def _loop(trainer, tmp_path, on_nan="stop"):
-    cfg = config_lib.replace(trainer.cfg, "train.on_nan", on_nan)
+    cfg = config_lib.replace(trainer.state.cfg, "train.on_nan", on_nan)
     d = cfg.data
     summaries = Summaries(tmp_path, voc_colormap(), d.ignore_label, d.mean, d.std)
-    return _Loop(cfg, trainer, summaries, None, trainer.num_replicas, StepProfiler(tmp_path, None))
+    return _Loop(cfg, trainer, summaries, None, trainer.state.num_replicas, StepProfiler(tmp_path, None))
 
 
 def test_overflow_skips_the_update_halves_the_scale_and_keeps_iterations(tmp_path_factory, tmp_path, caplog):
     trainer = make(tmp_path_factory, "mixed_float16")
     batch = batch_for(trainer)
-    first = trainer.train_step(batch, lr=0.01)
-    assert bool(first["applied"]) and float(first["loss_scale_used"]) == 2.0 ** 15
-    assert int(trainer.optimizer.iterations.numpy()) == 1 and int(trainer.good_steps.numpy()) == 1
+    first = trainer(batch, lr=0.01)
+    assert bool(first.applied) and float(first.loss_scale_used) == 2.0 ** 15
+    assert int(trainer.state.optimizer.iterations.numpy()) == 1 and int(trainer.state.good_steps.numpy()) == 1
     before = _state(trainer)
     # 2**40 / P (P = 4096 pixels) times a per-pixel gradient of O(1) is far above float16's 65504.
-    trainer.loss_scale.assign(2.0 ** 40)
-    out = trainer.train_step(batch, lr=0.01)
-    assert bool(out["loss_finite"]) and not bool(out["applied"])
-    assert float(out["loss_scale_used"]) == 2.0 ** 40
-    assert float(trainer.loss_scale.numpy()) == 2.0 ** 39 == float(out["loss_scale"])
-    assert int(trainer.good_steps.numpy()) == 0
+    trainer.state.loss_scale.assign(2.0 ** 40)
+    out = trainer(batch, lr=0.01)
+    assert bool(out.loss_finite) and not bool(out.applied)
+    assert float(out.loss_scale_used) == 2.0 ** 40
+    assert float(trainer.state.loss_scale.numpy()) == 2.0 ** 39 == float(out.loss_scale)
+    assert int(trainer.state.good_steps.numpy()) == 0
     # Adam's bias correction counts updates, not batches; the data stream and the schedule count batches.
-    assert int(trainer.optimizer.iterations.numpy()) == 1
-    assert int(trainer.step.numpy()) == 2
+    assert int(trainer.state.optimizer.iterations.numpy()) == 1
+    assert int(trainer.state.step.numpy()) == 2
     after = _state(trainer)
     assert before.keys() == after.keys() and len(before) > 50
     for key in before:
@@ -153,7 +154,7 @@ def _float16_trap(trainer) -> None:
     the input gradient of that BN is ~1e9, beyond float16's 65504 (and no loss scale >= 1 shrinks it),
     while float32 holds it.
     """
-    layers = {layer.name: layer for layer in trainer.model.layers}
+    layers = {layer.name: layer for layer in trainer.state.model.layers}
     kernel = layers["decoder_conv2_conv"].kernel
     k = np.asarray(kernel).copy()
     k[..., 0] = 0.0
@@ -172,22 +173,22 @@ def floor_step(tmp_path_factory):
     """A real float16 step at the floor (scale 1) whose gradient is non-finite while its loss is finite."""
     reference = make(tmp_path_factory, "float32")
     _float16_trap(reference)
-    assert np.isfinite(float(reference.probe(batch_for(reference))["global_norm"]))  # float16's problem only
+    assert np.isfinite(float(reference.probe(batch_for(reference)).global_norm))  # float16's problem only
     trainer = make(tmp_path_factory, "mixed_float16")
     _float16_trap(trainer)
-    trainer.loss_scale.assign(1.0)
+    trainer.state.loss_scale.assign(1.0)
     batch = batch_for(trainer)
     before = _state(trainer)
-    out = trainer.train_step(batch, lr=0.01)
+    out = trainer(batch, lr=0.01)
     return trainer, batch, out, before
 
 
 def test_nonfinite_gradient_at_the_floor_is_a_nonfinite_step(floor_step, tmp_path):
     trainer, batch, out, before = floor_step
-    assert bool(out["loss_finite"]) and np.isfinite(float(out["loss"]))
-    assert not bool(out["applied"]) and not np.isfinite(float(out["global_norm"]))
-    assert float(out["loss_scale_used"]) == 1.0 and float(trainer.loss_scale.numpy()) == 1.0  # the floor
-    assert int(trainer.optimizer.iterations.numpy()) == 0
+    assert bool(out.loss_finite) and np.isfinite(float(out.loss))
+    assert not bool(out.applied) and not np.isfinite(float(out.global_norm))
+    assert float(out.loss_scale_used) == 1.0 and float(trainer.state.loss_scale.numpy()) == 1.0  # the floor
+    assert int(trainer.state.optimizer.iterations.numpy()) == 0
     after = _state(trainer)
     for key in before:
         np.testing.assert_array_equal(before[key], after[key], err_msg=key)

@@ -38,7 +38,8 @@ import tensorflow as tf
 
 from seg_train import demo_data, losses, models, replicas
 from seg_train.reader import ImageReader
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -67,13 +68,13 @@ def keras_slots(opt, var, adam: bool) -> list:
 def per_tower(trainer, var) -> list:
     """Every tower's copy of a (Keras or tf) variable, as numpy arrays."""
     value = var.value if isinstance(var, keras.Variable) else var
-    return [np.asarray(x) for x in trainer.strategy.experimental_local_results(value)]
+    return [np.asarray(x) for x in trainer.state.strategy.experimental_local_results(value)]
 
 
 def tape_gradient(trainer, images, labels):
     """The update's gradient by the book on one tower: TensorFlow's autodiff of the mean cross-entropy
     plus 0.5 * coefficient * |kernel|^2 (BN statistics of the batch, none assigned)."""
-    model = trainer.model
+    model = trainer.state.model
     decayed = {id(v) for v in losses.decay_variables(model)}
     tv = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     st = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
@@ -93,11 +94,11 @@ def replay(tmp_path, data_root, optimizer, towers):
                       train={"optimizer": optimizer, "momentum": 0.9, "learning_rate": 0.01,
                              "backbone_lr_multiplier": MULT, "ema_decay": EMA_DECAY})
     adam = optimizer == "adam"
-    trainer = Trainer(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", "")))
-    it = train_batches(trainer, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
+    trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", ""))))
+    it = train_batches(trainer.state, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
 
-    variables = trainer.model.trainable_variables
-    mask = models.backbone_variable_mask(trainer.model)
+    variables = trainer.state.model.trainable_variables
+    mask = models.backbone_variable_mask(trainer.state.model)
     assert 0 < sum(mask) < len(mask)  # both optimizers below have variables
     copy = [keras.Variable(np.asarray(v), name=f"copy{i}") for i, v in enumerate(variables)]
 
@@ -122,15 +123,15 @@ def replay(tmp_path, data_root, optimizer, towers):
     records = []
     for step in range(STEPS):
         batch = next(it)
-        lr = trainer.learning_rate()
-        grads = [g.numpy() for g in trainer.probe(batch)["gradients"]]
+        lr = trainer.state.learning_rate()
+        grads = [g.numpy() for g in trainer.probe(batch).gradients]
         tape = None
         if towers == 1:
-            images, labels = (trainer.strategy.experimental_local_results(x)[0] for x in batch)
+            images, labels = (trainer.state.strategy.experimental_local_results(x)[0] for x in batch)
             tape = tape_gradient(trainer, images, labels)
-        kernels = [np.asarray(v) for v in losses.decay_variables(trainer.model)]
-        out = trainer.train_step(batch)
-        assert bool(out["applied"]), f"step {step + 1} not applied (a non-finite gradient after step {step})"
+        kernels = [np.asarray(v) for v in losses.decay_variables(trainer.state.model)]
+        out = trainer(batch)
+        assert bool(out.applied), f"step {step + 1} not applied (a non-finite gradient after step {step})"
         for backbone, (opt, members) in groups.items():
             opt.learning_rate = lr * MULT if backbone else lr
             opt.apply_gradients([(grads[i], copy[i]) for i in members])
@@ -146,8 +147,9 @@ def replay(tmp_path, data_root, optimizer, towers):
         records.append({
             "lr": lr, "grads": grads, "tape": tape, "kernels": kernels,
             "weights": [per_tower(trainer, v) for v in variables],
-            "slots": [[per_tower(trainer, s) for s in keras_slots(trainer.optimizer, v, adam)] for v in variables],
-            "ema": [per_tower(trainer, e) for e in trainer.ema],
+            "slots": [[per_tower(trainer, s) for s in keras_slots(trainer.state.optimizer, v, adam)]
+                      for v in variables],
+            "ema": [per_tower(trainer, e) for e in trainer.state.ema],
             "ref_weights": [np.asarray(c) for c in copy],
             "ref_slots": [slot_of[i] for i in range(len(copy))],
             "ref_ema": [tf_ema.average(e).numpy() for e in ema_copy],
@@ -197,7 +199,7 @@ def test_weights_and_slots_match_keras(case, request):
 
 @pytest.mark.parametrize("case", CASES)
 def test_ema_matches_tf_exponential_moving_average(case, request):
-    """trainer.ema == tf.train.ExponentialMovingAverage(decay, num_updates=n) applied after the n-th
+    """trainer.state.ema == tf.train.ExponentialMovingAverage(decay, num_updates=n) applied after the n-th
     update (n = 1 at the first step: the trainer's t is the optimizer's iteration count after this
     update), from shadows that start at the initial weights."""
     records = request.getfixturevalue(case)

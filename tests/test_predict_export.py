@@ -17,7 +17,7 @@ from seg_train.config import ConfigError
 from seg_train.export import check_output, run_export
 from seg_train.palette import voc_colormap
 from seg_train.predict import collect_inputs, run_predict
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
 from tests.helpers import tiny_config
 
 # Odd sizes (padding to 32 and cropping back), one wider than tall, one taller than wide.
@@ -51,7 +51,7 @@ def run(tmp_path_factory):
     (tmp / "data").mkdir()
     (tmp / "data" / "classes.txt").write_text("bg\nx\ny\n")
     cfg = tiny_config(tmp, data_root=tmp / "data")
-    trainer = Trainer(cfg, strategy())
+    trainer = TrainState(cfg, strategy())
     # BN statistics for these images (an untrained model predicts nearly one class everywhere).
     x = np.stack([np.asarray(Image.fromarray(im).resize((32, 32)), np.float32) for im in images.values()])
     x = (x - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)

@@ -14,7 +14,8 @@ import tensorflow as tf
 from seg_train import demo_data, replicas
 from seg_train.reader import ImageReader
 from seg_train.train import NonFiniteError, _Loop
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -26,7 +27,7 @@ def strategy(n):
 
 def distribute(trainer, images, labels):
     dataset = tf.data.Dataset.from_tensors((images, labels))
-    return next(iter(trainer.strategy.experimental_distribute_dataset(dataset)))
+    return next(iter(trainer.state.strategy.experimental_distribute_dataset(dataset)))
 
 
 def batch_with_ignored_pixels():
@@ -65,10 +66,10 @@ def test_top_k_alone_is_the_numpy_loss_on_1_and_4_towers(tmp_path):
     images, labels = batch_with_ignored_pixels()
     got = {}
     for n in (1, 4):
-        trainer = Trainer(cfg, strategy(n))
-        got[n] = float(trainer.probe(distribute(trainer, images, labels))["loss"])
+        trainer = TrainStep(TrainState(cfg, strategy(n)))
+        got[n] = float(trainer.probe(distribute(trainer, images, labels)).loss)
         if n == 1:
-            ce = pixel_ce64(trainer.model(images, training=True), labels)
+            ce = pixel_ce64(trainer.state.model(images, training=True), labels)
     kept_sum, kept = 0.0, 0
     for c in ce.reshape(4, -1):
         c = np.sort(c[~np.isnan(c)])[::-1]
@@ -87,7 +88,7 @@ def test_top_k_alone_is_the_numpy_loss_on_1_and_4_towers(tmp_path):
 def local_bn(tmp_path_factory):
     """A 4-tower trainer with per-tower BN, and a 1-tower one whose Keras model serves as the reference."""
     cfg = tiny_config(tmp_path_factory.mktemp("local"), model={"sync_batchnorm": False, "bn_momentum": 0.5})
-    return cfg, Trainer(cfg, strategy(4)), Trainer(cfg, strategy(1))
+    return cfg, TrainStep(TrainState(cfg, strategy(4))), TrainStep(TrainState(cfg, strategy(1)))
 
 
 def test_tower_grad_norm_is_the_tape_norm_of_each_towers_slice(local_bn):
@@ -96,20 +97,20 @@ def test_tower_grad_norm_is_the_tape_norm_of_each_towers_slice(local_bn):
     towers equal), of another tower's slice, or over the tower's own pixel count fails."""
     cfg, four, ref = local_bn
     images, labels = batch_with_ignored_pixels()
-    ref.model.set_weights(four.model.get_weights())
+    ref.state.model.set_weights(four.state.model.get_weights())
     total = float(np.sum(labels != 255))
     expected = []
     for i in range(4):
         with tf.GradientTape() as tape:
-            logits = ref.model(images[i:i + 1], training=True)
+            logits = ref.state.model(images[i:i + 1], training=True)
             loss = ce_sum_tf(logits, labels[i:i + 1]) / total
-        grads = tape.gradient(loss, ref.model.trainable_variables)
+        grads = tape.gradient(loss, ref.state.model.trainable_variables)
         expected.append(float(tf.linalg.global_norm(grads)))
-    out = four.train_step(distribute(four, images, labels))
-    assert bool(out["applied"])
+    out = four(distribute(four, images, labels))
+    assert bool(out.applied)
     # The slices really differ (else a wrong slice could pass).
     assert min(abs(a - b) for j, a in enumerate(expected) for b in expected[j + 1:]) > 0.02 * max(expected)
-    np.testing.assert_allclose(out["tower_grad_norm"].numpy(), expected, rtol=2e-4)
+    np.testing.assert_allclose(out.tower_grad_norm.numpy(), expected, rtol=2e-4)
 
 
 def replica_values(variables):
@@ -127,27 +128,27 @@ def test_step_with_non_finite_bn_statistics_is_not_applied(local_bn):
     every tower's statistics; the step must leave everything as it was and name tower 2."""
     cfg, four, _ = local_bn
     images, labels = batch_with_ignored_pixels()
-    bn = four.bn_layers[0]
+    bn = four.state.bn_layers[0]
     assert bn.trainable and not bn.synchronized
     poisoned = bn.moving_variance.value.values[2]
     saved = poisoned.numpy()
     poisoned.assign(np.full(saved.shape, np.inf, np.float32))
     try:
-        variables = list(four.model.weights) + list(four.optimizer.variables)
+        variables = list(four.state.model.weights) + list(four.state.optimizer.variables)
         before = replica_values(variables)
-        iterations, step = int(four.optimizer.iterations.numpy()), int(four.step.numpy())
-        out = four.train_step(distribute(four, images, labels))
+        iterations, step = int(four.state.optimizer.iterations.numpy()), int(four.state.step.numpy())
+        out = four(distribute(four, images, labels))
         after = replica_values(variables)
-        assert not bool(out["applied"])
-        assert np.isfinite(float(out["loss"])) and np.isfinite(float(out["global_norm"]))
-        assert out["loss_grad_finite"].numpy().tolist() == [True] * 4
-        assert out["bn_finite"].numpy().tolist() == [True, True, False, True]
-        assert out["finite"].numpy().tolist() == [True, True, False, True]
+        assert not bool(out.applied)
+        assert np.isfinite(float(out.loss)) and np.isfinite(float(out.global_norm))
+        assert out.loss_grad_finite.numpy().tolist() == [True] * 4
+        assert out.bn_finite.numpy().tolist() == [True, True, False, True]
+        assert out.finite.numpy().tolist() == [True, True, False, True]
         for v, a, b in zip(variables, before, after):
             for x, y in zip(a, b):
                 np.testing.assert_array_equal(x, y, err_msg=v.path)
-        assert int(four.optimizer.iterations.numpy()) == iterations
-        assert int(four.step.numpy()) == step + 1
+        assert int(four.state.optimizer.iterations.numpy()) == iterations
+        assert int(four.state.step.numpy()) == step + 1
         # The host loop (train.py) with train.on_nan: stop.
         assert cfg.train.on_nan == "stop"
         loop = _Loop(cfg, four, None, None, 4, None)
@@ -166,10 +167,10 @@ def data_root(tmp_path_factory):
 
 def run(cfg, towers, steps):
     """`steps` updates through the real reader stream, as train.py feeds them."""
-    trainer = Trainer(cfg, strategy(towers))
-    it = train_batches(trainer, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
+    trainer = TrainStep(TrainState(cfg, strategy(towers)))
+    it = train_batches(trainer.state, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
     for _ in range(steps):
-        trainer.train_step(next(it))
+        trainer(next(it))
     return trainer
 
 
@@ -186,10 +187,10 @@ def test_accumulation_with_sync_bn_is_tower_invariant(tmp_path, data_root):
                   train={"optimizer": "sgd", "learning_rate": 0.02, "accumulate_steps": 2})
     one = run(tiny_config(tmp_path / "one", **common), 1, 2)
     two = run(tiny_config(tmp_path / "two", **common), 2, 2)
-    assert two.per_tower_trace and not one.per_tower_trace
-    fresh = Trainer(tiny_config(tmp_path / "fresh", **common), strategy(1))
-    variables = [(a, b, c) for a, b, c in zip(one.model.weights, two.model.weights, fresh.model.weights)]
-    slots = list(zip(one.optimizer.variables, two.optimizer.variables))
+    assert two.state.per_tower_trace and not one.state.per_tower_trace
+    fresh = TrainStep(TrainState(tiny_config(tmp_path / "fresh", **common), strategy(1)))
+    variables = list(zip(one.state.model.weights, two.state.model.weights, fresh.state.model.weights))
+    slots = list(zip(one.state.optimizer.variables, two.state.optimizer.variables))
     assert len(variables) > 50 and len(slots) > 20
     for a, b, _ in variables:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=a.path)

@@ -25,7 +25,8 @@ import tensorflow as tf
 
 from seg_train import replicas
 from seg_train.models.sync_bn import SyncBatchNormalization
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -135,20 +136,20 @@ def test_4_towers_sync_bn_equal_1_tower_keras_bn_two_sgd_steps(tmp_path):
     batches = [random_batch(seed=s, ignore_rows=[3, 0, 9, 0]) for s in (0, 1)]
 
     def train(cfg, n):
-        trainer = Trainer(cfg, strategy(n))
+        trainer = TrainStep(TrainState(cfg, strategy(n)))
         for images, labels in batches:
-            dist = trainer.strategy.experimental_distribute_dataset(
+            dist = trainer.state.strategy.experimental_distribute_dataset(
                 tf.data.Dataset.from_tensors((images, labels)))
-            trainer.train_step(next(iter(dist)))
+            trainer(next(iter(dist)))
         return trainer
 
     ref, sync = train(keras_cfg, 1), train(sync_cfg, 4)
-    assert not any(isinstance(layer, SyncBatchNormalization) for layer in ref.model._flatten_layers())
-    assert sum(isinstance(layer, SyncBatchNormalization) for layer in sync.model._flatten_layers()) > 3
-    assert [v.path for v in ref.model.weights] == [v.path for v in sync.model.weights]
-    start = Trainer(keras_cfg, strategy(1))
+    assert not any(isinstance(layer, SyncBatchNormalization) for layer in ref.state.model._flatten_layers())
+    assert sum(isinstance(layer, SyncBatchNormalization) for layer in sync.state.model._flatten_layers()) > 3
+    assert [v.path for v in ref.state.model.weights] == [v.path for v in sync.state.model.weights]
+    start = TrainStep(TrainState(keras_cfg, strategy(1)))
     moved = 0.0
-    for a, b, s in zip(ref.model.weights, sync.model.weights, start.model.weights):
+    for a, b, s in zip(ref.state.model.weights, sync.state.model.weights, start.state.model.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), atol=2e-5, rtol=1e-4, err_msg=a.path)
         moved = max(moved, float(np.abs(a.numpy() - s.numpy()).max()))
     assert moved > 1e-2

@@ -10,7 +10,8 @@ import pytest
 import tensorflow as tf
 
 from seg_train import losses, models, replicas
-from seg_train.trainer import Trainer
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -21,9 +22,9 @@ def strategy(n):
 
 
 def one_step(cfg, n, images, labels):
-    trainer = Trainer(cfg, strategy(n))
-    dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-    out = trainer.train_step(next(iter(dist)))
+    trainer = TrainStep(TrainState(cfg, strategy(n)))
+    dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    out = trainer(next(iter(dist)))
     return trainer, out
 
 
@@ -51,22 +52,22 @@ def test_sync_bn_4_towers_equal_1_tower(tmp_path):
     images, labels = random_batch(ignore_rows=[28, 0, 5, 0])
     t1, out1 = one_step(cfg, 1, images, labels)
     t4, out4 = one_step(cfg, 4, images, labels)
-    np.testing.assert_allclose(float(out1["loss"]), float(out4["loss"]), rtol=1e-5)
-    np.testing.assert_allclose(float(out1["weight_decay"]), float(out4["weight_decay"]), rtol=1e-6)
-    for a, b in zip(t1.model.weights, t4.model.weights):
+    np.testing.assert_allclose(float(out1.loss), float(out4.loss), rtol=1e-5)
+    np.testing.assert_allclose(float(out1.weight_decay), float(out4.weight_decay), rtol=1e-6)
+    for a, b in zip(t1.state.model.weights, t4.state.model.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
-    for a, b in zip(t1.optimizer.variables, t4.optimizer.variables):
+    for a, b in zip(t1.state.optimizer.variables, t4.state.optimizer.variables):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=a.path)
     # Checkpoint variable names do not depend on the number of towers.
     keys = []
     for t, d in ((t1, "one"), (t4, "four")):
-        prefix = tf.train.Checkpoint(**t.checkpoint_objects()).write(str(tmp_path / d / "ckpt"))
+        prefix = tf.train.Checkpoint(**t.state.checkpoint_objects()).write(str(tmp_path / d / "ckpt"))
         keys.append(dict(tf.train.list_variables(prefix)))
     assert keys[0] == keys[1] and len(keys[0]) > 50
     # The step really moved the weights (an equality of two no-ops would prove nothing).
-    t0 = Trainer(cfg, strategy(1))
-    moved = max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(t0.model.trainable_weights,
-                                                                           t1.model.trainable_weights))
+    t0 = TrainStep(TrainState(cfg, strategy(1)))
+    moved = max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(t0.state.model.trainable_weights,
+                                                                           t1.state.model.trainable_weights))
     assert moved > 1e-3
 
 
@@ -81,26 +82,26 @@ def test_weight_decay_counted_once(tmp_path):
     def sgd_step(coefficient):
         cfg = tiny_config(tmp_path, model={"weight_decay": coefficient},
                           train={"optimizer": "sgd", "momentum": 0.0, "learning_rate": lr})
-        trainer = Trainer(cfg, strategy(4))
-        start = {v.path: v.numpy() for v in trainer.model.trainable_weights}
-        dist = trainer.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-        return trainer, start, trainer.train_step(next(iter(dist)))
+        trainer = TrainStep(TrainState(cfg, strategy(4)))
+        start = {v.path: v.numpy() for v in trainer.state.model.trainable_weights}
+        dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        return trainer, start, trainer(next(iter(dist)))
 
     decayed, start, out = sgd_step(wd)
     plain, plain_start, plain_out = sgd_step(0.0)
     for path, w in start.items():
         np.testing.assert_array_equal(w, plain_start[path])  # same seed: the same weights to start from
-    kernels = losses.decay_variables(decayed.model)
+    kernels = losses.decay_variables(decayed.state.model)
     expected = wd * sum(0.5 * float(np.sum(start[v.path] ** 2)) for v in kernels)
-    np.testing.assert_allclose(float(out["weight_decay"]), expected, rtol=1e-5)
-    ce = float(out["loss"]) - float(out["weight_decay"])
+    np.testing.assert_allclose(float(out.weight_decay), expected, rtol=1e-5)
+    ce = float(out.loss) - float(out.weight_decay)
     assert 0.0 < ce < 5.0  # total = global cross-entropy mean + the decay, once
-    np.testing.assert_allclose(ce, float(plain_out["loss"]), rtol=1e-5)  # the same cross-entropy in both
+    np.testing.assert_allclose(ce, float(plain_out.loss), rtol=1e-5)  # the same cross-entropy in both
 
     kernel_paths = {v.path for v in kernels}
     assert len(kernel_paths) > 5
     largest = 0.0
-    for a, b in zip(decayed.model.trainable_weights, plain.model.trainable_weights):
+    for a, b in zip(decayed.state.model.trainable_weights, plain.state.model.trainable_weights):
         decay_step = a.numpy() - b.numpy()
         want = -lr * wd * start[a.path] if a.path in kernel_paths else np.zeros_like(decay_step)
         np.testing.assert_allclose(decay_step, want, rtol=1e-3, atol=1e-6, err_msg=a.path)
@@ -115,18 +116,18 @@ def test_bn_moving_stats_averaged_across_towers(tmp_path):
     trainer, _ = one_step(cfg, 4, images, labels)
 
     # Each tower's own update, from the initial weights and its own quarter of the batch.
-    ref = Trainer(cfg, strategy(1))
-    bns = models.batchnorm_layers(ref.model)
+    ref = TrainStep(TrainState(cfg, strategy(1)))
+    bns = models.batchnorm_layers(ref.state.model)
     init = [(b.moving_mean.numpy(), b.moving_variance.numpy()) for b in bns]
     per_tower = []
     for i in range(4):
         for b, (m, v) in zip(bns, init):
             b.moving_mean.assign(m)
             b.moving_variance.assign(v)
-        ref.model(images[i:i + 1], training=True)
+        ref.state.model(images[i:i + 1], training=True)
         per_tower.append([(b.moving_mean.numpy(), b.moving_variance.numpy()) for b in bns])
 
-    got = models.batchnorm_layers(trainer.model)
+    got = models.batchnorm_layers(trainer.state.model)
     assert len(got) == len(bns) > 5
     spread = 0.0
     for j, layer in enumerate(got):

@@ -1,0 +1,217 @@
+"""What a run is made of between steps: the model, the optimizer, the counters, the EMA weights and
+the loss scale, with the checkpoint objects they are saved as (the step itself is step.py).
+
+Training builds a `TrainState` with its optimizer; inference (seg-eval, seg-predict, seg-export,
+evaluation during training) builds one without (`optimizer=False`): no slot variables are made
+and only the weights, the counters and the EMA are read from a checkpoint (infer/load.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from seg_train import models
+from seg_train.config import Config
+from seg_train.schedule import lr_at
+
+# train.precision mixed_float16: the dynamic loss scale starts at LOSS_SCALE_INITIAL and is never
+# halved below LOSS_SCALE_FLOOR (TensorFlow's LossScaleOptimizer's floor): a gradient that is still
+# non-finite with the loss unscaled is a non-finite step, not a float16 overflow.
+LOSS_SCALE_INITIAL, LOSS_SCALE_FLOOR = 2.0 ** 15, 1.0
+
+
+def read_handle(handle, like):
+    """A variable's value from its resource handle (inside a function traced once for every tower)."""
+    value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=like.dtype)
+    value.set_shape(like.shape)
+    return value
+
+
+def handles(variables) -> list:
+    """The resource handles of (Keras) variables on the calling tower (replica context)."""
+    return [(v.value if isinstance(v, keras.Variable) else v).handle for v in variables]
+
+
+class TrainState:
+    """The model and its companions, built inside `strategy.scope()`.
+
+    Args:
+      cfg: the resolved config.
+      strategy: a tf.distribute strategy (one replica per tower).
+      optimizer: build Keras' optimizer with its slot variables (training); False for inference.
+
+    Attributes:
+      model: the Keras model (models.build).
+      optimizer: Keras' Adam or SGD, built (slots exist), or None.
+      step: updates made so far (int64 variable; the data position is a pure function of it).
+      bn_stats_step: the step at which the BN moving statistics were last re-estimated (-1: never).
+      loss_scale, good_steps: the dynamic loss scale of mixed_float16 and its counter.
+      ema: the moving averages of the trainable weights (train.ema_decay), or None.
+      variables: model.trainable_variables at build time; non_trainable: model.non_trainable_variables.
+      bn_layers: every BN layer of the model; bn_positions: where the moving statistics the forward
+        pass updates sit in `non_trainable` (the order stateless_call returns them in).
+    """
+
+    def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, optimizer: bool = True):
+        self.cfg, self.strategy = cfg, strategy
+        self.num_replicas = strategy.num_replicas_in_sync
+        t = cfg.train
+        only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        with strategy.scope():
+            # The dtype policy is global in Keras; set it only while this model's layers are built.
+            previous = keras.config.dtype_policy()
+            keras.config.set_dtype_policy("float32" if t.precision == "float32" else t.precision)
+            try:
+                self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
+            finally:
+                keras.config.set_dtype_policy(previous)
+            # Dynamic loss scaling for float16 (bfloat16 has float32's range and needs none).
+            self.loss_scale = tf.Variable(LOSS_SCALE_INITIAL if t.precision == "mixed_float16" else 1.0,
+                                          trainable=False, name="loss_scale", aggregation=only_first)
+            self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps",
+                                          aggregation=only_first)
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step", aggregation=only_first)
+            # The BN moving statistics match the weights only while bn_stats_step equals `step`
+            # (infer/precise_bn.py).
+            self.bn_stats_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bn_stats_step",
+                                             aggregation=only_first)
+            self.optimizer = None
+            if optimizer:
+                # Keras' optimizer holds the slots and the iteration count (checkpoint layout of
+                # every earlier version); the update itself is step.py's. The learning rate is fed
+                # per step.
+                if t.optimizer == "adam":
+                    self.optimizer = keras.optimizers.Adam(learning_rate=t.learning_rate)
+                else:
+                    self.optimizer = keras.optimizers.SGD(learning_rate=t.learning_rate, momentum=t.momentum)
+                # Build the slots now: a checkpoint restored into an unbuilt optimizer silently
+                # skips its slots.
+                self.optimizer.build(self.model.trainable_variables)
+            # train.ema_decay: the moving average of every trainable weight, starting at the weights.
+            # Inference builds it too, to read a training checkpoint's averages.
+            self.ema, self.ema_restored = None, False
+            if t.ema_decay:
+                self.ema = [tf.Variable(v.value, trainable=False, name=f"ema/{v.path}") for v in
+                            self.model.trainable_variables]
+        self.variables = list(self.model.trainable_variables)
+        self.non_trainable = list(self.model.non_trainable_variables)
+        self.bn_layers = models.batchnorm_layers(self.model)
+        # Frozen BN layers update nothing.
+        position = {id(v): i for i, v in enumerate(self.non_trainable)}
+        self.bn_positions = [position[id(v)] for b in self.bn_layers if b.trainable
+                             for v in (b.moving_mean, b.moving_variance)]
+        # Synchronized BN across towers needs each tower's replica context while tracing (step.py).
+        self.per_tower_trace = cfg.model.sync_batchnorm and self.num_replicas > 1
+
+    @property
+    def bn_variables(self) -> list:
+        """The BN moving statistics the step updates, in the order TrainStep.probe returns them."""
+        return [self.non_trainable[i] for i in self.bn_positions]
+
+    @property
+    def bn_momenta(self) -> list[float]:
+        """The momentum of each of `bn_variables` (its layer's)."""
+        return [float(b.momentum) for b in self.bn_layers if b.trainable for _ in range(2)]
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def checkpoint_objects(self) -> dict:
+        """What a training checkpoint holds (the data position is a pure function of `step`, data/reader.py)."""
+        if self.optimizer is None:
+            raise ValueError("a TrainState built without its optimizer (inference) writes no training checkpoint")
+        objects = {"model": self.model, "optimizer": self.optimizer, "step": self.step,
+                   "bn_stats_step": self.bn_stats_step}
+        if self.ema is not None:
+            objects["ema"] = self.ema
+        if self.cfg.train.precision == "mixed_float16":
+            objects.update(loss_scale=self.loss_scale, good_steps=self.good_steps)
+        return objects
+
+    def restore_weights(self, prefix: str) -> int:
+        """Loads model weights, step and bn_stats_step (and the EMA if the checkpoint has one).
+
+        Returns the checkpoint's step. The optimizer state is not read.
+        """
+        objects = {"model": self.model, "step": self.step, "bn_stats_step": self.bn_stats_step}
+        reader = tf.train.load_checkpoint(prefix)
+        if self.ema is not None and any(k.startswith("ema/") for k in reader.get_variable_to_shape_map()):
+            objects["ema"] = self.ema  # a checkpoint of training (best/ holds the averaged weights as the model)
+        ckpt = tf.train.Checkpoint(**objects)
+        ckpt.read(prefix).expect_partial().assert_existing_objects_matched()
+        self.ema_restored = "ema" in objects
+        return int(self.step.numpy())
+
+    def use_averaged_weights(self) -> None:
+        """For evaluation, prediction and export: the model keeps the EMA weights from now on.
+
+        The BN statistics in a training checkpoint belong to the training weights, so they are
+        marked as not matching (bn_stats_step = -1) for eval.bn_reestimate_batches to redo.
+        """
+        for v, e in zip(self.variables, self.ema):
+            v.assign(e)
+        self.bn_stats_step.assign(-1)
+
+    @contextlib.contextmanager
+    def averaged_weights(self):
+        """Within the block the model holds the EMA weights (train.ema_decay; a no-op without it).
+
+        The training weights, the BN moving statistics and bn_stats_step are put back exactly on
+        exit, so evaluating in the middle of a run leaves the run's state (and its next checkpoint)
+        as it was. The BN statistics inside the block are the training run's until re-estimated for
+        the averaged weights (bn_stats_step is set to -1 so precise BN redoes them).
+        """
+        if self.ema is None:
+            yield
+            return
+        saved = [tf.identity(v.value) for v in self.variables + self.non_trainable]
+        saved_marker = int(self.bn_stats_step.numpy())
+        for v, e in zip(self.variables, self.ema):
+            v.assign(e)
+        self.bn_stats_step.assign(-1)
+        try:
+            yield
+        finally:
+            for v, x in zip(self.variables + self.non_trainable, saved):
+                v.assign(x)
+            self.bn_stats_step.assign(saved_marker)
+
+    def learning_rate(self, step: int | None = None) -> float:
+        """The learning rate of the update made at `step` (default: the next one), computed on the host."""
+        t = self.cfg.train
+        step = int(self.step.numpy()) if step is None else step
+        return lr_at(step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps)
+
+    def distribute(self, dataset_fn):
+        """Distributes a per-replica-batched dataset function (see ImageReader.train_dataset)."""
+        return self.strategy.distribute_datasets_from_function(dataset_fn)
+
+    # ---- functions traced once for every tower -------------------------------------------------------
+    def tower_function(self, body, input_specs, training: bool):
+        """`body(trainable_values, non_trainable_values, *inputs)` as a function every tower calls from ONE trace.
+
+        Returns f(*inputs) for use inside `strategy.run`, which passes the calling tower's own
+        variable handles (see step.py's module doc for why: a replica function is traced once per
+        tower). Call this in cross-replica context (inside the outer tf.function, before
+        strategy.run), so the trace is not made inside a tower's thread. In training mode with
+        synchronized BN on several towers the BN layers all-reduce, which needs each tower's
+        replica context: then `body` is traced per tower instead (called with the tower's variable
+        values).
+        """
+        # The model's variable lists as they are now (a layer frozen after the state was built
+        # moves its weights from one list to the other).
+        variables, state = list(self.model.trainable_variables), list(self.model.non_trainable_variables)
+        if training and self.per_tower_trace:
+            return lambda *inputs: body([tf.convert_to_tensor(v.value) for v in variables],
+                                        [tf.convert_to_tensor(v.value) for v in state], *inputs)
+
+        def from_handles(var_handles, state_handles, *inputs):
+            tv = [read_handle(h, v) for h, v in zip(var_handles, variables)]
+            st = [read_handle(h, v) for h, v in zip(state_handles, state)]
+            return body(tv, st, *inputs)
+
+        res = tf.TensorSpec([], tf.resource)
+        fn = tf.function(from_handles, experimental_attributes={"_noinline": True})
+        concrete = fn.get_concrete_function([res] * len(variables), [res] * len(state), *input_specs)
+        return lambda *inputs: concrete(handles(variables), handles(state), *inputs)
