@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 
 from seg_train.config import ModelConfig
-from seg_train.models import atrous, fused_bn
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
+from seg_train.models.layer_choice import LayerChoice
 
 __all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm"]
 
@@ -21,13 +19,12 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     With `cfg.freeze_batchnorm` the backbone's BN layers are frozen (see `freeze_batchnorm`) before
     anything reads `model.trainable_variables`.
     """
+    choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
+                         fast_atrous=cfg.fast_atrous)
     keras.utils.set_random_seed(seed)
-    with (contextlib.nullcontext() if cfg.fast_atrous else atrous.plain_keras(),
-          contextlib.nullcontext() if cfg.fused_batchnorm else fused_bn.plain_keras()):
-        backbone = build_backbone(cfg.backbone, cfg.output_stride, cfg.bn_momentum, cfg.sync_batchnorm,
-                                  cfg.backbone_weights)
-        model = deeplabv3plus(backbone, num_classes, cfg.output_stride, cfg.aspp_channels, cfg.decoder_channels,
-                              cfg.low_level_channels, cfg.bn_momentum, cfg.sync_batchnorm)
+    backbone = build_backbone(cfg.backbone, cfg.output_stride, cfg.bn_momentum, choice, cfg.backbone_weights)
+    model = deeplabv3plus(backbone, num_classes, cfg.output_stride, choice, cfg.aspp_channels, cfg.decoder_channels,
+                          cfg.low_level_channels, cfg.bn_momentum)
     if cfg.freeze_batchnorm:
         freeze_batchnorm(backbone)
     return model

@@ -29,8 +29,6 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from seg_train.models.switch import Switch
-
 
 @functools.cache
 def native_dilation_supported(dtype=tf.float32) -> bool:
@@ -83,11 +81,10 @@ class AtrousConv2D(layers.Conv2D):
         return keras.ops.conv(inputs, kernel, strides=1, padding="same", dilation_rate=(rh, rw))
 
 
-# Models built inside `with plain_keras():` use keras.layers.Conv2D for dilated convs (`model.fast_atrous: false`).
-plain_keras = Switch()
+def conv2d_class(dilation, fast: bool) -> type:
+    """The Conv2D class for a stride-1 'same' conv at this dilation: AtrousConv2D where it matters.
 
-
-def conv2d_class(dilation) -> type:
-    """The Conv2D class for a stride-1 'same' conv at this dilation: AtrousConv2D where it matters."""
+    `fast=False` (`model.fast_atrous: false`) keeps keras.layers.Conv2D for dilated convs too.
+    """
     rates = (dilation, dilation) if isinstance(dilation, int) else tuple(dilation)
-    return layers.Conv2D if plain_keras.on or rates == (1, 1) else AtrousConv2D
+    return AtrousConv2D if fast and rates != (1, 1) else layers.Conv2D

@@ -19,25 +19,20 @@ import numpy as np
 from keras import layers
 
 from seg_train.config import ConfigError
-from seg_train.models.atrous import conv2d_class
-from seg_train.models.bn import bn_class
+from seg_train.models.layer_choice import LayerChoice
 
 log = logging.getLogger("seg_train")
 
 
-def _bn(name, momentum, sync):
-    return bn_class(sync)(momentum=momentum, epsilon=1e-3, synchronized=sync, name=name)  # models/bn.py
-
-
-def tiny(output_stride: int, bn_momentum: float, sync_bn: bool, width: int = 16) -> keras.Model:
+def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int = 16) -> keras.Model:
     """A small conv net for tests and the demo: stride-4 low-level and stride-16/8 high-level features."""
     inp = keras.Input((None, None, 3), name="image")
 
     def block(x, filters, stride, dilation, name):
-        conv = conv2d_class(dilation)  # dilated: fast and exact (models/atrous.py)
+        conv = choice.conv2d_class(dilation)  # dilated: fast and exact (models/atrous.py)
         x = conv(filters, 3, strides=stride, dilation_rate=dilation, padding="same", use_bias=False,
                  name=f"{name}_conv")(x)
-        x = _bn(f"{name}_bn", bn_momentum, sync_bn)(x)
+        x = choice.batch_norm(bn_momentum, 1e-3, f"{name}_bn")(x)
         return layers.ReLU(name=f"{name}_relu")(x)
 
     x = block(inp, width, 2, 1, "stem")                       # /2
@@ -201,7 +196,7 @@ def load_keras_h5(model: keras.Model, in_file: dict, path: Path, name: str) -> i
     return len(pairs)
 
 
-def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
+def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
               weights: Path | None = None) -> keras.Model:
     """A keras.applications backbone rebuilt as an atrous feature extractor with the configured BN."""
     ctor, low_name, high_name, plan = _APPS[name]
@@ -218,11 +213,12 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
         cfg = layer.get_config()
         cfg.update(changes.get(layer.name, {}))
         if isinstance(layer, layers.BatchNormalization):
-            cfg.update(momentum=bn_momentum, synchronized=sync_bn)
-            return bn_class(sync_bn).from_config(cfg)  # fused where exact (models/fused_bn.py)
+            cfg.update(momentum=bn_momentum, synchronized=choice.sync_batchnorm)
+            # Rebuilt from the app's own config (its epsilon, axis, ...): fused where exact (models/fused_bn.py)
+            return choice.batch_norm_class().from_config(cfg)
         if type(layer) is layers.Conv2D:
             # ResNet's dilated 3x3 convs: fast and exact (models/atrous.py)
-            return conv2d_class(cfg["dilation_rate"]).from_config(cfg)
+            return choice.conv2d_class(cfg["dilation_rate"]).from_config(cfg)
         return layer.__class__.from_config(cfg)
 
     model = keras.models.clone_model(base, clone_function=clone)
@@ -240,13 +236,13 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
     return keras.Model(inputs, [model.get_layer(low_name).output, model.get_layer(high_name).output], name=name)
 
 
-def build_backbone(name: str, output_stride: int, bn_momentum: float, sync_bn: bool,
+def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
                    weights: Path | None = None) -> keras.Model:
-    """Builds the named backbone (one dict maps names to builders)."""
+    """Builds the named backbone with the layer classes of `choice` (one dict maps names to builders)."""
     if name == "tiny":
         if weights is not None:
             raise ConfigError("no pretrained weights for this backbone", "model.backbone_weights",
                               "expected null for backbone 'tiny'")
-        return tiny(output_stride, bn_momentum, sync_bn)
-    return keras_app(name, output_stride, bn_momentum, sync_bn, weights)
+        return tiny(output_stride, bn_momentum, choice)
+    return keras_app(name, output_stride, bn_momentum, choice, weights)
 

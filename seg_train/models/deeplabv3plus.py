@@ -6,8 +6,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from seg_train.models.atrous import conv2d_class
-from seg_train.models.bn import bn_class
+from seg_train.models.layer_choice import LayerChoice
 
 
 class ResizeLike(layers.Layer):
@@ -25,22 +24,24 @@ class ResizeLike(layers.Layer):
         return (x_shape[0], ref_shape[1], ref_shape[2], x_shape[3])
 
 
-def _conv_bn_relu(x, filters, kernel, name, dilation=1, momentum=0.9, sync=False):
-    conv = conv2d_class(dilation)  # dilated: fast and exact (models/atrous.py)
+def _conv_bn_relu(x, filters, kernel, name, choice: LayerChoice, momentum: float, dilation=1):
+    conv = choice.conv2d_class(dilation)  # dilated: fast and exact (models/atrous.py)
     x = conv(filters, kernel, padding="same", dilation_rate=dilation, use_bias=False, name=f"{name}_conv")(x)
-    x = bn_class(sync)(momentum=momentum, epsilon=1e-5, synchronized=sync, name=f"{name}_bn")(x)  # models/bn.py
+    x = choice.batch_norm(momentum, 1e-5, f"{name}_bn")(x)
     return layers.ReLU(name=f"{name}_relu")(x)
 
 
-def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, aspp_channels: int = 256,
-                  decoder_channels: int = 256, low_level_channels: int = 48, bn_momentum: float = 0.9,
-                  sync_bn: bool = False) -> keras.Model:
+def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, choice: LayerChoice,
+                  aspp_channels: int = 256, decoder_channels: int = 256, low_level_channels: int = 48,
+                  bn_momentum: float = 0.9) -> keras.Model:
     """Builds DeepLabV3+ on `backbone` (which returns [low-level, high-level] features).
+
+    The head's convs and BatchNormalization layers are of the classes `choice` gives.
 
     ASPP rates follow the output stride (6, 12, 18 at 16; doubled at 8), as in the DeepLabV3 paper.
     Returns float32 logits at the input's resolution.
     """
-    kw = dict(momentum=bn_momentum, sync=sync_bn)
+    kw = dict(choice=choice, momentum=bn_momentum)
     inp = keras.Input((None, None, 3), name="image")
     low, high = backbone(inp)
     rates = (6, 12, 18) if output_stride == 16 else (12, 24, 36)

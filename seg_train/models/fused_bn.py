@@ -25,8 +25,6 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from seg_train.models.switch import Switch
-
 
 @keras.saving.register_keras_serializable(package="seg_train")
 class FusedBatchNormalization(layers.BatchNormalization):
@@ -74,8 +72,3 @@ class FusedBatchNormalization(layers.BatchNormalization):
                                                        variance=tf.cast(self.moving_variance.value, tf.float32),
                                                        epsilon=self.epsilon, data_format="NHWC", is_training=False)
         return tf.cast(y, self.compute_dtype)
-
-
-# Models built inside `with plain_keras():` use keras.layers.BatchNormalization (`model.fused_batchnorm: false`;
-# models/bn.py picks the class).
-plain_keras = Switch()

@@ -1,0 +1,40 @@
+"""Which layer classes a model is built with: one value passed down the build.
+
+`models.build` makes one `LayerChoice` from the config's `model.sync_batchnorm`, `model.fused_batchnorm`
+and `model.fast_atrous` and hands it to the backbone and the head, which take every BatchNormalization
+layer and every Conv2D that may be dilated from it. Passed explicitly rather than read from
+process-wide flags, so a call shows where its class comes from, and no build can see another's choice
+(one on another thread, or one that raised half-way). The classes are interchangeable (same variables,
+same names), so the choice changes speed and float rounding, never the weights a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from keras import layers
+
+from seg_train.models.atrous import conv2d_class
+from seg_train.models.bn import bn_class
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """The layer classes of one build; every field is a config key of the same name under `model:`."""
+
+    sync_batchnorm: bool   # statistics synchronized across towers (models/sync_bn.py)
+    fused_batchnorm: bool  # False: Keras' own BatchNormalization per tower instead of models/fused_bn.py
+    fast_atrous: bool      # False: Keras' own Conv2D for dilated convs instead of models/atrous.py
+
+    def batch_norm_class(self) -> type:
+        """The BatchNormalization class (models/bn.py maps the flags to it)."""
+        return bn_class(sync=self.sync_batchnorm, fused=self.fused_batchnorm)
+
+    def batch_norm(self, momentum: float, epsilon: float, name: str) -> layers.BatchNormalization:
+        """A new BatchNormalization layer of the chosen class."""
+        return self.batch_norm_class()(momentum=momentum, epsilon=epsilon, synchronized=self.sync_batchnorm,
+                                       name=name)
+
+    def conv2d_class(self, dilation) -> type:
+        """The Conv2D class for a stride-1 'same' conv at this dilation (models/atrous.py maps it)."""
+        return conv2d_class(dilation, fast=self.fast_atrous)
