@@ -15,7 +15,7 @@ Crossentropy(from_logits=True, ignore_class=ignore_label))` with Keras' defaults
 (jit_compile="auto", which Keras resolves to False on a CPU-only machine; it is reported), and
 `model.fit(ds, steps_per_epoch=K + 1, epochs=W + 1)` on one device (no strategy).
 
-seg-train's side is `seg_train.bench.TrainRunner` on one tower (the real `Trainer.train_step` fed by
+seg-train's side is `seg_train.bench.runner.TrainRunner` on one tower (the real `Trainer.train_step` fed by
 the real reader through MirroredStrategy, as `seg-train --gpus 1` runs it).
 
 The two are timed interleaved in one process, so a change in machine load hits both: Keras' epoch 0
@@ -61,8 +61,10 @@ def main(args) -> int:
         devices = replicas.setup_devices(1)
     import keras
 
-    from seg_train import bench, models
-    from seg_train.reader import ImageReader, ensure_data
+    from seg_train import models
+
+    from seg_train.bench import runner as bench
+    from seg_train.data.reader import ImageReader, ensure_data
 
     ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)

@@ -19,7 +19,7 @@ from the same run (and each command times its own comparison interleaved in one 
   input     seg-bench --input-only --set data.cache=true  the reader alone with the decoding cache
                                                         (towers has it without)
   accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
-            evaluation of each run (seg_train.evaluate, BN statistics re-estimated) gives val mIoU
+            evaluation of each run (seg_train.infer.evaluate, BN statistics re-estimated) gives val mIoU
   gradients seg-bench --gpus 4 --compare train.allreduce_pack_mb=0,1,4 --compare loop=blocking
                                                         gradient packing (the default 32 MB vs one all-reduce
                                                         per tensor and smaller packs) and the overlapped host
@@ -455,8 +455,8 @@ def main(argv=None) -> int:
         else:
             data_root, synthetic, num_classes = "synthetic-240x180", True, 5
             data_note = f"{args.data} not found: a synthetic demo data set with 240x180 images instead"
-            from seg_train import demo_data  # generated here: seg-bench would make 96x96 images
-            demo_data.generate(ROOT / OUT / data_root, num_classes=num_classes, size=(180, 240), seed=0)
+            from seg_train.data import synthetic as synthetic_data  # generated here: seg-bench would make 96x96 images
+            synthetic_data.generate(ROOT / OUT / data_root, num_classes=num_classes, size=(180, 240), seed=0)
         config_text = medium_config(data_root, num_classes, synthetic)
     (ROOT / config_path).write_text(config_text)
 

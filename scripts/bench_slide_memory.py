@@ -5,7 +5,7 @@
                                          [--stride 341x683] [--large 4096x2048] [--output FILE.json]
 
 Each case runs in its own process (so each peak is its own), through the real evaluation
-(seg_train.evaluate on one tower: the data reader, the tower function, the inference modes, the
+(seg_train.infer.evaluate on one tower: the data reader, the tower function, the inference modes, the
 confusion matrix) on a one-image split written to a temporary folder. The model has random weights
 (the memory does not depend on them). Cases:
 
@@ -54,7 +54,7 @@ def _write_split(root: Path, h: int, w: int) -> None:
     import numpy as np
     from PIL import Image
 
-    from seg_train.palette import save_index_png, voc_colormap
+    from seg_train.data.label_images import save_index_png, voc_colormap
 
     rng = np.random.default_rng(0)
     for d in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
@@ -72,8 +72,8 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
 
     devices = replicas.setup_devices(1)
     from seg_train import config as config_lib
-    from seg_train.evaluate import evaluate
-    from seg_train.reader import ImageReader
+    from seg_train.infer.evaluate import evaluate
+    from seg_train.data.reader import ImageReader
     from seg_train.sysinfo import peak_rss_mb
     from seg_train.state import TrainState
 

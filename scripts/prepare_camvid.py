@@ -29,7 +29,7 @@ from PIL import Image
 
 # seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from seg_train.prep import PrepError, run_main, wrote  # noqa: E402
+from seg_train.data.prepare import PrepError, run_main, wrote  # noqa: E402
 
 CLASSES = "Sky Building Pole Road Pavement Tree SignSymbol Fence Car Pedestrian Bicyclist".split()
 UNLABELLED = 11

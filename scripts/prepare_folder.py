@@ -36,8 +36,8 @@ from PIL import Image
 
 # seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from seg_train.palette import save_index_png, voc_colormap  # noqa: E402
-from seg_train.prep import PrepError, run_main, wrote  # noqa: E402
+from seg_train.data.label_images import save_index_png, voc_colormap  # noqa: E402
+from seg_train.data.prepare import PrepError, run_main, wrote  # noqa: E402
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm"}
 IGNORE_LABEL = 255

@@ -36,8 +36,8 @@ from PIL import Image
 
 # seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from seg_train.palette import save_index_png, voc_colormap  # noqa: E402
-from seg_train.prep import PrepError, run_main, wrote  # noqa: E402
+from seg_train.data.label_images import save_index_png, voc_colormap  # noqa: E402
+from seg_train.data.prepare import PrepError, run_main, wrote  # noqa: E402
 
 VOC_CLASSES = (
     "background aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse "

@@ -87,7 +87,7 @@ def user_error(e: BaseException) -> str | None:
         return str(e)
     # Only once the reader is loaded can `e` be one of its BadSamples; importing it here would start
     # TensorFlow (and its start-up noise) just to report an error raised before it was needed.
-    reader = sys.modules.get("seg_train.reader")
+    reader = sys.modules.get("seg_train.data.reader")
     if reader is not None and isinstance(e, reader.BadSample):
         return str(e)
     tf = sys.modules.get("tensorflow")
@@ -296,7 +296,7 @@ def eval_main(argv=None) -> int:
         parser.add_argument("--split", help="split to evaluate (default: data.val_split)")
 
     def run(cfg, strategy, args):
-        from seg_train.eval_cmd import run_eval
+        from seg_train.infer.eval_checkpoint import run_eval
         run_eval(cfg, strategy, args.checkpoint, args.split)
 
     return _checkpoint_command(
@@ -311,12 +311,12 @@ def predict_main(argv=None) -> int:
                             help="image files or folders of images (one level deep); names must be distinct")
 
     def fail_fast(args):
-        from seg_train.predict import check_output_dir, collect_inputs
+        from seg_train.infer.predict import check_output_dir, collect_inputs
         collect_inputs(args.inputs)
         check_output_dir(args.output)
 
     def run(cfg, strategy, args):
-        from seg_train.predict import run_predict
+        from seg_train.infer.predict import run_predict
         run_predict(cfg, strategy, args.checkpoint, args.inputs, args.output)
 
     return _checkpoint_command(
@@ -331,11 +331,11 @@ def export_main(argv=None) -> int:
         parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
 
     def fail_fast(args):
-        from seg_train.export import check_output
+        from seg_train.infer.export import check_output
         check_output(args.output, args.force)
 
     def run(cfg, strategy, args):
-        from seg_train.export import run_export
+        from seg_train.infer.export import run_export
         run_export(cfg, strategy, args.checkpoint, args.output, args.force)
 
     return _checkpoint_command(
@@ -349,9 +349,9 @@ def check_data_main(args) -> int:
     setup_logging(args.debug)
     cfg = config_lib.load(args.config, args.overrides, args.run_dir)
     import_tensorflow(args.debug)
-    from seg_train.datacheck import format_report, scan
-    from seg_train.train import prepare_data
-    from seg_train.reader import ImageReader, class_names_of, split_file
+    from seg_train.data.scan import format_report, scan
+    from seg_train.data.reader import prepare_data
+    from seg_train.data.reader import ImageReader, class_names_of, split_file
     prepare_data(cfg)
     names = class_names_of(cfg)  # a wrong classes.txt is a one-line user error (exit 2)
     bad = 0
@@ -423,7 +423,7 @@ def bench_main(argv=None) -> int:
             return verify_towers_main(args)
         import json
         from seg_train import config as config_lib
-        from seg_train.bench import format_report, parse_towers
+        from seg_train.bench.runner import format_report, parse_towers
         setup_logging(args.debug)
         towers = parse_towers(args.gpus)
         for name in ("steps", "windows"):
@@ -438,7 +438,7 @@ def bench_main(argv=None) -> int:
         cfg = config_lib.load(args.config, args.overrides)
         variants = None
         if args.compare:
-            from seg_train.bench import Variant
+            from seg_train.bench.runner import Variant
             variants = [Variant("base", cfg, args.input)]
             for spec in args.compare:
                 key, sep, values = spec.partition("=")
@@ -476,7 +476,8 @@ def bench_main(argv=None) -> int:
                                   f"expected an integer >= 0, got {getattr(args, name)}")
         preflight.for_evaluation(cfg)
         import_tensorflow(args.debug)
-        from seg_train import bench, replicas
+        from seg_train import replicas
+        from seg_train.bench import runner as bench
         with quiet_stderr(args.debug):
             # The logical devices are configured once, for the largest tower count, before TF starts.
             devices = replicas.setup_devices(max(towers))
@@ -511,20 +512,21 @@ def bench_main(argv=None) -> int:
 
 
 def verify_towers_main(args) -> int:
-    """seg-bench --verify-towers (seg_train/verify.py): exit 0 if N towers agree with 1, else 1."""
+    """seg-bench --verify-towers (seg_train/bench/verify.py): exit 0 if N towers agree with 1, else 1."""
     import json
     from seg_train import config as config_lib
-    from seg_train.bench import parse_towers
+    from seg_train.bench.runner import parse_towers
     setup_logging(args.debug)
     towers = parse_towers(args.gpus)
     if len(towers) != 1:
         raise ConfigError("invalid --gpus", "--gpus", f"one tower count N with --verify-towers, got {args.gpus!r}")
     cfg = config_lib.load(args.config, args.overrides)
-    from seg_train.verify import check_towers
+    from seg_train.bench.verify import check_towers
     check_towers(cfg, towers[0])
     preflight.for_evaluation(cfg)
     import_tensorflow(args.debug)
-    from seg_train import replicas, verify
+    from seg_train import replicas
+    from seg_train.bench import verify
     with quiet_stderr(args.debug):
         devices = replicas.setup_devices(towers[0])
     log.info("%s", devices.message)

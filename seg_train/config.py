@@ -170,7 +170,7 @@ def _scales(v):
 @dataclass(frozen=True)
 class EvalConfig:
     bn_reestimate_batches: int = _c(50, check=_non_negative)
-    # The inference modes (seg_train/inference.py): evaluation, seg-predict and the exported model.
+    # The inference modes (seg_train/infer/modes.py): evaluation, seg-predict and the exported model.
     mode: str = _c("whole", choices=("whole", "slide"))
     flip: bool = _c(False)
     scales: list[float] = _c(check=_scales, factory=lambda: [1.0])

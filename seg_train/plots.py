@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from seg_train.palette import colorize
+from seg_train.data.label_images import colorize
 
 GAP = 4  # pixels between panels
 GAP_COLOUR = (48, 48, 48)  # dark: white already means "ignored" in label panels

@@ -107,7 +107,7 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
 
 def check_synthetic_data(cfg: Config) -> None:
     """With data.synthetic, the demo data set is either complete at data.root or can be generated there."""
-    from seg_train.demo_data import COMPLETE_MARKER
+    from seg_train.data.synthetic import COMPLETE_MARKER
 
     root = Path(cfg.data.root)
     if not cfg.data.synthetic or (root / COMPLETE_MARKER).is_file():

@@ -17,7 +17,7 @@ import tensorflow as tf
 import yaml
 
 from seg_train import plots
-from seg_train.palette import colorize
+from seg_train.data.label_images import colorize
 
 EVAL_EXAMPLE_SIDE = 384  # eval/examples: each panel's longer side at most this many pixels
 

@@ -19,15 +19,18 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train import exit_codes
 from seg_train.progress import progress_bar, shown
 from seg_train import config as config_lib
-from seg_train import determinism, evaluate, inference, losses, replicas
+from seg_train import determinism, losses, replicas
+from seg_train.infer import evaluate
+from seg_train.infer import modes
 from seg_train.config import Config, ConfigError, check_batch
-from seg_train.eval_examples import predict_examples
+from seg_train.infer.examples import predict_examples
 from seg_train.loop import StepLoop
-from seg_train.metrics import format_table
-from seg_train.palette import voc_colormap
+from seg_train.infer.metrics import format_table
+from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
-from seg_train.reader import BadSample, ImageReader, class_names_of, ensure_data, split_file
-from seg_train.restore import maybe_reestimate_bn
+from seg_train.data.reader import ImageReader, class_names_of, prepare_data, split_file
+from seg_train.data.scan import scan_split
+from seg_train.infer.precise_bn import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
 from seg_train.summaries import Summaries
 from seg_train.sysinfo import peak_rss_mb, seconds_since_launch
@@ -119,14 +122,6 @@ class _StopSignals:
         os.close(r)
 
 
-def prepare_data(cfg: Config) -> ImageReader:
-    """Generates the synthetic demo data if asked, and opens the training split."""
-    if cfg.data.synthetic and not (Path(cfg.data.root) / ".complete").exists():
-        log.info("generating the synthetic demo data set in %s", cfg.data.root)
-    ensure_data(cfg)
-    return ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-
-
 def open_val(cfg: Config) -> ImageReader | None:
     """The val split for evaluation during training, or None (with a warning) if there is none."""
     if not split_file(cfg.data.root, cfg.data.val_split).is_file():
@@ -149,7 +144,7 @@ def run_evaluation(cfg: Config, state: TrainState, reader: ImageReader, names: l
         summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(state, reader))
         improved = ckpt_lib.keep_best(run_dir, state, step, metrics)
     log.info("eval at step %d on %d %s images (%s, %sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
-             step, count, cfg.data.val_split, inference.describe(state.cfg.eval),
+             step, count, cfg.data.val_split, modes.describe(state.cfg.eval),
              "EMA weights, " if state.ema is not None else "",
              "re-estimated" if reestimated else "as trained", 100 * metrics.miou,
              100 * metrics.pixel_accuracy, " (new best, kept in best/)" if improved else "",
@@ -163,28 +158,6 @@ def _check_same_start(strategy, start: int) -> None:
         raise ConfigError("workers restored different steps", "run_dir",
                           f"a run dir on storage shared by every worker (this worker is at step {start}, "
                           f"the group's mean is {float(mean):g})")
-
-
-def scan_split(cfg: Config, reader: ImageReader, what: str):
-    """Checks every sample of the reader's split before training; drops bad ones if on_bad_sample: skip.
-
-    Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
-    """
-    from seg_train.datacheck import scan
-    report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, what)
-    log.info("checked %d %s samples in %.1fs: %d bad", report.num_samples, what, report.seconds, len(report.bad))
-    if not report.bad:
-        return report
-    if cfg.data.on_bad_sample == "error":
-        more = f" (and {len(report.bad) - 1} more bad samples)" if len(report.bad) > 1 else ""
-        raise BadSample(report.bad[0][1] + more)
-    for sample, problem in report.bad:
-        log.warning("skipping bad sample (data.on_bad_sample: skip): %s", problem)
-    bad = {s.id for s, _ in report.bad}
-    reader.samples = [s for s in reader.samples if s.id not in bad]
-    if not reader.samples:
-        raise ConfigError("no usable samples", what, "at least one sample that passes the checks")
-    return report
 
 
 class _Loop:

@@ -53,7 +53,7 @@ def train_batches(state, reader):
         b, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id, ctx.num_input_pipelines, micro_batches=k)))
 
 # A numpy confusion matrix, the by-hand reference the evaluation's bincount path is checked against
-# (the package itself counts on the device, seg_train/evaluate.py).
+# (the package itself counts on the device, seg_train/infer/evaluate.py).
 def confusion_matrix(labels, preds, num_classes: int, ignore_label: int | None = 255) -> np.ndarray:
     """Count (ground truth, prediction) pairs over all labelled pixels.
 

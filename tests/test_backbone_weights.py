@@ -15,11 +15,15 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from seg_train import bn_stats, demo_data, losses, models, replicas
+from seg_train import losses, models, replicas
+
+from seg_train.infer import precise_bn
+
+from seg_train.data import synthetic
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.models.backbones import WEIGHT_FILES
-from seg_train.reader import ImageReader
+from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
@@ -274,7 +278,7 @@ def test_without_freeze_training_and_inference_differ():
 
 
 def test_precise_bn_leaves_frozen_backbone_bn_alone(tmp_path):
-    root = demo_data.generate(tmp_path / "data", num_train=8, num_val=2, size=(40, 40), num_classes=3, seed=0)
+    root = synthetic.generate(tmp_path / "data", num_train=8, num_val=2, size=(40, 40), num_classes=3, seed=0)
     cfg = tiny_config(tmp_path, root, data={"batch_size": 4}, model={"freeze_batchnorm": True})
     strategy = replicas.make_strategy(replicas.Devices(["/device:CPU:0", "/device:CPU:1"], "CPU", "test"))
     trainer = TrainStep(TrainState(cfg, strategy))
@@ -282,7 +286,7 @@ def test_precise_bn_leaves_frozen_backbone_bn_alone(tmp_path):
     head = [b for b in _bn(trainer.state.model) if b not in frozen]
     for b in frozen:
         b.moving_mean.assign(np.full(b.moving_mean.shape, 0.25, np.float32))
-    assert bn_stats.reestimate(trainer.state, ImageReader(cfg.data, "train", cfg.seed), 1, progress=False)
+    assert precise_bn.reestimate(trainer.state, ImageReader(cfg.data, "train", cfg.seed), 1, progress=False)
     for b in frozen:
         np.testing.assert_array_equal(b.moving_mean.numpy(), 0.25)
         np.testing.assert_array_equal(b.moving_variance.numpy(), 1.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from seg_train import demo_data
+from seg_train.data import synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def run_bench(args, cwd, timeout=300):
 @pytest.fixture(scope="module")
 def tiny_cfg(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    root = demo_data.generate(tmp / "data", num_train=12, num_val=4, size=(40, 48), num_classes=3)
+    root = synthetic.generate(tmp / "data", num_train=12, num_val=4, size=(40, 48), num_classes=3)
     raw = {"seed": 0, "run_dir": "run",
            "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
                     "num_parallel_calls": 2},
@@ -96,7 +96,7 @@ def test_bench_bad_compare_is_a_user_error(tiny_cfg):
 def test_op_flops_counts_conv_and_matmul():
     import tensorflow as tf
 
-    from seg_train.bench import graph_flops
+    from seg_train.bench.runner import graph_flops
 
     @tf.function
     def f(x, k, dw, a, b):
@@ -113,7 +113,7 @@ def test_op_flops_counts_conv_and_matmul():
 
 
 def test_parse_towers():
-    from seg_train.bench import parse_towers
+    from seg_train.bench.runner import parse_towers
     from seg_train.config import ConfigError
     assert parse_towers("4,1,2,2") == [1, 2, 4]
     for bad in ("", "0", "a", "1,-2"):

@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from seg_train import replicas
-from seg_train.restore import load_state
+from seg_train.infer.load import load_state
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config

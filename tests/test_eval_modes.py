@@ -13,15 +13,18 @@ from PIL import Image
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train import eval_cmd, inference, rundir
-from seg_train import evaluate as ev
+from seg_train import rundir
+from seg_train.infer import eval_checkpoint
+from seg_train.infer import modes
+from seg_train.infer import evaluate as ev
 from seg_train.config import ConfigError
-from seg_train.eval_examples import predict_examples
-from seg_train.export import run_export, serving_module
-from seg_train.palette import read_label, voc_colormap
-from seg_train.predict import run_predict
-from seg_train.reader import ImageReader
-from seg_train.restore import load_state
+from seg_train.infer.examples import predict_examples
+from seg_train.infer.export import run_export
+from seg_train.infer.serving import serving_module
+from seg_train.data.label_images import read_label, voc_colormap
+from seg_train.infer.predict import run_predict
+from seg_train.data.reader import ImageReader
+from seg_train.infer.load import load_state
 from seg_train.summaries import Summaries
 from seg_train.train import run_evaluation
 from seg_train.state import TrainState
@@ -135,9 +138,9 @@ def test_a_window_covering_the_image_is_whole_image_inference(setup):
     # Scores too, exactly: windows larger than the image, and exactly the image's size.
     model = setup["trainer"].model
     x = tf.constant(normalized(setup["cfg"], setup["reader"].samples[0].image)[None])  # 37 x 53
-    whole = inference.class_scores(lambda t: model(t, training=False), x, eval_config(), NUM_CLASSES)
+    whole = modes.class_scores(lambda t: model(t, training=False), x, eval_config(), NUM_CLASSES)
     for crop in ([64, 64], [37, 53]):
-        slide = inference.class_scores(lambda t: model(t, training=False), x,
+        slide = modes.class_scores(lambda t: model(t, training=False), x,
                                        eval_config(mode="slide", crop_size=crop, stride=crop), NUM_CLASSES)
         np.testing.assert_array_equal(slide.numpy(), whole.numpy())
 
@@ -184,7 +187,7 @@ def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
     (pred_root / "ImageSets").symlink_to(setup["root"] / "ImageSets")
     (pred_root / "classes.txt").write_text("\n".join(NAMES) + "\n")
     pred_cfg = config_lib.replace(cfg, "data.root", pred_root)
-    record = eval_cmd.run_eval(pred_cfg, strategy(1), str(run_dir), progress=False)
+    record = eval_checkpoint.run_eval(pred_cfg, strategy(1), str(run_dir), progress=False)
     cm = np.array(record["confusion_matrix"])
     assert cm.sum() == sum(h * w for h, w in SIZES) and np.trace(cm) == cm.sum()
     assert record["inference"] == {"mode": "slide", "flip": True, "scales": [1.0, 1.25], "crop_size": CROP,
@@ -231,10 +234,10 @@ def test_bad_mode_keys_are_refused_with_one_line(keys, where, message):
 def test_mode_defaults_and_stride_default():
     e = eval_config()
     assert (e.mode, e.flip, e.scales, e.crop_size, e.stride) == ("whole", False, [1.0], None, None)
-    assert inference.is_single_view(e)
+    assert modes.is_single_view(e)
     e = eval_config(mode="slide", crop_size=[32, 49])
     assert e.stride == (22, 33)  # two thirds, rounded up
-    assert inference.describe(e) == "slide 32x49/22x33"
+    assert modes.describe(e) == "slide 32x49/22x33"
 
 
 def test_mode_keys_may_change_on_resume(tmp_path):

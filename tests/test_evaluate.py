@@ -14,12 +14,12 @@ from PIL import Image
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train import eval_cmd
-from seg_train import evaluate as ev
-from seg_train import metrics as metrics_lib
+from seg_train.infer import eval_checkpoint
+from seg_train.infer import evaluate as ev
+from seg_train.infer import metrics as metrics_lib
 from seg_train.config import ConfigError
-from seg_train.palette import read_label, save_index_png, voc_colormap
-from seg_train.reader import ImageReader
+from seg_train.data.label_images import read_label, save_index_png, voc_colormap
+from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import confusion_matrix, tiny_config
@@ -141,7 +141,7 @@ def test_run_eval_writes_the_record(setup, tmp_path, capsys):
     # The run's config as trained with class weights from the train split's histogram: evaluation
     # needs no loss, so it neither reads that split nor refuses the config.
     trained_cfg = config_lib.replace(cfg, "loss.class_weights", "median_frequency")
-    record = eval_cmd.run_eval(trained_cfg, strategy(2), str(run_dir), progress=False)
+    record = eval_checkpoint.run_eval(trained_cfg, strategy(2), str(run_dir), progress=False)
     path = run_dir / "eval" / "val-step7.json"
     assert json.loads(path.read_text()) == record
     assert record["step"] == 7 and record["num_images"] == len(SIZES) and record["split"] == "val"
@@ -209,7 +209,7 @@ def test_cli_missing_checkpoint_is_a_one_line_user_error(tmp_path):
 def test_confusion_counts_match_bincount_without_using_it():
     """The one-hot matmul confusion matrix equals a plain bincount (ignore pixels excluded), and its
     graph has no Bincount op (no deterministic GPU kernel: train.deterministic would refuse it)."""
-    from seg_train.evaluate import confusion_counts
+    from seg_train.infer.evaluate import confusion_counts
 
     rng = np.random.default_rng(0)
     c, ignore = 5, 255

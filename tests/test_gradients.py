@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import demo_data, losses, replicas
-from seg_train.reader import ImageReader
+from seg_train import losses, replicas
+
+from seg_train.data import synthetic
+from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config, train_batches
@@ -27,7 +29,7 @@ def strategy(n):
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=20, num_val=2, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=20, num_val=2, size=(40, 48),
                               num_classes=3)
 
 

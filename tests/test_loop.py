@@ -7,15 +7,19 @@ import time
 import keras
 import pytest
 
-from seg_train import bench, demo_data, loop, replicas, train
-from seg_train.reader import ImageReader
+from seg_train import loop, replicas, train
+
+from seg_train.bench import runner as bench
+
+from seg_train.data import synthetic
+from seg_train.data.reader import ImageReader
 from tests.helpers import tiny_config
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loop")
-    root = demo_data.generate(tmp / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3)
+    root = synthetic.generate(tmp / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3)
     cfg = tiny_config(tmp, root, train={"num_steps": 4, "learning_rate": 0.01, "summary_every": 1,
                                         "checkpoint_every": 2, "image_summary_every": 2})
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)

@@ -14,8 +14,8 @@ import tensorflow as tf
 from PIL import Image
 
 from seg_train import losses
-from seg_train.datacheck import scan
-from seg_train.reader import Sample
+from seg_train.data.scan import scan
+from seg_train.data.reader import Sample
 from tests.helpers import tiny_config
 
 LN2, LN3 = np.log(2.0), np.log(3.0)

@@ -1,4 +1,4 @@
-"""Tests for seg_train.metrics (numpy metrics, checked against keras.metrics)."""
+"""Tests for seg_train.infer.metrics (numpy metrics, checked against keras.metrics)."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from seg_train.metrics import (
+from seg_train.infer.metrics import (
     SegMetrics,
     compute_metrics,
     format_table,

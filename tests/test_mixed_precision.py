@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from seg_train import config as config_lib
 from seg_train import replicas
-from seg_train.palette import voc_colormap
+from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
 from seg_train.summaries import Summaries
 from seg_train.train import NonFiniteError, _Loop

@@ -20,14 +20,16 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from seg_train import cli, demo_data
+from seg_train import cli
+
+from seg_train.data import synthetic
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "run_3b88e24"
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("old") / "data", num_train=8, num_val=3, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("old") / "data", num_train=8, num_val=3, size=(40, 48),
                               num_classes=3, seed=0)
 
 

@@ -36,8 +36,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import demo_data, losses, models, replicas
-from seg_train.reader import ImageReader
+from seg_train import losses, models, replicas
+
+from seg_train.data import synthetic
+from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import tiny_config, train_batches
@@ -55,7 +57,7 @@ GRAD_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=20, num_val=2, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=20, num_val=2, size=(40, 48),
                               num_classes=3)
 
 

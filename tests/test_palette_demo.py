@@ -1,11 +1,11 @@
-"""Tests of seg_train.palette and seg_train.demo_data (numpy/Pillow only, fast)."""
+"""Tests of seg_train.data.label_images and seg_train.data.synthetic (numpy/Pillow only, fast)."""
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from seg_train import demo_data
-from seg_train.palette import colorize, load_class_names, read_label, save_index_png, voc_colormap
+from seg_train.data import synthetic
+from seg_train.data.label_images import colorize, load_class_names, read_label, save_index_png, voc_colormap
 
 
 def test_voc_colormap_values():
@@ -85,7 +85,7 @@ def test_load_class_names(tmp_path):
 
 
 def _small(root, seed=0):
-    return demo_data.generate(root, num_train=12, num_val=4, size=(64, 64), num_classes=5, seed=seed)
+    return synthetic.generate(root, num_train=12, num_val=4, size=(64, 64), num_classes=5, seed=seed)
 
 
 def test_generate_layout_and_labels(tmp_path):

@@ -14,9 +14,9 @@ from PIL import Image
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train.config import ConfigError
-from seg_train.export import check_output, run_export
-from seg_train.palette import voc_colormap
-from seg_train.predict import collect_inputs, run_predict
+from seg_train.infer.export import check_output, run_export
+from seg_train.data.label_images import voc_colormap
+from seg_train.infer.predict import collect_inputs, run_predict
 from seg_train.state import TrainState
 from tests.helpers import tiny_config
 

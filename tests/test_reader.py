@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from seg_train.palette import save_index_png, voc_colormap
-from seg_train.reader import BadSample, ImageReader, list_samples, load_sample
+from seg_train.data.label_images import save_index_png, voc_colormap
+from seg_train.data.reader import BadSample, ImageReader, list_samples, load_sample
 from tests.helpers import tiny_config
 
 
@@ -75,7 +75,7 @@ def test_pair_list_split_and_errors(tmp_path):
 
 def test_cache_gives_the_same_stream_and_decodes_once(tmp_path, monkeypatch):
     """data.cache: the same batches as decoding every time, and each file decoded only once."""
-    from seg_train import reader as reader_mod
+    from seg_train.data import reader as reader_mod
 
     rng = np.random.default_rng(0)
     labels = [rng.integers(0, 3, size=(20, 30)).astype(np.uint8) for _ in range(3)]

@@ -40,7 +40,7 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train import demo_data
+from seg_train.data import synthetic
 
 STEPS = 6
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d [DIWEC] ")
@@ -189,7 +189,7 @@ def truncate(path: Path, fraction=0.5) -> None:
 # ---- fixtures ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
                               num_classes=3)
 
 
@@ -663,18 +663,18 @@ def test_resume_config_check_tolerates_keys_of_other_versions(tmp_path, demo_roo
 
 
 def test_scan_names_the_file_whatever_the_decoder_raises(monkeypatch, demo_root):
-    from seg_train import datacheck
-    from seg_train.reader import list_samples
+    from seg_train.data import scan
+    from seg_train.data.reader import list_samples
 
     samples = list_samples(demo_root, "val")
-    real = datacheck.load_sample
+    real = scan.load_sample
 
     def flaky(image, label, num_classes, ignore_label):
         if image == samples[1].image:
             raise ValueError("tile cannot extend outside image")  # what Pillow raises on some corrupt headers
         return real(image, label, num_classes, ignore_label)
 
-    monkeypatch.setattr(datacheck, "load_sample", flaky)
-    report = datacheck.scan(samples, 3, 255)
+    monkeypatch.setattr(scan, "load_sample", flaky)
+    report = scan.scan(samples, 3, 255)
     assert [s.id for s, _ in report.bad] == [samples[1].id]
     assert report.bad[0][1].startswith(f"unreadable sample ({samples[1].image}, {samples[1].label}): expected")

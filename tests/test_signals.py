@@ -13,7 +13,7 @@ import time
 import pytest
 import tensorflow as tf
 
-from seg_train import demo_data
+from seg_train.data import synthetic
 from tests.test_train_cli import write_config
 
 # A TensorFlow call that runs far longer than the test waits: the main thread sits inside it, where
@@ -66,7 +66,7 @@ def test_second_signal_stops_inside_a_tensorflow_call(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
                               num_classes=3)
 
 

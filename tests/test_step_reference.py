@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import demo_data, replicas
-from seg_train.reader import ImageReader
+from seg_train import replicas
+
+from seg_train.data import synthetic
+from seg_train.data.reader import ImageReader
 from seg_train.train import NonFiniteError, _Loop
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
@@ -161,7 +163,7 @@ def test_step_with_non_finite_bn_statistics_is_not_applied(local_bn):
 # ---- 3. accumulation with synchronized BN ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=16, num_val=2, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=16, num_val=2, size=(40, 48),
                               num_classes=3)
 
 

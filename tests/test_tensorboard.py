@@ -13,9 +13,11 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train import demo_data, plots
-from seg_train.palette import colorize, read_label, voc_colormap
-from seg_train.reader import list_samples
+from seg_train import plots
+
+from seg_train.data import synthetic
+from seg_train.data.label_images import colorize, read_label, voc_colormap
+from seg_train.data.reader import list_samples
 from seg_train.summaries import confusion_matrix_title
 
 CROP, TOWERS, PER_TOWER = 32, 2, 2
@@ -32,7 +34,7 @@ def _cli(args, cwd):
 def run(tmp_path_factory):
     """RUN_DIR after steps 1..4 (profile 2..3, eval at 4), then resumed for step 5 (eval at 5)."""
     tmp = tmp_path_factory.mktemp("tb")
-    root = demo_data.generate(tmp / "demo", num_train=12, num_val=4, size=(40, 48), num_classes=3)
+    root = synthetic.generate(tmp / "demo", num_train=12, num_val=4, size=(40, 48), num_classes=3)
     raw = {"seed": 1, "run_dir": "run",
            "data": {"root": str(root), "num_classes": 3, "batch_size": TOWERS * PER_TOWER,
                     "crop_size": [CROP, CROP], "num_parallel_calls": 2},

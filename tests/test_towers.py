@@ -144,9 +144,9 @@ def test_bn_moving_stats_averaged_across_towers(tmp_path):
 
 @pytest.mark.parametrize("n", [2])
 def test_global_batches_independent_of_tower_count(tmp_path, n):
-    from seg_train import demo_data
-    from seg_train.reader import ImageReader
-    root = demo_data.generate(tmp_path / "demo", num_train=10, num_val=2, size=(40, 48), num_classes=3)
+    from seg_train.data import synthetic
+    from seg_train.data.reader import ImageReader
+    root = synthetic.generate(tmp_path / "demo", num_train=10, num_val=2, size=(40, 48), num_classes=3)
     cfg = tiny_config(tmp_path, data_root=root, data={"batch_size": 4})
     reader = ImageReader(cfg.data, "train", seed=7)
     one = reader.train_dataset(4, start_step=3, num_replicas=1)

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from seg_train import demo_data
+from seg_train.data import synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def run(args, cwd, timeout=600):
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
                               num_classes=3)
 
 

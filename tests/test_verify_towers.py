@@ -9,7 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from seg_train import cli, demo_data, replicas, verify
+from seg_train import cli, replicas
+
+from seg_train.data import synthetic
+
+from seg_train.bench import verify
 from seg_train.config import ConfigError
 from seg_train.models import sync_bn
 from tests.helpers import tiny_config
@@ -20,7 +24,7 @@ DEVICES = replicas.Devices([f"/device:CPU:{i}" for i in range(4)], "CPU", "")
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
-    return demo_data.generate(tmp_path_factory.mktemp("data") / "demo", num_train=8, num_val=2, size=(40, 48),
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=8, num_val=2, size=(40, 48),
                               num_classes=3)
 
 
@@ -43,7 +47,7 @@ def test_rel_l2_by_hand():
 def probes(tmp_path_factory, demo_root):
     """The real probes of a correct build on 1 and 4 towers, at bn_momentum 0.99 (where the moving
     statistics hide a wrong batch statistic best); shared by the tests that judge them."""
-    from seg_train.train import prepare_data
+    from seg_train.data.reader import prepare_data
     cfg = tiny_config(tmp_path_factory.mktemp("probes"), demo_root,
                       model={"sync_batchnorm": False, "weight_decay": 1e-3, "bn_momentum": 0.99})
     cfg = verify.verify_config(cfg)

@@ -36,7 +36,7 @@ def freeze_batchnorm(backbone: keras.Model) -> int:
     In Keras 3 that makes a BN layer normalise with its moving statistics even when called with
     training=True, stop updating them, and move gamma/beta out of the trainable variables: the
     layer is a fixed per-channel affine map (the loaded ImageNet statistics, DeepLab's
-    `fine_tune_batch_norm: false`). Precise BN (bn_stats.py) leaves such layers alone.
+    `fine_tune_batch_norm: false`). Precise BN (precise_bn.py) leaves such layers alone.
 
     The backbone only: the head's BN layers have no loaded statistics (moving mean 0, variance 1),
     and freezing them would also pin their gamma/beta at 1/0, leaving the head's bias-free convs

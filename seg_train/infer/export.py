@@ -1,9 +1,9 @@
 """seg-export: a SavedModel that segments one whole uint8 image (any size memory allows), preprocessing in the graph.
 
-The serving function (`serving_module`) is also what seg-predict runs, so the exported model and
+The serving function (`serving.serving_module`) is also what seg-predict runs, so the exported model and
 seg-predict compute the same graph and give the same masks. Its preprocessing and inference are the
 evaluation's: (x - mean) / std with the config's data.mean/std, then the inference modes of eval.*
-(inference.py: whole image or sliding window, flips, scales; each forward pass's input zero-padded,
+(modes.py: whole image or sliding window, flips, scales; each forward pass's input zero-padded,
 i.e. with the mean colour, to a multiple of 32 and its logits cropped back), so the exported model
 predicts what seg-eval measured.
 
@@ -29,41 +29,6 @@ from seg_train.config import Config, ConfigError
 log = logging.getLogger("seg_train")
 
 METADATA_FILE = "seg_train.json"
-
-
-def serving_module(model, mean, std, eval_cfg=None):
-    """A tf.Module holding `model`, whose `serve` segments one image with the inference modes of `eval_cfg`.
-
-    `serve(image)`: image uint8 [height, width, 3] (RGB) -> {"classes": int32 [height, width],
-    "probabilities": float32 [height, width, num_classes]}, at the input's size. The classes are the
-    argmax of inference.class_scores, as in evaluation.
-
-    Args:
-      model: the Keras model (float32 logits at its input's size).
-      mean, std: data.mean, data.std.
-      eval_cfg: an EvalConfig (eval.mode, flip, scales, crop_size, stride); default: one whole-image pass.
-    """
-    import tensorflow as tf
-
-    from seg_train import inference
-    from seg_train.config import EvalConfig
-
-    eval_cfg = EvalConfig() if eval_cfg is None else eval_cfg
-    num_classes = model.output_shape[-1]
-    module = tf.Module()
-    module.model = model  # tracked: its variables are saved with the module
-    mean = tf.constant(mean, tf.float32)
-    std = tf.constant(std, tf.float32)
-
-    @tf.function(input_signature=[tf.TensorSpec([None, None, 3], tf.uint8, name="image")])
-    def serve(image):
-        x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
-        scores = inference.class_scores(lambda t: model(t, training=False), x[None], eval_cfg, num_classes)[0]
-        return {"classes": tf.argmax(scores, axis=-1, output_type=tf.int32),
-                "probabilities": inference.probabilities(scores, eval_cfg)}
-
-    module.serve = serve
-    return module
 
 
 def check_output(path: str | os.PathLike, force: bool) -> Path:
@@ -105,9 +70,11 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
     """
     import tensorflow as tf
 
-    from seg_train import inference
-    from seg_train.reader import class_names_of
-    from seg_train.restore import load_state, maybe_reestimate_bn
+    from seg_train.infer import modes
+    from seg_train.data.reader import class_names_of
+    from seg_train.infer.load import load_state
+    from seg_train.infer.precise_bn import maybe_reestimate_bn
+    from seg_train.infer.serving import serving_module
 
     out = check_output(output, force)
     names = class_names_of(cfg)
@@ -125,7 +92,7 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
         (tmp / METADATA_FILE).write_text(json.dumps({
             "checkpoint": prefix, "step": step, "num_classes": cfg.data.num_classes, "class_names": names,
             "mean": list(cfg.data.mean), "std": list(cfg.data.std), "bn_stats_reestimated": reestimated,
-            "inference": inference.as_dict(cfg.eval),
+            "inference": modes.as_dict(cfg.eval),
             "signature": "serving_default: image uint8 [height, width, 3] -> classes int32 [height, width], "
                          "probabilities float32 [height, width, num_classes]",
         }, indent=1) + "\n")
@@ -134,5 +101,5 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     print(f"exported step {step} ({prefix}) to {out}: serving_default(image uint8 [h, w, 3]) -> classes [h, w] "
-          f"({inference.describe(cfg.eval)})")
+          f"({modes.describe(cfg.eval)})")
     return out

@@ -1,7 +1,7 @@
 """eval/examples: the predictions of a fixed set of val images, the same ones at every evaluation.
 
 The first `k` images of the val split, in split order, at full resolution. They are predicted by
-the exported model's own function (export.serving_module: the same normalisation and inference
+the exported model's own function (serving.serving_module: the same normalisation and inference
 modes, eval.*, as evaluation and seg-predict) on one device: a handful of images does not need the towers,
 and no collective is involved, so every worker of a multi-worker run can do it on its own.
 """
@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from seg_train.export import serving_module
+from seg_train.infer.serving import serving_module
 
 NUM_EXAMPLES = 4  # val images shown in eval/examples
 

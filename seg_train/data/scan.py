@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from seg_train.progress import progress_bar, shown
-from seg_train.reader import BadSample, Sample, load_sample
+from seg_train.config import Config, ConfigError
+from seg_train.data.reader import BadSample, ImageReader, Sample, load_sample
 
 log = logging.getLogger("seg_train")
 
@@ -84,3 +85,24 @@ def format_report(report: ScanReport, class_names: list[str]) -> str:
     for sample, problem in report.bad:
         lines.append(f"bad: {problem}")
     return "\n".join(lines)
+
+
+def scan_split(cfg: Config, reader: ImageReader, what: str):
+    """Checks every sample of the reader's split before training; drops bad ones if on_bad_sample: skip.
+
+    Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
+    """
+    report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, what)
+    log.info("checked %d %s samples in %.1fs: %d bad", report.num_samples, what, report.seconds, len(report.bad))
+    if not report.bad:
+        return report
+    if cfg.data.on_bad_sample == "error":
+        more = f" (and {len(report.bad) - 1} more bad samples)" if len(report.bad) > 1 else ""
+        raise BadSample(report.bad[0][1] + more)
+    for sample, problem in report.bad:
+        log.warning("skipping bad sample (data.on_bad_sample: skip): %s", problem)
+    bad = {s.id for s, _ in report.bad}
+    reader.samples = [s for s in reader.samples if s.id not in bad]
+    if not reader.samples:
+        raise ConfigError("no usable samples", what, "at least one sample that passes the checks")
+    return report

@@ -39,7 +39,8 @@ import tensorflow as tf
 
 from seg_train.progress import progress_bar, shown
 from seg_train import models
-from seg_train.config import ConfigError, check_batch
+from seg_train.config import Config, ConfigError, check_batch
+from seg_train.data.reader import ImageReader, ensure_data, split_file
 
 log = logging.getLogger("seg_train")
 
@@ -249,3 +250,22 @@ def reestimate(state, reader, num_batches: int, progress: bool = True) -> bool:
              "in %.1fs", len(layers) - len(unused), int(state.step.numpy()), num_batches, num_batches * batch,
              n_towers, time.perf_counter() - t0)
     return True
+
+
+def maybe_reestimate_bn(state, cfg: Config, progress: bool = True) -> bool:
+    """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
+
+    Returns:
+      Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
+    """
+    if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
+        ensure_data(cfg)  # the re-estimation reads the training split
+        if not split_file(cfg.data.root, cfg.data.train_split).is_file():
+            # Predicting or exporting where the training data is not at hand: go on with the
+            # statistics as trained, and say so.
+            log.warning("BN statistics not re-estimated: training split %r not found under %s "
+                        "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
+            return False
+        train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+        reestimate(state, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
+    return int(state.bn_stats_step.numpy()) == int(state.step.numpy())

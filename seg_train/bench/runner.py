@@ -331,7 +331,7 @@ class TrainRunner:
 
         from seg_train import replicas
         from seg_train.loop import StepLoop
-        from seg_train.palette import voc_colormap
+        from seg_train.data.label_images import voc_colormap
         from seg_train.profiling import StepProfiler
         from seg_train.summaries import Summaries
         from seg_train.train import _Loop
@@ -490,7 +490,7 @@ class TrainRunner:
 def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
     """Precise-BN re-estimation from `images` training images on this runner's towers: the first run
     (which traces) and a second one (trace cached), in seconds."""
-    from seg_train import bn_stats
+    from seg_train.infer import precise_bn
 
     state = runner.state
     batches = max(images // runner.batch, 1)
@@ -499,7 +499,7 @@ def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
     for _ in range(2):
         state.bn_stats_step.assign(-7)  # forces the re-estimation (it is skipped when already done)
         t0 = time.perf_counter()
-        bn_stats.reestimate(state, reader, batches, progress=False)
+        precise_bn.reestimate(state, reader, batches, progress=False)
         times.append(time.perf_counter() - t0)
     for v, x in zip(state.non_trainable, saved[:-1]):  # the runner goes on training from its own statistics
         v.assign(x)
@@ -511,7 +511,7 @@ def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
 def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
     """Full-resolution evaluation of `val_reader`'s images on this runner's towers: a first pass (which
     traces), then a timed pass; images/s of the timed pass."""
-    from seg_train import evaluate
+    from seg_train.infer import evaluate
 
     t0 = time.perf_counter()
     evaluate.evaluate(runner.state, val_reader, names, progress=False)
@@ -622,7 +622,7 @@ def _utilisation(row: dict, flops: dict, peak: dict | None) -> None:
 
 def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int = 3) -> dict:
     """`seg-bench --input-only`: the reader's training stream alone (no model, no training)."""
-    from seg_train.reader import ImageReader, ensure_data
+    from seg_train.data.reader import ImageReader, ensure_data
 
     ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
@@ -641,7 +641,7 @@ def _class_weights(cfg: Config, reader):
     """loss.class_weights as training computes them (median_frequency scans the train split)."""
     from seg_train import losses
     if isinstance(cfg.loss.class_weights, str):
-        from seg_train.datacheck import scan
+        from seg_train.data.scan import scan
         return losses.class_weights_for(cfg, scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label))
     return None
 
@@ -705,7 +705,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     """
     from seg_train import replicas
     from seg_train.config import check_batch
-    from seg_train.reader import ImageReader, class_names_of, ensure_data, split_file
+    from seg_train.data.reader import ImageReader, class_names_of, ensure_data, split_file
 
     variants = variants or [Variant("default", cfg, input_mode)]
     cfg, input_mode = variants[0].cfg, variants[0].input

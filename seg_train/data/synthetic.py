@@ -8,7 +8,7 @@ by colour alone.  As in VOC, a thin band of ignore pixels (255) runs along
 object outlines.
 
 Usage:
-    python -m seg_train.demo_data OUT_DIR [--num-train 160] [--num-val 40]
+    python -m seg_train.data.synthetic OUT_DIR [--num-train 160] [--num-val 40]
         [--size 96 96] [--num-classes 5] [--seed 0]
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from seg_train.palette import save_index_png, voc_colormap
+from seg_train.data.label_images import save_index_png, voc_colormap
 
 IGNORE_LABEL = 255
 COMPLETE_MARKER = ".complete"
@@ -178,7 +178,7 @@ _README = """\
 # Synthetic segmentation demo data
 
 This data set is synthetic: it was generated procedurally by seg-train
-(`python -m seg_train.demo_data`) and contains no real photographs.
+(`python -m seg_train.data.synthetic`) and contains no real photographs.
 
 - {num_train} training and {num_val} validation images of {height}x{width} pixels, seed {seed}.
 - Layout follows PASCAL VOC: `JPEGImages/<id>.jpg`, `SegmentationClass/<id>.png`
@@ -286,7 +286,7 @@ def generate(
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m seg_train.demo_data",
+        prog="python -m seg_train.data.synthetic",
         description="Generate a synthetic PASCAL-VOC-layout segmentation data set.",
     )
     parser.add_argument("out_dir", help="output directory (left as is if already complete)")

@@ -2,7 +2,7 @@
 
 How the pixels are counted (why it looks like this):
 - Each tower takes one whole, unpadded image per step (batch 1) and predicts it with the inference
-  modes of eval.* (inference.py: whole or sliding window, flips, scales; each forward pass pads its
+  modes of eval.* (modes.py: whole or sliding window, flips, scales; each forward pass pads its
   own input to a multiple of 32 and crops its logits back). The prediction has the image's size,
   so padding is never counted; ignore-label pixels are excluded.
 - A step on N towers takes N consecutive images of the split. Towers left without an image in the
@@ -20,7 +20,7 @@ How the pixels are counted (why it looks like this):
   graph mode).
 
 Also here: `write_eval_summaries`, the TensorBoard scalars of an evaluation during training. The
-seg-eval command is eval_cmd.py; loading a checkpoint and the BN re-estimation gate are restore.py;
+seg-eval command is eval_checkpoint.py; loading a checkpoint and the BN re-estimation gate are load.py;
 the best checkpoint is checkpoint.keep_best.
 """
 
@@ -32,10 +32,10 @@ import weakref
 import tensorflow as tf
 
 from seg_train.progress import progress_bar
-from seg_train import inference
+from seg_train.infer import modes
 from seg_train.config import ConfigError
-from seg_train.metrics import SegMetrics, compute_metrics
-from seg_train.reader import ImageReader
+from seg_train.infer.metrics import SegMetrics, compute_metrics
+from seg_train.data.reader import ImageReader
 
 # One compiled eval step per TrainState and inference modes: evaluation during training calls
 # evaluate() many times and must not retrace each time. Weak keys, so a dropped TrainState frees its graph.
@@ -68,7 +68,7 @@ def _make_eval_step(state, eval_cfg):
         def model_fn(x):
             return model.stateless_call(tv, st, x, training=False)[0]
 
-        scores = inference.class_scores(model_fn, image, eval_cfg, c)
+        scores = modes.class_scores(model_fn, image, eval_cfg, c)
         pred = tf.argmax(scores, axis=-1, output_type=tf.int32)
         return confusion_counts(label, pred, c, ignore)
 
@@ -115,7 +115,7 @@ def evaluate(state, reader: ImageReader, class_names, progress: bool = True,
         raise ValueError("the reader and the state disagree on data.ignore_label")
     eval_cfg = state.cfg.eval if eval_cfg is None else eval_cfg
     steps = _EVAL_STEPS.setdefault(state, {})
-    key = repr(inference.as_dict(eval_cfg))
+    key = repr(modes.as_dict(eval_cfg))
     step = steps.get(key)
     if step is None:
         step = steps[key] = _make_eval_step(state, eval_cfg)

@@ -9,13 +9,14 @@ from pathlib import Path
 import tensorflow as tf
 
 from seg_train import checkpoint as ckpt_lib
-from seg_train import inference
+from seg_train.infer import modes
 from seg_train import preflight
 from seg_train.config import Config
-from seg_train.evaluate import evaluate
-from seg_train.metrics import format_table, metrics_to_json
-from seg_train.reader import ImageReader, class_names_of, ensure_data
-from seg_train.restore import load_state, maybe_reestimate_bn, run_dir_of
+from seg_train.infer.evaluate import evaluate
+from seg_train.infer.metrics import format_table, metrics_to_json
+from seg_train.data.reader import ImageReader, class_names_of, ensure_data
+from seg_train.infer.load import load_state, run_dir_of
+from seg_train.infer.precise_bn import maybe_reestimate_bn
 from seg_train.rundir import write_json
 
 log = logging.getLogger("seg_train")
@@ -46,10 +47,10 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
         log.info("BN moving statistics as saved (not re-estimated for step %d; see eval.bn_reestimate_batches)",
                  step)
     log.info("evaluating %s (step %d) on %d %s images, %d tower(s), %s", prefix, step, len(reader), split,
-             strategy.num_replicas_in_sync, inference.describe(cfg.eval))
+             strategy.num_replicas_in_sync, modes.describe(cfg.eval))
     metrics, num_images = evaluate(state, reader, names, progress)
     record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
-              "bn_stats_reestimated": reestimated, "inference": inference.as_dict(cfg.eval),
+              "bn_stats_reestimated": reestimated, "inference": modes.as_dict(cfg.eval),
               **metrics_to_json(metrics, names)}
     path = out_dir / f"{_split_tag(split)}-step{step}.json"
     write_json(path, record)

@@ -169,7 +169,7 @@ def run(cfg: Config, devices, towers: int) -> dict:
       devices: replicas.Devices with at least `towers` devices (the user's GPUs, or logical CPUs).
       towers: N, at least 2.
     """
-    from seg_train.train import prepare_data
+    from seg_train.data.reader import prepare_data
 
     check_towers(cfg, towers)
     cfg = verify_config(cfg)

@@ -1,7 +1,6 @@
 """A trained model for seg-eval, seg-predict and seg-export: a TrainState loaded from a checkpoint, and
 the gate that re-estimates its BN statistics before use (eval.bn_reestimate_batches).
 
-Also used by train.py before each evaluation during training (`maybe_reestimate_bn`).
 """
 
 from __future__ import annotations
@@ -13,11 +12,9 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train import bn_stats
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
-from seg_train.reader import ImageReader, ensure_data, split_file
 from seg_train.state import TrainState
 
 log = logging.getLogger("seg_train")
@@ -61,22 +58,3 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
         state.use_averaged_weights()
         log.info("using the exponential moving average of the weights (train.ema_decay)")
     return state, prefix, step
-
-
-def maybe_reestimate_bn(state, cfg: Config, progress: bool = True) -> bool:
-    """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
-
-    Returns:
-      Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
-    """
-    if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
-        ensure_data(cfg)  # the re-estimation reads the training split
-        if not split_file(cfg.data.root, cfg.data.train_split).is_file():
-            # Predicting or exporting where the training data is not at hand: go on with the
-            # statistics as trained, and say so.
-            log.warning("BN statistics not re-estimated: training split %r not found under %s "
-                        "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
-            return False
-        train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-        bn_stats.reestimate(state, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
-    return int(state.bn_stats_step.numpy()) == int(state.step.numpy())

@@ -1,6 +1,6 @@
 """seg-predict: class-index PNGs and colour overlays for whole images.
 
-Each image is predicted at its own size with the inference modes of eval.* (inference.py): in the
+Each image is predicted at its own size with the inference modes of eval.* (modes.py): in the
 default mode in one pass (padded to a multiple of 32), so the largest image is bounded by the memory
 of one device, not by the training crop; with eval.mode: slide by the window's memory.
 
@@ -8,7 +8,7 @@ For each input image `<name>.<ext>` it writes, at the image's original size:
 - `<name>.png`: a palette ('P') PNG whose pixel values are the predicted class indices (VOC colours,
   so viewers show colours and `np.array(Image.open(p))` gives the classes);
 - `<name>_overlay.jpg`: the prediction's colours blended over the photo.
-The model runs through export.serving_module: the same graph and preprocessing as the exported
+The model runs through serving.serving_module: the same graph and preprocessing as the exported
 SavedModel (and as evaluation), so the three agree.
 
 Outputs are named by the input's file name without its extension, so two inputs with the same name
@@ -31,7 +31,7 @@ from PIL import Image, UnidentifiedImageError
 
 from seg_train.progress import progress_bar
 from seg_train.config import Config, ConfigError
-from seg_train.palette import save_index_png, voc_colormap
+from seg_train.data.label_images import save_index_png, voc_colormap
 
 log = logging.getLogger("seg_train")
 
@@ -119,8 +119,9 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     """
     import tensorflow as tf
 
-    from seg_train.restore import load_state, maybe_reestimate_bn
-    from seg_train.export import serving_module
+    from seg_train.infer.load import load_state
+    from seg_train.infer.precise_bn import maybe_reestimate_bn
+    from seg_train.infer.serving import serving_module
 
     files = collect_inputs(inputs)
     out = check_output_dir(output)

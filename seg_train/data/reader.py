@@ -27,9 +27,11 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image, UnidentifiedImageError
 
-from seg_train import demo_data, preflight
+from seg_train import preflight
+
+from seg_train.data import synthetic
 from seg_train.config import Config, ConfigError, DataConfig
-from seg_train.palette import load_class_names, read_label
+from seg_train.data.label_images import load_class_names, read_label
 
 log = logging.getLogger("seg_train")
 
@@ -90,7 +92,7 @@ def ensure_data(cfg: Config) -> None:
     if cfg.data.synthetic:
         preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
         try:
-            demo_data.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+            synthetic.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
         except OSError as e:  # e.g. the disk filled up while writing
             raise ConfigError("cannot generate the synthetic data set", str(cfg.data.root),
                               f"a folder with room to write it ({e.strerror or e})") from None
@@ -314,3 +316,11 @@ class ImageReader:
 
         ds = tf.data.Dataset.range(len(self.samples)).shard(shard[1], shard[0])
         return ds.map(load, num_parallel_calls=self.cfg.num_parallel_calls, deterministic=True).prefetch(2)
+
+
+def prepare_data(cfg: Config) -> ImageReader:
+    """Generates the synthetic demo data if asked, and opens the training split."""
+    if cfg.data.synthetic and not (Path(cfg.data.root) / ".complete").exists():
+        log.info("generating the synthetic demo data set in %s", cfg.data.root)
+    ensure_data(cfg)
+    return ImageReader(cfg.data, cfg.data.train_split, cfg.seed)

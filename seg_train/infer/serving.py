@@ -1,0 +1,43 @@
+"""The serving function: one uint8 image in, its class map and probabilities out, preprocessing and
+the inference modes (eval.*) in the graph. What seg-export saves, what seg-predict runs and what the
+TensorBoard examples show, so all three compute the same graph.
+
+TensorFlow is imported inside the function: the command line checks its arguments first.
+"""
+
+from __future__ import annotations
+
+
+def serving_module(model, mean, std, eval_cfg=None):
+    """A tf.Module holding `model`, whose `serve` segments one image with the inference modes of `eval_cfg`.
+
+    `serve(image)`: image uint8 [height, width, 3] (RGB) -> {"classes": int32 [height, width],
+    "probabilities": float32 [height, width, num_classes]}, at the input's size. The classes are the
+    argmax of modes.class_scores, as in evaluation.
+
+    Args:
+      model: the Keras model (float32 logits at its input's size).
+      mean, std: data.mean, data.std.
+      eval_cfg: an EvalConfig (eval.mode, flip, scales, crop_size, stride); default: one whole-image pass.
+    """
+    import tensorflow as tf
+
+    from seg_train.infer import modes
+    from seg_train.config import EvalConfig
+
+    eval_cfg = EvalConfig() if eval_cfg is None else eval_cfg
+    num_classes = model.output_shape[-1]
+    module = tf.Module()
+    module.model = model  # tracked: its variables are saved with the module
+    mean = tf.constant(mean, tf.float32)
+    std = tf.constant(std, tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, 3], tf.uint8, name="image")])
+    def serve(image):
+        x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
+        scores = modes.class_scores(lambda t: model(t, training=False), x[None], eval_cfg, num_classes)[0]
+        return {"classes": tf.argmax(scores, axis=-1, output_type=tf.int32),
+                "probabilities": modes.probabilities(scores, eval_cfg)}
+
+    module.serve = serve
+    return module
