@@ -2,10 +2,10 @@
 
 Written by hand because Keras' Conv2D calls `tf.nn.convolution`, which runs EVERY dilated
 convolution as SpaceToBatchND + a dense conv + BatchToSpaceND. For ASPP on small feature maps that
-pads the map to a multiple of the rate in each direction and convolves mostly zeros: forward+backward
-of a rate-12 3x3 conv on an 8x8x320 map took 100 ms that way on this CPU, 11 ms as one native dilated
-conv, and 4.6 ms as the 1x1 conv it really is (scripts/bench.py's profile showed the ASPP branches
-as the slowest ops of the whole step). Two rewrites, both exact:
+pads the map to a multiple of the rate in each direction and convolves mostly zeros, about 10x the
+time of one native dilated conv and 20x that of the 1x1 conv it really is (the ASPP branches were
+the slowest ops of the whole step; measurements in docs/ACCURACY.md, "Where the step time goes"). Two
+rewrites, both exact:
 
 1. Taps that can only ever read the zero padding are dropped. With 'same' padding and stride 1, a
    3x3 kernel at rate r reads rows i-r, i, i+r for output row i; when r >= the map's height every

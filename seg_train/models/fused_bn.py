@@ -3,8 +3,8 @@
 Written by hand because Keras 3's BatchNormalization on TensorFlow is not fused: it runs as
 Mean / SquaredDifference / Sub / Mul / Tile / RealDiv ops and their gradients, about a quarter of the
 op time of the benchmark model's step (docs/PERFORMANCE.md). `tf.compat.v1.nn.fused_batch_norm`
-(FusedBatchNormV3, oneDNN on CPUs, cuDNN on GPUs) does the same forward and backward in 2-4x less
-time here (a 8x64x64x96 forward+backward: 66 ms unfused, 21 ms fused).
+(FusedBatchNormV3, oneDNN on CPUs, cuDNN on GPUs) does the same forward and backward in a fraction
+of the time (docs/BATCHNORM.md, "The BN kernel").
 
 Same variables, same maths as keras.layers.BatchNormalization (its subclass, so every isinstance
 check, checkpoint and weight file still holds):

@@ -13,9 +13,8 @@ Here, in training mode across several towers:
       n = sum n_i,   mean = sum n_i m_i / n,   M2 = sum M2_i + sum n_i (m_i - mean)^2.
   Every term is a sum of non-negative numbers or of small differences, so the result keeps float32
   accuracy when a channel's mean is far larger than its spread (a layer trained from scratch, its
-  moving mean still 0). A one-pass E[x^2] - E[x]^2 loses most of its digits there: on a channel whose
-  mean is 100x its spread, outputs 3e-4 and the gamma gradient 7e-4 away from float64, where Keras'
-  own float32 layer stays within about 2e-6 (tests/test_sync_bn.py holds this layer to Keras'
+  moving mean still 0). A one-pass E[x^2] - E[x]^2 loses most of its digits there (docs/BATCHNORM.md,
+  "Synchronized BN", has the figures; tests/test_sync_bn.py holds this layer to Keras'
   BatchNormalization computed in float64). The payload is N x (2C + 1) floats instead of 2C + 1, a
   few KB per layer. Every tower then normalises with the same global mean and (biased) variance and
   updates the moving statistics with them, as Keras' BatchNormalization does on the whole batch;
