@@ -96,7 +96,7 @@ def test_bench_bad_compare_is_a_user_error(tiny_cfg):
 def test_op_flops_counts_conv_and_matmul():
     import tensorflow as tf
 
-    from seg_train.bench.runner import graph_flops
+    from seg_train.bench.flops import graph_flops
 
     @tf.function
     def f(x, k, dw, a, b):
