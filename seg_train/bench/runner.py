@@ -406,15 +406,6 @@ def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int =
             "machine": machine_info(), "peak_rss_mb": peak_rss_mb()}
 
 
-def _class_weights(cfg: Config, reader):
-    """loss.class_weights as training computes them (median_frequency scans the train split)."""
-    from seg_train import losses
-    if isinstance(cfg.loss.class_weights, str):
-        from seg_train.data.scan import scan
-        return losses.class_weights_for(cfg, scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label))
-    return None
-
-
 _FIRST_STEP_LINE = re.compile(r"first step done ([\d.]+)s after launch: tracing ([\d.]+)s, graph optimisation and "
                               r"first execution ([\d.]+)s")
 _PEAK_LINE = re.compile(r"peak resident memory (\d+) MiB")
@@ -475,6 +466,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     from seg_train import replicas
     from seg_train.config import check_batch
     from seg_train.data.reader import ImageReader, class_names_of, ensure_data, split_file
+    from seg_train.data.scan import class_weights_for_split
 
     variants = variants or [Variant("default", cfg, input_mode)]
     cfg, input_mode = variants[0].cfg, variants[0].input
@@ -483,7 +475,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             check_batch(v.cfg, n)
     ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-    class_weights = _class_weights(cfg, reader)
+    class_weights = class_weights_for_split(cfg, reader)
     batch = cfg.data.batch_size
     t0 = time.perf_counter()
     result = {
