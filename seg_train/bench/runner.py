@@ -19,7 +19,7 @@ What is measured, and how (docs/PERFORMANCE.md quotes these definitions):
 - **Input images/s**: the same ImageReader pipeline (global batches) iterated alone, no training,
   after warm-up; median over windows.
 - **FLOPs, achieved FLOP/s, peak and `flops_utilization`**: defined in flops.py's docstring.
-- **Op time per op type and the cross-tower share** (`--profile`): profile.py.
+- **Op time per op type and the cross-tower share** (`--profile`): op_profile.py.
 - **Peak resident memory**: VmHWM of /proc/self/status (ru_maxrss as fallback) at the end: the
   whole process, with every runner (tower count / variant) alive at once.
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from seg_train.bench.flops import compute_dtype, count_train_flops, measure_peak, utilisation
-from seg_train.bench.profile import profile_ops
+from seg_train.bench.op_profile import profile_ops
 from seg_train.config import Config, ConfigError
 from seg_train.sysinfo import peak_rss_mb
 
