@@ -61,7 +61,7 @@ def main(args) -> int:
         devices = replicas.setup_devices(1)
     import keras
 
-    from seg_train import models
+    from seg_train import models, sysinfo
 
     from seg_train.bench import runner as bench
     from seg_train.data.reader import ImageReader, ensure_data
@@ -149,7 +149,7 @@ def main(args) -> int:
         "seg_train_fast_atrous": cfg.model.fast_atrous, "seg_train_fused_batchnorm": cfg.model.fused_batchnorm,
         "keras_last_loss": keras_losses[-1] if keras_losses else None, "seg_train_last_loss": s["last_loss"],
         "machine": bench.machine_info(),
-        "peak_rss_mb": bench.peak_rss_mb(),
+        "peak_rss_mb": sysinfo.peak_rss_mb(),
     }
     if args.json:
         print(json.dumps(result))

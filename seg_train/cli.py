@@ -423,7 +423,8 @@ def bench_main(argv=None) -> int:
             return verify_towers_main(args)
         import json
         from seg_train import config as config_lib
-        from seg_train.bench.runner import format_report, parse_towers
+        from seg_train.bench.report import format_report
+        from seg_train.bench.runner import parse_towers
         setup_logging(args.debug)
         towers = parse_towers(args.gpus)
         for name in ("steps", "windows"):

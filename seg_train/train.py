@@ -19,7 +19,7 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train import exit_codes
 from seg_train.progress import progress_bar, shown
 from seg_train import config as config_lib
-from seg_train import determinism, losses, replicas
+from seg_train import determinism, replicas
 from seg_train.infer import evaluate
 from seg_train.infer import modes
 from seg_train.config import Config, ConfigError, check_batch
@@ -29,7 +29,7 @@ from seg_train.infer.metrics import format_table
 from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
 from seg_train.data.reader import ImageReader, class_names_of, prepare_data, split_file
-from seg_train.data.scan import scan_split
+from seg_train.data.scan import class_weights_for_split, scan_split
 from seg_train.infer.precise_bn import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
 from seg_train.summaries import Summaries
@@ -326,7 +326,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if val_reader is not None:
         scan_split(cfg, val_reader, f"val ({cfg.data.val_split})")
     names = class_names_of(cfg)
-    class_weights = losses.class_weights_for(cfg, train_report, names)
+    class_weights = class_weights_for_split(cfg, reader, train_report, names)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
     resuming = any((run_dir / "checkpoints").glob("ckpt-*.index"))

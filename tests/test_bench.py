@@ -1,8 +1,10 @@
-"""seg-bench: the JSON contract on a tiny config, the FLOP counter, argument errors. No timing assertions."""
+"""seg-bench: the JSON contract on a tiny config, the text report of the same results, the FLOP counter,
+argument errors. No timing assertions."""
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from seg_train.bench.report import format_report
 from seg_train.data import synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +82,11 @@ def test_bench_json_tiny(tiny_cfg):
     n = out["warmup_steps_to_steady"]
     assert n in (1, 2) and out["warmup_reached_steady"] is (n == 1)
     assert out["warmup_runner"] == "gpus=1" and positive(out["launch_to_steady_s"])
+    # seg-bench without --json prints this report of the same result. Wrong answer: a key the report reads
+    # that run no longer writes (renamed, moved) crashes the text output, which the --json runs never show.
+    text = format_report(out)
+    assert [line.split()[0] for line in text.splitlines() if re.match(r" +\d+  ", line)] == ["1", "2"]
+    assert f"efficiency = {out['efficiency_definition']}" in text and "measured peak (float32)" in text
 
 
 def test_bench_bad_gpus_is_a_user_error(tiny_cfg):
@@ -96,7 +104,7 @@ def test_bench_bad_compare_is_a_user_error(tiny_cfg):
 def test_op_flops_counts_conv_and_matmul():
     import tensorflow as tf
 
-    from seg_train.bench.runner import graph_flops
+    from seg_train.bench.flops import graph_flops
 
     @tf.function
     def f(x, k, dw, a, b):
@@ -150,3 +158,9 @@ def test_bench_first_step_probes_and_accumulation_memory(tiny_cfg):
     assert a["achieved_gflops"] * a["step_time_ms"] == pytest.approx(row["achieved_gflops"] * row["step_time_ms"],
                                                                      rel=0.05)
     assert out["first_step_s"] == row["first_step_s"]
+    # The text report without a peak (--no-peak). Wrong answer: the missing utilisation formatted as a number.
+    text = format_report(out)
+    variant_lines = [line for line in text.splitlines() if line.startswith("variant ")]
+    assert [line.split(":")[0] for line in variant_lines] == ["variant base", "variant train.accumulate_steps=2"]
+    assert not any("of peak" in line for line in variant_lines) and "measured peak" not in text
+    assert [line.split()[7] for line in text.splitlines() if re.match(r" +\d+  ", line)] == ["-"]

@@ -7,6 +7,7 @@ and softplus(-a) for label 1: a = ln 3 gives ln 4 and ln 4/3, a = ln 7 gives ln 
 """
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import tensorflow as tf
 from PIL import Image
 
 from seg_train import losses
-from seg_train.data.scan import scan
+from seg_train.data.scan import class_weights_for_split, scan
 from seg_train.data.reader import Sample
 from tests.helpers import tiny_config
 
@@ -201,14 +202,19 @@ def test_median_frequency_weights_by_hand(caplog):
         losses.median_frequency_weights([0, 0], [0, 0])
 
 
-def test_class_weights_for_from_the_scan(tmp_path):
+def label_samples(folder):
+    """LABELS written as one-row images and PNG labels."""
     samples = []
     for i, row in enumerate(LABELS):
-        img, lab = tmp_path / f"{i}.png", tmp_path / f"{i}_label.png"
+        img, lab = folder / f"{i}.png", folder / f"{i}_label.png"
         Image.fromarray(np.zeros((1, len(row), 3), np.uint8)).save(img)
         Image.fromarray(np.array([row], np.uint8)).save(lab)
         samples.append(Sample(str(i), str(img), str(lab)))
-    report = scan(samples, 4, IGNORE)
+    return samples
+
+
+def test_class_weights_for_from_the_scan(tmp_path):
+    report = scan(label_samples(tmp_path), 4, IGNORE)
     assert report.histogram.tolist() == [4, 3, 3, 0, 6]
     assert report.image_pixels.tolist() == [8, 6, 4, 0]
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": "median_frequency"})
@@ -220,3 +226,27 @@ def test_class_weights_for_from_the_scan(tmp_path):
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": [1, 2, 3, 0]})
     assert losses.class_weights_for(cfg, report).tolist() == [1.0, 2.0, 3.0, 0.0]
     assert losses.class_weights_for(tiny_config(tmp_path, tmp_path), report) is None
+
+
+class Unscannable:
+    """A reader whose split must not be scanned (reading its samples fails the test)."""
+
+    @property
+    def samples(self):
+        pytest.fail("the split was scanned")
+
+
+def test_class_weights_for_split_scans_only_when_it_must(tmp_path):
+    """seg-train and seg-bench get their weights from this one function. Wrong answers: median_frequency
+    without a report given (seg-bench) not scanning the split (no weights, or a crash); a second scan
+    when seg-train gives its report; a scan for fixed weights or none (seg-bench paying for nothing)."""
+    samples = label_samples(tmp_path)
+    cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": "median_frequency"})
+    reader = SimpleNamespace(samples=samples)
+    np.testing.assert_allclose(class_weights_for_split(cfg, reader), [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)
+    report = scan(samples, 4, IGNORE)
+    np.testing.assert_allclose(class_weights_for_split(cfg, Unscannable(), report), [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)
+    cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": [1, 2, 3, 0]})
+    w = class_weights_for_split(cfg, Unscannable())
+    assert w.tolist() == [1.0, 2.0, 3.0, 0.0] and w.dtype == np.float32
+    assert class_weights_for_split(tiny_config(tmp_path, tmp_path), Unscannable()) is None

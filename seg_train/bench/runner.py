@@ -18,17 +18,8 @@ What is measured, and how (docs/PERFORMANCE.md quotes these definitions):
   time far more than CPU time, so CPU-time ratios are a cross-check of the wall-time ratios.
 - **Input images/s**: the same ImageReader pipeline (global batches) iterated alone, no training,
   after warm-up; median over windows.
-- **FLOPs of the train step**: counted once from the graph of one tower's forward + backward pass
-  (model, pixel cross-entropy, gradients) traced with the global batch's static shape: every
-  Conv2D / DepthwiseConv2dNative / MatMul / BatchMatMul op and their backprop-input/-filter ops
-  count 2 * multiply-adds (read from the ops' static shapes); element-wise ops, BN, resizes and the
-  optimizer update are not counted (memory-bound, a few % of the FLOPs). The forward pass alone is
-  counted the same way and reported too (train/forward is ~3 minus the skipped input gradient of the
-  first conv).
-- **Achieved FLOP/s** = counted FLOPs per step / median step time. **Peak** = the faster of a large
-  matmul (2048^3) and a 3x3 conv (4x56x56x256 -> 256) timed in this same run on the same device in
-  the compute dtype of train.precision (float32, or bfloat16/float16 for the mixed policies);
-  `flops_utilization` = achieved / peak.
+- **FLOPs, achieved FLOP/s, peak and `flops_utilization`**: defined in flops.py's docstring.
+- **Op time per op type and the cross-tower share** (`--profile`): op_profile.py.
 - **Peak resident memory**: VmHWM of /proc/self/status (ru_maxrss as fallback) at the end: the
   whole process, with every runner (tower count / variant) alive at once.
 
@@ -51,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from seg_train.bench.flops import compute_dtype, count_train_flops, measure_peak, utilisation
+from seg_train.bench.op_profile import profile_ops
 from seg_train.config import Config, ConfigError
 from seg_train.sysinfo import peak_rss_mb
 
@@ -59,11 +52,6 @@ log = logging.getLogger("seg_train")
 EFFICIENCY_DEFINITION = ("images/s at N towers / images/s at 1 tower, same global batch "
                          "(each tower gets global_batch / N images); 1.0 = no loss from splitting")
 WAIT_DEFINITION = "time blocked in next(iterator) / total time of the timed steps (median window)"
-FLOPS_METHOD = ("graph count: 2 * multiply-adds of every Conv2D/DepthwiseConv2dNative/MatMul op and their "
-                "backprop-input/-filter ops in one tower's traced forward+backward pass (static shapes, "
-                "global batch); element-wise ops, BN, resizes and the optimizer update not counted")
-PEAK_METHOD = ("max of a 2048x2048x2048 matmul and a 3x3 conv 4x56x56x256->256 (SAME), timed in this run on "
-               "the first device in the precision's compute dtype (median of 7 runs after 2 warm-ups)")
 
 
 @dataclass(frozen=True)
@@ -113,147 +101,8 @@ def machine_info() -> dict:
             "tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version()}
 
 
-def compute_dtype(precision: str) -> str:
-    return {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}[precision]
-
-
 def _median(xs):
     return float(statistics.median(xs)) if xs else float("nan")
-
-
-# ---- peak -------------------------------------------------------------------------------------------
-def measure_peak(dtype: str = "float32", device: str = "/device:CPU:0", reps: int = 7) -> dict:
-    """GFLOP/s of a large matmul and of a 3x3 conv in `dtype` on `device` (median of `reps`)."""
-    import tensorflow as tf
-
-    def timed(fn, flops):
-        fn()  # trace
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn().numpy()
-            times.append(time.perf_counter() - t0)
-        return flops / _median(times) / 1e9
-
-    n = 2048
-    b, hw, c = 4, 56, 256
-    with tf.device(device):
-        a = tf.cast(tf.random.stateless_normal([n, n], seed=[1, 2]), dtype)
-        m = tf.cast(tf.random.stateless_normal([n, n], seed=[3, 4]), dtype)
-        x = tf.cast(tf.random.stateless_normal([b, hw, hw, c], seed=[5, 6]), dtype)
-        k = tf.cast(tf.random.stateless_normal([3, 3, c, c], seed=[7, 8]) * 0.05, dtype)
-
-        @tf.function
-        def matmul():
-            return tf.reduce_sum(tf.cast(tf.matmul(a, m)[:1, :1], tf.float32))
-
-        @tf.function
-        def conv():
-            return tf.reduce_sum(tf.cast(tf.nn.conv2d(x, k, 1, "SAME")[:1, :1, :1, :1], tf.float32))
-
-        mm = timed(matmul, 2.0 * n ** 3)
-        cv = timed(conv, 2.0 * b * hw * hw * c * 9 * c)
-    return {"dtype": dtype, "matmul_gflops": mm, "conv3x3_gflops": cv, "peak_gflops": max(mm, cv),
-            "method": PEAK_METHOD}
-
-
-# ---- FLOP count ---------------------------------------------------------------------------------------
-def _dims(tensor):
-    shape = tensor.shape
-    if shape.rank is None or any(d is None for d in shape.as_list()):
-        return None
-    return shape.as_list()
-
-
-def op_flops(op) -> tuple[int, bool]:
-    """(FLOPs of one graph op, whether its shapes were known). 2 * multiply-adds for conv/matmul ops."""
-    t = op.type
-    if t in ("Conv2D", "Conv2DBackpropInput", "Conv2DBackpropFilter"):
-        # The "output" side of the forward conv: Conv2D's output, the backprops' out_backprop input.
-        out = _dims(op.outputs[0]) if t == "Conv2D" else _dims(op.inputs[2])
-        filt = _dims(op.inputs[1]) if t != "Conv2DBackpropFilter" else _dims(op.outputs[0])
-        if out is None or filt is None:
-            return 0, False
-        n, h, w, co = out
-        kh, kw, ci, _ = filt
-        return 2 * n * h * w * co * kh * kw * ci, True
-    if t in ("DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"):
-        out = _dims(op.outputs[0]) if t == "DepthwiseConv2dNative" else _dims(op.inputs[2])
-        filt = _dims(op.inputs[1]) if t != "DepthwiseConv2dNativeBackpropFilter" else _dims(op.outputs[0])
-        if out is None or filt is None:
-            return 0, False
-        n, h, w, c = out
-        kh, kw = filt[0], filt[1]
-        return 2 * n * h * w * c * kh * kw, True
-    if t in ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "BatchMatMul"):
-        out, a = _dims(op.outputs[0]), _dims(op.inputs[0])
-        if out is None or a is None:
-            return 0, False
-        adj = op.get_attr("transpose_a") if t == "MatMul" else op.get_attr("adj_x")
-        k = a[-2] if adj else a[-1]
-        return 2 * int(np.prod(out)) * k, True
-    return 0, True
-
-
-def graph_flops(graph) -> dict:
-    """Sums op_flops over a graph; counts ops whose shapes were unknown (they add 0)."""
-    total, unknown, by_type = 0, 0, {}
-    for op in graph.get_operations():
-        f, known = op_flops(op)
-        if not known:
-            unknown += 1
-        if f:
-            total += f
-            by_type[op.type] = by_type.get(op.type, 0) + f
-    return {"flops": total, "unknown_ops": unknown, "by_type": by_type}
-
-
-def count_train_flops(cfg: Config, batch: int) -> dict:
-    """FLOPs of one training step on `batch` images (see the module docstring), and of the forward pass.
-
-    Traced on a separate float32 copy of the model outside any strategy (the FLOPs do not depend on
-    the dtype or the tower count: N towers on batch/N images each do the same work as one tower).
-    """
-    import keras
-    import tensorflow as tf
-
-    from seg_train import losses, models
-
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("float32")
-    try:
-        model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
-    finally:
-        keras.config.set_dtype_policy(previous)
-    h, w = cfg.data.crop_size
-    image_spec = tf.TensorSpec([batch, h, w, 3], tf.float32)
-    label_spec = tf.TensorSpec([batch, h, w], tf.uint8)
-
-    @tf.function
-    def forward(images):
-        return model(images, training=True)
-
-    @tf.function
-    def forward_backward(images, labels):
-        with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            ce, count = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
-            loss = ce / tf.maximum(count, 1.0) + losses.weight_decay(losses.decay_variables(model),
-                                                                     cfg.model.weight_decay)
-        return tape.gradient(loss, model.trainable_variables)
-
-    fwd = graph_flops(forward.get_concrete_function(image_spec).graph)
-    train = graph_flops(forward_backward.get_concrete_function(image_spec, label_spec).graph)
-    if train["unknown_ops"] or fwd["unknown_ops"]:
-        log.warning("FLOP count: %d ops with unknown shapes were not counted", train["unknown_ops"])
-    params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-    return {"train_flops_per_step": train["flops"], "forward_flops_per_step": fwd["flops"],
-            "train_gflop_per_image": train["flops"] / batch / 1e9,
-            "forward_gflop_per_image": fwd["flops"] / batch / 1e9,
-            "train_to_forward": train["flops"] / max(fwd["flops"], 1),
-            "train_flops_by_op": {k: v / batch / 1e9 for k, v in sorted(train["by_type"].items())},
-            "trainable_params": params, "method": FLOPS_METHOD}
 
 
 # ---- input pipeline alone ---------------------------------------------------------------------------
@@ -522,81 +371,6 @@ def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
     return {"eval_images_per_sec": count / seconds, "eval_images": count, "eval_first_pass_s": first}
 
 
-CROSS_TOWER_DEFINITION = ("op time of the ops in the cross_tower name scope (collectives.all_reduce_sum: the "
-                          "gradient/BN-statistics packs and synchronized BN's moments, with the strategy's copies "
-                          "and adds) plus device-to-device transfers (_Send/_Recv/Copy ops), over all op time")
-
-
-def _is_cross_tower(op_name: str, op_type: str) -> bool:
-    return "cross_tower" in op_name or op_type in ("_Send", "_Recv", "_HostSend", "_HostRecv", "Send", "Recv",
-                                                   "CollectiveReduceV2", "CollectiveReduceV3", "NcclAllReduce",
-                                                   "_CopyFromGpuToHost", "_CopyFromHostToGpu", "Copy")
-
-
-def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | None:
-    """Where a runner's step time goes: TensorFlow op time per op type over `steps` profiled steps.
-
-    Uses tf.profiler and reads its XPlane file directly (no TensorBoard plugin needed). Op times are
-    wall times of each op on TensorFlow's executor threads; ops that run concurrently both count, so
-    the shares are of total op time, not of the step. Returns None if the profile cannot be read.
-    """
-    import collections
-    import shutil
-    import tempfile
-
-    import tensorflow as tf
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError:  # pragma: no cover - the proto moved
-        return None
-    logdir = tempfile.mkdtemp(prefix="seg-bench-profile-")
-    try:
-        tf.profiler.experimental.start(logdir)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            runner.step()
-        runner.drain()
-        wall = (time.perf_counter() - t0) / steps
-        tf.profiler.experimental.stop()
-        files = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs if f.endswith(".xplane.pb")]
-        if not files:
-            return None
-        space = xplane_pb2.XSpace()
-        with open(files[0], "rb") as f:
-            space.ParseFromString(f.read())
-    except Exception as e:  # noqa: BLE001 - profiling is an extra; never fail the benchmark for it
-        log.warning("op profile unavailable: %s", e)
-        return None
-    finally:
-        shutil.rmtree(logdir, ignore_errors=True)
-    per_type, per_op = collections.Counter(), collections.Counter()
-    cross = 0.0
-    pattern = re.compile(r"^([^ :]+):(_?[A-Z][A-Za-z0-9_]+)$")  # "<op name>:<OpType>"
-    for plane in space.planes:
-        names = {k: v.name for k, v in plane.event_metadata.items()}
-        for line in plane.lines:
-            if not line.name.startswith("tf_Compute"):
-                continue
-            for ev in line.events:
-                m = pattern.match(names.get(ev.metadata_id, ""))
-                if m:
-                    ms = ev.duration_ps / 1e9 / steps  # ms per step
-                    per_type[m.group(2)] += ms
-                    per_op[names[ev.metadata_id]] += ms
-                    if _is_cross_tower(m.group(1), m.group(2)):
-                        cross += ms
-    total = sum(per_type.values())
-    if not total:
-        return None
-    conv = sum(v for k, v in per_type.items() if "Conv" in k)
-    return {"profiled_step_ms": 1000.0 * wall, "op_time_ms_per_step": total, "conv_share_of_op_time": conv / total,
-            "cross_tower_ms_per_step": cross, "cross_tower_share": cross / total,
-            "cross_tower_definition": CROSS_TOWER_DEFINITION,
-            "top_ops": [[k, round(v, 1), round(v / total, 4)] for k, v in per_type.most_common(top)],
-            "top_op_instances": [[k, round(v, 1), round(v / total, 4)] for k, v in per_op.most_common(8)],
-            "note": "op time summed over TF's executor threads (concurrent ops both count); shares are of op time"}
-
-
 def interleave(runners: list, steps: int, windows: int, warmup: int, pickup: int = 1) -> None:
     """Warms every runner up, then times their windows in turn: A B C, C B A, A B C, ...
 
@@ -615,11 +389,6 @@ def interleave(runners: list, steps: int, windows: int, warmup: int, pickup: int
             log.debug("%s: window %d: %.2f images/s", r.name, w, r.rates[-1])
 
 
-def _utilisation(row: dict, flops: dict, peak: dict | None) -> None:
-    row["achieved_gflops"] = flops["train_flops_per_step"] / (row["step_time_ms"] / 1000.0) / 1e9
-    row["flops_utilization"] = row["achieved_gflops"] / peak["peak_gflops"] if peak else None
-
-
 def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int = 3) -> dict:
     """`seg-bench --input-only`: the reader's training stream alone (no model, no training)."""
     from seg_train.data.reader import ImageReader, ensure_data
@@ -635,15 +404,6 @@ def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int =
             "num_parallel_calls": cfg.data.num_parallel_calls, "cache": cfg.data.cache,
             "steps_per_window": steps, "windows": windows, "warmup_steps": warmup,
             "machine": machine_info(), "peak_rss_mb": peak_rss_mb()}
-
-
-def _class_weights(cfg: Config, reader):
-    """loss.class_weights as training computes them (median_frequency scans the train split)."""
-    from seg_train import losses
-    if isinstance(cfg.loss.class_weights, str):
-        from seg_train.data.scan import scan
-        return losses.class_weights_for(cfg, scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label))
-    return None
 
 
 _FIRST_STEP_LINE = re.compile(r"first step done ([\d.]+)s after launch: tracing ([\d.]+)s, graph optimisation and "
@@ -706,6 +466,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     from seg_train import replicas
     from seg_train.config import check_batch
     from seg_train.data.reader import ImageReader, class_names_of, ensure_data, split_file
+    from seg_train.data.scan import class_weights_for_split
 
     variants = variants or [Variant("default", cfg, input_mode)]
     cfg, input_mode = variants[0].cfg, variants[0].input
@@ -714,7 +475,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
             check_batch(v.cfg, n)
     ensure_data(cfg)
     reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-    class_weights = _class_weights(cfg, reader)
+    class_weights = class_weights_for_split(cfg, reader)
     batch = cfg.data.batch_size
     t0 = time.perf_counter()
     result = {
@@ -815,7 +576,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
                     row.update(extra.get(r.num_towers, {}))
                 if profile:
                     row["op_profile"] = profiles.get(r.name)
-                _utilisation(row, flops_of(vcfg), peaks.get(compute_dtype(vcfg.train.precision)))
+                utilisation(row, flops_of(vcfg), peaks.get(compute_dtype(vcfg.train.precision)))
                 rows.append(row)
                 log.info("%s: %.2f images/s (%.2f per tower), step %.0f ms, input wait %.1f%%, %.1f GFLOP/s", r.name,
                          row["images_per_sec"], row["images_per_sec_per_tower"], row["step_time_ms"],
@@ -927,55 +688,3 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
         "wall_time_s": time.perf_counter() - t0,
     })
     return result
-
-
-def format_report(r: dict) -> str:
-    """A human-readable summary of `run`'s result."""
-    lines = [
-        f"seg-bench: {r['backbone']} OS{r['output_stride']}, crop {r['crop_size'][0]}x{r['crop_size'][1]}, "
-        f"global batch {r['global_batch']}, {r['precision']}, jit_compile {r['jit_compile']}, input {r['input']}",
-        f"machine: {r['machine']['cpu']}, {r['machine']['usable_cpus']} cpus, TF {r['machine']['tensorflow']}",
-        f"timing: {r['warmup_steps']} warm-up steps, then the median of {r['windows']} windows of "
-        f"{r['steps_per_window']} steps",
-        "",
-        "towers  images/s  per tower  step ms  efficiency  input wait  GFLOP/s  of peak  cpu ms/step  cores",
-    ]
-    for t in r["towers"]:
-        util = f"{100 * t['flops_utilization']:6.1f}%" if t["flops_utilization"] is not None else "     -"
-        lines.append(f"{t['gpus']:6d}  {t['images_per_sec']:8.2f}  {t['images_per_sec_per_tower']:9.2f}  "
-                     f"{t['step_time_ms']:7.0f}  {t['efficiency']:10.3f}  {100 * t['input_wait_fraction']:9.1f}%  "
-                     f"{t['achieved_gflops']:7.1f}  {util}  {t['cpu_ms_per_step']:11.0f}  {t['cores_busy']:5.2f}")
-    lines.append("")
-    if r["input_images_per_sec"] is not None:
-        lines.append(f"input pipeline alone: {r['input_images_per_sec']:.1f} images/s")
-    f = r["flops"]
-    lines.append(f"train step: {f['train_gflop_per_image']:.3f} GFLOP/image "
-                 f"(forward {f['forward_gflop_per_image']:.3f}, "
-                 f"ratio {f['train_to_forward']:.2f}); {f['method']}")
-    if r["peak"]:
-        p = r["peak"]
-        lines.append(f"measured peak ({p['dtype']}): matmul {p['matmul_gflops']:.0f} GFLOP/s, 3x3 conv "
-                     f"{p['conv3x3_gflops']:.0f} GFLOP/s -> peak {p['peak_gflops']:.0f}")
-    for v in r.get("variants", []):
-        t = v["towers"][-1]
-        util = f", {100 * t['flops_utilization']:.1f}% of peak" if t["flops_utilization"] is not None else ""
-        lines.append(f"variant {v['name']}: {t['images_per_sec']:.2f} images/s at {t['gpus']} tower(s), step "
-                     f"{t['step_time_ms']:.0f} ms, input wait {100 * t['input_wait_fraction']:.1f}%{util}; "
-                     f"speedup {r['speedup_vs_first_variant'][v['name']]:.3f}x "
-                     f"(by CPU time {r['cpu_speedup_vs_first_variant'][v['name']]:.3f}x)")
-    for v in r.get("variants") or [{"name": "", "towers": r["towers"]}]:
-        for t in v["towers"]:
-            prof = t.get("op_profile")
-            if prof:
-                top = ", ".join(f"{k} {share:.0%}" for k, _, share in prof["top_ops"][:6])
-                lines.append(f"op time {v['name']} gpus={t['gpus']}: convolutions {prof['conv_share_of_op_time']:.0%} "
-                             f"of {prof['op_time_ms_per_step']:.0f} ms/step; top: {top}")
-    if r.get("warmup_steps_to_steady") is not None:
-        more = "" if r["warmup_reached_steady"] else " (not reached: more --warmup)"
-        lines.append(f"warm-up ({r['warmup_runner']}): {r['warmup_steps_to_steady']} steps until the step time is "
-                     f"within 10% of steady state{more}"
-                     f", {r['launch_to_steady_s']:.1f}s after launch ({r['build_to_steady_s']:.1f}s after building)")
-    lines.append(f"efficiency = {r['efficiency_definition']}")
-    lines.append(f"input wait = {r['input_wait_definition']}")
-    lines.append(f"peak resident memory: {r['peak_rss_mb']:.0f} MiB ({r['peak_rss_scope']})")
-    return "\n".join(lines)

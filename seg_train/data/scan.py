@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from seg_train import losses
 from seg_train.progress import progress_bar, shown
 from seg_train.config import Config, ConfigError
 from seg_train.data.reader import BadSample, ImageReader, Sample, load_sample
@@ -106,3 +107,16 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
     if not reader.samples:
         raise ConfigError("no usable samples", what, "at least one sample that passes the checks")
     return report
+
+
+def class_weights_for_split(cfg: Config, reader: ImageReader, report: ScanReport | None = None,
+                            class_names=None):
+    """The loss.class_weights that seg-train and seg-bench train with on `reader`'s split (losses.class_weights_for).
+
+    `report`: the split's scan, when the caller has one (seg-train scans every split before training).
+    Without it the split is scanned here only if the weights need its pixel counts (median_frequency), so
+    seg-bench pays no scan for fixed weights or none.
+    """
+    if report is None and isinstance(cfg.loss.class_weights, str):
+        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label)
+    return losses.class_weights_for(cfg, report, class_names)
