@@ -454,7 +454,7 @@ class TrainStep:
         """Dynamic loss scaling: halve on a skipped step, double after 2000 applied steps (Keras' defaults).
 
         The scale never goes below LOSS_SCALE_FLOOR; a step skipped at the floor is not an overflow
-        but a non-finite step (train.py's _Loop decides that from the step's `loss_scale_used`).
+        but a non-finite step (loop.HostSide decides that from the step's `loss_scale_used`).
         """
         st = self.state
 

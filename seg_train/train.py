@@ -4,7 +4,6 @@ restore; data; loop; final)."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -24,7 +23,7 @@ from seg_train.infer import evaluate
 from seg_train.infer import modes
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.infer.examples import predict_examples
-from seg_train.loop import StepLoop
+from seg_train.loop import HostSide, NonFiniteError, StepLoop
 from seg_train.infer.metrics import format_table
 from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
@@ -33,17 +32,13 @@ from seg_train.data.scan import class_weights_for_split, scan_split
 from seg_train.infer.precise_bn import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
 from seg_train.summaries import Summaries
-from seg_train.sysinfo import peak_rss_mb, seconds_since_launch
-from seg_train.state import LOSS_SCALE_FLOOR, TrainState
+from seg_train.sysinfo import peak_rss_mb
+from seg_train.state import TrainState
 from seg_train.step import TrainStep
 
 log = logging.getLogger("seg_train")
 
 EXIT_OK, EXIT_NONFINITE = exit_codes.OK, exit_codes.NONFINITE
-
-
-class NonFiniteError(RuntimeError):
-    """A non-finite loss, gradient or BN statistics update (train.on_nan: stop)."""
 
 
 def _progress(total: int, initial: int):
@@ -158,133 +153,6 @@ def _check_same_start(strategy, start: int) -> None:
         raise ConfigError("workers restored different steps", "run_dir",
                           f"a run dir on storage shared by every worker (this worker is at step {start}, "
                           f"the group's mean is {float(mean):g})")
-
-
-class _Loop:
-    """The host side of each step: reads its outputs, logs, writes summaries, decides on non-finite steps."""
-
-    def __init__(self, cfg: Config, state: TrainState, summaries: Summaries, bar, num_towers: int, profiler,
-                 trace_s: float = 0.0, log_level: int = logging.INFO):
-        self.cfg, self.state, self.summaries, self.bar, self.profiler = cfg, state, summaries, bar, profiler
-        self.log_level = log_level  # of the per-step lines (seg-bench does the same work, but quietly)
-        self.trace_s, self.loop_start = trace_s, time.perf_counter()
-        self.images_per_step = cfg.data.batch_size * cfg.train.accumulate_steps
-        self.skipped = 0
-        self.overflows = 0  # float16 loss-scale overflows (mixed_float16), skipped by design
-        self.first = True
-        self.window_start, self.window_steps = time.perf_counter(), 0
-        self.images_per_sec = float("nan")
-        self.last_loss = float("nan")
-        self.micro = cfg.data.batch_size // num_towers  # rows of micro-batch 0 in each tower's slice
-
-    def restart_clock(self) -> None:
-        self.window_start, self.window_steps = time.perf_counter(), 0
-
-    def before_step(self, step: int) -> None:
-        self.profiler.before_step(step)
-
-    def finish(self, pending, ended: float | None = None) -> bool:
-        """Bookkeeping of one dispatched step; returns whether the group asked to stop after it.
-
-        ended: when the step ended (perf_counter; loop.StepLoop knows), if earlier than now: the loop
-        reads step k after dispatching step k+1, which on CPU has run step k+1 by then."""
-        step, out, dist_batch, lr, want_images = pending
-        t_cfg = self.cfg.train
-        applied = bool(out.applied)
-        loss = float(out.loss)
-        self.last_loss = loss
-        if not applied:
-            finite = out.finite.numpy()
-            used = float(out.loss_scale_used)
-            if t_cfg.precision == "mixed_float16" and bool(out.loss_finite) and used > LOSS_SCALE_FLOOR \
-                    and all(out.bn_finite.numpy()):
-                # A float16 gradient overflow: the step was skipped and the loss scale halved. At the
-                # floor the loss is no longer scaled up, so halving cures nothing: a non-finite step.
-                # Non-finite BN statistics are not the loss scale's doing (they are float32 and
-                # unscaled): a non-finite step too.
-                self.overflows += 1
-                log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
-                         "(%d overflow(s) so far)", step, used, float(out.loss_scale), self.overflows)
-            else:
-                # The step applied nothing (see step.py): weights, optimizer slots and BN statistics
-                # are those of the step before.
-                bad_grad = [i for i, f in enumerate(out.loss_grad_finite.numpy()) if not f]
-                bad_bn = [i for i, f in enumerate(out.bn_finite.numpy()) if not f]
-                if bad_grad or not bad_bn:
-                    # With no tower's own values non-finite, their reduced sum overflowed: every tower.
-                    towers = bad_grad or list(range(len(finite)))
-                    msg = f"non-finite loss or gradient at step {step} on tower(s) {towers}"
-                    if bad_bn:
-                        msg += f" and BN statistics on tower(s) {bad_bn}"
-                else:
-                    msg = f"non-finite BN statistics at step {step} on tower(s) {bad_bn}"
-                at_scale = f", loss scale {used:g}" if t_cfg.precision == "mixed_float16" else ""
-                msg += f" (loss {loss:.4g}, learning rate {lr:.3g}{at_scale})"
-                if t_cfg.on_nan == "stop":
-                    raise NonFiniteError(msg)
-                self.skipped += 1
-                log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, self.skipped)
-        if self.first:  # tracing and the first step never count towards throughput
-            # The first step's cost, as TensorFlow lets it be split: tracing (Python building the
-            # graph) before the loop, then graph optimisation + the first execution in the first call.
-            now = time.perf_counter()
-            ended = now if ended is None else ended
-            log.log(self.log_level, "first step done %.1fs after launch: tracing %.1fs, graph optimisation and first "
-                    "execution %.1fs", seconds_since_launch() - (now - ended), self.trace_s, ended - self.loop_start)
-            self.restart_clock()
-            self.first = False
-        else:
-            self.window_steps += 1
-        if step % t_cfg.summary_every == 0 or step == t_cfg.num_steps:
-            self._scalars(step, out, lr, loss)
-        if want_images:
-            self._images(step, out, dist_batch)
-        if self.bar is not None:
-            self.bar.update(1)
-        # After the step's outputs were read: the step has finished, so a trace ending here holds it all.
-        self.profiler.after_step(step)
-        return bool(out.stop)
-
-    def _scalars(self, step, out, lr, loss) -> None:
-        elapsed = time.perf_counter() - self.window_start
-        if self.window_steps:
-            self.images_per_sec = self.window_steps * self.images_per_step / max(elapsed, 1e-9)
-        self.restart_clock()
-        gnorm = float(out.global_norm)
-        scalars = {"loss/total": loss, "loss/weight_decay": float(out.weight_decay), "learning_rate": lr,
-                   "gradients/global_norm": gnorm, "gradients/clipped": float(bool(out.clipped))}
-        # Every tower of the group (all workers): the values travel in the step's all-reduce.
-        for i, ce in enumerate(out.tower_ce.numpy()):
-            scalars[f"loss/tower_{i}"] = ce
-        for i, g in enumerate(out.tower_grad_norm.numpy()):
-            scalars[f"gradients/norm/tower_{i}"] = g
-        if self.skipped:
-            scalars["train/skipped_steps"] = self.skipped
-        mixed16 = self.cfg.train.precision == "mixed_float16"
-        if mixed16:  # the scale after this step's update: halved on an overflow
-            scalars["train/loss_scale"] = float(out.loss_scale)
-        if not math.isnan(self.images_per_sec):
-            scalars["throughput/images_per_sec"] = self.images_per_sec
-        self.summaries.scalars(step, scalars)
-        # The same values as one chart with a line per tower (RUN_DIR/towers/tower_<i>/).
-        self.summaries.tower_scalars(step, "loss/tower", out.tower_ce.numpy())
-        self.summaries.tower_scalars(step, "gradients/norm/tower", out.tower_grad_norm.numpy())
-        t_cfg = self.cfg.train
-        scale = {"loss_scale": f"{float(out.loss_scale):g}"} if mixed16 else {}
-        if self.bar is None:
-            log.log(self.log_level, "step %d/%d  loss %.4f  gnorm %.3g  lr %.3g%s  %.1f img/s", step, t_cfg.num_steps,
-                    loss, gnorm, lr, f"  loss scale {scale['loss_scale']}" if scale else "", self.images_per_sec)
-        else:
-            self.bar.set_postfix(loss=f"{loss:.4f}", gnorm=f"{gnorm:.3g}", lr=f"{lr:.2e}", **scale,
-                                 img_s=f"{self.images_per_sec:.1f}")
-
-    def _images(self, step, out, dist_batch) -> None:
-        images, labels = dist_batch
-        local = self.state.strategy.experimental_local_results
-        b = self.micro
-        self.summaries.triplets(step, [(im.numpy()[:b], lb.numpy()[:b], pr.numpy()) for im, lb, pr in
-                                       zip(local(images), local(labels), out.preds)])
-        self.summaries.histogram(step, "gradients/per_variable_norm", out.var_grad_norms.numpy())
 
 
 def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None = None,
@@ -407,7 +275,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # stop the loop is drained (waits for the step itself).
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
-    loop = _Loop(cfg, state, summaries, bar, n, profiler, trace_s)
+    loop = HostSide(cfg, state, summaries, bar, n, profiler, trace_s)
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     state_finite = tf.function(lambda: tf.reduce_all(
         [tf.reduce_all(tf.math.is_finite(v)) for v in state.model.weights + state.optimizer.variables

@@ -97,8 +97,8 @@ def test_seg_bench_runs_the_same_loop_and_host_work_as_seg_train(runner, monkeyp
     runner.step()
     runner.drain()
     assert calls == [runner.steps]
-    assert isinstance(runner.host, train._Loop)
-    assert len(runner.losses) == losses + 1  # train.py's _Loop read the step
+    assert isinstance(runner.host, loop.HostSide)
+    assert len(runner.losses) == losses + 1  # seg-train's HostSide read the step
     # seg-train's run builds its loop from the same class.
     assert "StepLoop" in train._train_locked.__code__.co_names
 

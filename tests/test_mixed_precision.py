@@ -26,7 +26,7 @@ from seg_train import replicas
 from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
 from seg_train.summaries import Summaries
-from seg_train.train import NonFiniteError, _Loop
+from seg_train.loop import HostSide, NonFiniteError
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
@@ -108,7 +108,7 @@ def _loop(trainer, tmp_path, on_nan="stop"):
     cfg = config_lib.replace(trainer.state.cfg, "train.on_nan", on_nan)
     d = cfg.data
     summaries = Summaries(tmp_path, voc_colormap(), d.ignore_label, d.mean, d.std)
-    return _Loop(cfg, trainer, summaries, None, trainer.state.num_replicas, StepProfiler(tmp_path, None))
+    return HostSide(cfg, trainer.state, summaries, None, trainer.state.num_replicas, StepProfiler(tmp_path, None))
 
 
 def test_overflow_skips_the_update_halves_the_scale_and_keeps_iterations(tmp_path_factory, tmp_path, caplog):

@@ -15,7 +15,7 @@ from seg_train import replicas
 
 from seg_train.data import synthetic
 from seg_train.data.reader import ImageReader
-from seg_train.train import NonFiniteError, _Loop
+from seg_train.loop import HostSide, NonFiniteError
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config, train_batches
@@ -153,7 +153,7 @@ def test_step_with_non_finite_bn_statistics_is_not_applied(local_bn):
         assert int(four.state.step.numpy()) == step + 1
         # The host loop (train.py) with train.on_nan: stop.
         assert cfg.train.on_nan == "stop"
-        loop = _Loop(cfg, four, None, None, 4, None)
+        loop = HostSide(cfg, four.state, None, None, 4, None)
         with pytest.raises(NonFiniteError, match=r"^non-finite BN statistics at step 7 on tower\(s\) \[2\] "):
             loop.finish((7, out, None, 0.01, False))
     finally:

@@ -159,7 +159,7 @@ def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro
 class TrainRunner:
     """seg-train's real train step on some towers, run by seg-train's own loop; timed in windows.
 
-    The steps go through loop.StepLoop with train.py's per-step host work (`_Loop`: scalar summaries
+    The steps go through loop.StepLoop with seg-train's per-step host work (`loop.HostSide`: scalar summaries
     every train.summary_every steps, image summaries, the log line, the non-finite checks), written
     to a throw-away folder, so the images/s measured here is what seg-train delivers.
 
@@ -179,11 +179,10 @@ class TrainRunner:
         import tempfile
 
         from seg_train import replicas
-        from seg_train.loop import StepLoop
+        from seg_train.loop import HostSide, StepLoop
         from seg_train.data.label_images import voc_colormap
         from seg_train.profiling import StepProfiler
         from seg_train.summaries import Summaries
-        from seg_train.train import _Loop
         from seg_train.state import TrainState
         from seg_train.step import TrainStep
 
@@ -209,7 +208,7 @@ class TrainRunner:
         self.scratch = tempfile.TemporaryDirectory(prefix="seg-bench-summaries-")
         self.summaries = Summaries(self.scratch.name, voc_colormap(), cfg.data.ignore_label, cfg.data.mean,
                                    cfg.data.std)
-        self.host = _Loop(cfg, self.state, self.summaries, None, self.num_towers,
+        self.host = HostSide(cfg, self.state, self.summaries, None, self.num_towers,
                           StepProfiler(self.scratch.name, None), log_level=logging.DEBUG)
         self.steps = StepLoop(self.train_step, self.batches, 0, self, cfg.train.image_summary_every)
         self.first_step_s = None
