@@ -125,7 +125,6 @@ def test_every_bn_layer_matches_per_tower_training_mode_reference(tmp_path, data
             assert len(copies) == towers
             for c in copies[1:]:
                 np.testing.assert_array_equal(c, copies[0], err_msg=layer.name)
-    assert "call" not in trainer.state.bn_layers[0].__dict__  # the recording wrapper is gone
 
 
 def test_only_moving_stats_change_and_result_is_deterministic(tmp_path, data_root):
@@ -215,7 +214,6 @@ def test_rejects_no_batches(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=1)
     with pytest.raises(ConfigError, match="bn_reestimate_batches"):
         precise_bn.reestimate(trainer.state, reader, 0)
-    assert models.batchnorm_layers(trainer.state.model)[0].__dict__.get("call") is None
 
 
 def test_frozen_bn_layer_keeps_its_statistics(tmp_path, data_root):
@@ -230,3 +228,55 @@ def test_frozen_bn_layer_keeps_its_statistics(tmp_path, data_root):
     np.testing.assert_array_equal(frozen.moving_variance.numpy(), 1.0)
     other = trainer.state.model.get_layer("aspp0_bn")
     assert not np.allclose(other.moving_variance.numpy(), 1.0)
+
+
+def _nested_bn_model():
+    """stem conv -> mid model [mid_bn -> deep model [deep_conv -> deep_bn]] -> top_bn (two nesting levels, as in
+    the ResNet backbones), each BN input shifted and scaled away from zero mean / unit variance."""
+    keras.utils.set_random_seed(3)
+    deep_in = keras.Input((6, 6, 4))
+    deep_conv = keras.layers.Conv2D(5, 3, padding="same", bias_initializer=keras.initializers.Constant(2.0),
+                                    name="deep_conv")
+    deep_bn = keras.layers.BatchNormalization(name="deep_bn")
+    deep = keras.Model(deep_in, deep_bn(deep_conv(deep_in)), name="deep")
+    mid_in = keras.Input((6, 6, 4))
+    mid_bn = keras.layers.BatchNormalization(name="mid_bn")
+    mid = keras.Model(mid_in, deep(mid_bn(mid_in)), name="mid")
+    inp = keras.Input((6, 6, 3))
+    stem = keras.layers.Conv2D(4, 1, bias_initializer=keras.initializers.Constant(-1.5), name="stem")
+    top_bn = keras.layers.BatchNormalization(gamma_initializer=keras.initializers.Constant(3.0), name="top_bn")
+    return keras.Model(inp, top_bn(mid(stem(inp)))), (stem, mid_bn, deep_conv, deep_bn, top_bn)
+
+
+def test_probe_reads_bn_inputs_inside_nested_models():
+    model, (stem, mid_bn, deep_conv, deep_bn, top_bn) = _nested_bn_model()
+    layers = [top_bn, mid_bn, deep_bn]
+    probe, layout = precise_bn._probe(model, {id(layer): i for i, layer in enumerate(layers)})
+    images = np.random.default_rng(0).normal(1.0, 2.0, (3, 6, 6, 3)).astype(np.float32)
+    outs = probe(images, training=True)
+    # The probe's first output is the model's own (same layers, same variables).
+    np.testing.assert_allclose(outs[0].numpy(), model(images, training=True).numpy(), rtol=1e-6, atol=1e-6)
+    # Each BN input by hand, in training mode (every BN normalises with its batch statistics).
+    s = stem(images)
+    d = deep_conv(mid_bn(s, training=True))
+    inputs = {0: deep_bn(d, training=True), 1: s, 2: d}
+    assert sorted(i for i, _ in layout) == [0, 1, 2]
+    for k, (i, channels) in enumerate(layout):
+        count, mean, m2 = (t.numpy() for t in outs[1 + 3 * k:4 + 3 * k])
+        x = inputs[i].numpy().reshape(-1, channels).astype(np.float64)
+        assert channels == x.shape[1] and count == x.shape[0] == 3 * 6 * 6, layers[i].name
+        np.testing.assert_allclose(mean, x.mean(0), rtol=1e-5, atol=1e-6, err_msg=layers[i].name)
+        np.testing.assert_allclose(m2, ((x - x.mean(0)) ** 2).sum(0), rtol=1e-5, atol=1e-5, err_msg=layers[i].name)
+
+
+@pytest.mark.filterwarnings("ignore:.*mask attached:UserWarning")  # Keras: the nested models pass no mask on
+def test_masked_bn_input_is_refused():
+    # A masked BN normalises over the unmasked pixels only, which the recorded moments would not.
+    inner_in = keras.Input((4, 4, 3))
+    bn = keras.layers.BatchNormalization(name="inner_bn")
+    inner = keras.Model(inner_in, bn(inner_in))
+    inp = keras.Input((4, 4, 3))
+    model = keras.Model(inp, inner(keras.layers.Masking(0.0)(inp)))
+    probe, _ = precise_bn._probe(model, {id(bn): 0})
+    with pytest.raises(ValueError, match="'inner_bn' received a mask"):
+        probe(np.ones((2, 4, 4, 3), np.float32), training=True)
