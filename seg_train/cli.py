@@ -4,12 +4,14 @@ The environment is used here too (TF_CPP_MIN_LOG_LEVEL set before TensorFlow sta
 a lost peer from a bug) and in replicas.py (TF_CONFIG: the multi-worker cluster).
 
 User errors print one line `error: <what> (<where>): <expected>` on stderr and exit 2; `--debug`
-shows the traceback instead.
+shows the traceback instead. Run as a command (argv None), every entry point ends the process itself,
+skipping the interpreter's final tear-down (see `_end_process`).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import logging
 import os
@@ -113,8 +115,58 @@ def peer_failure(e: BaseException) -> str | None:
     return None
 
 
-def run_guarded(main, args) -> int:
-    """Runs main(args) and turns user errors into `error: ...` lines and exit code 2."""
+_exit_code: int | None = None  # what the command returned, for _end_process
+_hooked = False
+
+
+def _end_process() -> None:
+    """An exit hook: ends the process with the command's exit code before Python's interpreter
+    tear-down begins.
+
+    Why: once that tear-down has begun, Python ends any thread that asks for the GIL, and the
+    objects still alive are destroyed. A tf.data iterator destroyed then with decode calls in flight
+    (the reader decodes in Python, through tf.numpy_function) waits forever for calls whose threads
+    were ended: the process hung after printing its error (tests/test_exit_hang.py). seg-bench's
+    runners sit in a reference cycle, so their iterators lived until then; an error, Ctrl-C or a
+    stop mid-run in any command can leave one.
+
+    Nothing a user needs is skipped. Registered as the command starts (before TensorFlow is
+    imported), this hook runs after the exit hooks added later (TensorFlow's, the removal of
+    autograph's generated files and of temporary folders) and after non-daemon threads were joined,
+    with the interpreter intact. Checkpoints, SavedModels, JSON and PNG files are complete when the
+    call writing them returns, and tf.summary writers hand each event to its file as it is written
+    (tests/test_exit_hang.py checks that an unflushed writer's events survive). Logging (whose own
+    hook, registered earlier, would run after this one) and stdout (the JSON of `--json`) and stderr
+    are flushed here.
+    """
+    if _exit_code is None:  # the command did not return (e.g. a SystemExit escaped it): Python's own exit
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(_exit_code)
+
+
+def run_guarded(main, args, end_process: bool = False) -> int:
+    """Runs main(args) and turns user errors into `error: ...` lines and exit code 2.
+
+    end_process: this call is the whole process (a console script, argv None), so the process ends
+    right after Python's exit hooks, with the returned code (`_end_process`); an in-process caller
+    (argv given, e.g. the tests) just gets the code.
+    """
+    global _exit_code, _hooked
+    if end_process and not _hooked:
+        atexit.register(_end_process)  # before TensorFlow is imported: runs after TensorFlow's own hooks
+        _hooked = True
+    _exit_code = None
+    code = _run_guarded(main, args)
+    if end_process:
+        _exit_code = code
+    return code
+
+
+def _run_guarded(main, args) -> int:
     try:
         return main(args)
     except KeyboardInterrupt:
@@ -250,7 +302,7 @@ def train_main(argv=None) -> int:
         from seg_train.train import train
         return train(cfg, strategy, init_from=args.init_from, allow_config_change=args.allow_config_change)
 
-    return run_guarded(main, args)
+    return run_guarded(main, args, end_process=argv is None)
 
 
 def _checkpoint_arg(parser: argparse.ArgumentParser) -> None:
@@ -288,7 +340,7 @@ def _checkpoint_command(argv, prog: str, description: str, add_arguments, fail_f
         run(cfg, strategy, args)
         return 0
 
-    return run_guarded(main, args)
+    return run_guarded(main, args, end_process=argv is None)
 
 
 def eval_main(argv=None) -> int:
@@ -509,7 +561,7 @@ def bench_main(argv=None) -> int:
             print(format_report(result))
         return 0
 
-    return run_guarded(main, args)
+    return run_guarded(main, args, end_process=argv is None)
 
 
 def verify_towers_main(args) -> int:
