@@ -184,3 +184,20 @@ def test_synthetic_data_folder_in_the_way(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match=r"^not the synthetic data set \(data.root: "):
         preflight.check_synthetic_data(cfg)
+
+
+def test_every_package_folder_is_committed_with_its_init():
+    """Each folder of seg_train/ holding committed modules has a committed __init__.py.
+
+    Fails for a package folder a .gitignore pattern hides (it happened: `data/` hid
+    seg_train/data/__init__.py, so a clone imported seg_train.data as a namespace package and the wheel,
+    built by find_packages, left seg_train.data out)."""
+    root = Path(seg_train.__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "seg_train"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.split()
+    folders = {str(Path(f).parent) for f in tracked if f.endswith(".py")}
+    assert len(folders) >= 5
+    missing = sorted(f for f in folders if f"{f}/__init__.py" not in tracked)
+    assert not missing, f"package folders without a committed __init__.py: {missing}"
