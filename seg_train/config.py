@@ -90,6 +90,7 @@ class DataConfig:
                                  else "-1 (autotune) or a positive integer")
     on_bad_sample: str = _c("error", choices=("error", "skip"))
     cache: bool = _c(False)
+    format: str = _c("files", choices=("files", "tfrecord"))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,283 @@
+"""TFRecord shards of a split: writing them, and reading any one record by its position.
+
+The reader's training stream is a pure function of (seed, sample counter): sample k of the stream is
+sample perm_epoch[k % n] of the split, and resume seeks to it without replaying anything. A TFRecord
+file is a sequence of records, but each record sits at a byte offset that a walk over the 12-byte
+record headers finds once, so the same design holds: a record is read by (shard, offset, length),
+in any order, by any worker. Consequences, on purpose:
+- the stream over TFRecords is the stream over the folder the records were written from (same
+  order, same augmentation, same batches), so a converted data set trains exactly as before;
+- each worker reads only the records its towers train on (per-worker sharding at the record level),
+  and reads are spread over all shards at once (the permutation interleaves them);
+- a resumed run reads nothing it does not train on (no `skip()` over the records of earlier steps).
+
+TFRecord framing (TensorFlow's record_writer): uint64 length, uint32 masked CRC of the length, the
+data, uint32 masked CRC of the data; little-endian. The header walk reads only lengths; the data's CRC
+is not checked here (a damaged record fails in the protobuf or image decoder, which names the record).
+
+Feature names are those of TensorFlow's segmentation readers (DeepLab's build_data, Model Garden's
+segmentation decoder): `image/encoded`, `image/segmentation/class/encoded` (required), plus
+`image/format`, `image/height`, `image/width`, `image/channels`, `image/filename`, `image/source_id`
+and `image/segmentation/class/format`, written and used for names when present.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+IMAGE_KEY = "image/encoded"
+LABEL_KEY = "image/segmentation/class/encoded"
+INDEX_SUFFIX = ".index.json"
+INDEX_FORMAT = "seg-train-tfrecord-index"
+_HEADER = 12  # uint64 length + uint32 CRC of the length
+_FOOTER = 4  # uint32 CRC of the data
+
+
+@dataclass(frozen=True)
+class RecordRef:
+    """Where one record's data is: shard file, byte offset of the data, its length."""
+    shard: str
+    offset: int
+    length: int
+
+
+def _gfile():
+    import tensorflow as tf  # file access through TensorFlow's file systems (gs://, s3://, ram://, local)
+
+    return tf.io.gfile
+
+
+def walk_shard(path: str) -> list[RecordRef]:
+    """The records of one TFRecord file, found by walking the record headers.
+
+    Raises ValueError naming the file if the framing does not end exactly at the end of the file
+    (a truncated file, or not a TFRecord file).
+    """
+    gfile = _gfile()
+    size = gfile.stat(path).length
+    refs, pos = [], 0
+    with gfile.GFile(path, "rb") as f:
+        while pos < size:
+            f.seek(pos)
+            header = f.read(_HEADER)
+            if len(header) < _HEADER:
+                raise ValueError(f"truncated TFRecord header at byte {pos}")
+            (length,) = struct.unpack("<Q", header[:8])
+            end = pos + _HEADER + length + _FOOTER
+            if end > size:
+                raise ValueError(f"record at byte {pos} claims {length} bytes, past the end of the file "
+                                 f"({size} bytes): truncated, or not a TFRecord file")
+            refs.append(RecordRef(path, pos + _HEADER, length))
+            pos = end
+    return refs
+
+
+def read_record(ref: RecordRef) -> bytes:
+    """The serialized tf.train.Example of one record."""
+    with _gfile().GFile(ref.shard, "rb") as f:
+        f.seek(ref.offset)
+        data = f.read(ref.length)
+    if len(data) != ref.length:
+        raise ValueError(f"record at byte {ref.offset} of {ref.shard}: read {len(data)} of {ref.length} bytes")
+    return data
+
+
+def parse_example(serialized: bytes) -> tuple[bytes, bytes, str | None]:
+    """(encoded image, encoded label, the record's id or None) from a serialized tf.train.Example."""
+    from tensorflow.core.example import example_pb2
+
+    example = example_pb2.Example.FromString(serialized)
+    feature = example.features.feature
+
+    def one_bytes(key):
+        if key not in feature or not feature[key].bytes_list.value:
+            return None
+        return feature[key].bytes_list.value[0]
+
+    image, label = one_bytes(IMAGE_KEY), one_bytes(LABEL_KEY)
+    missing = [k for k, v in ((IMAGE_KEY, image), (LABEL_KEY, label)) if v is None]
+    if missing:
+        raise ValueError(f"missing feature(s) {', '.join(missing)}; expected a tf.train.Example with "
+                         f"{IMAGE_KEY!r} and {LABEL_KEY!r} (encoded image and label PNG)")
+    sid = one_bytes("image/source_id") or one_bytes("image/filename")
+    return image, label, sid.decode("utf-8", "replace") if sid is not None else None
+
+
+def parse_example_tf(serialized):
+    """The same two features, parsed inside a TensorFlow graph (no Python, no GIL)."""
+    import tensorflow as tf
+
+    spec = {IMAGE_KEY: tf.io.FixedLenFeature([], tf.string), LABEL_KEY: tf.io.FixedLenFeature([], tf.string)}
+    parsed = tf.io.parse_single_example(serialized, spec)
+    return parsed[IMAGE_KEY], parsed[LABEL_KEY]
+
+
+# ---- index ---------------------------------------------------------------------------------------
+
+def index_path(pattern: str) -> str:
+    """The index file written beside the shards of `pattern` (e.g. train-*.tfrecord -> train.index.json)."""
+    base = pattern.split("*")[0].rstrip("-_.")
+    return base + INDEX_SUFFIX
+
+
+def split_pattern(root: str, split: str) -> str:
+    """The shard files of a split: `<root>/<split>-*-of-*.tfrecord`, or `split` itself as a glob
+    pattern when it holds a `*` (relative to root unless it is absolute or a URL such as gs://...)."""
+    if "*" not in split:
+        return f"{str(root).rstrip('/')}/{split}-*-of-*.tfrecord"
+    if split.startswith("/") or "://" in split:
+        return split
+    return f"{str(root).rstrip('/')}/{split}"
+
+
+def shard_paths(pattern: str) -> list[str]:
+    """The shard files matching `pattern`, sorted (a glob through tf.io.gfile)."""
+    return sorted(_gfile().glob(pattern))
+
+
+def load_records(pattern: str) -> list[tuple[str, RecordRef]]:
+    """(id, record) for every record of the shards matching `pattern`, in shard order.
+
+    Uses the index the writer put beside the shards when it matches the shards on disk (same files,
+    same sizes); otherwise walks the shards' record headers (TFRecords from another writer) and names
+    each record `<shard file>:<n>` (its id would cost a read of every record).
+    """
+    gfile = _gfile()
+    shards = shard_paths(pattern)
+    if not shards:
+        raise FileNotFoundError(pattern)
+    sizes = {p: gfile.stat(p).length for p in shards}
+    idx = index_path(pattern)
+    if gfile.exists(idx):
+        try:
+            index = json.loads(gfile.GFile(idx, "r").read())
+            by_name = {s["file"]: s for s in index["shards"]}
+            names = [p.rsplit("/", 1)[-1] for p in shards]
+            if (index.get("format") == INDEX_FORMAT and sorted(by_name) == sorted(names)
+                    and all(by_name[n]["size"] == sizes[p] for n, p in zip(names, shards))):
+                out = []
+                for n, p in zip(names, shards):
+                    for sid, off, length in by_name[n]["records"]:
+                        out.append((sid, RecordRef(p, off, length)))
+                return out
+        except (ValueError, KeyError, TypeError):
+            pass  # an unreadable or foreign index: the header walk below is the truth
+    out = []
+    for p in shards:
+        name = p.rsplit("/", 1)[-1]
+        out += [(f"{name}:{i}", ref) for i, ref in enumerate(walk_shard(p))]
+    return out
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+def _png_of_indices(label: np.ndarray) -> bytes:
+    """A single-channel ('L') PNG of class indices: TensorFlow's decode_png reads it exactly."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(label.astype(np.uint8)), mode="L").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make_example(image_bytes: bytes, image_format: str, label: np.ndarray, sample_id: str):
+    """A tf.train.Example of one sample: the image file's bytes as they are, the label as an 'L' PNG."""
+    import tensorflow as tf
+
+    def b(v):
+        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[v]))
+
+    def i(v):
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=[v]))
+
+    h, w = label.shape
+    return tf.train.Example(features=tf.train.Features(feature={
+        IMAGE_KEY: b(image_bytes), "image/format": b(image_format.encode()), "image/height": i(h),
+        "image/width": i(w), "image/channels": i(3), "image/filename": b(f"{sample_id}.{image_format}".encode()),
+        "image/source_id": b(sample_id.encode()), LABEL_KEY: b(_png_of_indices(label)),
+        "image/segmentation/class/format": b(b"png")}))
+
+
+def shard_name(prefix: str, i: int, n: int) -> str:
+    return f"{prefix}-{i:05d}-of-{n:05d}.tfrecord"
+
+
+def _image_format(data: bytes) -> str | None:
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    return None
+
+
+def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
+    """One sample as a serialized tf.train.Example.
+
+    A JPEG or PNG image is stored as its file's bytes (no re-encoding, no loss); any other format
+    Pillow reads is stored as PNG. The label is read as class indices (palette PNGs give their
+    indices: TensorFlow's decode_png would give colours) and stored as an 'L' PNG.
+    Raises ValueError naming the file that cannot be used.
+    """
+    from PIL import Image
+
+    from seg_train.data.label_images import read_label
+
+    gfile = _gfile()
+    try:
+        with gfile.GFile(image_path, "rb") as f:
+            data = f.read()
+        fmt = _image_format(data)
+        with Image.open(io.BytesIO(data)) as im:
+            rgb = im.convert("RGB")  # a full decode: a truncated file fails here, not in training
+        if fmt is None:
+            buf = io.BytesIO()
+            rgb.save(buf, format="PNG")
+            data, fmt = buf.getvalue(), "png"
+        with gfile.GFile(label_path, "rb") as f:
+            label = read_label(io.BytesIO(f.read()))
+    except Exception as e:  # noqa: BLE001 - whatever a decoder raises names the sample
+        raise ValueError(f"cannot convert sample {sample_id!r} ({image_path}, {label_path}): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if label.shape != (rgb.height, rgb.width):
+        raise ValueError(f"label size differs from image ({label_path}): expected {rgb.width}x{rgb.height}, "
+                         f"got {label.shape[1]}x{label.shape[0]}")
+    return make_example(data, fmt, label, sample_id).SerializeToString()
+
+
+def write_split(samples, output: str, prefix: str, num_shards: int, progress=None) -> dict:
+    """Writes `samples` ((id, image path, label path) triples) as `num_shards` TFRecord shards and an index.
+
+    Samples go to shards in contiguous runs, in split order. Returns the index (also written to
+    `<output>/<prefix>.index.json`): every shard's file name, size and (id, offset, length) per record.
+    """
+    import tensorflow as tf
+
+    gfile = _gfile()
+    gfile.makedirs(output)
+    num_shards = max(1, min(num_shards, len(samples)))
+    index = {"format": INDEX_FORMAT, "version": 1, "num_records": len(samples), "shards": []}
+    for s in range(num_shards):
+        part = samples[s * len(samples) // num_shards:(s + 1) * len(samples) // num_shards]
+        name = shard_name(prefix, s, num_shards)
+        path = f"{output.rstrip('/')}/{name}"
+        records, pos = [], 0
+        with tf.io.TFRecordWriter(path) as writer:
+            for sid, image, label in part:
+                data = encode_sample(image, label, sid)
+                writer.write(data)
+                records.append([sid, pos + _HEADER, len(data)])
+                pos += _HEADER + len(data) + _FOOTER
+                if progress is not None:
+                    progress.update(1)
+        size = gfile.stat(path).length
+        if size != pos:  # the framing above is TensorFlow's; a mismatch means it changed
+            raise RuntimeError(f"{path}: {size} bytes written, {pos} expected from the TFRecord framing")
+        index["shards"].append({"file": name, "size": size, "records": records})
+    with gfile.GFile(f"{output.rstrip('/')}/{prefix}{INDEX_SUFFIX}", "w") as f:
+        f.write(json.dumps(index))
+    return index
