@@ -10,6 +10,7 @@ not named in one line, and a layout that trains, evaluates or predicts different
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -277,3 +278,19 @@ def test_train_eval_predict(tmp_path, trees, layout, predict_from):
     for image in sorted(inputs.iterdir()):
         classes = np.array(Image.open(out / f"{image.stem}.png"))
         assert classes.shape == (H, W) and classes.max() < cfg.data.num_classes
+
+
+def test_shipped_configs_load():
+    """Every config in configs/ loads; the two layout recipes resolve their classes from the layout."""
+    folder = Path(__file__).resolve().parents[1] / "configs"
+    cfgs = {p.stem: config_lib.load(p) for p in sorted(folder.glob("*.yaml"))}
+    assert {"cityscapes", "ade20k", "voc", "camvid", "demo"} <= set(cfgs)
+    cs, ade = cfgs["cityscapes"], cfgs["ade20k"]
+    assert (cs.data.layout, cs.data.num_classes, cs.data.crop_size, cs.data.batch_size) == ("cityscapes", 19,
+                                                                                          (769, 769), 8)
+    assert (cs.eval.mode, cs.eval.crop_size, cs.model.output_stride) == ("slide", (769, 769), 16)
+    assert cs.data.root == folder.parent / "data" / "cityscapes"
+    assert (ade.data.layout, ade.data.num_classes, ade.data.crop_size, ade.data.batch_size) == ("ade20k", 150,
+                                                                                              (512, 512), 16)
+    assert (ade.data.train_split, ade.data.val_split) == ("training", "validation")
+    assert ade.data.root == folder.parent / "data" / "ADEChallengeData2016"
