@@ -28,14 +28,6 @@ def options_given(data: DataConfig) -> list[str]:
     return [f"data.{k}" for k in OPTIONS if getattr(data, k) not in (None, False)]
 
 
-def source(data: DataConfig) -> str | None:
-    """Where the map comes from, for messages: a config key, the layout, or None (identity)."""
-    given = options_given(data)
-    if given:
-        return given[0]
-    return f"the {data.layout} layout's map" if layouts.builtin(data.layout) else None
-
-
 def _from_dict(mapping: dict, ignore_label: int) -> np.ndarray:
     table = np.full(RAW_VALUES, NO_ID, np.int16)
     for raw, train_id in mapping.items():
