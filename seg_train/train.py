@@ -27,7 +27,8 @@ from seg_train.loop import HostSide, NonFiniteError, StepLoop
 from seg_train.infer.metrics import format_table
 from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
-from seg_train.data.reader import ImageReader, class_names_of, prepare_data, split_file
+from seg_train.data import layouts
+from seg_train.data.reader import ImageReader, class_names_of, prepare_data
 from seg_train.data.scan import class_weights_for_split, scan_split
 from seg_train.infer.precise_bn import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
@@ -119,8 +120,9 @@ class _StopSignals:
 
 def open_val(cfg: Config) -> ImageReader | None:
     """The val split for evaluation during training, or None (with a warning) if there is none."""
-    if not split_file(cfg.data.root, cfg.data.val_split).is_file():
-        log.warning("no val split %r in %s: no evaluation during training", cfg.data.val_split, cfg.data.root)
+    if not layouts.split_exists(cfg.data, cfg.data.val_split):
+        log.warning("no val split %r (%s): no evaluation during training", cfg.data.val_split,
+                    layouts.split_location(cfg.data, cfg.data.val_split))
         return None
     return ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
 

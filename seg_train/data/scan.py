@@ -1,8 +1,9 @@
 """A scan of a split before training: every sample decoded and checked once, with a progress bar.
 
 Everything that can be found before training starts is found here (missing files, unreadable or
-truncated images, colour labels, size mismatches, out-of-range label values), so a bad file is named
-in seconds instead of crashing a run hours later.
+truncated images, colour labels, size mismatches, raw label values the label map does not cover,
+out-of-range label values), so a bad file is named in seconds instead of crashing a run hours later.
+The per-class histogram counts the labels after the label map: the train ids the model learns.
 """
 
 from __future__ import annotations
@@ -32,13 +33,16 @@ class ScanReport:
     # (the denominator of median frequency balancing, losses.median_frequency_weights).
     image_pixels: np.ndarray | None = None
     seconds: float = 0.0
+    # Raw label values the label map does not cover: pixels and samples per value (those samples are bad).
+    unmapped_pixels: dict[int, int] = field(default_factory=dict)
+    unmapped_samples: dict[int, int] = field(default_factory=dict)
 
 
-def _check(sample: Sample, num_classes: int, ignore_label: int):
+def _check(sample: Sample, num_classes: int, ignore_label: int, label_table):
     try:
-        _, label = load_sample(sample.image, sample.label, num_classes, ignore_label)
+        _, label = load_sample(sample.image, sample.label, num_classes, ignore_label, label_table)
     except BadSample as e:
-        return sample, str(e), None
+        return sample, e, None
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. Pillow's DecompressionBombError or a ValueError on a corrupt header
@@ -50,16 +54,23 @@ def _check(sample: Sample, num_classes: int, ignore_label: int):
 
 
 def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str = "data",
-         workers: int = 4) -> ScanReport:
-    """Decodes and checks every sample (threads: Pillow releases the GIL while decoding)."""
+         workers: int = 4, label_table: np.ndarray | None = None) -> ScanReport:
+    """Decodes and checks every sample (threads: Pillow releases the GIL while decoding).
+
+    `label_table`: the reader's label map (labels.py; None: labels as stored), applied before counting.
+    """
     t0 = time.perf_counter()
     report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64),
                         image_pixels=np.zeros(num_classes, np.int64))
     bar = progress_bar(len(samples), f"checking {what}") if shown() else None
     with ThreadPoolExecutor(workers) as pool:
-        for sample, problem, counts in pool.map(lambda s: _check(s, num_classes, ignore_label), samples):
+        for sample, problem, counts in pool.map(lambda s: _check(s, num_classes, ignore_label, label_table),
+                                                samples):
             if problem:
-                report.bad.append((sample, problem))
+                report.bad.append((sample, str(problem)))
+                for raw, pixels in getattr(problem, "unmapped", {}).items():
+                    report.unmapped_pixels[raw] = report.unmapped_pixels.get(raw, 0) + pixels
+                    report.unmapped_samples[raw] = report.unmapped_samples.get(raw, 0) + 1
             else:
                 report.histogram += counts
                 labelled = counts[:num_classes]
@@ -83,6 +94,10 @@ def format_report(report: ScanReport, class_names: list[str]) -> str:
     absent = [n for n, c in zip(class_names, report.histogram[:-1]) if c == 0]
     if absent:
         lines.append(f"classes with no pixels: {', '.join(absent)}")
+    if report.unmapped_pixels:
+        lines.append("raw label values with no mapping (their samples are bad): " + ", ".join(
+            f"{raw} ({report.unmapped_pixels[raw]} pixels in {report.unmapped_samples[raw]} samples)"
+            for raw in sorted(report.unmapped_pixels)))
     for sample, problem in report.bad:
         lines.append(f"bad: {problem}")
     return "\n".join(lines)
@@ -93,7 +108,7 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
 
     Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
     """
-    report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, what)
+    report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, what, label_table=reader.label_table)
     log.info("checked %d %s samples in %.1fs: %d bad", report.num_samples, what, report.seconds, len(report.bad))
     if not report.bad:
         return report
@@ -118,5 +133,5 @@ def class_weights_for_split(cfg: Config, reader: ImageReader, report: ScanReport
     seg-bench pays no scan for fixed weights or none.
     """
     if report is None and isinstance(cfg.loss.class_weights, str):
-        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label)
+        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, label_table=reader.label_table)
     return losses.class_weights_for(cfg, report, class_names)
