@@ -401,7 +401,7 @@ def check_data_main(args) -> int:
     setup_logging(args.debug)
     cfg = config_lib.load(args.config, args.overrides, args.run_dir)
     import_tensorflow(args.debug)
-    from seg_train.data.scan import format_report, scan
+    from seg_train.data.scan import format_report, scan_cached
     from seg_train.data.reader import prepare_data
     from seg_train.data.reader import ImageReader, class_names_of, split_file
     prepare_data(cfg)
@@ -412,7 +412,8 @@ def check_data_main(args) -> int:
             print(f"split {split}: not found ({split_file(cfg.data.root, split)}), skipped")
             continue
         reader = ImageReader(cfg.data, split, cfg.seed)
-        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, f"split {split}")
+        # Always decoded (refresh): the check is of the files as they are now; it renews the scan cache.
+        report = scan_cached(cfg, reader, f"split {split}", refresh=True)
         print(f"split {split}: " + format_report(report, names))
         bad += len(report.bad)
     if bad:

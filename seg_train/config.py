@@ -90,6 +90,8 @@ class DataConfig:
                                  else "-1 (autotune) or a positive integer")
     on_bad_sample: str = _c("error", choices=("error", "skip"))
     cache: bool = _c(False)
+    scan_cache: bool = _c(True)
+    scan_cache_dir: Optional[Path] = _c(None, path=True)
 
 
 @dataclass(frozen=True)
