@@ -401,7 +401,7 @@ def check_data_main(args) -> int:
     setup_logging(args.debug)
     cfg = config_lib.load(args.config, args.overrides, args.run_dir)
     import_tensorflow(args.debug)
-    from seg_train.data.scan import format_report, scan
+    from seg_train.data.scan import format_report, scan_cached
     from seg_train.data.reader import prepare_data
     from seg_train.data.reader import ImageReader, class_names_of
     from seg_train.data import layouts
@@ -413,8 +413,8 @@ def check_data_main(args) -> int:
             print(f"split {split}: not found ({layouts.split_location(cfg.data, split)}), skipped")
             continue
         reader = ImageReader(cfg.data, split, cfg.seed)
-        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, f"split {split}",
-                      label_table=reader.label_table)
+        # Always decoded (refresh): the check is of the files as they are now; it renews the scan cache.
+        report = scan_cached(cfg, reader, f"split {split}", refresh=True)
         print(f"split {split}: " + format_report(report, names))
         bad += len(report.bad)
     if bad:

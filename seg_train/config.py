@@ -96,6 +96,8 @@ class DataConfig:
     label_map: Optional[typing.Union[dict[int, int], list[int]]] = _c(None)
     reduce_zero_label: bool = _c(False)
     binary_threshold: Optional[int] = _c(None, check=lambda v: None if 1 <= v <= 255 else "an integer in [1, 255]")
+    scan_cache: bool = _c(True)
+    scan_cache_dir: Optional[Path] = _c(None, path=True)
 
 
 @dataclass(frozen=True)
