@@ -237,12 +237,30 @@ class ImageReader:
         return (tf.cast(image, tf.float32) - tf.constant(self.cfg.mean)) / tf.constant(self.cfg.std)
 
     # ---- training ---------------------------------------------------------------------------------
-    def _index_of(self, k):
-        """Global sample counter k -> sample index, through a permutation of the data per epoch."""
+    def _permutation(self, epoch):
+        """The order of the samples in `epoch`: a permutation drawn from stateless RNG seeded by (seed, epoch)."""
         n = len(self.samples)
-        epoch, pos = k // n, k % n
-        perm = tf.argsort(tf.random.stateless_uniform([n], seed=tf.stack([tf.constant(self.seed, tf.int64), epoch])))
-        return tf.gather(perm, pos)
+        seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(epoch, tf.int64)])
+        return tf.argsort(tf.random.stateless_uniform([n], seed=seed))
+
+    def _index_of(self, k):
+        """Global sample counter k -> sample index: permutation (k // n) at position k % n.
+
+        The definition of the order. train_order computes the same indices once per epoch instead
+        of once per sample (an argsort of n values per training sample grows with the data set:
+        about 1 ms per sample at 20,000 samples on this CPU, 70 ms at a million).
+        """
+        n = len(self.samples)
+        return tf.gather(self._permutation(k // n), k % n)
+
+    def _sample_order(self, first_k):
+        """Sample indices for global counters first_k, first_k + 1, ...: _index_of's, one argsort per epoch."""
+        n = len(self.samples)
+        e0, pos0 = first_k // n, first_k % n
+        head = tf.data.Dataset.from_tensor_slices(self._permutation(e0)[pos0:])
+        rest = tf.data.Dataset.range(e0 + 1, 2**62).flat_map(
+            lambda e: tf.data.Dataset.from_tensor_slices(self._permutation(e)))
+        return head.concatenate(rest)
 
     def augment(self, image, label, k):
         """Random scale, mirror and crop of one sample, drawn from stateless RNG seeded by (seed, k)."""
@@ -280,6 +298,31 @@ class ImageReader:
         label.set_shape([ch, cw])
         return image, tf.cast(label, tf.uint8)
 
+    def train_order(self, global_batch: int, start_step: int = 0, num_replicas: int = 1, pipeline_id: int = 0,
+                    num_pipelines: int = 1, micro_batches: int = 1) -> tf.data.Dataset:
+        """(global sample counter k, sample index) of each element of one input pipeline, in its order.
+
+        Element t of pipeline p is step s = t // per_step, local replica r, micro-batch m, row i, and
+        holds global sample k = (s*K + m)*B + first + r*b + i (first: the pipeline's first row). Its
+        sample index is _index_of(k), read here from the global order one step's K*B samples at a time:
+        k - s*K*B does not depend on s, so each step's own rows are one fixed gather.
+        """
+        b = global_batch // num_replicas
+        r_local = num_replicas // num_pipelines
+        per_replica = micro_batches * b
+        per_step = r_local * per_replica
+        first = pipeline_id * r_local * b
+        own = []
+        for t in range(per_step):
+            r, q = t // per_replica, t % per_replica
+            own.append((q // b) * global_batch + first + r * b + q % b)
+        step_samples = micro_batches * global_batch
+        own = tf.constant(own, tf.int64)
+        indices = self._sample_order(start_step * step_samples).batch(step_samples, drop_remainder=True)
+        steps = tf.data.Dataset.range(start_step, 2**62)
+        return tf.data.Dataset.zip(steps, indices).map(
+            lambda s, v: (s * step_samples + own, tf.gather(v, own))).unbatch()
+
     def train_dataset(self, global_batch: int, start_step: int = 0, num_replicas: int = 1,
                       pipeline_id: int = 0, num_pipelines: int = 1, end_step: int | None = None,
                       micro_batches: int = 1) -> tf.data.Dataset:
@@ -300,27 +343,15 @@ class ImageReader:
           in rows m*b .. m*b+b-1); this pipeline's R = num_replicas / num_pipelines towers take
           consecutive batches in turn.
         """
-        b = global_batch // num_replicas
-        r_local = num_replicas // num_pipelines
-        k_micro = micro_batches
-        per_replica = k_micro * b
-        per_step = r_local * per_replica
-        first = pipeline_id * r_local * b
+        per_replica = micro_batches * (global_batch // num_replicas)
 
-        def counter(t):
-            # t-th element of this pipeline -> global sample counter k (see the module docstring):
-            # step s, local replica r, micro-batch m, row i -> sample (s*K + m)*B + first + r*b + i.
-            s, rem = t // per_step, t % per_step
-            r, q = rem // per_replica, rem % per_replica
-            m, i = q // b, q % b
-            return (s * k_micro + m) * global_batch + first + r * b + i
-
-        def load(t):
-            k = counter(t)
-            image, label = self.decode(self._index_of(k))
+        def load(k, index):
+            image, label = self.decode(index)
             return self.augment(image, label, k)
 
-        ds = tf.data.Dataset.range(start_step * per_step, 2**62 if end_step is None else end_step * per_step)
+        ds = self.train_order(global_batch, start_step, num_replicas, pipeline_id, num_pipelines, micro_batches)
+        if end_step is not None:
+            ds = ds.take((end_step - start_step) * per_replica * (num_replicas // num_pipelines))
         ds = ds.map(load, num_parallel_calls=self.cfg.num_parallel_calls, deterministic=True)
         ds = ds.batch(per_replica, drop_remainder=True)
         return ds.prefetch(tf.data.AUTOTUNE)
