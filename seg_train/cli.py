@@ -401,18 +401,20 @@ def check_data_main(args) -> int:
     setup_logging(args.debug)
     cfg = config_lib.load(args.config, args.overrides, args.run_dir)
     import_tensorflow(args.debug)
-    from seg_train.data.scan import format_report, scan
+    from seg_train.data.scan import format_report, scan_cached
     from seg_train.data.reader import prepare_data
-    from seg_train.data.reader import ImageReader, class_names_of, split_file
+    from seg_train.data.reader import ImageReader, class_names_of
+    from seg_train.data import layouts
     prepare_data(cfg)
     names = class_names_of(cfg)  # a wrong classes.txt is a one-line user error (exit 2)
     bad = 0
     for split in dict.fromkeys([cfg.data.train_split, cfg.data.val_split]):
-        if split == cfg.data.val_split and not split_file(cfg.data.root, split).is_file():
-            print(f"split {split}: not found ({split_file(cfg.data.root, split)}), skipped")
+        if split == cfg.data.val_split and not layouts.split_exists(cfg.data, split):
+            print(f"split {split}: not found ({layouts.split_location(cfg.data, split)}), skipped")
             continue
         reader = ImageReader(cfg.data, split, cfg.seed)
-        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, f"split {split}")
+        # Always decoded (refresh): the check is of the files as they are now; it renews the scan cache.
+        report = scan_cached(cfg, reader, f"split {split}", refresh=True)
         print(f"split {split}: " + format_report(report, names))
         bad += len(report.bad)
     if bad:

@@ -74,7 +74,9 @@ def _label_value(v):
 @dataclass(frozen=True)
 class DataConfig:
     root: Path = _c(check=None, path=True)
-    num_classes: int = _c(check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]")
+    layout: str = _c("voc", choices=("voc", "cityscapes", "ade20k", "pairs"))
+    # Required unless the layout knows its classes (seg_train/data/layouts.py); resolve_defaults fills it.
+    num_classes: Optional[int] = _c(None, check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]")
     train_split: str = _c("train")
     val_split: str = _c("val")
     ignore_label: int = _c(255, check=_label_value)
@@ -90,6 +92,12 @@ class DataConfig:
                                  else "-1 (autotune) or a positive integer")
     on_bad_sample: str = _c("error", choices=("error", "skip"))
     cache: bool = _c(False)
+    # Raw label values -> train ids (seg_train/data/labels.py checks them against num_classes).
+    label_map: Optional[typing.Union[dict[int, int], list[int]]] = _c(None)
+    reduce_zero_label: bool = _c(False)
+    binary_threshold: Optional[int] = _c(None, check=lambda v: None if 1 <= v <= 255 else "an integer in [1, 255]")
+    scan_cache: bool = _c(True)
+    scan_cache_dir: Optional[Path] = _c(None, path=True)
     format: str = _c("files", choices=("files", "tfrecord"))
 
 
@@ -222,6 +230,9 @@ def _type_name(tp) -> str:
         return f"a list of {len(args)} {_plural(args[0])}"
     if origin is list:
         return f"a list of {_plural(typing.get_args(tp)[0])}"
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        return f"a mapping of {_plural(key)} to {_plural(value)}"
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path"}
     return names.get(tp, str(tp))
 
@@ -257,6 +268,11 @@ def _coerce(value, tp, key: str):
         if not isinstance(value, (list, tuple)):
             raise bad
         return [_coerce(v, typing.get_args(tp)[0], key) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        key_tp, value_tp = typing.get_args(tp)
+        return {_coerce(k, key_tp, key): _coerce(v, value_tp, key) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
@@ -433,6 +449,7 @@ BACKBONE_NORMALIZATION = {
 
 def resolve_defaults(cfg: Config) -> Config:
     """Fills defaults that depend on other keys (normalisation from the backbone); checks keys that depend on others."""
+    cfg = _resolve_data(cfg)
     weights = cfg.loss.class_weights
     if isinstance(weights, list) and len(weights) != cfg.data.num_classes:
         raise ConfigError("wrong number of class weights", "loss.class_weights",
@@ -444,6 +461,28 @@ def resolve_defaults(cfg: Config) -> Config:
         cfg = replace(cfg, "data.mean", mean)
     if cfg.data.std is None:
         cfg = replace(cfg, "data.std", std)
+    return cfg
+
+
+def _resolve_data(cfg: Config) -> Config:
+    """data.num_classes from the layout when it knows its classes; the label map checked before any work."""
+    # Imported here: both import this module (ConfigError, DataConfig). Neither imports TensorFlow.
+    from seg_train.data import labels, layouts
+
+    d = cfg.data
+    if d.synthetic and d.layout != "voc":
+        raise ConfigError("synthetic data is VOC-layout", "data.layout",
+                          f"expected voc (or no value) with data.synthetic: true, got {d.layout!r}")
+    own = layouts.builtin(d.layout)
+    if d.num_classes is None:
+        if own is None:
+            raise ConfigError("missing required value", "data.num_classes", "expected an integer")
+        cfg = replace(cfg, "data.num_classes", own.num_classes)
+    elif own is not None and d.num_classes != own.num_classes and not labels.options_given(d):
+        raise ConfigError("wrong number of classes", "data.num_classes",
+                          f"expected {own.num_classes} (the {d.layout} layout's classes; or leave it out), got "
+                          f"{d.num_classes}; another class set needs a data.label_map of your own")
+    labels.label_table(cfg.data)
     return cfg
 
 
@@ -496,10 +535,10 @@ def check_batch(cfg: Config, num_towers: int) -> None:
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
-    """{'a': {'b': 1}} -> {'a.b': 1}."""
+    """{'a': {'b': 1}} -> {'a.b': 1}: the sections' keys, dotted; a key's own mapping (data.label_map) stays whole."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and not prefix:
             out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

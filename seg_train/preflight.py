@@ -126,7 +126,8 @@ def check_data_root(cfg: Config) -> None:
         return
     root = Path(cfg.data.root)
     if not root.is_dir():
-        raise ConfigError("data root not found", "data.root", f"expected a VOC-layout folder, got {str(root)!r}")
+        raise ConfigError("data root not found", "data.root",
+                          f"expected a {cfg.data.layout}-layout folder, got {str(root)!r}")
 
 
 def for_training(cfg: Config) -> None:

@@ -29,6 +29,8 @@ HARMLESS = {
     "train.collective_timeout",
     # Same maths, faster kernels (models/atrous.py, models/fused_bn.py); the same data, cached.
     "model.fast_atrous", "model.fused_batchnorm", "data.cache",
+    # Where the pre-training scan's result is kept between runs (it is the same result either way).
+    "data.scan_cache", "data.scan_cache_dir",
     # What is recorded, not what is trained.
     "train.profile_steps",
     # How a model is evaluated and served (flips, scales, sliding window), not its weights.

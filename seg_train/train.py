@@ -27,8 +27,9 @@ from seg_train.loop import HostSide, NonFiniteError, StepLoop
 from seg_train.infer.metrics import format_table
 from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
-from seg_train.data.reader import ImageReader, class_names_of, prepare_data, split_file
-from seg_train.data.scan import class_weights_for_split, scan_split
+from seg_train.data import layouts
+from seg_train.data.reader import ImageReader, class_names_of, prepare_data
+from seg_train.data.scan import class_weights_for_split, scan_for_training
 from seg_train.infer.precise_bn import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_json
 from seg_train.summaries import Summaries
@@ -119,8 +120,9 @@ class _StopSignals:
 
 def open_val(cfg: Config) -> ImageReader | None:
     """The val split for evaluation during training, or None (with a warning) if there is none."""
-    if not split_file(cfg.data.root, cfg.data.val_split).is_file():
-        log.warning("no val split %r in %s: no evaluation during training", cfg.data.val_split, cfg.data.root)
+    if not layouts.split_exists(cfg.data, cfg.data.val_split):
+        log.warning("no val split %r (%s): no evaluation during training", cfg.data.val_split,
+                    layouts.split_location(cfg.data, cfg.data.val_split))
         return None
     return ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
 
@@ -189,10 +191,11 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
 def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change, stop) -> int:
     n = strategy.num_replicas_in_sync
     reader = prepare_data(cfg)
-    train_report = scan_split(cfg, reader, f"train ({cfg.data.train_split})")
     val_reader = open_val(cfg)
+    splits = [(reader, f"train ({cfg.data.train_split})")]
     if val_reader is not None:
-        scan_split(cfg, val_reader, f"val ({cfg.data.val_split})")
+        splits.append((val_reader, f"val ({cfg.data.val_split})"))
+    train_report = scan_for_training(cfg, splits, strategy)[0]
     names = class_names_of(cfg)
     class_weights = class_weights_for_split(cfg, reader, train_report, names)
     if cfg.train.deterministic:

@@ -242,7 +242,7 @@ def test_class_weights_for_split_scans_only_when_it_must(tmp_path):
     when seg-train gives its report; a scan for fixed weights or none (seg-bench paying for nothing)."""
     samples = label_samples(tmp_path)
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": "median_frequency"})
-    reader = SimpleNamespace(samples=samples)
+    reader = SimpleNamespace(samples=samples, label_table=None)  # VOC: labels as stored
     np.testing.assert_allclose(class_weights_for_split(cfg, reader), [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)
     report = scan(samples, 4, IGNORE)
     np.testing.assert_allclose(class_weights_for_split(cfg, Unscannable(), report), [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)

@@ -1,6 +1,8 @@
 """Two worker processes on 127.0.0.1 (MultiWorkerMirroredStrategy) against one process, kills included."""
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +79,10 @@ def test_two_workers_match_one_process_and_resume(tmp_path, demo_root):  # noqa:
     for code, err in results:
         assert code == 0, err
     assert "multi-worker: task worker:0 of 2 workers" in results[0][1]
+    # The pre-training scan: each worker decodes its half of each split, not all of it.
+    for i, (_, err) in enumerate(results):
+        for what, n in (("train", 12), ("val", 4)):
+            assert f"checked {n // 2} {what} ({what}) samples (worker {i}'s share of {n}, 2 workers)" in err, err
     # Only the chief writes to the run dir.
     assert not list((multi / "run").glob("**/*seg-train-worker*"))
     a = tensors(str(single / "run" / "checkpoints" / "ckpt-2"))
@@ -91,8 +97,11 @@ def test_two_workers_match_one_process_and_resume(tmp_path, demo_root):  # noqa:
 
     # Both restarted with a longer run: the group resumes from the chief's checkpoint.
     results = finish(start_workers(multi / "cfg.yaml", multi, [*sets, "--set", "train.num_steps=3"]))
-    for code, err in results:
+    for i, (code, err) in enumerate(results):
         assert code == 0 and "resumed from step 2" in err, err
+        # ... and on a resume reads its half from the scan cache.
+        assert f"train (train): the scan of 6 samples (worker {i}'s share of 12, 2 workers) read from the scan cache" \
+            in err and "checked " not in err, err
     c = tensors(str(multi / "run" / "checkpoints" / "ckpt-3"))
     assert max(float(np.abs(c[k] - b[k]).max()) for k in weights) > 1e-3
 
@@ -122,3 +131,30 @@ def test_dead_worker_stops_the_other(tmp_path, demo_root):  # noqa: F811
     assert errors[0].endswith("): the group stops; restart every worker with the same command to resume from the "
                               "newest checkpoint"), errors[0]
     assert "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("policy", ["error", "skip"])
+def test_a_bad_sample_found_by_one_worker_reaches_every_worker(tmp_path, demo_root, policy):  # noqa: F811
+    """A bad image in worker 1's share of the scan. Wrong answers: worker 1 raising alone while the chief
+    waits in a collective (a hang until the timeout, exit 4), the chief training on it, the workers
+    dropping different samples, or the chief's log not naming the problem."""
+    root = tmp_path / "data"
+    shutil.copytree(demo_root, root)
+    bad = root / "JPEGImages" / "demo_00001.jpg"  # sample 1 of the split: worker 1 checks samples 1, 3, 5, ...
+    bad.write_bytes(b"this is not a JPEG" * 20)
+    write_config(tmp_path, root, num_steps=1, image_summary_every=0)
+    t0 = time.time()
+    results = finish(start_workers(tmp_path / "cfg.yaml", tmp_path, [
+        "--set", f"data.on_bad_sample={policy}", "--set", "eval.bn_reestimate_batches=0",
+        "--set", "train.collective_timeout=60"]), timeout=240)
+    message = f"unreadable image ({bad}): expected a valid JPEG/PNG ("
+    for i, (code, err) in enumerate(results):
+        assert "checked 6 train (train) samples (worker %d's share of 12, 2 workers) in" % i in err, err
+        if policy == "error":
+            errors = [line for line in err.splitlines() if line.startswith("error: ")]
+            assert code == 2 and len(errors) == 1 and errors[0].startswith("error: " + message), err[-3000:]
+        else:
+            assert code == 0, err[-3000:]
+            assert "skipping bad sample (data.on_bad_sample: skip): " + message in err, err
+            assert re.search(r"training \S+ on 2 tower\(s\): 11 images,", err), err  # the same 11 on both
+    assert time.time() - t0 < 200

@@ -1,6 +1,7 @@
 """ImageReader: palette labels read as indices, padding with ignore_label, stateless augmentation."""
 
 import numpy as np
+import tensorflow as tf
 import pytest
 from PIL import Image
 
@@ -118,3 +119,27 @@ def test_mirror_flips_image_and_label_together(tmp_path):
         bright = img[..., 0] > 0.0  # normalised: the dark half is far below the mean colour, the bright far above
         assert (bright == (lbl == 1)).mean() > 0.95, k
     assert any(mirrored) and not all(mirrored)  # both cases really seen
+
+
+@pytest.mark.parametrize("replicas,pipelines,micro,start", [(1, 1, 1, 0), (4, 1, 1, 3), (4, 2, 2, 5), (2, 2, 3, 1)])
+def test_train_order_is_the_definition_per_sample(tmp_path, replicas, pipelines, micro, start):
+    # The stream reads the order one epoch's permutation at a time; the definition is _index_of(k),
+    # a permutation per sample, and the counter formula of the module docstring, both by hand here.
+    root = make_voc(tmp_path / "voc", [np.zeros((4, 4), np.uint8)] * 7)
+    cfg = tiny_config(tmp_path, data_root=root)
+    reader = ImageReader(cfg.data, "train", seed=5)
+    B = 4  # noqa: N806 - the global batch
+    b, r_local = B // replicas, replicas // pipelines
+    for p in range(pipelines):
+        got = list(reader.train_order(B, start, replicas, p, pipelines, micro).take(40).as_numpy_iterator())
+        per_replica, per_step = micro * b, r_local * micro * b
+        for t, (k, index) in enumerate(got):
+            s, rem = start + t // per_step, t % per_step
+            r, q = rem // per_replica, rem % per_replica
+            m, i = q // b, q % b
+            want_k = (s * micro + m) * B + p * r_local * b + r * b + i
+            assert k == want_k
+            assert index == int(reader._index_of(tf.constant(want_k, tf.int64)))
+    # A different epoch is a different order (7 samples, 40 elements: several epochs were compared above).
+    assert [int(reader._index_of(tf.constant(k, tf.int64))) for k in range(7)] != \
+        [int(reader._index_of(tf.constant(k, tf.int64))) for k in range(7, 14)]

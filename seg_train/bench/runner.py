@@ -539,11 +539,12 @@ def _cross_tower_profile(top_runner: TrainRunner, cfg: Config, profiles: dict | 
 def _time_bn_and_eval(cfg: Config, reader, base_runners: list[TrainRunner], bn_images: int,
                       eval_images: int) -> dict[int, dict]:
     """Precise BN re-estimation and evaluation timed on each tower count (base variant), by tower count."""
-    from seg_train.data.reader import ImageReader, class_names_of, split_file
+    from seg_train.data import layouts
+    from seg_train.data.reader import ImageReader, class_names_of
 
     extra: dict[int, dict] = {}
     val_reader = None
-    if eval_images and split_file(cfg.data.root, cfg.data.val_split).is_file():
+    if eval_images and layouts.split_exists(cfg.data, cfg.data.val_split):
         val_reader = ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
         val_reader.samples = val_reader.samples[:eval_images]
     names = class_names_of(cfg)

@@ -1,22 +1,27 @@
 """A scan of a split before training: every sample decoded and checked once, with a progress bar.
 
 Everything that can be found before training starts is found here (missing files, unreadable or
-truncated images, colour labels, size mismatches, out-of-range label values), so a bad file is named
-in seconds instead of crashing a run hours later.
+truncated images, colour labels, size mismatches, raw label values the label map does not cover,
+out-of-range label values), so a bad file is named in seconds instead of crashing a run hours later.
+The per-class histogram counts the labels after the label map: the train ids the model learns.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from seg_train import losses
 from seg_train.progress import progress_bar, shown
 from seg_train.config import Config, ConfigError
+from seg_train.data import scan_cache
 from seg_train.data.reader import BadSample, ImageReader, Sample, load_sample
 
 log = logging.getLogger("seg_train")
@@ -32,13 +37,17 @@ class ScanReport:
     # (the denominator of median frequency balancing, losses.median_frequency_weights).
     image_pixels: np.ndarray | None = None
     seconds: float = 0.0
+    # Raw label values the label map does not cover: pixels and samples per value (those samples are bad).
+    unmapped_pixels: dict[int, int] = field(default_factory=dict)
+    unmapped_samples: dict[int, int] = field(default_factory=dict)
+    cached: Path | None = None  # the scan cache entry this report was read from (None: decoded now)
 
 
-def _check(sample: Sample, num_classes: int, ignore_label: int):
+def _check(sample: Sample, num_classes: int, ignore_label: int, label_table):
     try:
-        _, label = load_sample(sample.image, sample.label, num_classes, ignore_label)
+        _, label = load_sample(sample.image, sample.label, num_classes, ignore_label, label_table)
     except BadSample as e:
-        return sample, str(e), None
+        return sample, e, None
     except MemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - e.g. Pillow's DecompressionBombError or a ValueError on a corrupt header
@@ -50,16 +59,23 @@ def _check(sample: Sample, num_classes: int, ignore_label: int):
 
 
 def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str = "data",
-         workers: int = 4) -> ScanReport:
-    """Decodes and checks every sample (threads: Pillow releases the GIL while decoding)."""
+         workers: int = 4, label_table: np.ndarray | None = None) -> ScanReport:
+    """Decodes and checks every sample (threads: Pillow releases the GIL while decoding).
+
+    `label_table`: the reader's label map (labels.py; None: labels as stored), applied before counting.
+    """
     t0 = time.perf_counter()
     report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64),
                         image_pixels=np.zeros(num_classes, np.int64))
     bar = progress_bar(len(samples), f"checking {what}") if shown() else None
     with ThreadPoolExecutor(workers) as pool:
-        for sample, problem, counts in pool.map(lambda s: _check(s, num_classes, ignore_label), samples):
+        for sample, problem, counts in pool.map(lambda s: _check(s, num_classes, ignore_label, label_table),
+                                                samples):
             if problem:
-                report.bad.append((sample, problem))
+                report.bad.append((sample, str(problem)))
+                for raw, pixels in getattr(problem, "unmapped", {}).items():
+                    report.unmapped_pixels[raw] = report.unmapped_pixels.get(raw, 0) + pixels
+                    report.unmapped_samples[raw] = report.unmapped_samples.get(raw, 0) + 1
             else:
                 report.histogram += counts
                 labelled = counts[:num_classes]
@@ -83,18 +99,62 @@ def format_report(report: ScanReport, class_names: list[str]) -> str:
     absent = [n for n, c in zip(class_names, report.histogram[:-1]) if c == 0]
     if absent:
         lines.append(f"classes with no pixels: {', '.join(absent)}")
+    if report.unmapped_pixels:
+        lines.append("raw label values with no mapping (their samples are bad): " + ", ".join(
+            f"{raw} ({report.unmapped_pixels[raw]} pixels in {report.unmapped_samples[raw]} samples)"
+            for raw in sorted(report.unmapped_pixels)))
     for sample, problem in report.bad:
         lines.append(f"bad: {problem}")
     return "\n".join(lines)
 
 
-def scan_split(cfg: Config, reader: ImageReader, what: str):
-    """Checks every sample of the reader's split before training; drops bad ones if on_bad_sample: skip.
+def _bad_positions(samples: list[Sample], bad: list[tuple[Sample, str]]) -> list[tuple[int, str]]:
+    """(index in `samples`, message) of each bad sample (scan() lists them in sample order)."""
+    out, i = [], 0
+    for sample, problem in bad:
+        while samples[i] != sample:
+            i += 1
+        out.append((i, problem))
+        i += 1
+    return out
 
-    Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
-    """
-    report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, what)
-    log.info("checked %d %s samples in %.1fs: %d bad", report.num_samples, what, report.seconds, len(report.bad))
+
+def scan_cached(cfg: Config, reader: ImageReader, what: str, shard: tuple[int, int] = (0, 1),
+                refresh: bool = False) -> ScanReport:
+    """scan() of the reader's samples, or of a worker's share samples[i::W] (shard (i, W)), through the
+    scan cache (data.scan_cache, scan_cache.py): unchanged files under unchanged settings are not
+    decoded again. `refresh` scans even when the cache holds the result, and stores the new one."""
+    d = cfg.data
+    samples = reader.samples[shard[0]::shard[1]]
+    folder = scan_cache.folder_for(d)
+    if folder is None:
+        return scan(samples, d.num_classes, d.ignore_label, what, label_table=reader.label_table)
+    t0 = time.perf_counter()
+    entry = scan_cache.Entry.of(folder, samples, d.num_classes, d.ignore_label, reader.label_table,
+                                shard)
+    hit = None if refresh else entry.load()
+    if hit is not None:
+        bad, histogram, image_pixels = hit
+        return ScanReport(len(samples), [(samples[i], m) for i, m in bad], histogram, image_pixels,
+                          time.perf_counter() - t0, cached=entry.path)
+    report = scan(samples, d.num_classes, d.ignore_label, what, label_table=reader.label_table)
+    entry.store(_bad_positions(samples, report.bad), report.histogram, report.image_pixels, report.seconds)
+    return report
+
+
+def _log_scan(report: ScanReport, what: str, share: str = "") -> None:
+    if report.cached is not None:
+        log.info("%s: the scan of %d samples%s read from the scan cache in %.1fs (%s; the files and settings are "
+                 "unchanged since they were checked): %d bad", what, report.num_samples, share, report.seconds,
+                 report.cached, len(report.bad))
+    else:
+        log.info("checked %d %s samples%s in %.1fs: %d bad", report.num_samples, what, share, report.seconds,
+                 len(report.bad))
+
+
+def apply_on_bad_sample(cfg: Config, reader: ImageReader, report: ScanReport, what: str) -> ScanReport:
+    """data.on_bad_sample after a scan of the reader's whole split: error raises naming the first bad
+    sample; skip drops the bad samples from the reader (with a warning each)."""
     if not report.bad:
         return report
     if cfg.data.on_bad_sample == "error":
@@ -109,6 +169,120 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
     return report
 
 
+def scan_split(cfg: Config, reader: ImageReader, what: str):
+    """Checks every sample of the reader's split before training (or reads the result from the scan
+    cache); drops bad ones if on_bad_sample: skip.
+
+    Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
+    """
+    report = scan_cached(cfg, reader, what)
+    _log_scan(report, what)
+    return apply_on_bad_sample(cfg, reader, report, what)
+
+
+def scan_for_training(cfg: Config, splits: list[tuple[ImageReader, str]], strategy=None) -> list[ScanReport]:
+    """The scan before training of each (reader, what), data.on_bad_sample applied; returns the reports.
+
+    With several workers (a MultiWorkerMirroredStrategy) each worker scans only its share
+    samples[i::W] of every split, and one all-reduce of (per-sample bad flags, pixel counts) gives
+    every worker the whole result. Why not the chief alone with the others waiting for it: they
+    would wait the whole scan inside a collective that train.collective_timeout bounds (a large set
+    on slow storage would time it out), and W workers scan W times faster. Every worker learns of
+    every bad sample from the all-reduce before anyone acts on it, so they all raise the same error
+    together (one worker raising alone would leave the others waiting in their next collective until
+    it timed out) or all drop the same samples (the data stream must be the same on every worker).
+    """
+    position = _worker_position(strategy)
+    if position is None:
+        return [scan_split(cfg, reader, what) for reader, what in splits]
+    index, count = position
+    _check_same_lists(cfg, strategy, splits, count)  # before the shares: their all-reduce needs equal lengths
+    shares = []
+    for reader, what in splits:
+        share = scan_cached(cfg, reader, what, (index, count))
+        _log_scan(share, what, f" (worker {index}'s share of {len(reader.samples)}, {count} workers)")
+        shares.append(share)
+    reports = _combine(cfg, strategy, splits, shares, index, count)
+    for (reader, what), report in zip(splits, reports):
+        log.info("%s: %d bad samples of %d in all (the scans of the %d workers combined)", what, len(report.bad),
+                 report.num_samples, count)
+    return [apply_on_bad_sample(cfg, reader, report, what) for (reader, what), report in zip(splits, reports)]
+
+
+def _worker_position(strategy) -> tuple[int, int] | None:
+    """(this worker's index, number of workers) of a multi-worker strategy with several workers, else
+    None. The chief (task chief, else worker 0) is index 0, as replicas.is_chief has it."""
+    if strategy is None:
+        return None
+    import tensorflow as tf
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return None
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec().as_dict()
+    tasks = ([("chief", i) for i in range(len(spec.get("chief", [])))]
+             + [("worker", i) for i in range(len(spec.get("worker", [])))])
+    if len(tasks) < 2:
+        return None
+    return tasks.index((resolver.task_type, resolver.task_id)), len(tasks)
+
+
+def _sum_over_workers(strategy, vector: np.ndarray) -> np.ndarray:
+    """The SUM over the workers of one int64 vector per worker: one collective."""
+    import tensorflow as tf
+    value = tf.constant(vector, tf.int64)
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.identity(value)), axis=None)
+    # Every tower of a worker contributes that worker's vector (the same number of towers on each).
+    return total.numpy() // len(strategy.extended.worker_devices)
+
+
+def _check_same_lists(cfg: Config, strategy, splits, count: int) -> None:
+    """Every worker must see the same samples (paths relative to data.root), or their shares and the
+    data stream would not line up."""
+    h = hashlib.sha256()
+    for reader, _ in splits:
+        for s in reader.samples:
+            h.update(f"{os.path.relpath(s.image, cfg.data.root)}\0{os.path.relpath(s.label, cfg.data.root)}\n".encode())
+        h.update(b"\0end of split\0")
+    mine = int.from_bytes(h.digest()[:5], "big")  # 40 bits: the sum over any realistic group fits in int64
+    total = int(_sum_over_workers(strategy, np.array([mine], np.int64))[0])
+    if total != count * mine:
+        raise ConfigError("workers see different samples", str(cfg.data.root),
+                          "the same split files and data on every worker (shared storage or identical copies)")
+
+
+def _combine(cfg: Config, strategy, splits, shares: list[ScanReport], index: int, count: int) -> list[ScanReport]:
+    """The whole-split reports from every worker's share, through one all-reduce."""
+    num_classes, ignore_label = cfg.data.num_classes, cfg.data.ignore_label
+    parts, own = [], []
+    for (reader, _), share in zip(splits, shares):
+        mine = range(index, len(reader.samples), count)
+        flags = np.zeros(len(reader.samples), np.int64)
+        messages = {mine[j]: m for j, m in _bad_positions(reader.samples[index::count], share.bad)}
+        flags[list(messages)] = index + 1  # which worker found it, for the message of the others
+        parts += [flags, share.histogram, share.image_pixels]
+        own.append(messages)
+    total = _sum_over_workers(strategy, np.concatenate(parts))
+    reports, at = [], 0
+    for (reader, _), share, messages in zip(splits, shares, own):
+        n = len(reader.samples)
+        flags = total[at:at + n]
+        histogram = total[at + n:at + n + num_classes + 1]
+        image_pixels = total[at + n + num_classes + 1:at + n + 2 * num_classes + 1]
+        at += n + 2 * num_classes + 1
+        bad = []
+        for i in np.flatnonzero(flags).tolist():
+            sample, message = reader.samples[i], messages.get(i)
+            # Another worker's find: the chief, whose log the user reads, checks it again for the
+            # message when the message is shown (every one with skip, the first with error).
+            if message is None and index == 0 and (cfg.data.on_bad_sample == "skip" or not bad):
+                message = _check(sample, num_classes, ignore_label, reader.label_table)[1]
+                message = None if message is None else str(message)
+            bad.append((sample, message or f"bad sample ({sample.image}, {sample.label}): found by worker "
+                                           f"{int(flags[i]) - 1}, whose log names the problem"))
+        reports.append(ScanReport(n, bad, histogram, image_pixels, share.seconds))
+    return reports
+
+
 def class_weights_for_split(cfg: Config, reader: ImageReader, report: ScanReport | None = None,
                             class_names=None):
     """The loss.class_weights that seg-train and seg-bench train with on `reader`'s split (losses.class_weights_for).
@@ -118,5 +292,5 @@ def class_weights_for_split(cfg: Config, reader: ImageReader, report: ScanReport
     seg-bench pays no scan for fixed weights or none.
     """
     if report is None and isinstance(cfg.loss.class_weights, str):
-        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label)
+        report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, label_table=reader.label_table)
     return losses.class_weights_for(cfg, report, class_names)

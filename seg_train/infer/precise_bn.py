@@ -50,7 +50,8 @@ import tensorflow as tf
 from seg_train.progress import progress_bar, shown
 from seg_train import models
 from seg_train.config import Config, ConfigError, check_batch
-from seg_train.data.reader import ImageReader, ensure_data, split_file
+from seg_train.data import layouts
+from seg_train.data.reader import ImageReader, ensure_data
 
 log = logging.getLogger("seg_train")
 
@@ -283,7 +284,7 @@ def maybe_reestimate_bn(state, cfg: Config, progress: bool = True) -> bool:
     """
     if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
         ensure_data(cfg)  # the re-estimation reads the training split
-        if not split_file(cfg.data.root, cfg.data.train_split).is_file():
+        if not layouts.split_exists(cfg.data, cfg.data.train_split):
             # Predicting or exporting where the training data is not at hand: go on with the
             # statistics as trained, and say so.
             log.warning("BN statistics not re-estimated: training split %r not found under %s "

@@ -1,0 +1,209 @@
+"""Where a data set's files are, as each one ships (data.layout): voc, cityscapes, ade20k, pairs.
+
+A layout turns (data config, split) into samples (an image path and a label path each), and, when it
+knows them, says what its labels mean: Cityscapes' labelIds -> the 19 train ids, ADE20K's 0 = "other"
+and classes 1..150, with their class names and class counts. labels.py turns those built-in maps into
+the lookup table load_sample applies.
+
+No TensorFlow is imported at module level: config.py reads the class counts here to check a config
+before TensorFlow starts. Every command lists a split through `list_samples` and asks
+`split_exists` before opening an optional one (the val split, the training split for precise BN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from seg_train.config import ConfigError, DataConfig
+
+LAYOUTS = ("voc", "cityscapes", "ade20k", "pairs")
+
+# cityscapesScripts' helpers/labels.py, the official table: trainId of each labelId 0..33, None where
+# the table says 255 (not trained, not evaluated). A labelIds PNG holds nothing else (license plates,
+# id -1, are not drawn into it).
+CITYSCAPES_TRAIN_IDS = (
+    None, None, None, None, None, None, None,  # 0-6: unlabeled, ego vehicle, rectification border, out of roi,
+                                               # static, dynamic, ground
+    0, 1,                                      # 7 road, 8 sidewalk
+    None, None,                                # 9 parking, 10 rail track
+    2, 3, 4,                                   # 11 building, 12 wall, 13 fence
+    None, None, None,                          # 14 guard rail, 15 bridge, 16 tunnel
+    5,                                         # 17 pole
+    None,                                      # 18 polegroup
+    6, 7, 8, 9, 10, 11, 12, 13, 14, 15,        # 19 traffic light .. 28 bus
+    None, None,                                # 29 caravan, 30 trailer
+    16, 17, 18,                                # 31 train, 32 motorcycle, 33 bicycle
+)
+
+CITYSCAPES_CLASSES = ("road", "sidewalk", "building", "wall", "fence", "pole", "traffic light", "traffic sign",
+                      "vegetation", "terrain", "sky", "person", "rider", "car", "truck", "bus", "train",
+                      "motorcycle", "bicycle")
+
+# The SceneParsing benchmark's objectInfo150 order, as mmsegmentation's ADE20KDataset.METAINFO lists it
+# (its 'bed ' without the trailing space): class k here is annotation value k + 1.
+ADE20K_CLASSES = (
+    "wall", "building", "sky", "floor", "tree", "ceiling", "road", "bed", "windowpane", "grass", "cabinet",
+    "sidewalk", "person", "earth", "door", "table", "mountain", "plant", "curtain", "chair", "car", "water",
+    "painting", "sofa", "shelf", "house", "sea", "mirror", "rug", "field", "armchair", "seat", "fence", "desk",
+    "rock", "wardrobe", "lamp", "bathtub", "railing", "cushion", "base", "box", "column", "signboard",
+    "chest of drawers", "counter", "sand", "sink", "skyscraper", "fireplace", "refrigerator", "grandstand",
+    "path", "stairs", "runway", "case", "pool table", "pillow", "screen door", "stairway", "river", "bridge",
+    "bookcase", "blind", "coffee table", "toilet", "flower", "book", "hill", "bench", "countertop", "stove",
+    "palm", "kitchen island", "computer", "swivel chair", "boat", "bar", "arcade machine", "hovel", "bus",
+    "towel", "light", "truck", "tower", "chandelier", "awning", "streetlight", "booth", "television receiver",
+    "airplane", "dirt track", "apparel", "pole", "land", "bannister", "escalator", "ottoman", "bottle",
+    "buffet", "poster", "stage", "van", "ship", "fountain", "conveyer belt", "canopy", "washer", "plaything",
+    "swimming pool", "stool", "barrel", "basket", "waterfall", "tent", "bag", "minibike", "cradle", "oven",
+    "ball", "food", "step", "tank", "trade name", "microwave", "pot", "animal", "bicycle", "lake",
+    "dishwasher", "screen", "blanket", "sculpture", "hood", "sconce", "vase", "traffic light", "tray",
+    "ashcan", "fan", "pier", "crt screen", "plate", "monitor", "bulletin board", "shower", "radiator", "glass",
+    "clock", "flag",
+)
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """What a shipped data set's labels mean: its classes and how raw label values become them."""
+    num_classes: int
+    class_names: tuple[str, ...]
+    # raw value -> train id, None: ignore_label; raw values not listed have no mapping.
+    label_map: dict[int, int | None] | None = None
+    reduce_zero_label: bool = False
+
+
+BUILTIN = {
+    "cityscapes": Builtin(19, CITYSCAPES_CLASSES, dict(enumerate(CITYSCAPES_TRAIN_IDS))),
+    "ade20k": Builtin(150, ADE20K_CLASSES, reduce_zero_label=True),
+}
+
+
+def builtin(layout: str) -> Builtin | None:
+    """The layout's own classes and label map, or None (voc, pairs: labels hold class indices)."""
+    return BUILTIN.get(layout)
+
+
+# ---- listing ---------------------------------------------------------------------------------------------
+_CITYSCAPES_IMAGE, _CITYSCAPES_LABEL = "_leftImg8bit.png", "_gtFine_labelIds.png"
+
+
+def _folder(path: Path, expected: str) -> Path:
+    if not path.is_dir():
+        raise ConfigError("folder not found", str(path), expected)
+    return path
+
+
+def _check_file(path: Path, data: DataConfig, what: str, expected: str) -> None:
+    """A missing file is named with its image at once (with on_bad_sample: skip, the scan drops the sample)."""
+    if data.on_bad_sample == "error" and not path.is_file():
+        raise ConfigError(f"{what} not found", str(path), expected)
+
+
+def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, Path, Path]]:
+    root = Path(data.root)
+    images = _folder(root / "leftImg8bit" / split,
+                     f"expected Cityscapes' leftImg8bit/{split}/<city>/*{_CITYSCAPES_IMAGE} under data.root "
+                     "(the split names a folder: train, val or test)")
+    labels = _folder(root / "gtFine" / split,
+                     f"expected Cityscapes' gtFine/{split}/<city>/*{_CITYSCAPES_LABEL} under data.root "
+                     "(gtFine_trainvaltest.zip unpacked next to leftImg8bit)")
+    out = []
+    for image in sorted(images.glob(f"*/*{_CITYSCAPES_IMAGE}")):
+        stem = image.name[:-len(_CITYSCAPES_IMAGE)]
+        label = labels / image.parent.name / f"{stem}{_CITYSCAPES_LABEL}"
+        _check_file(label, data, "label", f"expected the gtFine labelIds PNG of {image}")
+        out.append((stem, image, label))
+    if not out:
+        raise ConfigError("empty split", str(images), f"expected <city>/*{_CITYSCAPES_IMAGE} images")
+    return out
+
+
+def _ade20k(data: DataConfig, split: str) -> list[tuple[str, Path, Path]]:
+    root = Path(data.root)
+    images = _folder(root / "images" / split,
+                     f"expected ADEChallengeData2016's images/{split}/*.jpg under data.root "
+                     "(the split names a folder: training or validation)")
+    labels = _folder(root / "annotations" / split,
+                     f"expected ADEChallengeData2016's annotations/{split}/*.png under data.root")
+    out = []
+    for image in sorted(images.glob("*.jpg")):
+        label = labels / f"{image.stem}.png"
+        _check_file(label, data, "label", f"expected the annotation PNG of {image}")
+        out.append((image.stem, image, label))
+    if not out:
+        raise ConfigError("empty split", str(images), "expected *.jpg images")
+    return out
+
+
+def _list_file(data: DataConfig, split: str) -> Path:
+    """A pairs split: a list file, relative to data.root (or as given: absolute, or from the current folder)."""
+    for candidate in (Path(data.root) / split, Path(split)):
+        if candidate.is_file():
+            return candidate
+    return Path(data.root) / split
+
+
+def _pairs(data: DataConfig, split: str) -> list[tuple[str, Path, Path]]:
+    root = Path(data.root)
+    path = _list_file(data, split)
+    if not path.is_file():
+        raise ConfigError("split not found", str(path),
+                          f"expected a list file of 'image_path label_path' lines for split {split!r} "
+                          "(relative to data.root)")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        if len(parts) != 2:
+            raise ConfigError("bad split line", f"{path}:{lineno}", f"expected 'image_path label_path', got {line!r}")
+        # A leading '/' means the data root, as in DeepLab-style list files.
+        image, label = (root / p.lstrip("/") for p in parts)
+        _check_file(image, data, "image", f"expected the image file of {path}:{lineno}")
+        _check_file(label, data, "label", f"expected the label PNG of {path}:{lineno}")
+        # The id names the sample in messages and in the scan's skip list: its path, unique where a stem is not.
+        out.append((str(Path(parts[0].lstrip("/")).with_suffix("")), image, label))
+    if not out:
+        raise ConfigError("empty split", str(path), "expected at least one 'image_path label_path' line")
+    return out
+
+
+_LISTERS = {"cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": _pairs}
+
+
+def list_samples(data: DataConfig, split: str) -> list:
+    """The samples of `split` in the configured layout (reader.Sample: id, image path, label path).
+
+    Raises:
+      ConfigError: a missing root, split folder or list file, an empty split, a malformed list line, or
+        (with data.on_bad_sample: error) a label file the layout expects next to an image that is not there.
+    """
+    # The reader (and TensorFlow with it) is imported here, not at the top: config.py imports this module.
+    from seg_train.data import reader
+
+    root = Path(data.root)
+    if not root.is_dir():
+        raise ConfigError("data root not found", "data.root",
+                          f"expected a {data.layout}-layout folder, got {str(root)!r}")
+    if data.layout == "voc":
+        return reader.list_samples(root, split)
+    return [reader.Sample(sid, str(image), str(label)) for sid, image, label in _LISTERS[data.layout](data, split)]
+
+
+def split_location(data: DataConfig, split: str) -> Path:
+    """The file or folder that holds `split` (named when it is missing)."""
+    root = Path(data.root)
+    if data.layout == "cityscapes":
+        return root / "leftImg8bit" / split
+    if data.layout == "ade20k":
+        return root / "images" / split
+    if data.layout == "pairs":
+        return _list_file(data, split)
+    from seg_train.data.reader import split_file  # TensorFlow: see list_samples
+    return split_file(root, split)
+
+
+def split_exists(data: DataConfig, split: str) -> bool:
+    """Whether `split` is there to be read (optional splits are skipped with a message when it is not)."""
+    where = split_location(data, split)
+    return where.is_dir() if data.layout in ("cityscapes", "ade20k") else where.is_file()

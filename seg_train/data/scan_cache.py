@@ -1,0 +1,186 @@
+"""The pre-training scan's result kept between runs (data.scan_cache), so that a resume, a new run on
+the same data or another worker's restart decodes nothing.
+
+The scan's result (which samples are bad and why, the pixel counts per class) is a function of the
+files' bytes and of what the checks are. An entry is reused only when all of these are unchanged:
+
+- every image and label path of the list, with each file's size, st_mtime_ns, st_ctime_ns and inode
+  (ctime and inode as well as mtime: `rsync -t`, `cp -p` or `tar x` can put new bytes behind an old
+  mtime and size, and chmod makes an unreadable file readable, but all of them change the ctime or
+  inode, which no user call can set back); a missing file is recorded as missing;
+- data.num_classes, data.ignore_label and the reader's label table (label maps);
+- the checking code itself (the source of the functions that decode and check a sample) and the
+  versions of Pillow and TensorFlow, whose decoders decide what is readable;
+- the worker's share of the list (multi-worker runs scan samples[i::W]).
+
+One entry per list of paths and share, named by a hash of them, so an entry out of date is
+overwritten instead of piling up. Entries are JSON (never pickle: the folder may be shared) written
+to a temporary file and renamed over the old one, so a reader sees the old entry or the new one,
+never half of one; anything unreadable or inconsistent in an entry is reported and ignored (the
+split is scanned again).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("seg_train")
+
+FORMAT = 1
+# A file modified this close to the scan may change again within the same timestamp tick (coarse
+# kernel clocks, 2 s on FAT, clock skew on network storage) without its size, mtime or ctime
+# telling: such a scan is not stored (git's "racily clean" index entries, the same problem).
+RECENT_SECONDS = 2.0
+
+
+def folder_for(data_cfg) -> Path | None:
+    """Where entries live: data.scan_cache_dir, else $XDG_CACHE_HOME/seg-train/scans, else
+    ~/.cache/seg-train/scans (the data root itself may be read-only). None when data.scan_cache is off."""
+    if not data_cfg.scan_cache:
+        return None
+    if data_cfg.scan_cache_dir is not None:
+        return Path(data_cfg.scan_cache_dir)
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec: a relative $XDG_CACHE_HOME is invalid and is ignored.
+    base = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
+    return base / "seg-train" / "scans"
+
+
+@functools.lru_cache(maxsize=None)
+def _checker_digest() -> str:
+    """A hash of the code that decides a sample's result, so a changed check invalidates old entries."""
+    from seg_train.data import label_images, reader, scan
+    h = hashlib.sha256()
+    for fn in (scan._check, reader.load_sample, label_images.read_label):
+        try:
+            h.update(inspect.getsource(fn).encode())
+        except (OSError, TypeError):  # no source shipped: the package version stands in for it
+            from seg_train import __version__
+            h.update(f"{fn.__module__}.{fn.__qualname__} {__version__}".encode())
+    return h.hexdigest()
+
+
+def _versions() -> dict:
+    import PIL
+    from PIL import Image, ImageFile
+    tf = sys.modules.get("tensorflow")
+    return {"pillow": PIL.__version__, "tensorflow": getattr(tf, "__version__", None),
+            "max_image_pixels": Image.MAX_IMAGE_PIXELS, "load_truncated_images": bool(ImageFile.LOAD_TRUNCATED_IMAGES)}
+
+
+@dataclass
+class Entry:
+    """The cache entry of one list of samples (one worker's share of a split)."""
+    path: Path
+    key: dict
+    num_samples: int
+    num_classes: int
+    storable: bool  # False when a file changed too recently (RECENT_SECONDS) to trust its stat
+    stat_seconds: float
+
+    @classmethod
+    def of(cls, folder: Path, samples, num_classes: int, ignore_label: int, label_table=None,
+           shard: tuple[int, int] = (0, 1)) -> "Entry":
+        t0 = time.perf_counter()
+        now_ns = time.time_ns()
+        names, files = hashlib.sha256(), hashlib.sha256()
+        names.update(f"{FORMAT} {shard[0]} {shard[1]}\n".encode())
+        newest = 0
+        for s in samples:
+            for p in (s.image, s.label):
+                names.update(p.encode("utf-8", "surrogateescape") + b"\0")
+                try:
+                    st = os.stat(p)
+                except OSError as e:
+                    files.update(f"{p}\0missing {e.errno}\n".encode("utf-8", "surrogateescape"))
+                    continue
+                newest = max(newest, st.st_mtime_ns)
+                files.update(f"{p}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}\n"
+                             .encode("utf-8", "surrogateescape"))
+        table = None
+        if label_table is not None:
+            t = np.ascontiguousarray(label_table)
+            table = f"{t.dtype.str} {t.shape} {hashlib.sha256(t.tobytes()).hexdigest()}"
+        key = {"format": FORMAT, "files": files.hexdigest(), "num_samples": len(samples), "shard": list(shard),
+               "num_classes": num_classes, "ignore_label": ignore_label, "label_table": table,
+               "checker": _checker_digest(), **_versions()}
+        storable = now_ns - newest >= RECENT_SECONDS * 1e9
+        return cls(Path(folder) / f"{names.hexdigest()[:32]}.json", key, len(samples), num_classes, storable,
+                   time.perf_counter() - t0)
+
+    def load(self):
+        """(bad: [(index, message)], histogram, image_pixels) if the entry is there and current, else None."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            log.warning("ignoring an unreadable scan cache entry (%s: %s): scanning again", self.path,
+                        getattr(e, "strerror", None) or e)
+            return None
+        try:
+            data = json.loads(text)
+            if data["key"] != self.key:
+                log.info("scan cache entry %s is out of date (files or settings changed): scanning again", self.path)
+                return None
+            ok = self._valid(data)
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+            ok = False
+        if not ok:
+            log.warning("ignoring a corrupt scan cache entry (%s): scanning again", self.path)
+            return None
+        return ([(i, m) for i, m in data["bad"]], np.array(data["histogram"], np.int64),
+                np.array(data["image_pixels"], np.int64))
+
+    def _valid(self, data) -> bool:
+        def counts(values, n):
+            return (isinstance(values, list) and len(values) == n
+                    and all(type(x) is int and 0 <= x < 2**63 for x in values))
+
+        bad = data["bad"]
+        return (counts(data["histogram"], self.num_classes + 1) and counts(data["image_pixels"], self.num_classes)
+                and isinstance(bad, list)
+                and all(isinstance(b, list) and len(b) == 2 and type(b[0]) is int and isinstance(b[1], str)
+                        and 0 <= b[0] < self.num_samples for b in bad)
+                and all(a[0] < b[0] for a, b in zip(bad, bad[1:])))
+
+    def store(self, bad: list[tuple[int, str]], histogram, image_pixels, seconds: float) -> bool:
+        """Writes the entry atomically; a folder that cannot be written is a warning, never an error."""
+        if not self.storable:
+            log.info("scan result not cached: some files changed less than %gs before the scan", RECENT_SECONDS)
+            return False
+        data = {"key": self.key, "bad": [[int(i), m] for i, m in bad],
+                "histogram": [int(x) for x in histogram], "image_pixels": [int(x) for x in image_pixels],
+                "scan_seconds": round(seconds, 3)}
+        tmp = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.stem + ".", suffix=".tmp")
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the entry from the other users of a shared folder
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+                f.flush()
+                os.fsync(f.fileno())  # a crash after the rename must not leave an empty entry behind
+            os.replace(tmp, self.path)
+            return True
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            log.warning("cannot write the scan cache (%s: %s): the next start scans again (data.scan_cache_dir "
+                        "moves the cache, data.scan_cache: false turns it off)", self.path, e.strerror or e)
+            return False

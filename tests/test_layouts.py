@@ -1,0 +1,296 @@
+"""The data layouts as they ship (seg_train/data/layouts.py): tiny Cityscapes, ADE20K and pairs trees
+with the real file naming, read through the real commands.
+
+Fails for: a layout that lists the wrong files (Cityscapes' colour or instance PNGs instead of the
+labelIds, an image paired with another city's label), labels reaching training or evaluation as raw
+ids instead of train ids (checked pixel by pixel against maps written out by hand), --check-data
+counting raw values or not naming a raw value without a mapping, a missing folder or label that is
+not named in one line, and a layout that trains, evaluates or predicts differently from the VOC path.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import yaml
+from PIL import Image
+
+from seg_train import cli
+from seg_train import config as config_lib
+from seg_train.config import ConfigError
+from seg_train.data import layouts
+from seg_train.data.reader import ImageReader, class_names_of
+from seg_train.data.scan import class_weights_for_split
+from tests.test_label_map import CITYSCAPES_BY_HAND
+
+H, W = 48, 64
+ADE20K_BY_HAND = {0: 255, **{k: k - 1 for k in range(1, 151)}}  # 0 "other" ignored, k -> class k - 1
+PAIRS_BY_HAND = {0: 0, 3: 0, 251: 1, 255: 1}  # a 0/255 mask saved lossily: threshold 128
+BY_HAND = {"cityscapes": CITYSCAPES_BY_HAND, "ade20k": ADE20K_BY_HAND, "pairs": PAIRS_BY_HAND}
+CITIES = {"train": {"aachen": 2, "bochum": 1}, "val": {"frankfurt": 2}, "broken": {"aachen": 1},
+          "nolabel": {"ulm": 1}, "test": {"berlin": 1}}
+
+
+def blocks(rng, values, shape=(H, W), size=8):
+    """8x8 blocks of values drawn from `values`: spatial structure for the model and the crops."""
+    b = rng.choice(np.asarray(values), (shape[0] // size + 1, shape[1] // size + 1))
+    return np.repeat(np.repeat(b, size, 0), size, 1)[:shape[0], :shape[1]].astype(np.uint8)
+
+
+def photo(rng):
+    b = rng.integers(0, 256, (H // 8 + 1, W // 8 + 1, 3), dtype=np.uint8)
+    return np.repeat(np.repeat(b, 8, 0), 8, 1)[:H, :W]
+
+
+def make_cityscapes(root, rng):
+    for split, cities in CITIES.items():
+        for city, count in cities.items():
+            (root / "leftImg8bit" / split / city).mkdir(parents=True)
+            if split != "test":  # test: images without the gtFine folder
+                (root / "gtFine" / split / city).mkdir(parents=True)
+            for n in range(count):
+                stem = f"{city}_{n:06d}_000019"
+                Image.fromarray(photo(rng)).save(root / "leftImg8bit" / split / city / f"{stem}_leftImg8bit.png")
+                if split in ("test", "nolabel"):
+                    continue
+                raw = blocks(rng, range(34))  # every labelId, the ignored ones too
+                if split == "broken":
+                    raw[8:16, :8] = 40  # no such labelId: 64 pixels without a mapping
+                labels = root / "gtFine" / split / city
+                Image.fromarray(raw).save(labels / f"{stem}_gtFine_labelIds.png")
+                # What gtFine also holds next to each labelIds PNG; never to be read as labels.
+                Image.fromarray(np.zeros((H, W, 3), np.uint8)).save(labels / f"{stem}_gtFine_color.png")
+                Image.fromarray(raw.astype(np.uint16) * 1000).save(labels / f"{stem}_gtFine_instanceIds.png")
+
+
+def make_ade20k(root, rng):
+    for split, count in (("training", 3), ("validation", 2)):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "annotations" / split).mkdir(parents=True)
+        for n in range(count):
+            stem = f"ADE_{'train' if split == 'training' else 'val'}_{n + 1:08d}"
+            Image.fromarray(photo(rng)).save(root / "images" / split / f"{stem}.jpg", quality=95)
+            Image.fromarray(blocks(rng, range(151))).save(root / "annotations" / split / f"{stem}.png")
+
+
+def make_pairs(root, rng):
+    (root / "photos" / "a").mkdir(parents=True)
+    (root / "masks").mkdir()
+    lines = []
+    for n in range(5):
+        Image.fromarray(photo(rng)).save(root / "photos" / "a" / f"p{n}.png")
+        Image.fromarray(blocks(rng, list(PAIRS_BY_HAND))).save(root / "masks" / f"p{n}_mask.png")
+        lines.append(f"photos/a/p{n}.png masks/p{n}_mask.png")
+    (root / "train.txt").write_text("\n".join(lines[:3]) + "\n")
+    (root / "val.txt").write_text("# comment lines and blank lines are skipped\n\n" + "\n".join(lines[3:]) + "\n")
+
+
+@pytest.fixture(scope="session")
+def trees(tmp_path_factory):
+    base = tmp_path_factory.mktemp("layouts")
+    rng = np.random.default_rng(0)
+    make_cityscapes(base / "cityscapes", rng)
+    make_ade20k(base / "ADEChallengeData2016", rng)
+    make_pairs(base / "pairs", rng)
+    return {"cityscapes": base / "cityscapes", "ade20k": base / "ADEChallengeData2016", "pairs": base / "pairs"}
+
+
+SPLITS = {"cityscapes": ("train", "val"), "ade20k": ("training", "validation"), "pairs": ("train.txt", "val.txt")}
+
+
+def write_config(tmp_path, trees, layout, **data):
+    """A tiny-model config of `layout` (no num_classes: the layouts that know theirs bring them)."""
+    train, val = SPLITS[layout]
+    raw = {"seed": 0, "run_dir": "run",
+           "data": {"layout": layout, "root": str(trees[layout]), "train_split": train, "val_split": val,
+                    "batch_size": 2, "crop_size": [32, 32], "num_parallel_calls": 2,
+                    **({"num_classes": 2, "binary_threshold": 128} if layout == "pairs" else {}), **data},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": 2, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
+                     "learning_rate": 0.01},
+           "eval": {"bn_reestimate_batches": 1}}
+    path = tmp_path / f"{layout}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def load(tmp_path, trees, layout, **data):
+    return config_lib.load(write_config(tmp_path, trees, layout, **data))
+
+
+def raw_label(path):
+    """The stored values, read with Pillow directly (not through the reader)."""
+    return np.array(Image.open(path))
+
+
+def mapped(layout, path):
+    by_hand = BY_HAND[layout]
+    return np.vectorize(lambda v: by_hand[int(v)])(raw_label(path)).astype(np.uint8)
+
+
+def test_each_layout_lists_its_files(tmp_path, trees):
+    cs = load(tmp_path, trees, "cityscapes").data
+    samples = layouts.list_samples(cs, "train")
+    root = trees["cityscapes"]
+    assert [s.id for s in samples] == ["aachen_000000_000019", "aachen_000001_000019", "bochum_000000_000019"]
+    assert samples[2].image == str(root / "leftImg8bit/train/bochum/bochum_000000_000019_leftImg8bit.png")
+    assert samples[2].label == str(root / "gtFine/train/bochum/bochum_000000_000019_gtFine_labelIds.png")
+    assert layouts.split_exists(cs, "val") and not layouts.split_exists(cs, "nosuch")
+
+    ade = load(tmp_path, trees, "ade20k").data
+    samples = layouts.list_samples(ade, "validation")
+    root = trees["ade20k"]
+    assert [(s.id, s.image, s.label) for s in samples] == [
+        (f"ADE_val_0000000{n}", str(root / f"images/validation/ADE_val_0000000{n}.jpg"),
+         str(root / f"annotations/validation/ADE_val_0000000{n}.png")) for n in (1, 2)]
+
+    pairs = load(tmp_path, trees, "pairs").data
+    samples = layouts.list_samples(pairs, "val.txt")
+    assert [(s.id, s.label) for s in samples] == [
+        (f"photos/a/p{n}", str(trees["pairs"] / f"masks/p{n}_mask.png")) for n in (3, 4)]
+    assert class_names_of(load(tmp_path, trees, "cityscapes"))[13] == "car"
+    assert class_names_of(load(tmp_path, trees, "ade20k"))[:2] == ["wall", "building"]
+
+
+@pytest.mark.parametrize("layout", ["cityscapes", "ade20k", "pairs"])
+def test_reader_labels_are_the_by_hand_mapping(tmp_path, trees, layout):
+    cfg = load(tmp_path, trees, layout)
+    reader = ImageReader(cfg.data, cfg.data.train_split)
+    assert reader.label_table is not None
+    for i, s in enumerate(reader.samples):
+        image, label = reader.decode(i)
+        np.testing.assert_array_equal(label.numpy(), mapped(layout, s.label), err_msg=s.label)
+        assert image.shape == (H, W, 3)
+    if layout == "cityscapes":  # the ids the test names: road, sidewalk, car, ignored, bicycle
+        raw = raw_label(reader.samples[0].label)
+        label = reader.decode(0)[1].numpy()
+        for raw_id, train_id in ((7, 0), (8, 1), (26, 13), (0, 255), (9, 255), (33, 18)):
+            if (raw == raw_id).any():
+                assert (label[raw == raw_id] == train_id).all()
+
+
+def test_training_stream_evaluation_and_class_weights_see_train_ids(tmp_path, trees):
+    cfg = load(tmp_path, trees, "cityscapes", crop_size=[H, W], random_scale=[1.0, 1.0], random_mirror=False)
+    reader = ImageReader(cfg.data, "train", seed=0)
+    expected = [mapped("cityscapes", s.label) for s in reader.samples]
+    # One epoch of 3 samples, whole images (the crop is the image): each is one of the mapped labels, once.
+    (_, labels), = reader.train_dataset(3, 0, 1).take(1)
+    seen = sorted(next(i for i, e in enumerate(expected) if np.array_equal(e, lbl)) for lbl in labels.numpy())
+    assert seen == [0, 1, 2]
+    for _, label, index in reader.eval_dataset():
+        label = label.numpy()[0]
+        np.testing.assert_array_equal(label[:H, :W], expected[int(index)])
+        assert (label[H:] == 255).all() and (label[:, W:] == 255).all()  # padding: ignored
+
+    # Median frequency by hand (numpy) from the mapped labels; the weights come from the scan with the map.
+    cfg = config_lib.replace(cfg, "loss.class_weights", "median_frequency")
+    stack = np.stack(expected)
+    pixels = np.array([(stack == c).sum() for c in range(19)], np.float64)
+    labelled = np.array([(e != 255).sum() for e in expected])
+    image_pixels = np.array([sum(n for e, n in zip(expected, labelled) if (e == c).any()) for c in range(19)])
+    present = pixels > 0
+    freq = np.where(present, pixels / np.maximum(image_pixels, 1), 0)
+    want = np.where(present, np.median(freq[present]) / np.where(present, freq, 1), 0)
+    np.testing.assert_allclose(class_weights_for_split(cfg, reader), want, rtol=1e-6)
+
+
+def test_check_data_histogram_after_the_map_names_unmapped_values(tmp_path, trees, capsys):
+    path = write_config(tmp_path, trees, "cityscapes", train_split="broken")
+    assert cli.train_main(["--config", str(path), "--check-data"]) == 2
+    out, err = capsys.readouterr()
+    broken, val = out.split("split val: ")
+    assert "raw label values with no mapping (their samples are bad): 40 (64 pixels in 1 samples)" in broken
+    assert re.search(r"^bad: label values with no mapping \(.*aachen_000000_000019_gtFine_labelIds\.png\): "
+                     r"expected raw values the label map covers, got \[40\]$", broken, re.M), broken
+    assert err.strip().splitlines()[-1].startswith("error: 1 bad sample(s)")
+    labels = [mapped("cityscapes", s.label) for s in layouts.list_samples(load(tmp_path, trees, "cityscapes").data,
+                                                                          "val")]
+    names = list(layouts.CITYSCAPES_CLASSES) + ["ignore"]
+    for c, name in enumerate(names):
+        count = sum(int((lbl == (255 if name == "ignore" else c)).sum()) for lbl in labels)
+        assert re.search(rf"^{re.escape(name)}\s+{count}\s", val, re.M), (name, count, val)
+
+
+def expect_error(data, split, message):
+    with pytest.raises(ConfigError) as e:
+        layouts.list_samples(data, split)
+    assert str(e.value) == message and "\n" not in message
+
+
+def test_missing_folders_and_files_are_named(tmp_path, trees):
+    cs = load(tmp_path, trees, "cityscapes").data
+    root = trees["cityscapes"]
+    image = root / "leftImg8bit/nolabel/ulm/ulm_000000_000019_leftImg8bit.png"
+    expect_error(cs, "nolabel", f"label not found ({root / 'gtFine/nolabel/ulm/ulm_000000_000019_gtFine_labelIds.png'})"
+                 f": expected the gtFine labelIds PNG of {image}")
+    expect_error(cs, "test", f"folder not found ({root / 'gtFine/test'}): expected Cityscapes' "
+                 "gtFine/test/<city>/*_gtFine_labelIds.png under data.root (gtFine_trainvaltest.zip unpacked next "
+                 "to leftImg8bit)")
+    # With on_bad_sample: skip the sample is listed, and the scan drops it like any unreadable sample.
+    skip = config_lib.replace(load(tmp_path, trees, "cityscapes"), "data.on_bad_sample", "skip").data
+    assert len(layouts.list_samples(skip, "nolabel")) == 1
+
+    ade = load(tmp_path, trees, "ade20k").data
+    expect_error(ade, "train", f"folder not found ({trees['ade20k'] / 'images/train'}): expected "
+                 "ADEChallengeData2016's images/train/*.jpg under data.root (the split names a folder: training or "
+                 "validation)")
+
+    pairs = load(tmp_path, trees, "pairs").data
+    expect_error(pairs, "nosuch.txt", f"split not found ({trees['pairs'] / 'nosuch.txt'}): expected a list file of "
+                 "'image_path label_path' lines for split 'nosuch.txt' (relative to data.root)")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("photos/a/p0.png masks/p0_mask.png\nphotos/a/p1.png\n")
+    expect_error(pairs, str(bad), f"bad split line ({bad}:2): expected 'image_path label_path', "
+                 "got 'photos/a/p1.png'")
+    bad.write_text("photos/a/p0.png masks/none.png\n")
+    expect_error(pairs, str(bad), f"label not found ({trees['pairs'] / 'masks/none.png'}): expected the label PNG "
+                 f"of {bad}:1")
+    gone = config_lib.replace(load(tmp_path, trees, "pairs"), "data.root", tmp_path / "gone").data
+    expect_error(gone, "train.txt", f"data root not found (data.root): expected a pairs-layout folder, got "
+                 f"'{tmp_path / 'gone'}'")
+
+
+@pytest.mark.parametrize("layout, predict_from", [("cityscapes", "leftImg8bit/val/frankfurt"),
+                                                  ("ade20k", "images/validation")])
+def test_train_eval_predict(tmp_path, trees, layout, predict_from):
+    """seg-train, seg-eval and seg-predict on the layout as shipped (tiny model, 2 steps)."""
+    path = str(write_config(tmp_path, trees, layout))
+    run = tmp_path / "run"
+    assert cli.train_main(["--config", path, "--gpus", "1"]) == 0
+    assert tf.train.latest_checkpoint(str(run / "checkpoints")).endswith("ckpt-2")
+    assert cli.eval_main(["--config", path, "--gpus", "1", "--checkpoint", str(run)]) == 0
+    record = json.loads((run / "eval" / f"{SPLITS[layout][1]}-step2.json").read_text())
+    cfg = config_lib.load(path)
+    val = layouts.list_samples(cfg.data, cfg.data.val_split)
+    labels = np.concatenate([mapped(layout, s.label).ravel() for s in val])
+    # Every labelled pixel counted once, under its train id: the rows of the confusion matrix.
+    by_class = np.bincount(labels[labels != 255], minlength=cfg.data.num_classes)
+    np.testing.assert_array_equal(np.sum(record["confusion_matrix"], axis=1), by_class)
+    assert list(record["per_class_iou"])[:2] == class_names_of(cfg)[:2]
+
+    out = tmp_path / "pred"
+    inputs = trees[layout] / predict_from
+    assert cli.predict_main(["--config", path, "--gpus", "1", "--checkpoint", str(run), "--output", str(out),
+                             str(inputs)]) == 0
+    for image in sorted(inputs.iterdir()):
+        classes = np.array(Image.open(out / f"{image.stem}.png"))
+        assert classes.shape == (H, W) and classes.max() < cfg.data.num_classes
+
+
+def test_shipped_configs_load():
+    """Every config in configs/ loads; the two layout recipes resolve their classes from the layout."""
+    folder = Path(__file__).resolve().parents[1] / "configs"
+    cfgs = {p.stem: config_lib.load(p) for p in sorted(folder.glob("*.yaml"))}
+    assert {"cityscapes", "ade20k", "voc", "camvid", "demo"} <= set(cfgs)
+    cs, ade = cfgs["cityscapes"], cfgs["ade20k"]
+    assert (cs.data.layout, cs.data.num_classes, cs.data.crop_size, cs.data.batch_size) == ("cityscapes", 19,
+                                                                                          (769, 769), 8)
+    assert (cs.eval.mode, cs.eval.crop_size, cs.model.output_stride) == ("slide", (769, 769), 16)
+    assert cs.data.root == folder.parent / "data" / "cityscapes"
+    assert (ade.data.layout, ade.data.num_classes, ade.data.crop_size, ade.data.batch_size) == ("ade20k", 150,
+                                                                                              (512, 512), 16)
+    assert (ade.data.train_split, ade.data.val_split) == ("training", "validation")
+    assert ade.data.root == folder.parent / "data" / "ADEChallengeData2016"
