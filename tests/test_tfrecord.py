@@ -161,3 +161,62 @@ def test_make_tfrecords_script(voc, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tfrecords.py"), "--config", str(cfg),
                            "--split", "nope", "--output", str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---- reading them: data.format: tfrecord -----------------------------------------------------------
+
+def _readers(tmp_path, voc, out, split="train", **data):
+    from seg_train.data.reader import ImageReader
+    from tests.helpers import tiny_config
+
+    files = tiny_config(tmp_path / "files", data_root=voc, data=data)
+    recs = tiny_config(tmp_path / "recs", data_root=out, data={"format": "tfrecord", **data})
+    return ImageReader(files.data, split, seed=3), ImageReader(recs.data, split, seed=3)
+
+
+def test_the_stream_over_records_is_the_stream_over_the_files(voc, tmp_path):
+    # Same order, same augmentation, same batches (and so the same resume and 1 tower = N towers);
+    # the reference is the folder the records were written from, read by the files reader.
+    out = str(tmp_path / "out")
+    records.write_split(_samples(voc), out, "train", 2)
+    files, recs = _readers(tmp_path, voc, out)
+    assert [s.id for s in recs.samples] == [s.id for s in files.samples]
+    for start in (0, 3):
+        a = list(files.train_dataset(4, start, 2, end_step=start + 3).as_numpy_iterator())
+        b = list(recs.train_dataset(4, start, 2, end_step=start + 3).as_numpy_iterator())
+        assert len(a) == len(b) == 6
+        for (ia, la), (ib, lb) in zip(a, b):
+            np.testing.assert_array_equal(ia, ib)
+            np.testing.assert_array_equal(la, lb)
+    ea = list(files.eval_dataset().as_numpy_iterator())
+    eb = list(recs.eval_dataset().as_numpy_iterator())
+    for (ia, la, xa), (ib, lb, xb) in zip(ea, eb):
+        np.testing.assert_array_equal(ia, ib)
+        np.testing.assert_array_equal(la, lb)
+        assert xa == xb
+
+
+def test_records_from_another_writer_with_a_label_map_and_ram(voc, tmp_path):
+    out = "ram://tfrecord-test/mg"
+    tf.io.gfile.makedirs(out)
+    written = _model_garden_shard(f"{out}/val-00000-of-00001.tfrecord", voc)
+    # A label map applies to the records' raw values as to files: 0 -> 1, 1 -> 0, 2 -> 2, 255 stays ignored.
+    _, recs = _readers(tmp_path, voc, out, split="val", label_map={0: 1, 1: 0, 2: 2, 255: 255})
+    by_hand = np.array([1, 0, 2] + [0] * 252 + [255], np.uint8)
+    for i, (_, label) in enumerate(written):
+        image, got = recs.decode(i)
+        np.testing.assert_array_equal(got.numpy(), by_hand[label])
+
+
+def test_a_damaged_record_is_named(voc, tmp_path):
+    from seg_train.data.reader import BadSample
+
+    out = tmp_path / "out"
+    records.write_split(_samples(voc)[:2], str(out), "train", 1)
+    shard = out / "train-00000-of-00001.tfrecord"
+    data = bytearray(shard.read_bytes())
+    data[40:60] = b"\0" * 20  # inside the first record's protobuf / JPEG bytes; sizes unchanged
+    shard.write_bytes(bytes(data))
+    _, recs = _readers(tmp_path, voc, str(out))
+    with pytest.raises((BadSample, tf.errors.OpError), match=r"train-00000-of-00001.tfrecord\[s00\]"):
+        recs.decode(0)

@@ -181,6 +181,8 @@ def list_samples(data: DataConfig, split: str) -> list:
     # The reader (and TensorFlow with it) is imported here, not at the top: config.py imports this module.
     from seg_train.data import reader
 
+    if data.format == "tfrecord":
+        return _records(data, split)
     root = Path(data.root)
     if not root.is_dir():
         raise ConfigError("data root not found", "data.root",
@@ -190,8 +192,30 @@ def list_samples(data: DataConfig, split: str) -> list:
     return [reader.Sample(sid, str(image), str(label)) for sid, image, label in _LISTERS[data.layout](data, split)]
 
 
-def split_location(data: DataConfig, split: str) -> Path:
+def _records(data: DataConfig, split: str) -> list:
+    """data.format: tfrecord: one sample per record of the split's shards (data/records.py)."""
+    from seg_train.data import reader, records
+
+    pattern = records.split_pattern(str(data.root), split)
+    try:
+        found = records.load_records(pattern)
+    except FileNotFoundError:
+        raise ConfigError("split not found", pattern, f"TFRecord shards of split {split!r} "
+                          "(scripts/make_tfrecords.py writes <split>-NNNNN-of-MMMMM.tfrecord)") from None
+    except ValueError as e:  # the framing of a shard: truncated, or not a TFRecord file
+        raise ConfigError("unreadable TFRecord shard", pattern, str(e)) from None
+    if not found:
+        raise ConfigError("empty split", pattern, "at least one record")
+    # The record stands for both files: errors name it by shard and id.
+    return [reader.Sample(sid, f"{ref.shard}[{sid}]", f"{ref.shard}[{sid}]", ref) for sid, ref in found]
+
+
+def split_location(data: DataConfig, split: str) -> Path | str:
     """The file or folder that holds `split` (named when it is missing)."""
+    if data.format == "tfrecord":
+        from seg_train.data import records
+
+        return records.split_pattern(str(data.root), split)
     root = Path(data.root)
     if data.layout == "cityscapes":
         return root / "leftImg8bit" / split
@@ -206,4 +230,8 @@ def split_location(data: DataConfig, split: str) -> Path:
 def split_exists(data: DataConfig, split: str) -> bool:
     """Whether `split` is there to be read (optional splits are skipped with a message when it is not)."""
     where = split_location(data, split)
+    if data.format == "tfrecord":
+        from seg_train.data import records
+
+        return bool(records.shard_paths(where))
     return where.is_dir() if data.layout in ("cityscapes", "ade20k") else where.is_file()

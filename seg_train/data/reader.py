@@ -46,6 +46,8 @@ class Sample:
     id: str
     image: str
     label: str
+    # data.format: tfrecord: the record (records.RecordRef) holding both; image and label then name it.
+    record: object = None
 
 
 def split_file(root: Path, split: str) -> Path:

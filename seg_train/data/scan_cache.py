@@ -98,11 +98,15 @@ class Entry:
         names, files = hashlib.sha256(), hashlib.sha256()
         names.update(f"{FORMAT} {shard[0]} {shard[1]}\n".encode())
         newest = 0
+        stats = {}  # TFRecord samples share their shard's file: one stat per shard
         for s in samples:
-            for p in (s.image, s.label):
+            record = getattr(s, "record", None)
+            for p in (s.image, s.label) if record is None else (record.shard,):
                 names.update(p.encode("utf-8", "surrogateescape") + b"\0")
+                if record is not None:
+                    names.update(f"{record.offset} {record.length}\0".encode())
                 try:
-                    st = os.stat(p)
+                    st = stats.get(p) or stats.setdefault(p, os.stat(p))
                 except OSError as e:
                     files.update(f"{p}\0missing {e.errno}\n".encode("utf-8", "surrogateescape"))
                     continue
