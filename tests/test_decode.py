@@ -185,6 +185,30 @@ def test_bad_label_in_the_stream_is_named(tmp_path, defect, message):
     assert re.match(message.format(root=re.escape(str(root))), line), line
 
 
+def test_a_file_only_pillow_reads_is_decoded_by_pillow_with_a_warning(tmp_path, caplog):
+    """A PNG whose image-data CRC is wrong: libpng (TensorFlow) refuses it, Pillow (which skips that
+    CRC) reads it. The sample is Pillow's pixels, not an error nor a stand-in, and the slower path is
+    said once."""
+    root = tmp_path / "voc"
+    _voc(root, n=1)
+    rgb = _texture(20, 30, 5)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    at = data.index(b"IDAT")
+    data[at + 4 + int.from_bytes(data[at - 4:at], "big")] ^= 0xFF
+    (root / "JPEGImages" / "img0.png").write_bytes(bytes(data))
+    (root / "pairs.txt").write_text("JPEGImages/img0.png SegmentationClass/img0.png\n")
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tf.io.decode_png(bytes(data))
+    cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [20, 30], "random_scale": [1.0, 1.0],
+                                                      "random_mirror": False, "mean": [0, 0, 0], "std": [1, 1, 1]})
+    with caplog.at_level(logging.WARNING, "seg_train"):
+        image, _, _ = next(iter(ImageReader(cfg.data, "pairs.txt").eval_dataset(pad_to=1)))
+    np.testing.assert_array_equal(image.numpy()[0], rgb)
+    assert caplog.text.count("decoded it with Pillow instead") == 1, caplog.text
+
+
 # ---- a data root on a TensorFlow file system ----------------------------------------------------------
 def _ram_write(path, data):
     with tf.io.gfile.GFile(path, "wb") as f:
