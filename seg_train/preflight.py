@@ -128,7 +128,7 @@ def check_data_root(cfg: Config) -> None:
         check_synthetic_data(cfg)
         return
     if is_url(cfg.data.root):
-        return  # only TensorFlow's file systems can look: the reader checks it (reader.list_samples)
+        return  # only TensorFlow's file systems can look: the reader checks it (layouts.list_samples)
     root = Path(cfg.data.root)
     if not root.is_dir():
         raise ConfigError("data root not found", "data.root",

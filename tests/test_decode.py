@@ -3,6 +3,7 @@ load_sample for bad files, and a data root on a TensorFlow file system (ram://) 
 tf.io.gfile."""
 
 import io
+import os
 import logging
 import re
 import uuid
@@ -259,3 +260,81 @@ def test_url_paths_stay_urls_and_only_data_root_may_be_one(tmp_path):
         tiny_config(tmp_path, run_dir="gs://bucket/run")
     with pytest.raises(config_lib.ConfigError, match=r"^not a local path \(model\.backbone_weights\): "):
         config_lib.load(tmp_path / "config.yaml", ["model.backbone_weights=gs://b/w.h5"])
+
+
+def _copy_tree(src, dst: str) -> None:
+    for dirpath, _, names in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        target = dst if rel == "." else f"{dst}/{rel}"
+        tf.io.gfile.makedirs(target)
+        for name in names:
+            tf.io.gfile.copy(os.path.join(dirpath, name), f"{target}/{name}")
+
+
+def test_cityscapes_on_ram_lists_like_on_disk_and_maps_labels_in_the_graph(tmp_path, caplog):
+    """Cityscapes' layout on ram:// (listed with tf.io.gfile.glob) gives the samples the same tree gives on
+    disk; its labelIds reach the reader as train ids by the official table written out by hand, mapped by
+    TensorFlow: no sample falls back to Pillow (which would hide a wrong map in the graph, only slower).
+    A labelId with no mapping is named in one line, as load_sample names it."""
+    from seg_train.data import layouts
+    from tests.test_layouts import H, W, load, make_cityscapes, mapped
+
+    local = tmp_path / "cityscapes"
+    make_cityscapes(local, np.random.default_rng(0))
+    ram = f"ram://{uuid.uuid4().hex}/cityscapes"
+    _copy_tree(local, ram)
+    (tmp_path / "disk").mkdir()
+    on_disk = load(tmp_path / "disk", {"cityscapes": local}, "cityscapes")
+    cfg = load(tmp_path, {"cityscapes": ram}, "cityscapes", crop_size=[H, W], random_scale=[1.0, 1.0],
+               random_mirror=False)
+    assert cfg.data.root == ram
+    samples = layouts.list_samples(cfg.data, "train")
+    assert [(s.id, s.image, s.label) for s in samples] == [
+        (s.id, s.image.replace(str(local), ram), s.label.replace(str(local), ram))
+        for s in layouts.list_samples(on_disk.data, "train")]
+    assert layouts.split_exists(cfg.data, "val") and not layouts.split_exists(cfg.data, "nosuch")
+
+    reader = ImageReader(cfg.data, "train")
+    with caplog.at_level(logging.WARNING, "seg_train"):
+        for i, s in enumerate(reader.samples):
+            image, label = (t.numpy() for t in reader.decode(i))
+            local_label = s.label.replace(ram, str(local))
+            np.testing.assert_array_equal(label, mapped("cityscapes", local_label), err_msg=s.label)
+            with Image.open(s.image.replace(ram, str(local))) as im:
+                np.testing.assert_array_equal(image, np.asarray(im.convert("RGB")))
+        _, labels = _first_batch(reader, 3)
+    assert sorted(labels.reshape(3, -1).tolist()) == sorted(
+        mapped("cityscapes", s.label.replace(ram, str(local))).ravel().tolist() for s in reader.samples)
+    assert "decoded it with Pillow" not in caplog.text, caplog.text
+
+    line = _stream_error(ImageReader(cfg.data, "broken"))
+    assert line == (f"label values with no mapping ({ram}/gtFine/broken/aachen/aachen_000000_000019_gtFine_"
+                    "labelIds.png): expected raw values the label map covers, got [40]"), line
+
+
+def test_scan_cache_sees_a_changed_file_on_ram(tmp_path):
+    """The scan cache keys a ram:// file by tf.io.gfile.stat (os.stat cannot see it: every file would be
+    'missing' and the key the same whatever the bytes): a label rewritten with a bad value is scanned again
+    and reported, not read back as good from the cache."""
+    from seg_train.data.scan import scan_cached
+
+    ram = f"ram://{uuid.uuid4().hex}/voc"
+    labels = _voc(ram, n=2, write=_ram_write)
+    cfg = tiny_config(tmp_path, data_root=ram, data={"scan_cache_dir": str(tmp_path / "scans")})
+    reader = ImageReader(cfg.data, "train")
+    first = scan_cached(cfg, reader, "train")
+    assert first.cached is None and not first.bad
+    assert scan_cached(cfg, reader, "train").cached is not None  # unchanged: read from the cache
+
+    path = f"{ram}/SegmentationClass/img1.png"
+    before = tf.io.gfile.stat(path).length
+    bad = labels[1].copy()
+    bad[2:6, 3:9] = 7
+    buf = io.BytesIO()
+    save_index_png(buf, bad, voc_colormap())
+    tf.io.gfile.remove(path)  # ram:// appends to a file written again
+    _ram_write(path, buf.getvalue())
+    assert tf.io.gfile.stat(path).length != before  # ram:// has no mtime: the size is what changes
+    again = scan_cached(cfg, reader, "train")
+    assert again.cached is None
+    assert [problem.split(" (")[0] for _, problem in again.bad] == ["label values out of range"]
