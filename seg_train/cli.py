@@ -544,7 +544,8 @@ def bench_main(argv=None) -> int:
             result["config"], result["overrides"] = os.path.abspath(args.config), list(args.overrides)
             inp = result["input"]
             print(json.dumps(result) if args.json else
-                  f"input pipeline alone: {inp['images_per_sec']:.1f} images/s (global batch {result['global_batch']}, "
+                  f"input pipeline alone: {inp['images_per_sec']:.1f} images/s, {inp['cores_busy']:.2f} cores busy "
+                  f"(global batch {result['global_batch']}, "
                   f"data.cache {result['cache']}" + (f"; first pass {inp['first_pass_images_per_sec']:.1f} images/s, "
                   f"cache {inp['cache_mb']:.0f} MiB" if result["cache"] else "") + ")")
             return 0

@@ -29,13 +29,16 @@ class ConfigError(ValueError):
         super().__init__(f"{what} ({where}): {expected}")
 
 
-def _c(default=dataclasses.MISSING, *, check=None, path=False, choices=None, factory=None):
+def _c(default=dataclasses.MISSING, *, check=None, path=False, url=False, choices=None, factory=None):
     """A config field: default, an optional check(value) -> error string or None, path, choices.
+
+    A `path` is resolved against the config file's folder; with `url` it may also be a URL such as
+    gs://bucket/data (kept as the string it is: pathlib would make it gs:/bucket/data).
 
     What each key means is written once, in README.md's config table (tests/test_config_docs.py
     checks that every key has a row there and that every row names a key).
     """
-    meta = {"check": check, "path": path, "choices": choices}
+    meta = {"check": check, "path": path, "url": url, "choices": choices}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -71,9 +74,28 @@ def _label_value(v):
     return None if 0 <= v <= 255 else "an integer in [0, 255]"
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path) -> bool:
+    """Whether a configured path is a URL (`scheme://...`, a file system of a TensorFlow plugin)."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
+def _local_path(value, key: str, base_dir: Path, url_ok: bool):
+    """A configured path made absolute against `base_dir`; a URL as it is, where the key allows one."""
+    if is_url(value):
+        if not url_ok:
+            raise ConfigError("not a local path", key, f"expected a path on this machine (of the paths only "
+                              f"data.root may be a URL such as gs://bucket/data), got {value!r}")
+        return value
+    return Path(os.path.normpath(base_dir / Path(value).expanduser()))
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    root: Path = _c(check=None, path=True)
+    # A Path, or the str of a URL (gs://, s3://, ...): the reader reads it through tf.io.gfile.
+    root: Path = _c(check=None, path=True, url=True)
     layout: str = _c("voc", choices=("voc", "cityscapes", "ade20k", "pairs"))
     # Required unless the layout knows its classes (seg_train/data/layouts.py); resolve_defaults fills it.
     num_classes: Optional[int] = _c(None, check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]")
@@ -299,7 +321,7 @@ def _coerce(value, tp, key: str):
     if tp is Path:
         if not isinstance(value, str) or not value:
             raise bad
-        return Path(value)
+        return value if is_url(value) else Path(value)
     raise TypeError(f"unsupported config type {tp}")
 
 
@@ -340,7 +362,7 @@ def _build(cls, raw: Any, prefix: str, base_dir: Path):
                 raise ConfigError("invalid value" if isinstance(value, str) else "out of range", key,
                                   f"expected {problem}, got {_to_plain(value)!r}")
             if meta.get("path"):
-                value = Path(os.path.normpath(base_dir / Path(value).expanduser()))
+                value = _local_path(value, key, base_dir, meta.get("url"))
         kwargs[name] = value
     return cls(**kwargs)
 
@@ -430,9 +452,9 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
     cfg = _build(Config, raw, "", base_dir)
     for key, value in cli_paths.items():
         if key in ("run_dir", "data.root", "model.backbone_weights") and isinstance(value, str) and value:
-            cfg = replace(cfg, key, Path(os.path.normpath(cwd / Path(value).expanduser())))
+            cfg = replace(cfg, key, _local_path(value, key, cwd, key == "data.root"))
     if run_dir is not None:
-        cfg = replace(cfg, "run_dir", Path(os.path.normpath(cwd / run_dir)))
+        cfg = replace(cfg, "run_dir", _local_path(run_dir, "--run-dir", cwd, False))
     if cfg.run_dir is None:
         cfg = replace(cfg, "run_dir", Path(os.path.normpath(cwd / "runs" / path.stem)))
     return resolve_defaults(cfg)

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from seg_train.config import Config, ConfigError
+from seg_train.config import Config, ConfigError, is_url
 
 
 def _requirement(name: str) -> str:
@@ -109,6 +109,9 @@ def check_synthetic_data(cfg: Config) -> None:
     """With data.synthetic, the demo data set is either complete at data.root or can be generated there."""
     from seg_train.data.synthetic import COMPLETE_MARKER
 
+    if cfg.data.synthetic and is_url(cfg.data.root):
+        raise ConfigError("synthetic data on a URL", "data.root", f"a local folder for data.synthetic: true "
+                          f"(the demo set is written with local file operations), got {cfg.data.root!r}")
     root = Path(cfg.data.root)
     if not cfg.data.synthetic or (root / COMPLETE_MARKER).is_file():
         return
@@ -124,6 +127,8 @@ def check_data_root(cfg: Config) -> None:
     if cfg.data.synthetic:
         check_synthetic_data(cfg)
         return
+    if is_url(cfg.data.root):
+        return  # only TensorFlow's file systems can look: the reader checks it (layouts.list_samples)
     root = Path(cfg.data.root)
     if not root.is_dir():
         raise ConfigError("data root not found", "data.root",

@@ -136,6 +136,8 @@ def test_bench_input_only_with_cache(tiny_cfg):
     out = json.loads(r.stdout)
     assert out["cache"] is True and positive(out["input_images_per_sec"])
     assert positive(out["input"]["first_pass_images_per_sec"]) and positive(out["input"]["cache_mb"])
+    # CPU time over wall time of the timed windows: above 0, at most the cores the process may use.
+    assert 0 < out["input"]["cores_busy"] <= out["machine"]["usable_cpus"] * 1.05
     assert "towers" not in out  # nothing but the reader was run
 
 

@@ -9,6 +9,7 @@ because their pixel values are colours, not classes.
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 
 import numpy as np
@@ -96,14 +97,16 @@ def save_index_png(path: str | Path, label: np.ndarray, palette: np.ndarray) -> 
     img.save(path, format="PNG")
 
 
-def read_label(path: str | Path) -> np.ndarray:
+def read_label(path, name: str | None = None) -> np.ndarray:
     """Read a label PNG as class indices.
 
     For palette ('P') images the stored palette indices are returned, never
     the colours they are displayed with.
 
     Args:
-        path: a 'P', 'L' or 16/32-bit integer ('I;16', 'I') image.
+        path: a 'P', 'L' or 16/32-bit integer ('I;16', 'I') image: a file path
+            or a binary file object (e.g. the bytes of a file read elsewhere).
+        name: how messages name the file (default: ``path``).
 
     Returns:
         uint8 array [H, W].
@@ -111,36 +114,43 @@ def read_label(path: str | Path) -> np.ndarray:
     Raises:
         ValueError: for colour images, or integer images with values outside 0..255.
     """
+    name = path if name is None else name
     with Image.open(path) as img:
         mode = img.mode
         if mode in ("P", "L"):
             return np.array(img, dtype=np.uint8)
         if mode in ("RGB", "RGBA"):
             raise ValueError(
-                f"{path}: colour (RGB) label image; expected a palette ('P') or "
+                f"{name}: colour (RGB) label image; expected a palette ('P') or "
                 "single-channel ('L') PNG of class indices"
             )
         if mode == "I" or mode.startswith("I;16"):
             values = np.array(img)
             if values.size and (values.min() < 0 or values.max() > 255):
                 raise ValueError(
-                    f"{path}: {mode} label image holds values outside 0..255 "
+                    f"{name}: {mode} label image holds values outside 0..255 "
                     f"(min {values.min()}, max {values.max()}); expected class indices 0..255"
                 )
             return values.astype(np.uint8)
         raise ValueError(
-            f"{path}: unsupported label image mode {mode!r}; expected a palette ('P') "
+            f"{name}: unsupported label image mode {mode!r}; expected a palette ('P') "
             "or single-channel ('L') PNG of class indices"
         )
 
 
 def load_class_names(
-    root: str | Path | None, num_classes: int, names: list[str] | None = None
+    root: str | Path | None, num_classes: int, names: list[str] | None = None,
+    classes_txt: str | None = None,
 ) -> list[str]:
     """Return the names of the ``num_classes`` classes.
 
     Taken from ``names`` if given, else from ``root/classes.txt`` (one name per
     non-empty line) if that exists, else ``class_0 .. class_{n-1}``.
+
+    Args:
+        classes_txt: the text of ``root/classes.txt`` when the caller has read it
+            (the reader reads it through tf.io.gfile: this module stays free of
+            TensorFlow); None: read it here from a local ``root``, if it exists.
 
     Raises:
         ValueError: if ``names`` or classes.txt does not have exactly ``num_classes`` names.
@@ -151,10 +161,11 @@ def load_class_names(
             raise ValueError(f"got {len(names)} class names; expected num_classes={num_classes}")
         return names
     if root is not None:
-        path = Path(root) / "classes.txt"
-        if path.is_file():
-            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-            found = [line for line in lines if line]
+        path = posixpath.join(str(root), "classes.txt")  # a string: pathlib would mangle a URL root
+        if classes_txt is None and Path(path).is_file():
+            classes_txt = Path(path).read_text(encoding="utf-8")
+        if classes_txt is not None:
+            found = [line.strip() for line in classes_txt.splitlines() if line.strip()]
             if len(found) != num_classes:
                 raise ValueError(
                     f"{path}: has {len(found)} non-empty lines; expected one class name "

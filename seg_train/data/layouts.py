@@ -84,87 +84,119 @@ def builtin(layout: str) -> Builtin | None:
 
 
 # ---- listing ---------------------------------------------------------------------------------------------
+# Every look at the data goes through tf.io.gfile (data/files.py; imported in the functions, as TensorFlow
+# is, see list_samples), so data.root may be a URL (gs://...). Paths are strings: pathlib would mangle one.
 _CITYSCAPES_IMAGE, _CITYSCAPES_LABEL = "_leftImg8bit.png", "_gtFine_labelIds.png"
 
 
-def _folder(path: Path, expected: str) -> Path:
-    if not path.is_dir():
-        raise ConfigError("folder not found", str(path), expected)
+def _sorted(paths) -> list[str]:
+    """Paths in pathlib's order (by their parts: 'a/x' before 'a-b/x'), the order samples always had."""
+    return sorted(paths, key=lambda p: p.split("/"))
+
+
+def _folder(path: str, expected: str) -> str:
+    from seg_train.data import files
+    if not files.is_dir(path):
+        raise ConfigError("folder not found", path, expected)
     return path
 
 
-def _check_file(path: Path, data: DataConfig, what: str, expected: str) -> None:
-    """A missing file is named with its image at once (with on_bad_sample: skip, the scan drops the sample)."""
-    if data.on_bad_sample == "error" and not path.is_file():
-        raise ConfigError(f"{what} not found", str(path), expected)
+def _check_label(label: str, present: set[str], data: DataConfig, expected: str) -> None:
+    """A missing label is named with its image at once (with on_bad_sample: skip, the scan drops the sample).
+
+    `present`: the label folder's files, listed once (one listing, not a look per file on remote storage).
+    """
+    if data.on_bad_sample == "error" and label not in present:
+        raise ConfigError("label not found", label, expected)
 
 
-def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, Path, Path]]:
-    root = Path(data.root)
-    images = _folder(root / "leftImg8bit" / split,
+def _check_file(path: str, data: DataConfig, what: str, expected: str) -> None:
+    """As _check_label, for a file of a list (no folder to list: one look per file)."""
+    from seg_train.data import files
+    if data.on_bad_sample == "error" and not files.is_file(path):
+        raise ConfigError(f"{what} not found", path, expected)
+
+
+def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
+    import tensorflow as tf
+    from seg_train.data import files
+    root = str(data.root)
+    images = _folder(files.join(root, "leftImg8bit", split),
                      f"expected Cityscapes' leftImg8bit/{split}/<city>/*{_CITYSCAPES_IMAGE} under data.root "
                      "(the split names a folder: train, val or test)")
-    labels = _folder(root / "gtFine" / split,
+    labels = _folder(files.join(root, "gtFine", split),
                      f"expected Cityscapes' gtFine/{split}/<city>/*{_CITYSCAPES_LABEL} under data.root "
                      "(gtFine_trainvaltest.zip unpacked next to leftImg8bit)")
+    present = set(tf.io.gfile.glob(files.join(labels, "*", f"*{_CITYSCAPES_LABEL}")))
     out = []
-    for image in sorted(images.glob(f"*/*{_CITYSCAPES_IMAGE}")):
-        stem = image.name[:-len(_CITYSCAPES_IMAGE)]
-        label = labels / image.parent.name / f"{stem}{_CITYSCAPES_LABEL}"
-        _check_file(label, data, "label", f"expected the gtFine labelIds PNG of {image}")
+    for image in _sorted(tf.io.gfile.glob(files.join(images, "*", f"*{_CITYSCAPES_IMAGE}"))):
+        city, name = image.split("/")[-2:]
+        stem = name[:-len(_CITYSCAPES_IMAGE)]
+        label = files.join(labels, city, f"{stem}{_CITYSCAPES_LABEL}")
+        _check_label(label, present, data, f"expected the gtFine labelIds PNG of {image}")
         out.append((stem, image, label))
     if not out:
-        raise ConfigError("empty split", str(images), f"expected <city>/*{_CITYSCAPES_IMAGE} images")
+        raise ConfigError("empty split", images, f"expected <city>/*{_CITYSCAPES_IMAGE} images")
     return out
 
 
-def _ade20k(data: DataConfig, split: str) -> list[tuple[str, Path, Path]]:
-    root = Path(data.root)
-    images = _folder(root / "images" / split,
+def _ade20k(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
+    import tensorflow as tf
+    from seg_train.data import files
+    root = str(data.root)
+    images = _folder(files.join(root, "images", split),
                      f"expected ADEChallengeData2016's images/{split}/*.jpg under data.root "
                      "(the split names a folder: training or validation)")
-    labels = _folder(root / "annotations" / split,
+    labels = _folder(files.join(root, "annotations", split),
                      f"expected ADEChallengeData2016's annotations/{split}/*.png under data.root")
+    present = set(tf.io.gfile.glob(files.join(labels, "*.png")))
     out = []
-    for image in sorted(images.glob("*.jpg")):
-        label = labels / f"{image.stem}.png"
-        _check_file(label, data, "label", f"expected the annotation PNG of {image}")
-        out.append((image.stem, image, label))
+    for image in _sorted(tf.io.gfile.glob(files.join(images, "*.jpg"))):
+        stem = files.stem(image)
+        label = files.join(labels, f"{stem}.png")
+        _check_label(label, present, data, f"expected the annotation PNG of {image}")
+        out.append((stem, image, label))
     if not out:
-        raise ConfigError("empty split", str(images), "expected *.jpg images")
+        raise ConfigError("empty split", images, "expected *.jpg images")
     return out
 
 
-def _list_file(data: DataConfig, split: str) -> Path:
+def _list_file(data: DataConfig, split: str) -> str:
     """A pairs split: a list file, relative to data.root (or as given: absolute, or from the current folder)."""
-    for candidate in (Path(data.root) / split, Path(split)):
-        if candidate.is_file():
+    from seg_train.data import files
+    for candidate in (files.join(data.root, split), split):
+        if files.is_file(candidate):
             return candidate
-    return Path(data.root) / split
+    return files.join(data.root, split)
 
 
-def _pairs(data: DataConfig, split: str) -> list[tuple[str, Path, Path]]:
-    root = Path(data.root)
+def _pairs(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
+    from seg_train.data import files
+    root = str(data.root)
     path = _list_file(data, split)
-    if not path.is_file():
-        raise ConfigError("split not found", str(path),
+    if not files.is_file(path):
+        raise ConfigError("split not found", path,
                           f"expected a list file of 'image_path label_path' lines for split {split!r} "
                           "(relative to data.root)")
+    try:
+        text = files.read_text(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("cannot read split", path, f"a readable UTF-8 text file ({e})") from None
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts or parts[0].startswith("#"):
             continue
         if len(parts) != 2:
             raise ConfigError("bad split line", f"{path}:{lineno}", f"expected 'image_path label_path', got {line!r}")
         # A leading '/' means the data root, as in DeepLab-style list files.
-        image, label = (root / p.lstrip("/") for p in parts)
+        image, label = (files.join(root, p.lstrip("/")) for p in parts)
         _check_file(image, data, "image", f"expected the image file of {path}:{lineno}")
         _check_file(label, data, "label", f"expected the label PNG of {path}:{lineno}")
         # The id names the sample in messages and in the scan's skip list: its path, unique where a stem is not.
         out.append((str(Path(parts[0].lstrip("/")).with_suffix("")), image, label))
     if not out:
-        raise ConfigError("empty split", str(path), "expected at least one 'image_path label_path' line")
+        raise ConfigError("empty split", path, "expected at least one 'image_path label_path' line")
     return out
 
 
@@ -179,17 +211,17 @@ def list_samples(data: DataConfig, split: str) -> list:
         (with data.on_bad_sample: error) a label file the layout expects next to an image that is not there.
     """
     # The reader (and TensorFlow with it) is imported here, not at the top: config.py imports this module.
-    from seg_train.data import reader
+    from seg_train.data import files, reader
 
     if data.format == "tfrecord":
         return _records(data, split)
-    root = Path(data.root)
-    if not root.is_dir():
+    root = str(data.root)
+    if not files.is_dir(root):
         raise ConfigError("data root not found", "data.root",
-                          f"expected a {data.layout}-layout folder, got {str(root)!r}")
+                          f"expected a {data.layout}-layout folder, got {root!r}")
     if data.layout == "voc":
         return reader.list_samples(root, split)
-    return [reader.Sample(sid, str(image), str(label)) for sid, image, label in _LISTERS[data.layout](data, split)]
+    return [reader.Sample(sid, image, label) for sid, image, label in _LISTERS[data.layout](data, split)]
 
 
 def _records(data: DataConfig, split: str) -> list:
@@ -210,28 +242,29 @@ def _records(data: DataConfig, split: str) -> list:
     return [reader.Sample(sid, f"{ref.shard}[{sid}]", f"{ref.shard}[{sid}]", ref) for sid, ref in found]
 
 
-def split_location(data: DataConfig, split: str) -> Path | str:
+def split_location(data: DataConfig, split: str) -> str:
     """The file or folder that holds `split` (named when it is missing)."""
+    from seg_train.data import files
     if data.format == "tfrecord":
         from seg_train.data import records
 
         return records.split_pattern(str(data.root), split)
-    root = Path(data.root)
     if data.layout == "cityscapes":
-        return root / "leftImg8bit" / split
+        return files.join(data.root, "leftImg8bit", split)
     if data.layout == "ade20k":
-        return root / "images" / split
+        return files.join(data.root, "images", split)
     if data.layout == "pairs":
         return _list_file(data, split)
     from seg_train.data.reader import split_file  # TensorFlow: see list_samples
-    return split_file(root, split)
+    return split_file(data.root, split)
 
 
 def split_exists(data: DataConfig, split: str) -> bool:
     """Whether `split` is there to be read (optional splits are skipped with a message when it is not)."""
+    from seg_train.data import files
     where = split_location(data, split)
     if data.format == "tfrecord":
         from seg_train.data import records
 
         return bool(records.shard_paths(where))
-    return where.is_dir() if data.layout in ("cityscapes", "ade20k") else where.is_file()
+    return files.is_dir(where) if data.layout in ("cityscapes", "ade20k") else files.is_file(where)

@@ -9,11 +9,15 @@ Design (why it looks like this):
 - The global batch for step s is samples k = s*B .. s*B+B-1 whatever the tower count; each input
   pipeline (one per worker) emits its towers' slices of it in turn, which MirroredStrategy deals out
   round-robin to its towers (tf.distribute's `distribute_datasets_from_function` contract).
-- Labels are read with Pillow: `tf.io.decode_png` turns palette ('P') PNGs such as PASCAL VOC's into
-  colours or luminance, silently wrong class indices.
+- Files are decoded by TensorFlow's ops in the graph, off the GIL, with Pillow only where those ops
+  would give other pixels or classes than Pillow does (palette label PNGs such as PASCAL VOC's:
+  data/decode.py). A sample TensorFlow cannot decode or that fails a check (sizes, label map, label
+  values) is decoded again by `load_sample` (Pillow, full checks), which names the file in a BadSample
+  or, with data.on_bad_sample: skip, gives the stand-in. Every file is read through tf.io.gfile
+  (data/files.py), so data.root may be any file system TensorFlow has a plugin for.
 - The label map (labels.py: Cityscapes' ids, ADE20K's reduced zero, data.label_map) is applied in
-  `load_sample`, the one function every path decodes through (training, evaluation, the scan behind
-  --check-data and the class weights, precise BN), so all of them see the same train ids.
+  `load_sample`, which the scan behind --check-data and the class weights and data.cache decode
+  through, and in `_decode_files` (the same table, in the graph), so all of them see the same train ids.
 
 Also here, for every command that opens the configured data: `ensure_data` (generates the synthetic
 demo set when data.synthetic asks for it) and `class_names_of` (the class names, checked).
@@ -22,19 +26,20 @@ demo set when data.synthetic asks for it) and `class_names_of` (the class names,
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 
 from seg_train import preflight
 
-from seg_train.data import labels, layouts, synthetic
+from seg_train.data import decode as decoders, files, labels, layouts, synthetic
 from seg_train.config import Config, ConfigError, DataConfig
-from seg_train.data.label_images import load_class_names, read_label
+from seg_train.data.label_images import load_class_names
 
 log = logging.getLogger("seg_train")
 
@@ -50,41 +55,46 @@ class Sample:
     record: object = None
 
 
-def split_file(root: Path, split: str) -> Path:
+def split_file(root, split: str) -> str:
     """The file listing `split`: ImageSets/Segmentation/<split>.txt, or `split` itself as a list file."""
-    voc = Path(root) / SPLIT_DIR / f"{split}.txt"
-    if voc.is_file():
+    voc = files.join(root, SPLIT_DIR, f"{split}.txt")
+    if files.is_file(voc):
         return voc
-    for candidate in (Path(split), Path(root) / split):
-        if candidate.is_file():
+    for candidate in (split, files.join(root, split)):
+        if files.is_file(candidate):
             return candidate
     return voc
 
 
-def list_samples(root: Path, split: str) -> list[Sample]:
+def list_samples(root, split: str) -> list[Sample]:
     """Reads a split: one id per line (VOC), or `image label` path pairs (DrSleep-style list files).
 
     Paths in pair lists are relative to the data root (a leading '/' is treated as the root).
     """
-    root = Path(root)
-    if not root.is_dir():
-        raise ConfigError("data root not found", "data.root", f"expected a VOC-layout folder, got {str(root)!r}")
+    root = str(root)
+    if not files.is_dir(root):
+        raise ConfigError("data root not found", "data.root", f"expected a VOC-layout folder, got {root!r}")
     path = split_file(root, split)
-    if not path.is_file():
+    if not files.is_file(path):
         raise ConfigError("split not found", f"{path}", f"expected a split file for split {split!r} "
                           f"(ImageSets/Segmentation/{split}.txt under data.root, "
                           "or a list file of 'image label' pairs)")
+    try:
+        text = files.read_text(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("cannot read split", path, f"a readable UTF-8 text file ({e})") from None
     samples = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         parts = line.split()
         if not parts or parts[0].startswith("#"):
             continue
         if len(parts) == 1:
             sid = parts[0]
-            samples.append(Sample(sid, str(root / IMAGE_DIR / f"{sid}.jpg"), str(root / LABEL_DIR / f"{sid}.png")))
+            samples.append(Sample(sid, files.join(root, IMAGE_DIR, f"{sid}.jpg"),
+                                  files.join(root, LABEL_DIR, f"{sid}.png")))
         elif len(parts) == 2:
-            img, lbl = (root / p.lstrip("/") for p in parts)
-            samples.append(Sample(Path(img).stem, str(img), str(lbl)))
+            img, lbl = (files.join(root, p.lstrip("/")) for p in parts)
+            samples.append(Sample(files.stem(img), img, lbl))
         else:
             raise ConfigError("bad split line", f"{path}:{lineno}", f"expected an id or 'image label', got {line!r}")
     if not samples:
@@ -108,10 +118,12 @@ def class_names_of(cfg: Config) -> list[str]:
     names, own = cfg.data.class_names, layouts.builtin(cfg.data.layout)
     if names is None and own is not None and own.num_classes == cfg.data.num_classes:
         names = list(own.class_names)
+    path = files.join(cfg.data.root, "classes.txt")
     try:
-        return load_class_names(cfg.data.root, cfg.data.num_classes, names)
-    except ValueError as e:
-        where = "data.class_names" if cfg.data.class_names is not None else str(Path(cfg.data.root) / "classes.txt")
+        text = files.read_text(path) if names is None and files.is_file(path) else None
+        return load_class_names(cfg.data.root, cfg.data.num_classes, names, text)
+    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
+        where = "data.class_names" if cfg.data.class_names is not None else path
         raise ConfigError("wrong class names", where, str(e)) from None
 
 
@@ -128,19 +140,19 @@ class BadSample(ValueError):
 
 def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label: int,
                 label_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Decodes one sample with full checks, the label through `label_table` (labels.py; None: as stored).
+    """Decodes one sample with Pillow, with full checks, the label through `label_table` (labels.py; None:
+    as stored).
 
     Raises BadSample naming the file (and the raw values the table does not map).
     """
     try:
-        with Image.open(image_path) as im:
-            image = np.asarray(im.convert("RGB"))
+        image = decoders.pillow_rgb(files.read_bytes(image_path))
     except FileNotFoundError:
         raise BadSample(f"image not found ({image_path}): expected a readable JPEG/PNG image") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
         raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({e})") from None
     try:
-        label = read_label(label_path)
+        label = decoders.pillow_label(files.read_bytes(label_path), label_path)
     except FileNotFoundError:
         raise BadSample(f"label not found ({label_path}): expected a PNG of class indices") from None
     except ValueError as e:
@@ -149,7 +161,7 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
         raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({e})") from None
     if label.shape != image.shape[:2]:
         raise BadSample(f"label size differs from image ({label_path}): expected {image.shape[1]}x{image.shape[0]} "
-                        f"like {Path(image_path).name}, got {label.shape[1]}x{label.shape[0]}")
+                        f"like {posixpath.basename(image_path)}, got {label.shape[1]}x{label.shape[0]}")
     raw = label
     if label_table is not None:
         mapped = labels.apply(label_table, raw)
@@ -183,6 +195,7 @@ class ImageReader:
         self.label_table = labels.label_table(cfg)
         self.samples = layouts.list_samples(cfg, split)
         self._warned: set[str] = set()
+        self._fell_back = False
         self._lock = threading.Lock()
         # data.cache: decoded (image, label) by sample index. Decoding is a pure function of the
         # file, so a cached sample is the same array a fresh decode gives: the stream, resume and
@@ -227,12 +240,50 @@ class ImageReader:
             # resume stays exact; it contributes no loss.
             return np.zeros((8, 8, 3), np.uint8), np.full((8, 8), self.cfg.ignore_label, np.uint8)
 
-    def decode(self, index):
-        """Sample `index` -> (uint8 image [H, W, 3], uint8 label [H, W])."""
-        image, label = tf.numpy_function(self._decode_py, [index], [tf.uint8, tf.uint8], stateful=False)
+    def _decode_checked(self, index, fallback: bool):
+        """load_sample in tf.numpy_function (through data.cache when it is on)."""
+        def run(i):
+            out = self._decode_py(i)
+            if fallback and not self._fell_back and self.samples[int(i)].id not in self._warned:
+                self._fell_back = True  # once: a file system failing now and then would fill the log
+                log.warning("TensorFlow could not decode %s; decoded it with Pillow instead (slower)",
+                            self.samples[int(i)].image)
+            return out
+
+        image, label = tf.numpy_function(run, [index], [tf.uint8, tf.uint8], stateful=False)
         image.set_shape([None, None, 3])
         label.set_shape([None, None])
         return image, label
+
+    def _decode_files(self, image_path, label_path):
+        """TensorFlow's decode of one sample, with load_sample's checks as assertions."""
+        image = decoders.decode_image(tf.io.read_file(image_path))
+        label = decoders.decode_label(tf.io.read_file(label_path))
+        # The label map, then the range check: a raw value the map does not cover (NO_ID) fails it as
+        # an out-of-range value does, and load_sample then names the file and the value.
+        ids = labels.apply_tf(self.label_table, label)
+        in_range = ((ids >= 0) & (ids < self.cfg.num_classes)) | (ids == self.cfg.ignore_label)
+        checks = [tf.debugging.assert_equal(tf.shape(label), tf.shape(image)[:2]),
+                  tf.debugging.assert_equal(tf.reduce_all(in_range), True)]
+        with tf.control_dependencies(checks):
+            return tf.identity(image), tf.cast(ids, tf.uint8)
+
+    def decode(self, index):
+        """Sample `index` -> (uint8 image [H, W, 3], uint8 label [H, W]).
+
+        With data.cache: load_sample (Pillow) once per sample, then the cached arrays. Otherwise
+        TensorFlow's decoders, and load_sample only for a sample they fail on or that fails a check:
+        it then names the bad file in a BadSample, or gives the stand-in (data.on_bad_sample: skip).
+        The graph falls back through tf.data: an error empties the one-element dataset of the
+        TensorFlow decode (ignore_errors), and the load_sample dataset behind it is read instead.
+        """
+        if self._cache is not None:
+            return self._decode_checked(index, fallback=False)
+        index = tf.cast(index, tf.int64)
+        paths = tf.constant([[s.image, s.label] for s in self.samples])
+        fast = tf.data.Dataset.from_tensors(tf.gather(paths, index)).map(lambda p: self._decode_files(p[0], p[1]))
+        checked = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_checked(i, fallback=True))
+        return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
 
     def normalize(self, image):
         """uint8/float RGB -> float32 (x - mean) / std."""

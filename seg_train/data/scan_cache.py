@@ -7,7 +7,9 @@ files' bytes and of what the checks are. An entry is reused only when all of the
 - every image and label path of the list, with each file's size, st_mtime_ns, st_ctime_ns and inode
   (ctime and inode as well as mtime: `rsync -t`, `cp -p` or `tar x` can put new bytes behind an old
   mtime and size, and chmod makes an unreadable file readable, but all of them change the ctime or
-  inode, which no user call can set back); a missing file is recorded as missing;
+  inode, which no user call can set back); a missing file is recorded as missing. On a TensorFlow
+  file system (data.root gs://..., s3://...) tf.io.gfile.stat gives the size and mtime only (an
+  upload there sets a new mtime);
 - data.num_classes, data.ignore_label and the reader's label table (label maps);
 - the checking code itself (the source of the functions that decode and check a sample) and the
   versions of Pillow and TensorFlow, whose decoders decide what is readable;
@@ -63,7 +65,9 @@ def _checker_digest() -> str:
     """A hash of the code that decides a sample's result, so a changed check invalidates old entries."""
     from seg_train.data import label_images, reader, scan
     h = hashlib.sha256()
-    for fn in (scan._check, reader.load_sample, label_images.read_label):
+    from seg_train.data import decode, files
+    for fn in (scan._check, reader.load_sample, label_images.read_label, decode.pillow_rgb, decode.pillow_label,
+               files.read_bytes):
         try:
             h.update(inspect.getsource(fn).encode())
         except (OSError, TypeError):  # no source shipped: the package version stands in for it
@@ -78,6 +82,22 @@ def _versions() -> dict:
     tf = sys.modules.get("tensorflow")
     return {"pillow": PIL.__version__, "tensorflow": getattr(tf, "__version__", None),
             "max_image_pixels": Image.MAX_IMAGE_PIXELS, "load_truncated_images": bool(ImageFile.LOAD_TRUNCATED_IMAGES)}
+
+
+def _stat(path: str) -> tuple[int, int, int, int]:
+    """(size, mtime ns, ctime ns, inode) of a local file; (size, mtime ns, 0, 0) on a TensorFlow file system."""
+    from seg_train.config import is_url
+    if not is_url(path):
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+    import tensorflow as tf
+    try:
+        st = tf.io.gfile.stat(path)
+    except tf.errors.NotFoundError:
+        raise FileNotFoundError(2, "No such file or directory", path) from None
+    except tf.errors.OpError as e:
+        raise OSError(0, e.message) from None
+    return st.length, st.mtime_nsec, 0, 0
 
 
 @dataclass
@@ -106,13 +126,12 @@ class Entry:
                 if record is not None:
                     names.update(f"{record.offset} {record.length}\0".encode())
                 try:
-                    st = stats.get(p) or stats.setdefault(p, os.stat(p))
+                    size, mtime_ns, ctime_ns, inode = stats.get(p) or stats.setdefault(p, _stat(p))
                 except OSError as e:
                     files.update(f"{p}\0missing {e.errno}\n".encode("utf-8", "surrogateescape"))
                     continue
-                newest = max(newest, st.st_mtime_ns)
-                files.update(f"{p}\0{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {st.st_ino}\n"
-                             .encode("utf-8", "surrogateescape"))
+                newest = max(newest, mtime_ns)
+                files.update(f"{p}\0{size} {mtime_ns} {ctime_ns} {inode}\n".encode("utf-8", "surrogateescape"))
         table = None
         if label_table is not None:
             t = np.ascontiguousarray(label_table)

@@ -1,0 +1,91 @@
+"""Decoding image and label files: TensorFlow's decoders in the graph, Pillow for what they get wrong.
+
+The reader's training and evaluation streams decode with TensorFlow's ops, which run without the
+GIL on tf.data's threads. Each file's header picks the decoder:
+
+- images: JPEG -> `tf.io.decode_jpeg(dct_method="INTEGER_ACCURATE")`: libjpeg's accurate integer
+  IDCT, the one Pillow uses, so the pixels are Pillow's to the bit (TensorFlow's default, the fast
+  IDCT, differs by a few levels: data.cache, the pre-training scan and seg-predict decode with Pillow,
+  and all must see the same image). 8-bit grey/RGB/grey-alpha/RGBA PNG -> `tf.io.decode_png`.
+  Anything else (palette or 16-bit PNGs, BMP, GIF, TIFF, WebP) -> Pillow, as before.
+- labels: 8-bit single-channel PNG -> `tf.io.decode_png`. Palette ('P') PNGs such as PASCAL VOC's
+  -> Pillow: `tf.io.decode_png` expands a palette to colours (or, with channels=1, to luminance:
+  class 1 becomes 38), silently wrong classes. 16-bit and colour labels -> Pillow too, whose
+  `read_label` keeps or refuses them exactly as it always has.
+
+A PNG's kind is in its first 26 bytes: the signature, then the IHDR chunk, whose data starts with
+width and height (4 bytes each), then the bit depth (byte 24) and the colour type (byte 25: 0 grey,
+2 RGB, 3 palette, 4 grey-alpha, 6 RGBA).
+
+The Pillow decoders here (`pillow_rgb`, `pillow_label`) are also what `reader.load_sample` uses.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import tensorflow as tf
+from PIL import Image
+
+from seg_train.data.label_images import read_label
+
+_HEAD = 26
+_PNG_START = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x0dIHDR"  # signature, then IHDR's length and type
+_JPEG_START = b"\xff\xd8\xff"  # start-of-image marker, then the next marker's first byte
+_GREY, _RGB, _PALETTE, _GREY_ALPHA, _RGBA = 0, 2, 3, 4, 6
+
+
+def _as_bytes(data) -> bytes:
+    """tf.numpy_function hands a scalar string over as a 0-d object array or a numpy bytes scalar."""
+    return data.item() if isinstance(data, np.ndarray) else bytes(data)
+
+
+def pillow_rgb(data) -> np.ndarray:
+    """uint8 [H, W, 3] RGB from an encoded image, as Pillow decodes it (`convert("RGB")`)."""
+    with Image.open(io.BytesIO(_as_bytes(data))) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+def pillow_label(data, name: str = "label") -> np.ndarray:
+    """uint8 [H, W] class indices from an encoded label image (label_images.read_label's rules)."""
+    return read_label(io.BytesIO(_as_bytes(data)), name=name)
+
+
+def _header(contents):
+    """(is a JPEG, is a PNG, PNG bit depth, PNG colour type) from the first bytes of a file."""
+    head = tf.strings.substr(contents, 0, _HEAD)
+    # Padded so that a file shorter than the header is simply neither kind.
+    head = tf.io.decode_raw(tf.strings.substr(tf.strings.join([head, b"\x00" * _HEAD]), 0, _HEAD), tf.uint8)
+    is_jpeg = tf.reduce_all(tf.equal(head[:len(_JPEG_START)], tf.constant(list(_JPEG_START), tf.uint8)))
+    is_png = tf.reduce_all(tf.equal(head[:len(_PNG_START)], tf.constant(list(_PNG_START), tf.uint8)))
+    return is_jpeg, is_png, head[24], head[25]
+
+
+def _with_pillow(fn, contents, shape):
+    out = tf.numpy_function(fn, [contents], tf.uint8, stateful=False)
+    out.set_shape(shape)
+    return out
+
+
+def decode_image(contents):
+    """Encoded image bytes (scalar string tensor) -> uint8 [H, W, 3], the pixels Pillow gives."""
+    is_jpeg, is_png, depth, colour = _header(contents)
+    tf_png = is_png & tf.equal(depth, 8) & tf.reduce_any(
+        tf.equal(colour, tf.constant([_GREY, _RGB, _GREY_ALPHA, _RGBA], tf.uint8)))
+    return tf.cond(
+        is_jpeg,
+        lambda: tf.io.decode_jpeg(contents, channels=3, dct_method="INTEGER_ACCURATE"),
+        lambda: tf.cond(tf_png, lambda: tf.io.decode_png(contents, channels=3),
+                        lambda: _with_pillow(pillow_rgb, contents, [None, None, 3])))
+
+
+def decode_label(contents):
+    """Encoded label PNG bytes (scalar string tensor) -> uint8 [H, W] class indices as stored.
+
+    Raises (when run) an error for what `read_label` refuses (colour labels, 16-bit values above 255).
+    """
+    _, is_png, depth, colour = _header(contents)
+    grey8 = is_png & tf.equal(depth, 8) & tf.equal(colour, _GREY)
+    return tf.cond(grey8, lambda: tf.io.decode_png(contents, channels=1)[..., 0],
+                   lambda: _with_pillow(pillow_label, contents, [None, None]))

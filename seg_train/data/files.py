@@ -1,0 +1,53 @@
+"""File access for the data: every read goes through `tf.io.gfile`, so a data root on any file system
+TensorFlow has a plugin for (gs://, s3://, hdfs://, the in-memory ram:// the tests use) reads like a
+local folder.
+
+Paths are plain strings joined with '/': `pathlib.Path` would turn `gs://bucket/x` into
+`gs:/bucket/x`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+import tensorflow as tf
+
+
+def join(root, *parts: str) -> str:
+    """`root/part/...` as a string; a URL root keeps its `scheme://`."""
+    return posixpath.join(str(root), *parts)
+
+
+def stem(path: str) -> str:
+    """The file name without its folder and extension (`a/b/x.jpg` -> `x`)."""
+    return posixpath.splitext(posixpath.basename(path))[0]
+
+
+def is_dir(path) -> bool:
+    return tf.io.gfile.isdir(str(path))
+
+
+def is_file(path) -> bool:
+    path = str(path)
+    return tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path)
+
+
+def read_bytes(path) -> bytes:
+    """The whole file in one read (Pillow then decodes from memory, not through many small reads).
+
+    Raises:
+      FileNotFoundError: no such file.
+      OSError: any other failure of the file system (a folder, no permission, a network error).
+    """
+    try:
+        with tf.io.gfile.GFile(str(path), "rb") as f:
+            return f.read()
+    except tf.errors.NotFoundError:
+        raise FileNotFoundError(2, "No such file or directory", str(path)) from None
+    except tf.errors.OpError as e:
+        raise OSError(f"{e.message.splitlines()[0] if e.message else type(e).__name__}") from None
+
+
+def read_text(path) -> str:
+    """The file as UTF-8 text (errors as `read_bytes`; UnicodeDecodeError for bytes that are not UTF-8)."""
+    return read_bytes(path).decode("utf-8")
