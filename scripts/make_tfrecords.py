@@ -47,12 +47,12 @@ def main(argv=None) -> int:
     try:
         cfg = config_lib.load(args.config, args.overrides)
         from seg_train.data import records
-        from seg_train.data.reader import list_samples
+        from seg_train.data import layouts
         from seg_train.progress import progress_bar
 
         if cfg.data.format == "tfrecord":
             raise ConfigError("already TFRecords", "data.format", "a config that reads image and label files")
-        samples = [(s.id, s.image, s.label) for s in list_samples(cfg.data.root, args.split)]
+        samples = [(s.id, s.image, s.label) for s in layouts.list_samples(cfg.data, args.split)]
         shards = args.shards
         if shards <= 0:
             import tensorflow as tf

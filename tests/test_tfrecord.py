@@ -169,9 +169,12 @@ def _readers(tmp_path, voc, out, split="train", **data):
     from seg_train.data.reader import ImageReader
     from tests.helpers import tiny_config
 
-    files = tiny_config(tmp_path / "files", data_root=voc, data=data)
     recs = tiny_config(tmp_path / "recs", data_root=out, data={"format": "tfrecord", **data})
-    return ImageReader(files.data, split, seed=3), ImageReader(recs.data, split, seed=3)
+    recs = ImageReader(recs.data, split, seed=3)
+    if split != "train":  # the folder has only a train split
+        return None, recs
+    files = tiny_config(tmp_path / "files", data_root=voc, data=data)
+    return ImageReader(files.data, split, seed=3), recs
 
 
 def test_the_stream_over_records_is_the_stream_over_the_files(voc, tmp_path):
@@ -194,6 +197,7 @@ def test_the_stream_over_records_is_the_stream_over_the_files(voc, tmp_path):
         np.testing.assert_array_equal(ia, ib)
         np.testing.assert_array_equal(la, lb)
         assert xa == xb
+    assert not recs._fell_back  # TensorFlow's decoders read the records; Pillow was never needed
 
 
 def test_records_from_another_writer_with_a_label_map_and_ram(voc, tmp_path):
@@ -220,3 +224,35 @@ def test_a_damaged_record_is_named(voc, tmp_path):
     _, recs = _readers(tmp_path, voc, str(out))
     with pytest.raises((BadSample, tf.errors.OpError), match=r"train-00000-of-00001.tfrecord\[s00\]"):
         recs.decode(0)
+
+
+from tests.test_layouts import SPLITS, mapped, trees, write_config  # noqa: E402,F401 - the tiny Cityscapes tree
+
+
+def test_cityscapes_as_tfrecords_trains_and_evaluates(tmp_path, trees):  # noqa: F811
+    """The Cityscapes tree converted by the script, read with data.format: tfrecord: its own label map
+    applies to the records' raw labelIds; seg-train and seg-eval count every val pixel under its train id."""
+    import json
+
+    from seg_train import cli
+    from seg_train import config as config_lib
+    from seg_train.data import layouts
+
+    files_cfg = write_config(tmp_path, trees, "cityscapes")
+    out = tmp_path / "records"
+    for split in SPLITS["cityscapes"]:
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tfrecords.py"), "--config",
+                               str(files_cfg), "--split", split, "--output", str(out)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    (tmp_path / "rec").mkdir()
+    path = str(write_config(tmp_path / "rec", trees, "cityscapes", root=str(out), format="tfrecord"))
+    assert cli.train_main(["--config", path, "--gpus", "1", "--check-data"]) == 0
+    assert cli.train_main(["--config", path, "--gpus", "1"]) == 0
+    run = tmp_path / "rec" / "run"
+    assert cli.eval_main(["--config", path, "--gpus", "1", "--checkpoint", str(run)]) == 0
+    record = json.loads((run / "eval" / "val-step2.json").read_text())
+    cfg = config_lib.load(files_cfg)
+    val = layouts.list_samples(cfg.data, "val")
+    labels = np.concatenate([mapped("cityscapes", s.label).ravel() for s in val])
+    by_class = np.bincount(labels[labels != 255], minlength=19)
+    np.testing.assert_array_equal(np.sum(record["confusion_matrix"], axis=1), by_class)

@@ -138,21 +138,42 @@ class BadSample(ValueError):
         self.unmapped = unmapped or {}
 
 
+def record_contents(sample: Sample) -> tuple[bytes, bytes]:
+    """(encoded image, encoded label) of a data.format: tfrecord sample; BadSample naming the record."""
+    from seg_train.data import records
+
+    try:
+        image, label, _ = records.parse_example(records.read_record(sample.record))
+    except Exception as e:  # noqa: BLE001 - a damaged record: whatever protobuf or the file system raises
+        raise BadSample(f"unreadable record ({sample.image}): expected a tf.train.Example with an encoded image "
+                        f"and label ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return image, label
+
+
+def load(sample: Sample, num_classes: int, ignore_label: int,
+         label_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """load_sample of a Sample: its files, or its record (data.format: tfrecord)."""
+    contents = record_contents(sample) if sample.record is not None else None
+    return load_sample(sample.image, sample.label, num_classes, ignore_label, label_table, contents)
+
+
 def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label: int,
-                label_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                label_table: np.ndarray | None = None,
+                contents: tuple[bytes, bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Decodes one sample with Pillow, with full checks, the label through `label_table` (labels.py; None:
-    as stored).
+    as stored). `contents`: the encoded image and label when they do not come from the two files (a
+    TFRecord's; the paths then only name the sample in messages).
 
     Raises BadSample naming the file (and the raw values the table does not map).
     """
     try:
-        image = decoders.pillow_rgb(files.read_bytes(image_path))
+        image = decoders.pillow_rgb(contents[0] if contents else files.read_bytes(image_path))
     except FileNotFoundError:
         raise BadSample(f"image not found ({image_path}): expected a readable JPEG/PNG image") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
         raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({e})") from None
     try:
-        label = decoders.pillow_label(files.read_bytes(label_path), label_path)
+        label = decoders.pillow_label(contents[1] if contents else files.read_bytes(label_path), label_path)
     except FileNotFoundError:
         raise BadSample(f"label not found ({label_path}): expected a PNG of class indices") from None
     except ValueError as e:
@@ -228,7 +249,7 @@ class ImageReader:
     def _decode_uncached(self, index: int):
         s = self.samples[index]
         try:
-            return load_sample(s.image, s.label, self.cfg.num_classes, self.cfg.ignore_label, self.label_table)
+            return load(s, self.cfg.num_classes, self.cfg.ignore_label, self.label_table)
         except BadSample as e:
             if self.cfg.on_bad_sample == "error":
                 raise
@@ -257,8 +278,27 @@ class ImageReader:
 
     def _decode_files(self, image_path, label_path):
         """TensorFlow's decode of one sample, with load_sample's checks as assertions."""
-        image = decoders.decode_image(tf.io.read_file(image_path))
-        label = decoders.decode_label(tf.io.read_file(label_path))
+        return self._decode_contents(tf.io.read_file(image_path), tf.io.read_file(label_path))
+
+    def _read_record(self, index):
+        """The serialized record of sample `index` (data.format: tfrecord), read at its offset.
+
+        A numpy_function: TensorFlow has no op that reads a byte range of a file. It holds the GIL only
+        to start the read (tf.io.gfile's read releases it); parsing and decoding stay in the graph.
+        """
+        from seg_train.data import records
+
+        def read(i):
+            return records.read_record(self.samples[int(i)].record)
+
+        data = tf.numpy_function(read, [index], tf.string, stateful=False)
+        data.set_shape([])
+        return records.parse_example_tf(data)
+
+    def _decode_contents(self, image_contents, label_contents):
+        """TensorFlow's decode of encoded image and label bytes, with load_sample's checks as assertions."""
+        image = decoders.decode_image(image_contents)
+        label = decoders.decode_label(label_contents)
         # The label map, then the range check: a raw value the map does not cover (NO_ID) fails it as
         # an out-of-range value does, and load_sample then names the file and the value.
         ids = labels.apply_tf(self.label_table, label)
@@ -280,8 +320,12 @@ class ImageReader:
         if self._cache is not None:
             return self._decode_checked(index, fallback=False)
         index = tf.cast(index, tf.int64)
-        paths = tf.constant([[s.image, s.label] for s in self.samples])
-        fast = tf.data.Dataset.from_tensors(tf.gather(paths, index)).map(lambda p: self._decode_files(p[0], p[1]))
+        if self.cfg.format == "tfrecord":
+            fast = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_contents(*self._read_record(i)))
+        else:
+            paths = tf.constant([[s.image, s.label] for s in self.samples])
+            fast = tf.data.Dataset.from_tensors(tf.gather(paths, index)).map(
+                lambda p: self._decode_files(p[0], p[1]))
         checked = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_checked(i, fallback=True))
         return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
 

@@ -22,7 +22,7 @@ from seg_train import losses
 from seg_train.progress import progress_bar, shown
 from seg_train.config import Config, ConfigError
 from seg_train.data import scan_cache
-from seg_train.data.reader import BadSample, ImageReader, Sample, load_sample
+from seg_train.data.reader import BadSample, ImageReader, Sample, load
 
 log = logging.getLogger("seg_train")
 
@@ -45,7 +45,7 @@ class ScanReport:
 
 def _check(sample: Sample, num_classes: int, ignore_label: int, label_table):
     try:
-        _, label = load_sample(sample.image, sample.label, num_classes, ignore_label, label_table)
+        _, label = load(sample, num_classes, ignore_label, label_table)
     except BadSample as e:
         return sample, e, None
     except MemoryError:
