@@ -157,7 +157,7 @@ def test_missing_file_is_named_in_one_line_and_skip_gives_the_stand_in(tmp_path,
     assert (labels[order.index(bad)] == 255).all()
     assert not (labels[order.index(1 - bad)] == 255).all()
     assert re.search(r"skipping bad sample .*image not found \(.*img1\.jpg\)", caplog.text), caplog.text
-    assert "decoded it with Pillow" not in caplog.text  # a stand-in is not a successful fallback
+    assert "decoded them with Pillow" not in caplog.text  # a stand-in is not a successful fallback
 
 
 @pytest.mark.parametrize("defect, message", [
@@ -166,7 +166,7 @@ def test_missing_file_is_named_in_one_line_and_skip_gives_the_stand_in(tmp_path,
     ("label_values", r"label values out of range \({root}/SegmentationClass/img0.png\): expected values in "
                      r"\[0, 3\) or 255, got \[7\]"),
     ("label_rgb", r"bad label \({root}/SegmentationClass/img0.png\): colour \(RGB\) label image"),
-])
+], ids=["label_larger", "label_values", "label_rgb"])
 def test_bad_label_in_the_stream_is_named(tmp_path, defect, message):
     """What load_sample refuses, the TensorFlow decode refuses too. Fails for a label larger than its
     image cropped silently (misaligned classes), or label values >= num_classes trained on."""
@@ -207,7 +207,7 @@ def test_a_file_only_pillow_reads_is_decoded_by_pillow_with_a_warning(tmp_path, 
     with caplog.at_level(logging.WARNING, "seg_train"):
         image, _, _ = next(iter(ImageReader(cfg.data, "pairs.txt").eval_dataset(pad_to=1)))
     np.testing.assert_array_equal(image.numpy()[0], rgb)
-    assert caplog.text.count("decoded it with Pillow instead") == 1, caplog.text
+    assert caplog.text.count("decoded them with Pillow instead") == 1, caplog.text
 
 
 # ---- a data root on a TensorFlow file system ----------------------------------------------------------
@@ -305,7 +305,7 @@ def test_cityscapes_on_ram_lists_like_on_disk_and_maps_labels_in_the_graph(tmp_p
         _, labels = _first_batch(reader, 3)
     assert sorted(labels.reshape(3, -1).tolist()) == sorted(
         mapped("cityscapes", s.label.replace(ram, str(local))).ravel().tolist() for s in reader.samples)
-    assert "decoded it with Pillow" not in caplog.text, caplog.text
+    assert "decoded them with Pillow" not in caplog.text, caplog.text
 
     line = _stream_error(ImageReader(cfg.data, "broken"))
     assert line == (f"label values with no mapping ({ram}/gtFine/broken/aachen/aachen_000000_000019_gtFine_"

@@ -267,8 +267,9 @@ class ImageReader:
             out = self._decode_py(i)
             if fallback and not self._fell_back and self.samples[int(i)].id not in self._warned:
                 self._fell_back = True  # once: a file system failing now and then would fill the log
-                log.warning("TensorFlow could not decode %s; decoded it with Pillow instead (slower)",
-                            self.samples[int(i)].image)
+                s = self.samples[int(i)]
+                log.warning("TensorFlow could not decode %s, %s; decoded them with Pillow instead (slower)",
+                            s.image, s.label)
             return out
 
         image, label = tf.numpy_function(run, [index], [tf.uint8, tf.uint8], stateful=False)
