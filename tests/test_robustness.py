@@ -667,14 +667,14 @@ def test_scan_names_the_file_whatever_the_decoder_raises(monkeypatch, demo_root)
     from seg_train.data.reader import list_samples
 
     samples = list_samples(demo_root, "val")
-    real = scan.load_sample
+    real = scan.load
 
-    def flaky(image, label, *rest):
-        if image == samples[1].image:
+    def flaky(sample, *rest):
+        if sample.image == samples[1].image:
             raise ValueError("tile cannot extend outside image")  # what Pillow raises on some corrupt headers
-        return real(image, label, *rest)
+        return real(sample, *rest)
 
-    monkeypatch.setattr(scan, "load_sample", flaky)
+    monkeypatch.setattr(scan, "load", flaky)
     report = scan.scan(samples, 3, 255)
     assert [s.id for s, _ in report.bad] == [samples[1].id]
     assert report.bad[0][1].startswith(f"unreadable sample ({samples[1].image}, {samples[1].label}): expected")
