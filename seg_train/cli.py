@@ -305,9 +305,18 @@ def train_main(argv=None) -> int:
     return run_guarded(main, args, end_process=argv is None)
 
 
-def _checkpoint_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, metavar="CKPT_OR_RUN_DIR",
-                        help="a run dir (newest checkpoint), its checkpoints/ or best/ folder, or a checkpoint prefix")
+def _checkpoint_arg(parser: argparse.ArgumentParser, model_flag: bool = False) -> None:
+    help_ = "a run dir (newest checkpoint), its checkpoints/ or best/ folder, or a checkpoint prefix"
+    if not model_flag:
+        parser.add_argument("--checkpoint", required=True, metavar="CKPT_OR_RUN_DIR", help=help_)
+        return
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help=help_)
+    which.add_argument("--model", metavar="FILE.tflite",
+                       help="a .tflite file (seg-export --format tflite), run in LiteRT's interpreter "
+                            "(needs pip install 'seg-train[tflite]')")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="LiteRT interpreter threads with --model (default 1)")
 
 
 def _precheck_checkpoint(path: str) -> None:
@@ -318,7 +327,18 @@ def _precheck_checkpoint(path: str) -> None:
                           "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
 
 
-def _checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fast, run) -> int:
+def _precheck_model(args) -> None:
+    """--model: the file exists and LiteRT is installed, before TensorFlow's slow import."""
+    from pathlib import Path
+    from seg_train.infer.litert import interpreter_class
+    if not Path(args.model).is_file():
+        raise ConfigError("model file not found", args.model, "a .tflite file (seg-export --format tflite)")
+    if args.threads < 1:
+        raise ConfigError("invalid --threads", "--threads", f"a positive number of threads, got {args.threads}")
+    interpreter_class("--model")
+
+
+def _checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fast, run, run_model=None) -> int:
     """seg-eval, seg-predict and seg-export: a config, towers and CKPT_OR_RUN_DIR.
 
     Args:
@@ -326,15 +346,26 @@ def _checkpoint_command(argv, prog: str, description: str, add_arguments, fail_f
       fail_fast: checks the command's arguments before TensorFlow's slow start (then the checkpoint
         path is checked the same way).
       run: run(cfg, strategy, args), the command itself.
+      run_model: run_model(cfg, args) for --model FILE.tflite (None: the command has no --model).
+        LiteRT runs the file; no towers are set up.
     """
     parser = argparse.ArgumentParser(prog=prog, description=description)
     _common(parser)
-    _checkpoint_arg(parser)
+    _checkpoint_arg(parser, model_flag=run_model is not None)
     add_arguments(parser)
     args = parser.parse_args(argv)
 
     def main(args):
         fail_fast(args)
+        if getattr(args, "model", None) is not None:
+            _precheck_model(args)
+            from seg_train import config as config_lib
+            setup_logging(args.debug)
+            cfg = config_lib.load(args.config, args.overrides)
+            preflight.for_evaluation(cfg)
+            import_tensorflow(args.debug)  # the reader lists and opens files through tf.io.gfile
+            run_model(cfg, args)
+            return 0
         _precheck_checkpoint(args.checkpoint)
         cfg, strategy = _setup(args, checks=preflight.for_evaluation)
         run(cfg, strategy, args)
@@ -343,17 +374,35 @@ def _checkpoint_command(argv, prog: str, description: str, add_arguments, fail_f
     return run_guarded(main, args, end_process=argv is None)
 
 
+def _print_json(record: dict) -> None:
+    """--json: the record as one line, the last of stdout."""
+    import json
+    sys.stdout.flush()
+    print(json.dumps(record), flush=True)
+
+
 def eval_main(argv=None) -> int:
     def add_arguments(parser):
         parser.add_argument("--split", help="split to evaluate (default: data.val_split)")
+        parser.add_argument("--json", action="store_true",
+                            help="print the evaluation record (the JSON file's object) as the last line of stdout")
 
     def run(cfg, strategy, args):
         from seg_train.infer.eval_checkpoint import run_eval
-        run_eval(cfg, strategy, args.checkpoint, args.split)
+        record = run_eval(cfg, strategy, args.checkpoint, args.split)
+        if args.json:
+            _print_json(record)
+
+    def run_model(cfg, args):
+        from seg_train.infer.litert import run_eval_tflite
+        record = run_eval_tflite(cfg, args.model, args.split, args.threads)
+        if args.json:
+            _print_json(record)
 
     return _checkpoint_command(
-        argv, "seg-eval", "Evaluate a checkpoint at full resolution: per-class IoU, mIoU, pixel accuracy. "
-        "Writes RUN_DIR/eval/<split>-step<k>.json.", add_arguments, lambda args: None, run)
+        argv, "seg-eval", "Evaluate a checkpoint at full resolution, or a .tflite file in LiteRT: per-class IoU, "
+        "mIoU, pixel accuracy. Writes RUN_DIR/eval/<split>-step<k>.json (a checkpoint) or "
+        "FILE.eval-<split>.json beside FILE.tflite.", add_arguments, lambda args: None, run, run_model)
 
 
 def predict_main(argv=None) -> int:
@@ -371,28 +420,75 @@ def predict_main(argv=None) -> int:
         from seg_train.infer.predict import run_predict
         run_predict(cfg, strategy, args.checkpoint, args.inputs, args.output)
 
+    def run_model(cfg, args):
+        from seg_train.infer.litert import run_predict_tflite
+        run_predict_tflite(cfg, args.model, args.inputs, args.output, args.threads)
+
     return _checkpoint_command(
-        argv, "seg-predict", "Segment whole images (each in one pass: any size that fits in memory): <name>.png "
-        "(palette PNG of class indices, original size) and <name>_overlay.jpg for each input.",
-        add_arguments, fail_fast, run)
+        argv, "seg-predict", "Segment whole images (each in one pass: any size that fits in memory; with --model, "
+        "resized to the .tflite file's input size and back): <name>.png (palette PNG of class indices, original "
+        "size) and <name>_overlay.jpg for each input.", add_arguments, fail_fast, run, run_model)
 
 
 def export_main(argv=None) -> int:
     def add_arguments(parser):
-        parser.add_argument("--output", required=True, metavar="DIR", help="SavedModel folder (new or empty)")
-        parser.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+        parser.add_argument("--output", required=True, metavar="DIR|FILE.tflite",
+                            help="SavedModel folder (new or empty), or the .tflite file with --format tflite")
+        parser.add_argument("--force", action="store_true", help="replace a non-empty output folder or a file")
+        parser.add_argument("--format", choices=("savedmodel", "tflite"), default="savedmodel",
+                            help="savedmodel (any image size, the eval.* inference modes; default) or tflite "
+                                 "(a fixed input size, one pass, for LiteRT)")
+        parser.add_argument("--input-size", type=int, nargs=2, metavar=("H", "W"),
+                            help="tflite: the model's input size (default: eval.crop_size, else data.crop_size)")
+        parser.add_argument("--quantize", choices=("none", "float16", "int8"), default="none",
+                            help="tflite: float32 (none, default), float16 weights, or full-integer int8 "
+                                 "(calibrated on training images)")
+        parser.add_argument("--calibration-images", type=int, default=200, metavar="N",
+                            help="tflite int8: training images to calibrate on (default 200)")
+        parser.add_argument("--probabilities", action="store_true",
+                            help="tflite: also output the softmax [1, H, W, C] beside the class map")
+        parser.add_argument("--check", action="store_true",
+                            help="tflite: evaluate the file (and, if quantized, the float32 conversion) in LiteRT "
+                                 "on data.val_split and print mIoU, size and latency side by side")
+        parser.add_argument("--threads", type=int, default=1, help="tflite --check: LiteRT threads (default 1)")
 
     def fail_fast(args):
+        if args.format == "tflite":
+            from seg_train.infer.tflite_export import check_output_file
+            check_output_file(args.output, args.force)
+            if args.check:
+                from seg_train.infer.litert import interpreter_class
+                interpreter_class("seg-export --check")
+            if args.calibration_images < 1:
+                raise ConfigError("invalid --calibration-images", "--calibration-images",
+                                  f"a positive number of images, got {args.calibration_images}")
+            if args.threads < 1:
+                raise ConfigError("invalid --threads", "--threads", f"a positive number of threads, got {args.threads}")
+            return
+        given = [flag for flag, value in (("--input-size", args.input_size), ("--quantize", args.quantize != "none"),
+                                          ("--probabilities", args.probabilities), ("--check", args.check))
+                 if value]
+        if given:
+            raise ConfigError(f"{given[0]} needs --format tflite", given[0],
+                              "--format tflite (the SavedModel takes any image size, in float32)")
         from seg_train.infer.export import check_output
         check_output(args.output, args.force)
 
     def run(cfg, strategy, args):
+        if args.format == "tflite":
+            from seg_train.infer.tflite_export import run_export_tflite
+            run_export_tflite(cfg, strategy, args.checkpoint, args.output, force=args.force, size=args.input_size,
+                              quantize=args.quantize, calibration_images=args.calibration_images,
+                              probabilities=args.probabilities, check=args.check, threads=args.threads)
+            return
         from seg_train.infer.export import run_export
         run_export(cfg, strategy, args.checkpoint, args.output, args.force)
 
     return _checkpoint_command(
         argv, "seg-export", "Export a checkpoint as a SavedModel: serving_default(image uint8 [height, width, 3]) "
-        "-> classes [height, width], preprocessing inside the graph.", add_arguments, fail_fast, run)
+        "-> classes [height, width], preprocessing inside the graph; or with --format tflite as one .tflite file "
+        "(uint8 [1, H, W, 3] -> classes uint8 [1, H, W]; float32, float16 or int8) for LiteRT.",
+        add_arguments, fail_fast, run)
 
 
 def check_data_main(args) -> int:

@@ -129,22 +129,28 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     # As in seg-eval and seg-export, so predictions match the exported model and the eval numbers.
     maybe_reestimate_bn(state, cfg, progress)
     module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval)
-    palette = voc_colormap()
-    out.mkdir(parents=True, exist_ok=True)
-
-    written = []
-    bar = progress_bar(len(files), "predict", enabled=progress)
-    for f in files:
-        with Image.open(f) as im:
-            image = np.asarray(im.convert("RGB"))
-        classes = module.serve(tf.constant(image))["classes"].numpy()
-        mask_path = out / f"{f.stem}.png"
-        _write_atomic(mask_path, functools.partial(save_index_png, label=classes, palette=palette))
-        blended = Image.fromarray(overlay(image, classes, palette))
-        _write_atomic(out / f"{f.stem}_overlay.jpg", functools.partial(blended.save, format="JPEG", quality=90))
-        written.append(mask_path)
-        bar.update(1)
-    bar.close()
+    written = write_predictions(files, out, lambda image: module.serve(tf.constant(image))["classes"].numpy(),
+                                progress)
     print(f"wrote {len(written)} class-index PNG(s) and {len(written)} overlay(s) to {out} "
           f"(step {step}, {prefix})")
+    return written
+
+
+def write_predictions(files, out: Path, classes_of, progress: bool = True) -> list[Path]:
+    """For each image file: `classes_of(uint8 [h, w, 3])` -> class map [h, w], written as <stem>.png and
+    <stem>_overlay.jpg in `out`. Returns the PNG paths in input order."""
+    palette = voc_colormap()
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with progress_bar(len(files), "predict", enabled=progress) as bar:
+        for f in files:
+            with Image.open(f) as im:
+                image = np.asarray(im.convert("RGB"))
+            classes = classes_of(image)
+            mask_path = out / f"{f.stem}.png"
+            _write_atomic(mask_path, functools.partial(save_index_png, label=classes, palette=palette))
+            blended = Image.fromarray(overlay(image, classes, palette))
+            _write_atomic(out / f"{f.stem}_overlay.jpg", functools.partial(blended.save, format="JPEG", quality=90))
+            written.append(mask_path)
+            bar.update(1)
     return written

@@ -1,0 +1,254 @@
+""".tflite files run the way an app runs them: LiteRT's Python interpreter (the `ai-edge-litert` package).
+
+What seg-eval --model and seg-predict --model do with a file, and what seg-export --check measures:
+- the interpreter is LiteRT's own (`ai_edge_litert.interpreter.Interpreter`, with its default XNNPACK
+  delegate), not TensorFlow's: the runtime a phone or a server without TensorFlow has. It is an
+  optional extra (`pip install 'seg-train[tflite]'`); without it these commands stop with one line.
+- the model takes one uint8 RGB image [1, H, W, 3] (normalisation is inside it) and gives the class
+  map [1, H, W] (or scores [1, H, W, C], whose argmax is taken here). An image of another size is
+  resized to H x W with Pillow's BILINEAR filter, and the class map back to the image's size with
+  NEAREST; an image already H x W is not resized. Pillow because the reader and seg-predict decode
+  with it, and it is what a Python app has at hand (`RESIZE` says so in every JSON record).
+- latency is the wall time of `interpreter.invoke()` alone (not decoding or resizing), per image,
+  after one warm-up call on a blank image; the JSON gives its median, mean and 90th percentile.
+
+Evaluation decodes each sample with Pillow (reader.load: the same decode and label map as the
+checkpoint's evaluation) and counts (label, prediction) pairs in one confusion matrix, skipping
+data.ignore_label; the metrics are metrics.compute_metrics', so the table and the JSON keys are those
+of a checkpoint's evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from seg_train.config import Config, ConfigError
+
+log = logging.getLogger("seg_train")
+
+RESIZE = ("Pillow: the image BILINEAR to the model's input size, the class map NEAREST back to the image's "
+          "size; neither where the image already has the input size")
+INSTALL_HINT = "pip install 'seg-train[tflite]' (LiteRT's interpreter, the ai-edge-litert package)"
+
+
+def interpreter_class(where: str):
+    """LiteRT's Interpreter class; a one-line ConfigError naming `where` when ai-edge-litert is missing."""
+    try:
+        from ai_edge_litert.interpreter import Interpreter
+    except ImportError:
+        raise ConfigError("ai-edge-litert is not installed", where, INSTALL_HINT) from None
+    return Interpreter
+
+
+def sidecar_path(model_path: str | os.PathLike) -> Path:
+    """model.tflite -> model.json: what seg-export writes beside the file."""
+    return Path(model_path).with_suffix(".json")
+
+
+def read_sidecar(model_path: str | os.PathLike) -> dict | None:
+    """The export's JSON beside the file, or None (a file from another tool has none)."""
+    import json
+
+    path = sidecar_path(model_path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        log.warning("ignoring %s: not a JSON file", path)
+        return None
+    return data if isinstance(data, dict) and data.get("format") == "tflite" else None
+
+
+def to_input_size(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 [h, w, 3] -> [height, width, 3]: Pillow BILINEAR, or the image itself if already that size."""
+    if image.shape[:2] == (height, width):
+        return image
+    return np.asarray(Image.fromarray(image).resize((width, height), Image.BILINEAR))
+
+
+def to_image_size(classes: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 class map -> [height, width]: Pillow NEAREST, or the map itself if already that size."""
+    if classes.shape == (height, width):
+        return classes
+    return np.asarray(Image.fromarray(classes).resize((width, height), Image.NEAREST))
+
+
+class TFLiteModel:
+    """A .tflite segmentation model in LiteRT: `classes(image)` for a uint8 image of any size.
+
+    Args:
+      path: the .tflite file.
+      threads: the interpreter's num_threads.
+      where: what to name in error messages (the flag that gave the path).
+    """
+
+    def __init__(self, path: str | os.PathLike, threads: int = 1, where: str = "--model"):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ConfigError("model file not found", str(path), "a .tflite file (seg-export --format tflite)")
+        if threads < 1:
+            raise ConfigError("invalid --threads", "--threads", f"a positive number of threads, got {threads}")
+        interpreter = interpreter_class(where)
+        try:
+            self.interpreter = interpreter(model_path=str(self.path), num_threads=threads)
+            self.interpreter.allocate_tensors()
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError("not a TFLite model LiteRT can run", str(path),
+                              f"a .tflite file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        self.threads = threads
+        self.size_bytes = self.path.stat().st_size
+        inputs = self.interpreter.get_input_details()
+        if len(inputs) != 1 or list(inputs[0]["shape"][[0, 3]]) != [1, 3] or len(inputs[0]["shape"]) != 4 \
+                or inputs[0]["dtype"] != np.uint8:
+            got = ", ".join(f"{d['dtype'].__name__} {list(d['shape'])}" for d in inputs)
+            raise ConfigError("unsupported model input", str(path),
+                              f"one uint8 RGB image [1, H, W, 3] (seg-export --format tflite writes one), got {got}")
+        self._input = inputs[0]["index"]
+        self.height, self.width = (int(v) for v in inputs[0]["shape"][1:3])
+        self._output, self.num_classes = self._class_output(self.interpreter.get_output_details())
+        self.invoke_seconds: list[float] = []
+        # Warm-up: the first invoke prepares the delegate's kernels; it is not counted in the latency.
+        self.interpreter.set_tensor(self._input, np.zeros((1, self.height, self.width, 3), np.uint8))
+        self.interpreter.invoke()
+
+    def _class_output(self, outputs):
+        """(index of the class-map or score output, number of classes if the scores say it)."""
+        size = [1, self.height, self.width]
+        for d in outputs:  # the class map: integer [1, H, W]
+            if list(d["shape"]) == size and np.issubdtype(d["dtype"], np.integer):
+                return d["index"], None
+        for d in outputs:  # else scores [1, H, W, C]
+            if len(d["shape"]) == 4 and list(d["shape"][:3]) == size:
+                return d["index"], int(d["shape"][3])
+        got = ", ".join(f"{d['dtype'].__name__} {list(d['shape'])}" for d in outputs)
+        raise ConfigError("unsupported model output", str(self.path),
+                          f"a class map [1, {self.height}, {self.width}] or scores [1, {self.height}, {self.width}, C] "
+                          f"at the input's size, got {got}")
+
+    def classes(self, image: np.ndarray) -> np.ndarray:
+        """uint8 [h, w, 3] RGB -> int64 class map [h, w] (resized in and out as the module doc says)."""
+        h, w = image.shape[:2]
+        x = to_input_size(np.ascontiguousarray(image, np.uint8), self.height, self.width)
+        self.interpreter.set_tensor(self._input, x[None])
+        start = time.perf_counter()
+        self.interpreter.invoke()
+        self.invoke_seconds.append(time.perf_counter() - start)
+        out = self.interpreter.get_tensor(self._output)[0]
+        if out.ndim == 3:
+            out = out.argmax(-1)
+        if out.max(initial=0) > 255 or out.min(initial=0) < 0:
+            raise ConfigError("class out of range", str(self.path),
+                              f"class indices in 0..255, got {int(out.min())}..{int(out.max())}")
+        return to_image_size(out.astype(np.uint8), h, w).astype(np.int64)
+
+    def latency_ms(self) -> dict:
+        """Median, mean and 90th percentile of invoke() in ms over the calls so far (warm-up excluded)."""
+        t = np.asarray(self.invoke_seconds) * 1000.0
+        if t.size == 0:
+            return {"median": None, "mean": None, "p90": None, "invokes": 0, "threads": self.threads}
+        return {"median": round(float(np.median(t)), 3), "mean": round(float(t.mean()), 3),
+                "p90": round(float(np.percentile(t, 90)), 3), "invokes": int(t.size), "threads": self.threads}
+
+
+def eval_record_path(model_path: str | os.PathLike, split_tag: str) -> Path:
+    """model.tflite -> model.eval-<split>.json, beside the file."""
+    p = Path(model_path)
+    return p.with_name(f"{p.stem}.eval-{split_tag}.json")
+
+
+def confusion(cfg: Config, model: TFLiteModel, split: str, progress: bool = True) -> tuple[np.ndarray, int]:
+    """int64 [C, C] (label, prediction) counts of `model` over `split`, and the number of images."""
+    from seg_train.data import reader as reader_lib
+    from seg_train.progress import progress_bar
+
+    c, ignore = cfg.data.num_classes, cfg.data.ignore_label
+    if model.num_classes is not None and model.num_classes != c:
+        raise ConfigError("model and config disagree on the number of classes", str(model.path),
+                          f"{c} classes (data.num_classes), the model gives {model.num_classes}")
+    reader = reader_lib.ImageReader(cfg.data, split, cfg.seed)
+    cm = np.zeros(c * c, np.int64)
+    n = 0
+    with progress_bar(len(reader), f"eval {split} (LiteRT)", enabled=progress) as bar:
+        for sample in reader.samples:
+            try:
+                image, label = reader_lib.load(sample, c, ignore, reader.label_table)
+            except reader_lib.BadSample as e:
+                if cfg.data.on_bad_sample == "skip":
+                    log.warning("skipping %s", e)
+                    bar.update(1)
+                    continue
+                raise ConfigError("bad sample", sample.image, str(e)) from None
+            pred = model.classes(image)
+            if pred.max(initial=0) >= c:
+                raise ConfigError("model predicts a class the config does not have", str(model.path),
+                                  f"classes 0..{c - 1} (data.num_classes: {c}), got {int(pred.max())}")
+            keep = (label != ignore) & (label < c)
+            cm += np.bincount(label[keep].astype(np.int64) * c + pred[keep], minlength=c * c)
+            n += 1
+            bar.update(1)
+    return cm.reshape(c, c), n
+
+
+def evaluate_file(cfg: Config, model: TFLiteModel, split: str, progress: bool = True):
+    """(the evaluation record of a .tflite file on `split`: metrics, size, latency; the SegMetrics; the
+    class names). Nothing is written."""
+    from seg_train.data.reader import class_names_of, ensure_data
+    from seg_train.infer.metrics import compute_metrics, metrics_to_json
+
+    ensure_data(cfg)
+    names = class_names_of(cfg)
+    cm, n = confusion(cfg, model, split, progress)
+    if not cm.any():
+        raise ConfigError("no labelled pixels", f"split {split}",
+                          f"expected pixels whose label is not data.ignore_label ({cfg.data.ignore_label})")
+    metrics = compute_metrics(cm)
+    sidecar = read_sidecar(model.path) or {}
+    return {"split": split, "model": str(model.path.resolve()), "format": "tflite",
+            "quantization": sidecar.get("quantization"), "checkpoint": sidecar.get("checkpoint"),
+            "step": sidecar.get("step"), "input_size": [model.height, model.width], "num_images": n,
+            "size_bytes": model.size_bytes, "latency_ms": model.latency_ms(), "resize": RESIZE,
+            **metrics_to_json(metrics, names)}, metrics, names
+
+
+def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, threads: int = 1,
+                    progress: bool = True) -> dict:
+    """seg-eval --model FILE.tflite: evaluates the file in LiteRT, prints the table, writes FILE.eval-<split>.json."""
+    from seg_train.infer.eval_checkpoint import _split_tag
+    from seg_train.infer.metrics import format_table
+    from seg_train.preflight import check_creatable_dir
+    from seg_train.rundir import write_json
+
+    split = split or cfg.data.val_split
+    model = TFLiteModel(model_path, threads)
+    out = eval_record_path(model_path, _split_tag(split))
+    check_creatable_dir(out.parent, "eval output folder", "write access to the model file's folder")
+    log.info("evaluating %s (LiteRT, %d thread(s), input %dx%d) on %s", model_path, threads, model.height,
+             model.width, split)
+    record, metrics, names = evaluate_file(cfg, model, split, progress)
+    write_json(out, record)
+    lat = record["latency_ms"]
+    print(format_table(metrics, names))
+    print(f"{record['num_images']} images, {model.path.name} ({record['quantization'] or 'tflite'}, "
+          f"{model.size_bytes / 1e6:.2f} MB): mIoU {100 * metrics.miou:.2f}%; LiteRT invoke {lat['median']:.1f} ms "
+          f"per image (median, {threads} thread(s)); wrote {out}")
+    return record
+
+
+def run_predict_tflite(cfg: Config, model_path: str, inputs, output, threads: int = 1,
+                       progress: bool = True) -> list[Path]:
+    """seg-predict --model FILE.tflite: class-index PNGs and overlays, as seg-predict writes for a checkpoint."""
+    from seg_train.infer.predict import check_output_dir, collect_inputs, write_predictions
+
+    files = collect_inputs(inputs)
+    out = check_output_dir(output)
+    model = TFLiteModel(model_path, threads)
+    written = write_predictions(files, out, model.classes, progress)
+    print(f"wrote {len(written)} class-index PNG(s) and {len(written)} overlay(s) to {out} ({model_path}, LiteRT)")
+    return written

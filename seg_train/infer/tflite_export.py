@@ -1,0 +1,292 @@
+"""seg-export --format tflite: one .tflite file for LiteRT (a phone, or a server without TensorFlow).
+
+The file, and why it is built this way:
+- One fixed input, uint8 RGB [1, H, W, 3] (--input-size; default eval.crop_size, else data.crop_size).
+  TFLite's builtin kernels need static shapes: converting the SavedModel of seg-export, whose
+  signature takes any image size, fails with "TF Select ops: Conv2D ... tensor<?x?x?x?xf32>".
+- Normalisation (x - mean) / std with the config's data.mean/std is inside the model, and so is the
+  argmax: the output is the class map, uint8 [1, H, W] (with --probabilities also the softmax,
+  float32 [1, H, W, C]). One forward pass at H x W, no flips or scales: what an app runs.
+- Builtin ops only (target_spec.supported_ops = TFLITE_BUILTINS[_INT8]): a model that needs Select TF
+  ops is refused at conversion, so the file runs in the stock LiteRT interpreter.
+- The variables are frozen into constants (convert_variables_to_constants_v2) before converting. A
+  Keras 3 model converted from its tf.function keeps its weights as resource variables: the file holds
+  READ_VARIABLE ops instead of weights, and int8 calibration then fails inside the converter.
+- --quantize float16 stores the weights in float16 (computed in float32). --quantize int8 is full-integer
+  post-training quantization: weights and activations in int8, calibrated on --calibration-images
+  training images (a seeded random subset of data.train_split, resized to H x W as an app resizes:
+  litert.to_input_size). int8 kernels are preferred, with the float builtin kept only for an op that has
+  no int8 kernel; the JSON beside the file lists every op that still computes in float32 (normally
+  only the input's CAST from uint8 and its QUANTIZE to int8).
+- Beside FILE.tflite the export writes FILE.json: input and output tensors, mean/std, classes,
+  quantization, calibration set, size in bytes, the op counts. Both are written to temporary names and
+  renamed into place, so an interrupted export leaves no half file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from seg_train.config import Config, ConfigError
+
+log = logging.getLogger("seg_train")
+
+QUANTIZATIONS = ("none", "float16", "int8")
+
+
+def check_output_file(path: str | os.PathLike, force: bool) -> Path:
+    """The .tflite path: new, or an existing file with `force`; never a folder."""
+    from seg_train.preflight import check_creatable_dir
+
+    out = Path(path)
+    if out.suffix != ".tflite":
+        raise ConfigError("output is not a .tflite file", str(out), "a file name ending in .tflite")
+    if out.is_dir():
+        raise ConfigError("output is a folder", str(out), "a .tflite file name")
+    if out.exists() and not force:
+        raise ConfigError("output file exists", str(out), "a new file name (pass --force to replace it)")
+    check_creatable_dir(out.parent, "output folder", "choose another --output")
+    return out
+
+
+def input_size(cfg: Config, flag) -> tuple[int, int]:
+    """(H, W): --input-size, else eval.crop_size, else data.crop_size."""
+    if flag is not None:
+        h, w = flag
+        if h < 8 or w < 8:
+            raise ConfigError("invalid --input-size", "--input-size", f"height and width of at least 8, got {h} {w}")
+        return int(h), int(w)
+    size = cfg.eval.crop_size or cfg.data.crop_size
+    return int(size[0]), int(size[1])
+
+
+def app_function(model, mean, std, height: int, width: int, probabilities: bool = False):
+    """The tf.function an app runs: uint8 [1, H, W, 3] -> {"classes": uint8 [1, H, W] (, "probabilities")}."""
+    import tensorflow as tf
+
+    num_classes = model.output_shape[-1]
+    if num_classes > 256:
+        raise ConfigError("too many classes for a uint8 class map", "data.num_classes",
+                          f"at most 256, got {num_classes}")
+    mean = tf.constant(mean, tf.float32)
+    std = tf.constant(std, tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.uint8, name="image")])
+    def run(image):
+        x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
+        logits = model(x, training=False)
+        out = {"classes": tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.uint8)}
+        if probabilities:
+            out["probabilities"] = tf.nn.softmax(logits, axis=-1)
+        return out
+
+    return run
+
+
+def frozen_function(fn):
+    """The concrete function of `fn` with its variables turned into constants (module doc)."""
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+
+    return convert_variables_to_constants_v2(fn.get_concrete_function())
+
+
+def calibration_samples(cfg: Config, count: int):
+    """`count` samples of the train split: the first of a permutation seeded by the run's seed."""
+    from seg_train.data import reader as reader_lib
+
+    reader = reader_lib.ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    order = np.random.default_rng(cfg.seed).permutation(len(reader.samples))[:count]
+    return reader, [reader.samples[i] for i in order]
+
+
+def convert(frozen, quantize: str, representative=None) -> bytes:
+    """The .tflite bytes of a frozen concrete function (module doc for what each quantization does)."""
+    import tensorflow as tf
+
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([frozen])
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS]
+    if quantize == "float16":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.target_spec.supported_types = [tf.float16]
+    elif quantize == "int8":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.representative_dataset = representative
+        # int8 kernels first; an op without one keeps its float builtin (reported in the JSON).
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8, tf.lite.OpsSet.TFLITE_BUILTINS]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return converter.convert()
+    except Exception as e:  # noqa: BLE001 - the converter raises ConverterError and plain Exceptions alike
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = next((line for line in lines if "ops" in line.lower() or "error" in line.lower()),
+                      lines[0] if lines else type(e).__name__)
+        raise ConfigError("cannot convert the model to TFLite builtin ops", f"--quantize {quantize}",
+                          f"a model of TFLite builtin ops ({detail[:300]})") from None
+
+
+def op_counts(content: bytes) -> tuple[dict, dict]:
+    """({op: count}, {op: count of those computing in float32}) of a .tflite model, before any delegate.
+
+    An op computes in float32 when one of its inputs or outputs is a float32 tensor. Read with
+    LiteRT's interpreter if installed, else TensorFlow's own (both without the XNNPACK delegate, which
+    would fold the ops into DELEGATE nodes).
+    """
+    try:
+        from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    except ImportError:
+        import tensorflow as tf
+        Interpreter, OpResolverType = tf.lite.Interpreter, tf.lite.experimental.OpResolverType
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        interpreter = Interpreter(model_content=content,
+                                  experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    interpreter.allocate_tensors()
+    tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
+    ops, floating = Counter(), Counter()
+    for op in interpreter._get_ops_details():  # noqa: SLF001 - the only API that lists a model's ops
+        ops[op["op_name"]] += 1
+        used = [i for i in list(op["inputs"]) + list(op["outputs"]) if i >= 0 and i in tensors]
+        if any(tensors[i]["dtype"] == np.float32 for i in used):
+            floating[op["op_name"]] += 1
+    return dict(sorted(ops.items())), dict(sorted(floating.items()))
+
+
+def io_details(content: bytes) -> tuple[list, list]:
+    """The model's input and output tensors as JSON-ready dicts (name, index, dtype, shape)."""
+    import tensorflow as tf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        interpreter = tf.lite.Interpreter(model_content=content)
+
+    def describe(d):
+        return {"index": int(d["index"]), "dtype": np.dtype(d["dtype"]).name, "shape": [int(v) for v in d["shape"]]}
+
+    inputs = [dict(name="image", **describe(d)) for d in interpreter.get_input_details()]
+    outputs = []
+    for d in interpreter.get_output_details():
+        name = "classes" if len(d["shape"]) == 3 else "probabilities"
+        outputs.append(dict(name=name, **describe(d)))
+    return inputs, outputs
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike, *, force: bool = False,
+                      size=None, quantize: str = "none", calibration_images: int = 200, probabilities: bool = False,
+                      check: bool = False, threads: int = 1, progress: bool = True) -> Path:
+    """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
+    from seg_train.data.reader import class_names_of, ensure_data
+    from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
+    from seg_train.infer.load import load_state
+    from seg_train.infer.precise_bn import maybe_reestimate_bn
+    from seg_train.progress import progress_bar
+    from seg_train.rundir import write_json
+
+    if quantize not in QUANTIZATIONS:
+        raise ConfigError("invalid --quantize", "--quantize", f"one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
+    if calibration_images < 1:
+        raise ConfigError("invalid --calibration-images", "--calibration-images",
+                          f"a positive number of images, got {calibration_images}")
+    out = check_output_file(output, force)
+    if check:
+        interpreter_class("seg-export --check")  # fail before the work, not after it
+    height, width = input_size(cfg, size)
+    names = class_names_of(cfg)
+    state, prefix, step = load_state(cfg, strategy, checkpoint)
+    reestimated = maybe_reestimate_bn(state, cfg, progress)
+    frozen = frozen_function(app_function(state.model, cfg.data.mean, cfg.data.std, height, width, probabilities))
+
+    calibration, representative = None, None
+    if quantize == "int8":
+        ensure_data(cfg)
+        from seg_train.data import reader as reader_lib
+        reader, samples = calibration_samples(cfg, calibration_images)
+        if len(samples) < calibration_images:
+            log.warning("the train split has %d images: calibrating on all of them, not %d", len(samples),
+                        calibration_images)
+
+        def representative():
+            with progress_bar(len(samples), "int8 calibration", enabled=progress) as bar:
+                for sample in samples:
+                    image, _ = reader_lib.load(sample, cfg.data.num_classes, cfg.data.ignore_label, reader.label_table)
+                    yield [to_input_size(image, height, width)[None]]
+                    bar.update(1)
+
+        calibration = {"split": cfg.data.train_split, "images": len(samples), "seed": cfg.seed,
+                       "selection": "the first images of a permutation of the split seeded by the run's seed",
+                       "resize": RESIZE, "ids": [s.id for s in samples]}
+    log.info("converting step %d to TFLite (%s, input %dx%d)", step, quantize, height, width)
+    content = convert(frozen, quantize, representative)
+    ops, float_ops = op_counts(content)
+    inputs, outputs = io_details(content)
+    meta = {
+        "format": "tflite", "checkpoint": prefix, "step": step, "quantization": quantize,
+        "input": {**inputs[0], "color": "RGB", "range": "0..255",
+                  "normalization": "(x - mean) / std, inside the model"},
+        "outputs": outputs, "input_size": [height, width],
+        "mean": list(cfg.data.mean), "std": list(cfg.data.std),
+        "num_classes": cfg.data.num_classes, "class_names": names, "calibration": calibration,
+        "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": float_ops,
+        "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out, content)
+    write_json(sidecar_path(out), meta)
+    where = "" if quantize != "int8" else \
+        f"; float32 ops: {', '.join(f'{k} x{v}' for k, v in float_ops.items()) or 'none'}"
+    print(f"exported step {step} ({prefix}) to {out}: {quantize}, {len(content) / 1e6:.2f} MB, "
+          f"image uint8 [1, {height}, {width}, 3] -> classes uint8 [1, {height}, {width}]{where}; "
+          f"wrote {sidecar_path(out)}")
+    if check:
+        run_check(cfg, out, frozen if quantize != "none" else None, threads, progress)
+    return out
+
+
+def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: bool = True) -> list[dict]:
+    """seg-export --check: the exported file and (if quantized) the float32 conversion of the same model,
+    both evaluated in LiteRT on data.val_split; prints them side by side. Returns the records."""
+    from seg_train.infer.litert import TFLiteModel, evaluate_file
+
+    split = cfg.data.val_split
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = []
+        if frozen is not None:
+            float_path = Path(tmp) / "float32.tflite"
+            float_path.write_bytes(convert(frozen, "none"))
+            files.append(("float32 (not written)", float_path))
+        files.append((f"{path.name}", path))
+        for label, file in files:
+            record, _, _ = evaluate_file(cfg, TFLiteModel(file, threads, "seg-export --check"), split, progress)
+            record["label"] = label
+            rows.append(record)
+    name_w = max(len(r["label"]) for r in rows)
+    print(f"check on {split} ({rows[0]['num_images']} images), LiteRT, {threads} thread(s):")
+    print(f"  {'model':<{name_w}}  {'mIoU %':>7}  {'size MB':>8}  {'ms/image':>9}")
+    for r in rows:
+        print(f"  {r['label']:<{name_w}}  {100 * r['miou']:7.2f}  {r['size_bytes'] / 1e6:8.2f}  "
+              f"{r['latency_ms']['median']:9.1f}")
+    if len(rows) == 2:
+        f, q = rows
+        print(f"  exported - float32: {100 * (q['miou'] - f['miou']):+.2f} mIoU, "
+              f"{f['latency_ms']['median'] / q['latency_ms']['median']:.2f}x the speed, "
+              f"{f['size_bytes'] / q['size_bytes']:.2f}x smaller")
+    return rows

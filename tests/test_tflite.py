@@ -1,0 +1,266 @@
+"""seg-export --format tflite, and seg-eval / seg-predict --model FILE.tflite, held to outside references:
+LiteRT's own interpreter in a process that never imports seg_train, the Keras model's own argmax, and an
+evaluation written here by hand (Pillow resize, the interpreter, a numpy confusion matrix)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from seg_train import checkpoint as ckpt_lib
+from seg_train.cli import eval_main, export_main, predict_main
+from seg_train.data import synthetic
+from seg_train.infer.metrics import compute_metrics
+from seg_train.infer.tflite_export import run_export_tflite
+from seg_train.state import TrainState
+from tests.helpers import confusion_matrix, tiny_config
+
+pytest.importorskip("ai_edge_litert")  # the tests install it (the 'test' extra); users opt in with [tflite]
+
+SIZE = (32, 48)       # the exported input size (H, W)
+IMAGE = (40, 56)      # the data's image size: evaluation resizes in and out
+QUANTIZATIONS = ("none", "float16", "int8")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A tiny model with BN statistics of the data, saved as a checkpoint, and its three exports."""
+    tmp = tmp_path_factory.mktemp("tflite")
+    synthetic.generate(tmp / "data", num_train=12, num_val=6, size=IMAGE, num_classes=3, seed=1)
+    cfg = tiny_config(tmp, data_root=tmp / "data", data={"crop_size": list(SIZE)}, eval={"bn_reestimate_batches": 0})
+    state = TrainState(cfg, tf.distribute.MirroredStrategy(["/device:CPU:0"]))
+    images = np.stack([np.asarray(Image.open(p)) for p in sorted((tmp / "data" / "JPEGImages").glob("*.jpg"))])
+    x = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
+    for _ in range(30):  # BN statistics of these images: an untrained model then predicts several classes
+        state.model(x, training=True)
+    state.step.assign(7)
+    ckpt_lib.Checkpointer(tmp / "run" / "checkpoints", 1, **state.checkpoint_objects()).save(7)
+    files = {}
+    for q in QUANTIZATIONS:
+        files[q] = run_export_tflite(cfg, state.strategy, str(tmp / "run"), tmp / "out" / f"{q}.tflite", size=SIZE,
+                                     quantize=q, calibration_images=8, progress=False)
+    return {"tmp": tmp, "cfg": cfg, "state": state, "files": files, "config": str(tmp / "config.yaml")}
+
+
+def val_samples(run):
+    root = run["tmp"] / "data"
+    ids = (root / "ImageSets" / "Segmentation" / "val.txt").read_text().split()
+    return [(np.asarray(Image.open(root / "JPEGImages" / f"{i}.jpg").convert("RGB")),
+             np.asarray(Image.open(root / "SegmentationClass" / f"{i}.png"))) for i in ids]
+
+
+# Run in a fresh interpreter that imports only LiteRT and numpy: no seg_train, no TensorFlow.
+OUTSIDE = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    path, images = sys.argv[1], np.load(sys.argv[2])
+    plain = Interpreter(model_path=path, experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    plain.allocate_tensors()
+    ops = sorted({op["op_name"] for op in plain._get_ops_details()})
+    it = Interpreter(model_path=path)
+    it.allocate_tensors()
+    (inp,), outs = it.get_input_details(), it.get_output_details()
+    classes = []
+    for image in images:
+        it.set_tensor(inp["index"], image[None])
+        it.invoke()
+        classes.append(it.get_tensor(outs[0]["index"])[0])
+    np.save(sys.argv[3], np.stack(classes))
+    assert "seg_train" not in sys.modules and "tensorflow" not in sys.modules
+    print(json.dumps({"ops": ops, "input": [inp["dtype"].__name__, inp["shape"].tolist()],
+                      "outputs": [[o["dtype"].__name__, o["shape"].tolist()] for o in outs]}))
+""")
+
+
+def keras_classes(run, images):
+    """The Keras model's own argmax and top-2 logit margin on the normalised images (the float reference)."""
+    cfg = run["cfg"]
+    x = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
+    logits = run["state"].model(x, training=False).numpy()
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    return logits.argmax(-1), top2[..., 1] - top2[..., 0]
+
+
+@pytest.fixture(scope="module")
+def outside(run):
+    """Each export run by LiteRT in a process without seg_train: (what it reported, its class maps)."""
+    tmp = run["tmp"]
+    images = np.stack([np.asarray(Image.fromarray(im).resize(SIZE[::-1], Image.BILINEAR))
+                       for im, _ in val_samples(run)])
+    np.save(tmp / "images.npy", images)
+    script = tmp / "outside.py"
+    script.write_text(OUTSIDE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    results = {}
+    for q, path in run["files"].items():
+        out = subprocess.run([sys.executable, str(script), str(path), str(tmp / "images.npy"), str(tmp / f"{q}.npy")],
+                             capture_output=True, text=True, env=env, cwd=tmp, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[q] = (json.loads(out.stdout.strip().splitlines()[-1]), np.load(tmp / f"{q}.npy"))
+    return images, results
+
+
+@pytest.mark.parametrize("q", QUANTIZATIONS)
+def test_file_runs_in_stock_litert_with_builtins_uint8_in_classes_out(outside, q):
+    images, results = outside
+    info, classes = results[q]
+    assert info["input"] == ["uint8", [1, *SIZE, 3]]
+    assert info["outputs"] == [["uint8", [1, *SIZE]]]
+    # Select TF ops would appear as custom ops (Flex*); the stock interpreter could not run them.
+    assert not [op for op in info["ops"] if op.startswith("Flex") or op in ("CUSTOM", "DELEGATE")], info["ops"]
+    assert "ARG_MAX" in info["ops"]
+    assert classes.shape == (len(images), *SIZE) and set(np.unique(classes)) <= {0, 1, 2}
+
+
+def test_exports_predict_what_the_keras_model_predicts(run, outside):
+    """Float32: exactly Keras' argmax wherever the top two logits are not nearly tied; float16 and int8 close."""
+    images, results = outside
+    reference, margin = keras_classes(run, images)
+    assert len(np.unique(reference)) >= 2  # a model predicting one class everywhere would prove nothing
+    clear = margin > 1e-3
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(results["none"][1][clear], reference[clear])
+    assert (results["float16"][1] == reference).mean() > 0.99
+    assert (results["int8"][1] == reference).mean() > 0.9
+
+
+def test_sidecar_json_describes_the_file(run):
+    cfg = run["cfg"]
+    for q, path in run["files"].items():
+        meta = json.loads(path.with_suffix(".json").read_text())
+        assert meta["quantization"] == q and meta["step"] == 7
+        assert meta["size_bytes"] == os.path.getsize(path)
+        assert meta["input"]["shape"] == [1, *SIZE, 3] and meta["input"]["dtype"] == "uint8"
+        assert meta["mean"] == list(cfg.data.mean) and meta["std"] == list(cfg.data.std)
+        assert meta["num_classes"] == 3 and len(meta["class_names"]) == 3
+        assert meta["builtin_ops_only"] is True
+    int8 = json.loads(run["files"]["int8"].with_suffix(".json").read_text())
+    train = (run["tmp"] / "data" / "ImageSets" / "Segmentation" / "train.txt").read_text().split()
+    assert int8["calibration"]["images"] == 8 and set(int8["calibration"]["ids"]) <= set(train)
+    # Only the uint8 input's conversion computes in float; every conv runs in int8.
+    assert set(int8["float32_ops"]) <= {"CAST", "QUANTIZE"}, int8["float32_ops"]
+    none = json.loads(run["files"]["none"].with_suffix(".json").read_text())
+    assert none["calibration"] is None and "CONV_2D" in none["float32_ops"]
+    sizes = {q: os.path.getsize(p) for q, p in run["files"].items()}
+    assert sizes["int8"] < sizes["float16"] < sizes["none"]
+
+
+def independent_eval(path, samples, c=3):
+    """The app's protocol by hand: Pillow resize in, LiteRT, Pillow nearest back, numpy counts."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    it = Interpreter(model_path=str(path))
+    it.allocate_tensors()
+    (inp,), (out,) = it.get_input_details(), it.get_output_details()
+    h, w = inp["shape"][1:3]
+    cm = np.zeros((c, c), np.int64)
+    preds = []
+    for image, label in samples:
+        x = image if image.shape[:2] == (h, w) else np.asarray(Image.fromarray(image).resize((w, h), Image.BILINEAR))
+        it.set_tensor(inp["index"], x[None])
+        it.invoke()
+        pred = it.get_tensor(out["index"])[0]
+        if pred.shape != label.shape:
+            pred = np.asarray(Image.fromarray(pred).resize(label.shape[::-1], Image.NEAREST))
+        preds.append(pred)
+        cm += confusion_matrix(label, pred, c)
+    return cm, preds
+
+
+@pytest.mark.parametrize("q", ["none", "int8"])
+def test_seg_eval_model_json_equals_an_independent_evaluation(run, q, capsys):
+    path = run["files"][q]
+    assert eval_main(["--config", run["config"], "--model", str(path), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cm, _ = independent_eval(path, val_samples(run))
+    assert cm.sum() > 0
+    np.testing.assert_array_equal(np.array(record["confusion_matrix"]), cm)
+    tp = np.diag(cm)
+    iou = tp / (cm.sum(0) + cm.sum(1) - tp)
+    assert record["miou"] == pytest.approx(np.nanmean(iou), abs=1e-12)
+    assert record["num_images"] == 6 and record["quantization"] == q
+    assert record["size_bytes"] == os.path.getsize(path)
+    assert record["latency_ms"]["invokes"] == 6 and record["latency_ms"]["median"] > 0
+    assert set(record["per_class_iou"]) == set(json.loads(path.with_suffix(".json").read_text())["class_names"])
+    written = json.loads((path.parent / f"{path.stem}.eval-val.json").read_text())
+    assert written == record
+
+
+def test_export_at_the_image_size_is_not_resized(run, capsys):
+    """An input size equal to the images': the file sees the images as they are (no resize either way)."""
+    out = run["tmp"] / "native" / "m.tflite"
+    assert export_main(["--config", run["config"], "--checkpoint", str(run["tmp"] / "run"), "--format", "tflite",
+                        "--input-size", *map(str, IMAGE), "--output", str(out)]) == 0
+    assert eval_main(["--config", run["config"], "--model", str(out), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    samples = val_samples(run)
+    reference, margin = keras_classes(run, np.stack([im for im, _ in samples]))
+    labels = np.stack([lb for _, lb in samples])
+    clear = (margin > 1e-3).all(axis=(1, 2))  # images without a near tie anywhere
+    cm = sum(confusion_matrix(labels[i], reference[i], 3) for i in np.flatnonzero(clear))
+    if clear.all():
+        np.testing.assert_array_equal(np.array(record["confusion_matrix"]), cm)
+    assert record["input_size"] == list(IMAGE)
+    assert compute_metrics(np.array(record["confusion_matrix"])).miou == pytest.approx(record["miou"])
+
+
+def test_seg_predict_model_writes_the_files_class_maps(run):
+    samples = val_samples(run)
+    root = run["tmp"] / "data" / "JPEGImages"
+    ids = (run["tmp"] / "data" / "ImageSets" / "Segmentation" / "val.txt").read_text().split()[:2]
+    out = run["tmp"] / "pred"
+    assert predict_main(["--config", run["config"], "--model", str(run["files"]["int8"]), "--output", str(out),
+                         *[str(root / f"{i}.jpg") for i in ids]]) == 0
+    _, preds = independent_eval(run["files"]["int8"], samples[:2])
+    for i, pred in zip(ids, preds):
+        np.testing.assert_array_equal(np.asarray(Image.open(out / f"{i}.png")), pred)
+        assert (out / f"{i}_overlay.jpg").is_file()
+
+
+def test_check_prints_float_and_exported_side_by_side(run, capsys):
+    out = run["tmp"] / "check" / "q.tflite"
+    assert export_main(["--config", run["config"], "--checkpoint", str(run["tmp"] / "run"), "--format", "tflite",
+                        "--quantize", "int8", "--calibration-images", "4", "--check", "--input-size", *map(str, SIZE),
+                        "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "float32 (not written)" in text and "q.tflite" in text and "exported - float32:" in text
+    assert "check on val (6 images)" in text
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--quantize", "int8", "--output", "x"], "error: --quantize needs --format tflite (--quantize): "),
+    (["--format", "tflite", "--output", "x.pb"], "error: output is not a .tflite file (x.pb): "),
+    (["--format", "tflite", "--output", "m.tflite", "--calibration-images", "0"],
+     "error: invalid --calibration-images (--calibration-images): "),
+])
+def test_export_flag_errors_are_one_line(run, argv, line, capsys, monkeypatch):
+    monkeypatch.chdir(run["tmp"])
+    assert export_main(["--config", run["config"], "--checkpoint", "run", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(line), err
+
+
+def test_without_litert_the_model_commands_say_how_to_install_it(run, tmp_path):
+    """ai-edge-litert missing (an import that fails, as Python reports it): one line, exit 2, before any work."""
+    fake = tmp_path / "site"
+    (fake / "ai_edge_litert").mkdir(parents=True)
+    (fake / "ai_edge_litert" / "__init__.py").write_text("raise ImportError(\"No module named 'ai_edge_litert'\")\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.getcwd()]))
+    for cmd in (["seg_train.cli", "eval_main", "--model", str(run["files"]["int8"])],
+                ["seg_train.cli", "export_main", "--checkpoint", str(run["tmp"] / "run"), "--format", "tflite",
+                 "--check", "--output", str(tmp_path / "m.tflite")]):
+        code = f"import sys; from {cmd[0]} import {cmd[1]}; sys.exit({cmd[1]}(sys.argv[1:]))"
+        out = subprocess.run([sys.executable, "-c", code, "--config", run["config"], *cmd[2:]], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert lines == [lines[-1]] and lines[0].startswith("error: ai-edge-litert is not installed ("), lines
+        assert "pip install 'seg-train[tflite]'" in lines[0]
+    assert not (tmp_path / "m.tflite").exists()
