@@ -255,14 +255,16 @@ def test_missing_folders_and_files_are_named(tmp_path, trees):
 
 @pytest.mark.parametrize("layout, predict_from", [("cityscapes", "leftImg8bit/val/frankfurt"),
                                                   ("ade20k", "images/validation")])
-def test_train_eval_predict(tmp_path, trees, layout, predict_from):
+def test_train_eval_predict(tmp_path, trees, layout, predict_from, capsys):
     """seg-train, seg-eval and seg-predict on the layout as shipped (tiny model, 2 steps)."""
     path = str(write_config(tmp_path, trees, layout))
     run = tmp_path / "run"
     assert cli.train_main(["--config", path, "--gpus", "1"]) == 0
     assert tf.train.latest_checkpoint(str(run / "checkpoints")).endswith("ckpt-2")
-    assert cli.eval_main(["--config", path, "--gpus", "1", "--checkpoint", str(run)]) == 0
+    capsys.readouterr()
+    assert cli.eval_main(["--config", path, "--gpus", "1", "--checkpoint", str(run), "--json"]) == 0
     record = json.loads((run / "eval" / f"{SPLITS[layout][1]}-step2.json").read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record  # --json: the record, last
     cfg = config_lib.load(path)
     val = layouts.list_samples(cfg.data, cfg.data.val_split)
     labels = np.concatenate([mapped(layout, s.label).ravel() for s in val])
@@ -270,6 +272,15 @@ def test_train_eval_predict(tmp_path, trees, layout, predict_from):
     by_class = np.bincount(labels[labels != 255], minlength=cfg.data.num_classes)
     np.testing.assert_array_equal(np.sum(record["confusion_matrix"], axis=1), by_class)
     assert list(record["per_class_iou"])[:2] == class_names_of(cfg)[:2]
+    if layout == "cityscapes":
+        # The .tflite file's evaluation reads the split through the same layout and label map.
+        pytest.importorskip("ai_edge_litert")
+        model = tmp_path / "m.tflite"
+        assert cli.export_main(["--config", path, "--checkpoint", str(run), "--format", "tflite", "--output",
+                                str(model)]) == 0
+        assert cli.eval_main(["--config", path, "--model", str(model), "--json"]) == 0
+        lite = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        np.testing.assert_array_equal(np.sum(lite["confusion_matrix"], axis=1), by_class)
 
     out = tmp_path / "pred"
     inputs = trees[layout] / predict_from

@@ -9,9 +9,10 @@ The file, and why it is built this way:
   float32 [1, H, W, C]). One forward pass at H x W, no flips or scales: what an app runs.
 - Builtin ops only (target_spec.supported_ops = TFLITE_BUILTINS[_INT8]): a model that needs Select TF
   ops is refused at conversion, so the file runs in the stock LiteRT interpreter.
-- The variables are frozen into constants (convert_variables_to_constants_v2) before converting. A
-  Keras 3 model converted from its tf.function keeps its weights as resource variables: the file holds
-  READ_VARIABLE ops instead of weights, and int8 calibration then fails inside the converter.
+- The variables are frozen into constants (convert_variables_to_constants_v2) here, not left to the
+  converter: given the Keras 3 model as the trackable object (`from_concrete_functions([f], model)`), it
+  keeps the weights as resource variables (READ_VARIABLE ops, a file without its weights) and int8
+  calibration fails inside it.
 - --quantize float16 stores the weights in float16 (computed in float32). --quantize int8 is full-integer
   post-training quantization: weights and activations in int8, calibrated on --calibration-images
   training images (a seeded random subset of data.train_split, resized to H x W as an app resizes:
