@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint mutants bench bench-accuracy clean
+.PHONY: demo test lint mutants bench bench-deploy bench-accuracy clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,14 @@ mutants: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check seg_train scripts tests
 
+# docs/PERFORMANCE.md, then docs/DEPLOY.md (CamVid recipes exported to TFLite and measured by seg-eval;
+# trains both recipes first unless runs/deploy holds their final checkpoints).
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py
+	$(BIN)/python scripts/bench_deploy.py
+
+bench-deploy: $(STAMP)
+	$(BIN)/python scripts/bench_deploy.py
 
 # CamVid accuracy at the recipe's step budget (2000 steps of batch 8), seg-train vs Keras model.fit.
 bench-accuracy: $(STAMP)

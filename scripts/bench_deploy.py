@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""CamVid to TFLite: float32, float16 and int8 files of each recipe measured by seg-eval, written to docs/DEPLOY.md.
+
+    python scripts/bench_deploy.py [--models camvid,camvid_lraspp] [--run NAME=RUN_DIR ...]
+                                   [--threads 1,2] [--calibration-images 200] [--output docs/DEPLOY.md]
+                                   [--report-only]
+
+For each model NAME (configs/NAME.yaml), with the real commands a user runs:
+  1. seg-train --config configs/NAME.yaml --gpus 1 --run-dir runs/deploy/NAME   (skipped when the run dir
+     already holds the final step's checkpoint; --run NAME=DIR uses another run dir)
+  2. seg-eval --checkpoint DIR --split val|test --json                          (the checkpoint, the config's
+     eval modes: flips and scales)
+  3. seg-eval --checkpoint DIR --split val|test --json --set eval.flip=false --set eval.scales=[1.0]
+                                                                                (the checkpoint, one pass)
+  4. seg-export --format tflite --quantize none|float16|int8 --output runs/deploy/NAME/Q.tflite
+  5. seg-eval --model Q.tflite --split val|test --threads T --json              (LiteRT; mIoU, size, latency)
+Results go to runs/deploy/results.json, then docs/DEPLOY.md is rendered from scripts/templates/deploy.md
+(--report-only re-renders from that JSON). Latency is seg-eval's median LiteRT invoke() per test image,
+so run it on a quiet machine: a second process on the same cores slows every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "deploy"
+TEMPLATE = ROOT / "scripts" / "templates" / "deploy.md"
+BIN = Path(sys.executable).parent
+QUANTIZATIONS = ("none", "float16", "int8")
+LABEL = {"none": "float32", "float16": "float16", "int8": "int8"}
+
+
+def command(cmd: list[str], log: list[str]) -> str:
+    """Runs `cmd` (stderr to the terminal), returns its stdout; exits on failure."""
+    shown = " ".join(shlex.quote(c) for c in cmd).replace(str(BIN) + "/", "").replace(str(ROOT) + "/", "")
+    print(f"$ {shown}", file=sys.stderr, flush=True)
+    log.append(shown)
+    start = time.time()
+    out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"error: command failed ({shown}): exit {out.returncode}")
+    print(f"  ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+    return out.stdout
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def final_step(config: Path) -> int:
+    sys.path.insert(0, str(ROOT))
+    from seg_train import config as config_lib
+    return config_lib.load(config).train.num_steps
+
+
+def has_checkpoint(run_dir: Path, step: int) -> bool:
+    return (run_dir / "checkpoints" / f"ckpt-{step}.index").is_file()
+
+
+def measure(name: str, run_dir: Path, threads: list[int], calibration: int, log: list[str]) -> dict:
+    config = ROOT / "configs" / f"{name}.yaml"
+    step = final_step(config)
+    r = {"name": name, "config": f"configs/{name}.yaml", "run_dir": str(run_dir), "step": step}
+    if not has_checkpoint(run_dir, step):
+        start = time.time()
+        command([str(BIN / "seg-train"), "--config", str(config), "--gpus", "1", "--run-dir", str(run_dir)], log)
+        r["train_s"] = round(time.time() - start)
+    ckpt = str(run_dir / "checkpoints" / f"ckpt-{step}")
+    one_pass = ["--set", "eval.flip=false", "--set", "eval.scales=[1.0]"]
+    for split in ("val", "test"):
+        for mode, extra in (("modes", []), ("one_pass", one_pass)):
+            rec = last_json(command([str(BIN / "seg-eval"), "--config", str(config), "--checkpoint", ckpt,
+                                     "--split", split, "--json", *extra], log))
+            r[f"checkpoint_{mode}_{split}"] = {"miou": rec["miou"], "per_class_iou": rec["per_class_iou"],
+                                               "inference": rec.get("inference")}
+    r["files"] = {}
+    folder = OUT / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for q in QUANTIZATIONS:
+        path = folder / f"{LABEL[q]}.tflite"
+        start = time.time()
+        command([str(BIN / "seg-export"), "--config", str(config), "--checkpoint", ckpt, "--format", "tflite",
+                 "--quantize", q, "--calibration-images", str(calibration), "--output", str(path), "--force"], log)
+        f = {"export_s": round(time.time() - start), "size_bytes": path.stat().st_size,
+             "sidecar": json.loads(path.with_suffix(".json").read_text())}
+        for split in ("val", "test"):
+            # mIoU once per split (it does not depend on the threads); latency from the test split's runs.
+            for t in threads if split == "test" else [max(threads)]:
+                rec = last_json(command([str(BIN / "seg-eval"), "--config", str(config), "--model", str(path),
+                                         "--split", split, "--threads", str(t), "--json"], log))
+                f.setdefault(split, {"miou": rec["miou"], "per_class_iou": rec["per_class_iou"]})
+                if split == "test":
+                    f.setdefault("latency_ms", {})[str(t)] = rec["latency_ms"]
+        r["files"][q] = f
+    return r
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}"
+
+
+def render(results: dict) -> str:
+    threads = results["threads"]
+    rows = ["| model | what | val mIoU | test mIoU | size MB | " +
+            " | ".join(f"ms/image, {t} thread{'s' if t > 1 else ''}" for t in threads) + " |",
+            "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in threads) + " |"]
+    gaps = []
+    for r in results["models"]:
+        title = TITLES.get(r["name"], r["name"])
+        modes = r["checkpoint_modes_val"]["inference"] or {}
+        rows.append(f"| {title} | checkpoint, seg-eval (flip {modes.get('flip')}, scales {modes.get('scales')}) | "
+                    f"{pct(r['checkpoint_modes_val']['miou'])} | {pct(r['checkpoint_modes_test']['miou'])} | | " +
+                    " | ".join("" for _ in threads) + " |")
+        rows.append(f"| {title} | checkpoint, seg-eval, one pass | {pct(r['checkpoint_one_pass_val']['miou'])} | "
+                    f"{pct(r['checkpoint_one_pass_test']['miou'])} | | " + " | ".join("" for _ in threads) + " |")
+        for q, f in r["files"].items():
+            lat = [f["latency_ms"][str(t)]["median"] for t in threads]
+            rows.append(f"| {title} | TFLite {LABEL[q]}, seg-eval --model | {pct(f['val']['miou'])} | "
+                        f"{pct(f['test']['miou'])} | {f['size_bytes'] / 1e6:.2f} | " +
+                        " | ".join(f"{v:.1f}" for v in lat) + " |")
+        fl, i8 = r["files"]["none"], r["files"]["int8"]
+        gaps.append(f"| {title} | {100 * (i8['val']['miou'] - fl['val']['miou']):+.2f} | "
+                    f"{100 * (i8['test']['miou'] - fl['test']['miou']):+.2f} | " +
+                    " | ".join(f"{fl['latency_ms'][str(t)]['median'] / i8['latency_ms'][str(t)]['median']:.2f}x"
+                               for t in threads) +
+                    f" | {fl['size_bytes'] / i8['size_bytes']:.2f}x | "
+                    f"{', '.join(f'{k} x{v}' for k, v in i8['sidecar']['float32_ops'].items()) or 'none'} | "
+                    f"{verdict(fl, i8, threads)} |")
+    gap_head = ["| model | int8 - float32, val | int8 - float32, test | " +
+                " | ".join(f"int8 speed-up, {t} thread{'s' if t > 1 else ''}" for t in threads) +
+                " | int8 smaller | ops left in float32 | targets (gap <= 1.0 mIoU, >= 2x faster) |",
+                "| --- | --- | --- | " + " | ".join("---" for _ in threads) + " | --- | --- | --- |"]
+    per_class = []
+    for r in results["models"]:
+        names = list(r["files"]["none"]["test"]["per_class_iou"])
+        per_class.append(f"\n{TITLES.get(r['name'], r['name'])}, test IoU per class:\n")
+        per_class.append("| class | " + " | ".join(LABEL[q] for q in r["files"]) + " |")
+        per_class.append("| --- | " + " | ".join("---" for _ in r["files"]) + " |")
+        for n in names:
+            per_class.append(f"| {n} | " + " | ".join(pct(f["test"]["per_class_iou"][n]) for f in r["files"].values())
+                             + " |")
+    text = TEMPLATE.read_text()
+    return (text.replace("{date}", results["date"]).replace("{table}", "\n".join(rows))
+            .replace("{gaps}", "\n".join(gap_head + gaps)).replace("{per_class}", "\n".join(per_class))
+            .replace("{commands}", "\n".join(f"    {c}" for c in results["log"]))
+            .replace("{total_min}", f"{results['total_s'] / 60:.0f}"))
+
+
+def verdict(fl: dict, i8: dict, threads: list[int]) -> str:
+    """Whether int8 meets the targets: within 1.0 mIoU of float32 (val and test), 2x faster at each thread count."""
+    gap = max(100 * (fl[s]["miou"] - i8[s]["miou"]) for s in ("val", "test"))
+    speed = min(fl["latency_ms"][str(t)]["median"] / i8["latency_ms"][str(t)]["median"] for t in threads)
+    return (f"gap {'met' if gap <= 1.0 else 'MISSED'} (largest loss {gap:.2f}), "
+            f"speed {'met' if speed >= 2.0 else 'MISSED'} (slowest {speed:.2f}x)")
+
+
+TITLES = {"camvid": "DeepLabV3+ MobileNetV2", "camvid_lraspp": "LR-ASPP MobileNetV3-Large"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="camvid,camvid_lraspp")
+    p.add_argument("--run", action="append", default=[], metavar="NAME=RUN_DIR")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--calibration-images", type=int, default=200)
+    p.add_argument("--output", default=str(ROOT / "docs" / "DEPLOY.md"))
+    p.add_argument("--report-only", action="store_true")
+    a = p.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    results_path = OUT / "results.json"
+    if not a.report_only:
+        runs = dict(item.split("=", 1) for item in a.run)
+        threads = [int(t) for t in a.threads.split(",")]
+        log: list[str] = []
+        start = time.time()
+        models = [measure(n, Path(runs.get(n, OUT / n / "run")).resolve(), threads, a.calibration_images, log)
+                  for n in a.models.split(",")]
+        results = {"date": datetime.date.today().isoformat(), "threads": threads, "models": models, "log": log,
+                   "total_s": time.time() - start, "cpu_count": os.cpu_count()}
+        results_path.write_text(json.dumps(results, indent=1) + "\n")
+    results = json.loads(results_path.read_text())
+    Path(a.output).write_text(render(results))
+    print(f"wrote {a.output} (results in {results_path})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""scripts/bench_deploy.py's report: the int8 verdicts against the issue's targets, checked on numbers worked by hand."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_deploy", ROOT / "scripts" / "bench_deploy.py")
+bench_deploy = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_deploy)
+
+
+def file_result(val, test, ms1, ms2, size, float_ops):
+    per_class = {"Sky": test, "Road": test}
+    return {"val": {"miou": val, "per_class_iou": per_class}, "test": {"miou": test, "per_class_iou": per_class},
+            "latency_ms": {"1": {"median": ms1}, "2": {"median": ms2}}, "size_bytes": size,
+            "sidecar": {"float32_ops": float_ops}}
+
+
+def results():
+    checkpoint = {"miou": 0.62, "per_class_iou": {}, "inference": {"flip": True, "scales": [0.75, 1.0, 1.25]}}
+    model = {"name": "camvid", "checkpoint_modes_val": checkpoint, "checkpoint_modes_test": checkpoint,
+             "checkpoint_one_pass_val": checkpoint, "checkpoint_one_pass_test": checkpoint,
+             "files": {"none": file_result(0.600, 0.500, 100.0, 60.0, 12_000_000, {"CONV_2D": 40}),
+                       "float16": file_result(0.600, 0.500, 101.0, 61.0, 6_000_000, {"CONV_2D": 40}),
+                       "int8": file_result(0.595, 0.488, 40.0, 35.0, 3_000_000, {"CAST": 1, "QUANTIZE": 1})}}
+    return {"date": "2026-11-24", "threads": [1, 2], "models": [model], "log": ["seg-eval ..."], "total_s": 600}
+
+
+def test_verdict_names_the_missed_targets():
+    files = results()["models"][0]["files"]
+    # Losses 0.5 (val) and 1.2 (test): the larger misses 1.0. Speed-ups 100/40 = 2.5x and 60/35 = 1.71x.
+    assert bench_deploy.verdict(files["none"], files["int8"], [1, 2]) == \
+        "gap MISSED (largest loss 1.20), speed MISSED (slowest 1.71x)"
+    assert bench_deploy.verdict(files["none"], files["int8"], [1]) == \
+        "gap MISSED (largest loss 1.20), speed met (slowest 2.50x)"
+
+
+def test_report_rows_and_no_placeholder_left():
+    text = bench_deploy.render(results())
+    assert "{" not in text.replace("{{", "")
+    assert "| DeepLabV3+ MobileNetV2 | TFLite int8, seg-eval --model | 59.50 | 48.80 | 3.00 | 40.0 | 35.0 |" in text
+    assert "| DeepLabV3+ MobileNetV2 | -0.50 | -1.20 | 2.50x | 1.71x | 4.00x | CAST x1, QUANTIZE x1 |" in text
