@@ -157,6 +157,9 @@ def _weights(model, name):
 @pytest.mark.parametrize("backbone", ["mobilenetv3_small", "tiny"])
 def test_lraspp_logits_equal_numpy_by_hand(backbone):
     model = _build(backbone, head="lraspp")
+    # A fresh MobileNetV3 at inference (moving statistics 0/1) outputs ~1e-10: perturbed, so the
+    # high-level branch varies over the image and its resize is seen.
+    _perturb(models.backbone_of(model), seed=1)
     rng = np.random.default_rng(0)
     for layer in model.layers:  # recognisable head weights, BN statistics far from 0/1
         if layer.name.startswith("lraspp_") and layer.weights:
@@ -175,6 +178,7 @@ def test_lraspp_logits_equal_numpy_by_hand(backbone):
     cbr = np.maximum((high @ w_cbr[0, 0] - mean) / np.sqrt(var + 1e-5) * gamma + beta, 0)
     gate = 1 / (1 + np.exp(-(high.mean(axis=(1, 2), keepdims=True) @ w_scale[0, 0])))
     up = _resize(cbr * gate, low.shape[1:3])
+    assert up.std(axis=(1, 2)).mean() > 0.1 * np.abs(up).mean()
     expected = _resize(low @ w_low[0, 0] + b_low + up @ w_high[0, 0] + b_high, x.shape[1:3])
 
     got = model(x, training=False)
