@@ -21,6 +21,8 @@ from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.data import synthetic
 from seg_train.models.backbones import WEIGHT_FILES
+from seg_train.models.fused_bn import FusedBatchNormalization
+from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.infer.load import load_state
 from seg_train import replicas
 from tests.test_backbone_weights import _perturb, _read_h5, _short, _weighted_layers
@@ -136,6 +138,18 @@ def test_output_stride_is_real(output_stride, dilations):
     for block, rate in dilations.items():  # DeepLab's rule: the block that loses its stride keeps its rate
         layer = backbone.get_layer(f"expanded_conv_{block}_depthwise")
         assert tuple(layer.dilation_rate) == (rate, rate) and tuple(layer.strides) == (1, 1), block
+
+
+@pytest.mark.parametrize("sync,fused", [(True, True), (False, False), (False, True)])
+def test_every_bn_layer_is_of_the_chosen_class(sync, fused):
+    # The rebuilt MobileNetV3's BN layers and LR-ASPP's one, with the configured momentum.
+    model = models.build(ModelConfig(backbone="mobilenetv3_small", head="lraspp", lraspp_channels=8,
+                                     sync_batchnorm=sync, fused_batchnorm=fused, bn_momentum=0.8), 3)
+    layers = models.batchnorm_layers(model)
+    assert len(layers) == 35 and "lraspp_cbr_bn" in {b.name for b in layers}  # conv_bn ... conv_1_bn, the head's
+    per_tower = FusedBatchNormalization if fused else keras.layers.BatchNormalization
+    assert {type(b) for b in layers} == {SyncBatchNormalization if sync else per_tower}
+    assert {b.momentum for b in layers} == {0.8}  # (the class carries the synchronisation: models/sync_bn.py)
 
 
 def _resize(x, size):
