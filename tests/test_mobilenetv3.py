@@ -140,6 +140,13 @@ def test_output_stride_is_real(output_stride, dilations):
         assert tuple(layer.dilation_rate) == (rate, rate) and tuple(layer.strides) == (1, 1), block
 
 
+def test_lraspp_mobilenetv3_large_has_torchvisions_parameter_count():
+    # torchvision publishes num_params = 3221538 for lraspp_mobilenet_v3_large (21 classes, BN's
+    # running statistics not counted): the same architecture has as many trainable weights.
+    model = models.build(ModelConfig(backbone="mobilenetv3_large", head="lraspp"), 21)
+    assert sum(int(np.prod(v.shape)) for v in model.trainable_variables) == 3221538
+
+
 @pytest.mark.parametrize("sync,fused", [(True, True), (False, False), (False, True)])
 def test_every_bn_layer_is_of_the_chosen_class(sync, fused):
     # The rebuilt MobileNetV3's BN layers and LR-ASPP's one, with the configured momentum.
