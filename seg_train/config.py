@@ -125,7 +125,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    backbone: str = _c("mobilenetv2", choices=("tiny", "mobilenetv2", "resnet50", "resnet101"))
+    backbone: str = _c("mobilenetv2", choices=("tiny", "mobilenetv2", "mobilenetv3_large", "mobilenetv3_small",
+                                               "resnet50", "resnet101"))
+    head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp"))
     output_stride: int = _c(16, choices=(8, 16))
     sync_batchnorm: bool = _c(False)
     bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)")
@@ -134,6 +136,7 @@ class ModelConfig:
     aspp_channels: int = _c(256, check=_positive)
     decoder_channels: int = _c(256, check=_positive)
     low_level_channels: int = _c(48, check=_positive)
+    lraspp_channels: int = _c(128, check=_positive)
     fused_batchnorm: bool = _c(True)
     fast_atrous: bool = _c(True)
     freeze_batchnorm: bool = _c(False)
@@ -464,6 +467,9 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
 BACKBONE_NORMALIZATION = {
     "tiny": ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)),
     "mobilenetv2": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
+    # Keras' MobileNetV3 rescales x / 127.5 - 1 inside the model; built here without that layer.
+    "mobilenetv3_large": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
+    "mobilenetv3_small": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
     "resnet50": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
     "resnet101": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
 }

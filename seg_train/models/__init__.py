@@ -1,4 +1,4 @@
-"""Model construction from the config: one place maps `model.backbone` to a builder."""
+"""Model construction from the config: one place maps `model.backbone` and `model.head` to builders."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from seg_train.config import ModelConfig
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 from seg_train.models.layer_choice import LayerChoice
+from seg_train.models.lraspp import lraspp
 
 __all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm"]
 
 
 def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
-    """DeepLabV3+ on the configured backbone; call inside `strategy.scope()` for one set of variables.
+    """The configured head (DeepLabV3+ or LR-ASPP) on the configured backbone; call inside `strategy.scope()`
+    for one set of variables.
 
     The seed fixes the initial weights, so every run with the same config starts from the same model.
     With `cfg.freeze_batchnorm` the backbone's BN layers are frozen (see `freeze_batchnorm`) before
@@ -22,9 +24,15 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
                          fast_atrous=cfg.fast_atrous)
     keras.utils.set_random_seed(seed)
-    backbone = build_backbone(cfg.backbone, cfg.output_stride, cfg.bn_momentum, choice, cfg.backbone_weights)
-    model = deeplabv3plus(backbone, num_classes, cfg.output_stride, choice, cfg.aspp_channels, cfg.decoder_channels,
-                          cfg.low_level_channels, cfg.bn_momentum)
+    # DeepLabV3+ decodes from stride-4 features, LR-ASPP from stride-8 ones.
+    low_stride = 8 if cfg.head == "lraspp" else 4
+    backbone = build_backbone(cfg.backbone, cfg.output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
+                              low_stride)
+    if cfg.head == "lraspp":
+        model = lraspp(backbone, num_classes, choice, cfg.lraspp_channels, cfg.bn_momentum)
+    else:
+        model = deeplabv3plus(backbone, num_classes, cfg.output_stride, choice, cfg.aspp_channels,
+                              cfg.decoder_channels, cfg.low_level_channels, cfg.bn_momentum)
     if cfg.freeze_batchnorm:
         freeze_batchnorm(backbone)
     return model

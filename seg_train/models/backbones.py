@@ -1,4 +1,8 @@
-"""Backbones returning (low-level features at stride 4, high-level features at the output stride).
+"""Backbones returning (low-level features at stride 4 or 8, high-level features at the output stride).
+
+The head picks the low-level stride: DeepLabV3+ decodes from stride 4 (the last block at stride 4,
+as DeepLab), LR-ASPP from stride 8 (the block that first reaches stride 8, as torchvision's
+lraspp_mobilenet_v3_large).
 
 keras.applications models are built with plain strides (output stride 32) and their own BN layers
 (momentum 0.999, unsynchronised). They are rebuilt here with `keras.models.clone_model`: the last
@@ -24,8 +28,9 @@ from seg_train.models.layer_choice import LayerChoice
 log = logging.getLogger("seg_train")
 
 
-def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int = 16) -> keras.Model:
-    """A small conv net for tests and the demo: stride-4 low-level and stride-16/8 high-level features."""
+def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int = 16,
+         low_stride: int = 4) -> keras.Model:
+    """A small conv net for tests and the demo: stride-4 (or 8) low-level and stride-16/8 high-level features."""
     inp = keras.Input((None, None, 3), name="image")
 
     def block(x, filters, stride, dilation, name):
@@ -39,6 +44,8 @@ def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int
     x = block(x, width * 2, 2, 1, "stage1")                   # /4
     low = block(x, width * 2, 1, 1, "stage1b")
     x = block(low, width * 4, 2, 1, "stage2")                 # /8
+    if low_stride == 8:
+        low = x
     s3 = 1 if output_stride == 8 else 2
     d3 = 2 if output_stride == 8 else 1
     x = block(x, width * 8, s3, d3, "stage3")                 # /16 (or /8 dilated)
@@ -46,7 +53,7 @@ def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int
     return keras.Model(inp, [low, x], name="tiny")
 
 
-def _mobilenetv2_plan(output_stride):
+def _mobilenetv2_plan(output_stride, base=None):
     """layer name -> config changes turning MobileNetV2 into an atrous backbone."""
     changes = {}
     rate = 1
@@ -60,6 +67,31 @@ def _mobilenetv2_plan(output_stride):
         for b in following:
             changes[f"block_{b}_depthwise"] = {"dilation_rate": (rate, rate), "padding": "same"}
     return changes
+
+
+def _mnv3_prefix(block: int) -> str:
+    return "expanded_conv_" if block == 0 else f"expanded_conv_{block}_"
+
+
+def _mobilenetv3_plan(strided: tuple[int, ...], num_blocks: int):
+    """The MobileNetV2 plan for MobileNetV3: `strided` are the blocks with a stride-2 depthwise.
+
+    Their explicit padding becomes symmetric, as 'same' at the new dilation (kernels are 3 or 5).
+    """
+    def plan(output_stride, base):
+        changes, rate = {}, 1
+        first = strided[-1] if output_stride == 16 else strided[-2]
+        for b in range(first, num_blocks):
+            prefix = _mnv3_prefix(b)
+            if b in strided:
+                pad = rate * (base.get_layer(f"{prefix}depthwise").kernel_size[0] // 2)
+                changes[f"{prefix}depthwise_pad"] = {"padding": ((pad, pad), (pad, pad))}
+                changes[f"{prefix}depthwise"] = {"strides": (1, 1), "dilation_rate": (rate, rate)}
+                rate *= 2
+            else:
+                changes[f"{prefix}depthwise"] = {"dilation_rate": (rate, rate)}
+        return changes
+    return plan
 
 
 def _resnet_plan(output_stride, blocks):
@@ -76,15 +108,38 @@ def _resnet_plan(output_stride, blocks):
     return changes
 
 
+def _keras2_mobilenetv3_name(name: str) -> str:
+    """'expanded_conv_3/squeeze_excite/Conv_1' -> 'expanded_conv_3_squeeze_excite_conv_1'.
+
+    The published MobileNetV3 files name layers as Keras 2 did ('Conv/BatchNorm', 'expanded_conv/depthwise');
+    Keras 3 forbids '/' in names and renamed them. Keras 3 names map to themselves.
+    """
+    return name.replace("/BatchNorm", "_bn").replace("/", "_").lower()
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def _app(ctor, **kwargs):
+    return lambda: ctor(input_shape=(None, None, 3), include_top=False, weights=None, **kwargs)
+
+
 _APPS = {
-    # name: (constructor, low-level layer, high-level layer, plan)
-    "mobilenetv2": (
-        lambda: keras.applications.MobileNetV2(input_shape=(None, None, 3), include_top=False, weights=None),
-        "block_2_add", "block_16_project_BN", _mobilenetv2_plan),
-    "resnet50": (lambda: keras.applications.ResNet50(input_shape=(None, None, 3), include_top=False, weights=None),
-                 "conv2_block3_out", "conv5_block3_out", lambda os: _resnet_plan(os, (3, 4, 6, 3))),
-    "resnet101": (lambda: keras.applications.ResNet101(input_shape=(None, None, 3), include_top=False, weights=None),
-                  "conv2_block3_out", "conv5_block3_out", lambda os: _resnet_plan(os, (3, 4, 23, 3))),
+    # name: (constructor, {low-level stride: layer}, high-level layer (None: the model's output), plan,
+    #        the file's layer name -> the model's)
+    "mobilenetv2": (_app(keras.applications.MobileNetV2), {4: "block_2_add", 8: "block_3_project_BN"},
+                    "block_16_project_BN", _mobilenetv2_plan, _same),
+    "mobilenetv3_large": (_app(keras.applications.MobileNetV3Large, include_preprocessing=False),
+                          {4: "expanded_conv_2_add", 8: "expanded_conv_3_project_bn"}, None,
+                          _mobilenetv3_plan((1, 3, 6, 12), 15), _keras2_mobilenetv3_name),
+    "mobilenetv3_small": (_app(keras.applications.MobileNetV3Small, include_preprocessing=False),
+                          {4: "expanded_conv_project_bn", 8: "expanded_conv_1_project_bn"}, None,
+                          _mobilenetv3_plan((0, 1, 3, 8), 11), _keras2_mobilenetv3_name),
+    "resnet50": (_app(keras.applications.ResNet50), {4: "conv2_block3_out", 8: "conv3_block1_out"},
+                 "conv5_block3_out", lambda os, base: _resnet_plan(os, (3, 4, 6, 3)), _same),
+    "resnet101": (_app(keras.applications.ResNet101), {4: "conv2_block3_out", 8: "conv3_block1_out"},
+                  "conv5_block3_out", lambda os, base: _resnet_plan(os, (3, 4, 23, 3)), _same),
 }
 
 
@@ -92,12 +147,14 @@ _APPS = {
 # https://storage.googleapis.com/tensorflow/keras-applications/<model>/): Keras 2 legacy .h5 files.
 WEIGHT_FILES = {
     "mobilenetv2": "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224_no_top.h5",
+    "mobilenetv3_large": "weights_mobilenet_v3_large_224_1.0_float_no_top_v2.h5",
+    "mobilenetv3_small": "weights_mobilenet_v3_small_224_1.0_float_no_top_v2.h5",
     "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
     "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
 }
-# The ImageNet classifier of the include_top=True files (keras-applications' and Keras' names for it):
-# not part of a backbone, so skipped when a user gives the file with the top.
-_CLASSIFIER_LAYERS = {"Logits", "predictions", "probs"}
+# The ImageNet classifier of the include_top=True files (keras-applications' and Keras' names for it;
+# MobileNetV3's after its renaming): not part of a backbone, so skipped when a user gives the file with the top.
+_CLASSIFIER_LAYERS = {"Logits", "predictions", "probs", "conv_2", "logits"}
 
 
 def _h5_names(group, attr: str) -> list[str]:
@@ -197,17 +254,17 @@ def load_keras_h5(model: keras.Model, in_file: dict, path: Path, name: str) -> i
 
 
 def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
-              weights: Path | None = None) -> keras.Model:
+              weights: Path | None = None, low_stride: int = 4) -> keras.Model:
     """A keras.applications backbone rebuilt as an atrous feature extractor with the configured BN."""
-    ctor, low_name, high_name, plan = _APPS[name]
+    ctor, low_names, high_name, plan, file_name = _APPS[name]
     in_file = None
     if weights is not None:
         if not Path(weights).is_file():
             raise ConfigError("backbone weights not found", "model.backbone_weights",
                               f"expected a Keras ImageNet weights file ({WEIGHT_FILES[name]}), got {str(weights)!r}")
-        in_file = read_keras_h5(Path(weights), name)
+        in_file = {file_name(k): v for k, v in read_keras_h5(Path(weights), name).items()}
     base = ctor()
-    changes = plan(output_stride)
+    changes = plan(output_stride, base)
 
     def clone(layer):
         cfg = layer.get_config()
@@ -226,23 +283,26 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerCh
         n = load_keras_h5(model, in_file, Path(weights), name)
         log.info("loaded %d ImageNet weight arrays into the %s backbone from %s", n, name, weights)
     inputs = model.input
+    outputs = [model.get_layer(low_names[low_stride]).output,
+               model.outputs[0] if high_name is None else model.get_layer(high_name).output]
     if name.startswith("resnet"):
         # Keras' ResNet ImageNet weights expect BGR ('caffe' preprocessing); the reader gives RGB minus
         # the RGB mean, so flip the channels here.
         x = layers.Lambda(lambda t: t[..., ::-1], name="rgb_to_bgr")(inputs)
-        feats = keras.Model(inputs, [model.get_layer(low_name).output, model.get_layer(high_name).output])
-        low, high = feats(x)
+        low, high = keras.Model(inputs, outputs)(x)
         return keras.Model(inputs, [low, high], name=name)
-    return keras.Model(inputs, [model.get_layer(low_name).output, model.get_layer(high_name).output], name=name)
+    return keras.Model(inputs, outputs, name=name)
 
 
 def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
-                   weights: Path | None = None) -> keras.Model:
-    """Builds the named backbone with the layer classes of `choice` (one dict maps names to builders)."""
+                   weights: Path | None = None, low_stride: int = 4) -> keras.Model:
+    """Builds the named backbone with the layer classes of `choice` (one dict maps names to builders).
+
+    `low_stride` (4 or 8) is the stride of the low-level features it returns beside the high-level ones.
+    """
     if name == "tiny":
         if weights is not None:
             raise ConfigError("no pretrained weights for this backbone", "model.backbone_weights",
                               "expected null for backbone 'tiny'")
-        return tiny(output_stride, bn_momentum, choice)
-    return keras_app(name, output_stride, bn_momentum, choice, weights)
-
+        return tiny(output_stride, bn_momentum, choice, low_stride=low_stride)
+    return keras_app(name, output_stride, bn_momentum, choice, weights, low_stride)
