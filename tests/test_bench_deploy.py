@@ -1,4 +1,4 @@
-"""scripts/bench_deploy.py's report: the int8 verdicts against the issue's targets, checked on numbers worked by hand."""
+"""scripts/bench_deploy.py's report: int8 verdicts against the issue's targets, checked on numbers worked by hand."""
 
 import importlib.util
 from pathlib import Path
