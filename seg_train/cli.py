@@ -278,7 +278,8 @@ def _setup(args, run_dir_flag=None, checks=None):
 
 def train_main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="seg-train", description="Train DeepLabV3+ semantic segmentation on several GPUs (towers in one graph).")
+        prog="seg-train",
+        description="Train semantic segmentation (DeepLabV3+ or LR-ASPP) on several GPUs (towers in one graph).")
     _common(parser)
     parser.add_argument("--run-dir", help="where checkpoints, events and the resolved config go (overrides run_dir)")
     parser.add_argument("--init-from", metavar="CKPT_OR_RUN_DIR",
