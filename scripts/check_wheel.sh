@@ -2,7 +2,8 @@
 # seg-train installed the way users install it, used outside the repository:
 #   build the wheel, install it with no extras into a fresh venv, check `--version`, and from an empty
 #   folder train a copy of configs/demo.yaml for 3 steps on 2 towers (TensorBoard events written),
-#   evaluate the result with seg-eval, then remove TensorBoard and check the one-line error.
+#   evaluate the result with seg-eval, export it to TFLite and check seg-eval --model's one-line error without
+#   the tflite extra and its run with it, then remove TensorBoard and check the one-line error.
 #
 # Usage: scripts/check_wheel.sh [WHEELHOUSE]
 #   WHEELHOUSE: a folder of wheels (from `pip download`) to install from instead of the package index,
@@ -74,6 +75,24 @@ step "seg-eval"
 "$BIN/seg-eval" --config demo.yaml --checkpoint runs/demo --gpus 2 --set eval.bn_reestimate_batches=2
 test -s runs/demo/eval/val-step3.json
 
+step "seg-export --format tflite (TensorFlow's converter: no extra needed)"
+"$BIN/seg-export" --config demo.yaml --checkpoint runs/demo --format tflite --quantize int8 \
+    --calibration-images 8 --output demo_int8.tflite --set eval.bn_reestimate_batches=2
+test -s demo_int8.tflite && test -s demo_int8.json
+step "seg-eval --model without the tflite extra: one line"
+set +e
+"$BIN/seg-eval" --config demo.yaml --model demo_int8.tflite 2>err.txt
+code=$?
+set -e
+cat err.txt
+if [[ $code != 2 || $(wc -l <err.txt) != 1 ]] || ! grep -q "^error: ai-edge-litert is not installed" err.txt; then
+    echo "check_wheel: expected exit 2 and one 'error: ai-edge-litert is not installed' line, got exit $code" >&2
+    exit 1
+fi
+step "the tflite extra installed: seg-eval --model runs the file in LiteRT"
+"$BIN/python" -m pip install "${PIP_OPTS[@]}" "${WHEEL[0]}[tflite]"
+"$BIN/seg-eval" --config demo.yaml --model demo_int8.tflite --json | tail -n 1 >record.json
+"$BIN/python" -c "import json; r = json.load(open('record.json')); assert r['format'] == 'tflite' and r['miou'] > 0, r"
 step "TensorBoard removed: one line before any work"
 "$BIN/python" -m pip uninstall -q -y tensorboard
 set +e
