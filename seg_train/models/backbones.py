@@ -253,6 +253,21 @@ def load_keras_h5(model: keras.Model, in_file: dict, path: Path, name: str) -> i
     return len(pairs)
 
 
+class HardSwish(layers.Layer):
+    """Keras' hard_swish, x * relu6(x + 3) / 6, computed as (x / 6) * relu6(x + 3): MobileNetV3's activation.
+
+    The same function in another order, for int8 TFLite files. The converter fuses Keras' own form into
+    one HARD_SWISH op, and XNNPACK (LiteRT's CPU delegate, ai-edge-litert 2.3) has no int8 kernel for it:
+    each of MobileNetV3's 20 activations then split the int8 graph between XNNPACK and TFLite's slower
+    reference kernels, and the int8 LR-ASPP file ran slower than the float32 one (docs/DEPLOY.md). This
+    order converts to an ADD with a fused ReLU6 and two MULs, which XNNPACK runs in int8. Float32 files
+    are unaffected (XNNPACK runs both forms). No weights: checkpoints are the same.
+    """
+
+    def call(self, x):
+        return (x * (1.0 / 6.0)) * keras.ops.relu6(x + 3.0)
+
+
 def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
               weights: Path | None = None, low_stride: int = 4) -> keras.Model:
     """A keras.applications backbone rebuilt as an atrous feature extractor with the configured BN."""
@@ -276,6 +291,8 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerCh
         if type(layer) is layers.Conv2D:
             # ResNet's dilated 3x3 convs: fast and exact (models/atrous.py)
             return choice.conv2d_class(cfg["dilation_rate"]).from_config(cfg)
+        if isinstance(layer, layers.Activation) and cfg.get("activation") in ("hard_swish", "hard_silu"):
+            return HardSwish(name=layer.name, dtype=layer.dtype_policy)  # int8 TFLite runs it in XNNPACK
         return layer.__class__.from_config(cfg)
 
     model = keras.models.clone_model(base, clone_function=clone)
