@@ -264,3 +264,30 @@ def test_without_litert_the_model_commands_say_how_to_install_it(run, tmp_path):
         assert lines == [lines[-1]] and lines[0].startswith("error: ai-edge-litert is not installed ("), lines
         assert "pip install 'seg-train[tflite]'" in lines[0]
     assert not (tmp_path / "m.tflite").exists()
+
+
+def test_mobilenetv3_int8_runs_whole_in_xnnpack():
+    """MobileNetV3's hard-swish (models.backbones.HardSwish) is Keras' function, and its int8 file runs in one
+    XNNPACK partition: Keras' own form converts to HARD_SWISH, which LiteRT's XNNPACK has no int8 kernel for,
+    and every activation would then split the graph (the int8 file ran slower than the float32 one)."""
+    import keras
+    from ai_edge_litert.interpreter import Interpreter
+
+    from seg_train import models
+    from seg_train.config import ModelConfig
+    from seg_train.infer.tflite_export import app_function, convert, frozen_function
+    from seg_train.models.backbones import HardSwish
+
+    x = np.linspace(-8, 8, 480, dtype=np.float32).reshape(1, 4, 8, 15)
+    np.testing.assert_allclose(HardSwish()(x).numpy(), keras.activations.hard_swish(x).numpy(), atol=1e-6)
+    model = models.build(ModelConfig(backbone="mobilenetv3_small", head="lraspp", output_stride=16), 3)
+    assert sum(isinstance(layer, HardSwish) for layer in models.backbone_of(model).layers) > 0
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # BN statistics of images: at init MobileNetV3's features are ~1e-10, and XNNPACK
+        model(rng.normal(size=(4, 32, 48, 3)).astype(np.float32), training=True)  # refuses such int8 scales
+    fn = frozen_function(app_function(model, [127.5] * 3, [127.5] * 3, 32, 48))
+    content = convert(fn, "int8", lambda: ([rng.integers(0, 256, (1, 32, 48, 3), dtype=np.uint8)] for _ in range(2)))
+    interpreter = Interpreter(model_content=content)
+    interpreter.allocate_tensors()
+    ops = [op["op_name"] for op in interpreter._get_ops_details()]
+    assert "HARD_SWISH" not in ops and ops.count("DELEGATE") == 1, sorted(set(ops))
