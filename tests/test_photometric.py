@@ -128,3 +128,16 @@ def test_old_config_stream_unchanged(tmp_path):
         digest.update(im.tobytes())
         digest.update(lb.tobytes())
     assert digest.hexdigest() == OLD_STREAM
+
+
+@pytest.mark.parametrize("value, expected", [
+    ({"brightnes": 32}, "keys among brightness, contrast, saturation, hue"),
+    ({"hue": 120}, "hue in (0, 90]"),
+    ({"contrast": 0}, "contrast in (0, 1]"),
+    ([32, 0.5], "a mapping"),
+])
+def test_config_errors(tmp_path, value, expected):
+    from seg_train.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        tiny_config(tmp_path, data={"photometric": value})
+    assert e.value.where == "data.photometric" and expected in e.value.expected, str(e.value)
