@@ -21,6 +21,12 @@ per pixel or per image (never per tower), which is what makes 1 tower equal N to
   in every other case it depends on the labels alone.
 Equal losses at the cut-off are kept lowest pixel index first (tf.math.top_k's order), so the
 choice is deterministic.
+
+`ohem_threshold` (OHEM by probability) keeps per image the pixels below a true-class probability,
+at least `ohem_min_kept` of them; like top-k with class weights, its normalizer depends on the
+logits. Lovász-softmax and Dice (`loss.type`, `loss.terms`) are per-image losses weighted by each
+image's share of the cross-entropy's normalizer (`objective_sum`): still one sum and one
+normalizer per tower, every part per image, so 1 tower equals N towers for them too.
 """
 
 from __future__ import annotations
@@ -45,6 +51,18 @@ def keep_counts(valid_counts, top_k: float):
     return tf.minimum(tf.maximum(k, tf.minimum(n, 1.0)), n)
 
 
+def _weighted_ce(logits, labels, ignore_label: int, class_weights):
+    """Per pixel: (cross-entropy x weight, weight, valid, label with ignored pixels as class 0)."""
+    labels = tf.cast(labels, tf.int32)
+    valid = tf.not_equal(labels, ignore_label)
+    safe = tf.where(valid, labels, tf.zeros_like(labels))
+    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=tf.cast(logits, tf.float32))
+    weight = tf.cast(valid, tf.float32)
+    if class_weights is not None:
+        weight = weight * tf.gather(tf.constant(np.asarray(class_weights, np.float32)), safe)
+    return ce * weight, weight, valid, safe
+
+
 def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k: float = 1.0):
     """Softmax cross-entropy summed over the pixels the loss counts, and its normalizer (module doc).
 
@@ -61,14 +79,7 @@ def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k:
     """
     if not 0.0 < top_k <= 1.0:
         raise ValueError(f"top_k must be in (0, 1], got {top_k}")
-    labels = tf.cast(labels, tf.int32)
-    valid = tf.not_equal(labels, ignore_label)
-    safe = tf.where(valid, labels, tf.zeros_like(labels))
-    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=tf.cast(logits, tf.float32))
-    weight = tf.cast(valid, tf.float32)
-    if class_weights is not None:
-        weight = weight * tf.gather(tf.constant(np.asarray(class_weights, np.float32)), safe)
-    loss = ce * weight
+    loss, weight, valid, _ = _weighted_ce(logits, labels, ignore_label, class_weights)
     if top_k >= 1.0:
         return tf.reduce_sum(loss), tf.reduce_sum(weight)
 
@@ -117,13 +128,7 @@ def cross_entropy_per_image(logits, labels, ignore_label: int, class_weights=Non
     labels = tf.cast(labels, tf.int32)
     batch, pixels = tf.shape(labels)[0], tf.shape(labels)[1] * tf.shape(labels)[2]
     logits, labels = _flat(logits, batch, pixels), _flat(labels, batch, pixels)
-    valid = tf.not_equal(labels, ignore_label)
-    safe = tf.where(valid, labels, tf.zeros_like(labels))
-    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=logits)
-    weight = tf.cast(valid, tf.float32)
-    if class_weights is not None:
-        weight = weight * tf.gather(tf.constant(np.asarray(class_weights, np.float32)), safe)
-    loss = ce * weight
+    loss, weight, valid, safe = _weighted_ce(logits, labels, ignore_label, class_weights)
     if top_k >= 1.0 and ohem_threshold is None:
         return tf.reduce_sum(loss, axis=1), tf.reduce_sum(weight, axis=1)
     n_valid = tf.reduce_sum(tf.cast(valid, tf.int32), axis=1)
