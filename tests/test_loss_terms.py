@@ -242,3 +242,14 @@ def test_loss_config_errors(tmp_path, loss, where, expected):
     with pytest.raises(ConfigError) as e:
         tiny_config(tmp_path, loss=loss)
     assert e.value.where == where and expected in e.value.expected, str(e.value)
+
+
+def test_xla_compiles_the_new_losses():
+    """train.jit_compile: the per-image sorts need a static pixel count inside an XLA-compiled tower."""
+    logits, labels = batch(7)
+    kw = dict(class_weights=[1.0, 2.0, 0.5, 3.0], terms={"cross_entropy": 1.0, "lovasz": 0.5, "dice": 0.5},
+              ohem_threshold=0.4, ohem_min_kept=5)
+    fn = tf.function(lambda x, y: losses.objective_sum(x, y, 255, **kw), jit_compile=True)
+    got = fn(tf.constant(logits), tf.constant(labels))
+    want = losses.objective_sum(logits, labels, 255, **kw)
+    np.testing.assert_allclose([float(g) for g in got], [float(w) for w in want], rtol=1e-5)
