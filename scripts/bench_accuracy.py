@@ -274,6 +274,8 @@ def recipe_of(cfg: dict) -> dict:
         "data.random_scale": d["random_scale"], "data.random_mirror": d["random_mirror"],
         "loss.class_weights": loss.get("class_weights"),
         "loss.top_k_percent_pixels": loss.get("top_k_percent_pixels"),
+        "data.photometric": d.get("photometric"), "loss.type": loss.get("type"), "loss.terms": loss.get("terms"),
+        "loss.ohem_threshold": loss.get("ohem_threshold"), "loss.ohem_min_kept": loss.get("ohem_min_kept"),
         "train.optimizer": t["optimizer"], "train.learning_rate": t["learning_rate"],
         "train.lr_power": t["lr_power"], "train.warmup_steps": t["warmup_steps"],
         "train.num_steps": t["num_steps"], "train.accumulate_steps": t.get("accumulate_steps"),

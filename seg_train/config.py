@@ -70,6 +70,19 @@ def _step_range(v):
     return None if 1 <= a <= b else "[a, b] with 1 <= a <= b"
 
 
+# data.photometric's keys and the largest value each may take (README's config table gives the meaning).
+PHOTOMETRIC_KEYS = {"brightness": 255.0, "contrast": 1.0, "saturation": 1.0, "hue": 90.0}
+
+
+def _photometric(v):
+    for key, value in v.items():
+        if key not in PHOTOMETRIC_KEYS:
+            return f"keys among {', '.join(PHOTOMETRIC_KEYS)} (got {key!r})"
+        if not 0 < value <= PHOTOMETRIC_KEYS[key]:
+            return f"{key} in (0, {PHOTOMETRIC_KEYS[key]:g}]"
+    return None
+
+
 def _label_value(v):
     return None if 0 <= v <= 255 else "an integer in [0, 255]"
 
@@ -121,6 +134,8 @@ class DataConfig:
     scan_cache: bool = _c(True)
     scan_cache_dir: Optional[Path] = _c(None, path=True)
     format: str = _c("files", choices=("files", "tfrecord"))
+    # Colour jitter of the training crops (reader.photometric); null: off.
+    photometric: Optional[dict[str, float]] = _c(None, check=_photometric)
 
 
 @dataclass(frozen=True)
@@ -188,11 +203,41 @@ def _class_weights(v):
     return None
 
 
+LOSS_TYPES = ("cross_entropy", "lovasz", "dice")
+
+
+def _loss_terms(v):
+    if not v:
+        return "a non-empty list of {type, weight} mappings"
+    seen = set()
+    for term in v:
+        if set(term) != {"type", "weight"}:
+            return f"mappings with the keys type and weight (got {sorted(term)})"
+        if term["type"] not in LOSS_TYPES:
+            return f"type one of {', '.join(LOSS_TYPES)} (got {term['type']!r})"
+        if term["type"] in seen:
+            return f"each type at most once ({term['type']!r} twice)"
+        seen.add(term["type"])
+        if isinstance(term["weight"], str) or not term["weight"] > 0:
+            return f"a weight > 0 for {term['type']} (got {term['weight']!r})"
+    return None
+
+
 @dataclass(frozen=True)
 class LossConfig:
     class_weights: Optional[typing.Union[list[float], str]] = _c(
         None, check=_class_weights)
     top_k_percent_pixels: float = _c(1.0, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]")
+    type: str = _c("cross_entropy", choices=LOSS_TYPES)
+    terms: Optional[list[dict[str, typing.Union[float, str]]]] = _c(None, check=_loss_terms)
+    ohem_threshold: Optional[float] = _c(None, check=lambda v: None if 0 < v < 1 else "a number in (0, 1)")
+    ohem_min_kept: int = _c(0, check=_non_negative)
+
+    def term_weights(self) -> dict[str, float]:
+        """The loss as {type: weight}: loss.terms, or loss.type with weight 1."""
+        if self.terms is None:
+            return {self.type: 1.0}
+        return {t["type"]: float(t["weight"]) for t in self.terms}
 
 
 def _scales(v):
@@ -483,6 +528,7 @@ def resolve_defaults(cfg: Config) -> Config:
         raise ConfigError("wrong number of class weights", "loss.class_weights",
                           f"expected one weight per class ({cfg.data.num_classes}, data.num_classes), "
                           f"got {len(weights)}")
+    _check_loss(cfg)
     cfg = _resolve_eval(cfg)
     mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
     if cfg.data.mean is None:
@@ -512,6 +558,25 @@ def _resolve_data(cfg: Config) -> Config:
                           f"{d.num_classes}; another class set needs a data.label_map of your own")
     labels.label_table(cfg.data)
     return cfg
+
+
+def _check_loss(cfg: Config) -> None:
+    """The loss keys that depend on each other: mining and class weights act on the cross-entropy term."""
+    loss = cfg.loss
+    if loss.terms is not None and loss.type != "cross_entropy":
+        raise ConfigError("two loss definitions", "loss.type",
+                          f"loss.type or loss.terms, not both (got type {loss.type!r} and terms)")
+    has_ce = "cross_entropy" in loss.term_weights()
+    mining = {"loss.top_k_percent_pixels": loss.top_k_percent_pixels < 1.0,
+              "loss.ohem_threshold": loss.ohem_threshold is not None,
+              "loss.class_weights": loss.class_weights is not None}
+    for key, on in mining.items():
+        if on and not has_ce:
+            raise ConfigError("needs a cross_entropy term", key,
+                              "a loss with a cross_entropy term (loss.type or loss.terms): it acts on that term")
+    if mining["loss.top_k_percent_pixels"] and mining["loss.ohem_threshold"]:
+        raise ConfigError("two pixel minings", "loss.ohem_threshold",
+                          "null with loss.top_k_percent_pixels below 1 (one mining at a time)")
 
 
 def _resolve_eval(cfg: Config) -> Config:

@@ -21,6 +21,12 @@ per pixel or per image (never per tower), which is what makes 1 tower equal N to
   in every other case it depends on the labels alone.
 Equal losses at the cut-off are kept lowest pixel index first (tf.math.top_k's order), so the
 choice is deterministic.
+
+`ohem_threshold` (OHEM by probability) keeps per image the pixels below a true-class probability,
+at least `ohem_min_kept` of them; like top-k with class weights, its normalizer depends on the
+logits. Lovász-softmax and Dice (`loss.type`, `loss.terms`) are per-image losses weighted by each
+image's share of the cross-entropy's normalizer (`objective_sum`): still one sum and one
+normalizer per tower, every part per image, so 1 tower equals N towers for them too.
 """
 
 from __future__ import annotations
@@ -45,6 +51,18 @@ def keep_counts(valid_counts, top_k: float):
     return tf.minimum(tf.maximum(k, tf.minimum(n, 1.0)), n)
 
 
+def _weighted_ce(logits, labels, ignore_label: int, class_weights):
+    """Per pixel: (cross-entropy x weight, weight, valid, label with ignored pixels as class 0)."""
+    labels = tf.cast(labels, tf.int32)
+    valid = tf.not_equal(labels, ignore_label)
+    safe = tf.where(valid, labels, tf.zeros_like(labels))
+    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=tf.cast(logits, tf.float32))
+    weight = tf.cast(valid, tf.float32)
+    if class_weights is not None:
+        weight = weight * tf.gather(tf.constant(np.asarray(class_weights, np.float32)), safe)
+    return ce * weight, weight, valid, safe
+
+
 def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k: float = 1.0):
     """Softmax cross-entropy summed over the pixels the loss counts, and its normalizer (module doc).
 
@@ -61,14 +79,7 @@ def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k:
     """
     if not 0.0 < top_k <= 1.0:
         raise ValueError(f"top_k must be in (0, 1], got {top_k}")
-    labels = tf.cast(labels, tf.int32)
-    valid = tf.not_equal(labels, ignore_label)
-    safe = tf.where(valid, labels, tf.zeros_like(labels))
-    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=tf.cast(logits, tf.float32))
-    weight = tf.cast(valid, tf.float32)
-    if class_weights is not None:
-        weight = weight * tf.gather(tf.constant(np.asarray(class_weights, np.float32)), safe)
-    loss = ce * weight
+    loss, weight, valid, _ = _weighted_ce(logits, labels, ignore_label, class_weights)
     if top_k >= 1.0:
         return tf.reduce_sum(loss), tf.reduce_sum(weight)
 
@@ -97,6 +108,135 @@ def pixel_cross_entropy_sum(logits, labels, ignore_label: int):
     `pixel_loss_sum` with neither class weights nor mining.
     """
     return pixel_loss_sum(logits, labels, ignore_label)
+
+
+def _flat(x, batch, pixels):
+    return tf.reshape(x, tf.concat([[batch, pixels], tf.shape(x)[3:]], axis=0))
+
+
+def cross_entropy_per_image(logits, labels, ignore_label: int, class_weights=None, top_k: float = 1.0,
+                            ohem_threshold: float | None = None, ohem_min_kept: int = 0):
+    """The cross-entropy term per image: (sums [b], normalizers [b]), as pixel_loss_sum defines them.
+
+    Summed over the images, the two are what pixel_loss_sum returns (same kept pixels, same
+    normalizer). `ohem_threshold` (OHEM by probability): each image keeps its valid pixels whose
+    softmax probability of their true class is below the threshold, and at least its
+    min(ohem_min_kept, valid) pixels of lowest probability (ties: lowest pixel index first); the
+    normalizer is the number, or with class weights the weight sum, of the kept pixels.
+    """
+    logits = tf.cast(logits, tf.float32)
+    labels = tf.cast(labels, tf.int32)
+    batch, pixels = tf.shape(labels)[0], tf.shape(labels)[1] * tf.shape(labels)[2]
+    logits, labels = _flat(logits, batch, pixels), _flat(labels, batch, pixels)
+    loss, weight, valid, safe = _weighted_ce(logits, labels, ignore_label, class_weights)
+    if top_k >= 1.0 and ohem_threshold is None:
+        return tf.reduce_sum(loss, axis=1), tf.reduce_sum(weight, axis=1)
+    n_valid = tf.reduce_sum(tf.cast(valid, tf.int32), axis=1)
+    position = tf.range(pixels)[tf.newaxis, :]
+    if ohem_threshold is None:
+        k = tf.cast(keep_counts(n_valid, top_k), tf.int32)
+        _, order = tf.math.top_k(tf.where(valid, loss, -tf.ones_like(loss)), k=pixels, sorted=True)
+        keep = position < k[:, tf.newaxis]
+    else:
+        prob = tf.gather(tf.nn.softmax(logits), safe, batch_dims=2)
+        # Lowest true-class probability first, ignored pixels last (-p is in [-1, 0]).
+        _, order = tf.math.top_k(tf.where(valid, -prob, -2.0 * tf.ones_like(prob)), k=pixels, sorted=True)
+        kept_min = tf.minimum(n_valid, ohem_min_kept)[:, tf.newaxis]
+        below = tf.gather(prob, order, batch_dims=1) < ohem_threshold
+        keep = (position < n_valid[:, tf.newaxis]) & ((position < kept_min) | below)
+    keep = tf.stop_gradient(tf.cast(keep, tf.float32))
+    return (tf.reduce_sum(tf.gather(loss, order, batch_dims=1) * keep, axis=1),
+            tf.reduce_sum(tf.gather(weight, order, batch_dims=1) * keep, axis=1))
+
+
+def _probs_and_truth(logits, labels, ignore_label: int):
+    """Softmax probabilities [b, P, C], one-hot truth [b, P, C] (zero rows at ignored pixels), valid [b, P]."""
+    logits = tf.cast(logits, tf.float32)
+    labels = tf.cast(labels, tf.int32)
+    batch, pixels = tf.shape(labels)[0], tf.shape(labels)[1] * tf.shape(labels)[2]
+    probs = tf.nn.softmax(_flat(logits, batch, pixels))
+    labels = _flat(labels, batch, pixels)
+    valid = tf.not_equal(labels, ignore_label)
+    truth = tf.one_hot(tf.where(valid, labels, -1), tf.shape(probs)[-1], dtype=tf.float32)  # -1: all zeros
+    return probs, truth, valid
+
+
+def lovasz_softmax_per_image(logits, labels, ignore_label: int):
+    """Lovász-softmax (Berman et al. 2018) of each image: [b].
+
+    For each class c present in the image's valid labels: the pixels' errors |1[y = c] - p_c|
+    sorted in decreasing order, dotted with the discrete gradient of the Jaccard loss
+    1 - |y_c n pred| / |y_c u pred| along that order (the Lovász extension, whose gradient with
+    respect to the errors is that vector); averaged over the present classes. Ignored pixels count
+    in no class: their errors sort last as -1 and are multiplied by 0. 0 for an image with no valid
+    pixel.
+    """
+    probs, truth, valid = _probs_and_truth(logits, labels, ignore_label)
+    mask = tf.cast(valid, tf.float32)[..., tf.newaxis]
+    errors = tf.where(valid[..., tf.newaxis], tf.abs(truth - probs), -1.0)
+    errors, truth, mask = (tf.transpose(x, [0, 2, 1]) for x in (errors, truth, mask))  # [b, C, P]
+    pixels = tf.shape(errors)[-1]
+    ranked, order = tf.math.top_k(errors, k=pixels, sorted=True)
+    fg = tf.gather(truth, order, batch_dims=2)
+    kept = tf.gather(tf.broadcast_to(mask, tf.shape(errors)), order, batch_dims=2)
+    total = tf.reduce_sum(fg, axis=-1, keepdims=True)
+    intersection = total - tf.cumsum(fg, axis=-1)
+    union = total + tf.cumsum(1.0 - fg, axis=-1)
+    jaccard = 1.0 - intersection / union  # union >= 1 from the first pixel on
+    grad = tf.concat([jaccard[..., :1], jaccard[..., 1:] - jaccard[..., :-1]], axis=-1)
+    per_class = tf.reduce_sum(ranked * kept * tf.stop_gradient(grad), axis=-1)  # [b, C]
+    present = tf.cast(total[..., 0] > 0, tf.float32)
+    return tf.math.divide_no_nan(tf.reduce_sum(per_class * present, axis=-1), tf.reduce_sum(present, axis=-1))
+
+
+DICE_SMOOTH = 1.0
+
+
+def dice_per_image(logits, labels, ignore_label: int, smooth: float = DICE_SMOOTH):
+    """Soft Dice loss of each image: [b], the mean over all C classes of
+    1 - (2 sum(p_c y_c) + smooth) / (sum(p_c) + sum(y_c) + smooth), sums over the valid pixels, p the
+    softmax probabilities and y the one-hot labels. `smooth` keeps a class absent from both the
+    labels and the prediction at ~0 loss; a class absent from the labels costs ~sum(p_c) / (sum(p_c) + 1).
+    0 for an image with no valid pixel."""
+    probs, truth, valid = _probs_and_truth(logits, labels, ignore_label)
+    mask = tf.cast(valid, tf.float32)[..., tf.newaxis]
+    probs = probs * mask
+    inter = tf.reduce_sum(probs * truth, axis=1)
+    denom = tf.reduce_sum(probs, axis=1) + tf.reduce_sum(truth, axis=1)
+    loss = tf.reduce_mean(1.0 - (2.0 * inter + smooth) / (denom + smooth), axis=-1)
+    return tf.where(tf.reduce_any(valid, axis=1), loss, 0.0)
+
+
+def objective_sum(logits, labels, ignore_label: int, class_weights=None, top_k: float = 1.0, terms=None,
+                  ohem_threshold: float | None = None, ohem_min_kept: int = 0):
+    """The configured loss as (sum, normalizer) for the train step (the module doc for the cross-entropy).
+
+    `terms`: {type: weight} (LossConfig.term_weights; None: cross-entropy alone). Cross-entropy alone
+    without OHEM is pixel_loss_sum, unchanged. Otherwise, per image i: n_i is the cross-entropy's
+    normalizer of that image (its valid pixels, their weight sum, or its kept pixels' count or weight
+    sum), or its valid pixel count when there is no cross_entropy term; the Lovász and Dice terms are
+    per-image losses L_i weighted by n_i. So the objective is
+        (w_ce * sum_i ce_sum_i + sum_t w_t * sum_i n_i L_t,i) / sum_i n_i
+    over all images of all towers: one normalizer, every part per image, so 1 tower = N towers.
+    With n_i equal (full crops, no class weights or mining) a term is the plain mean over images.
+    """
+    terms = terms or {"cross_entropy": 1.0}
+    if set(terms) == {"cross_entropy"} and ohem_threshold is None:
+        loss_sum, normalizer = pixel_loss_sum(logits, labels, ignore_label, class_weights, top_k)
+        return loss_sum * terms["cross_entropy"] if terms["cross_entropy"] != 1.0 else loss_sum, normalizer
+    if "cross_entropy" in terms:
+        ce, n = cross_entropy_per_image(logits, labels, ignore_label, class_weights, top_k, ohem_threshold,
+                                        ohem_min_kept)
+        total = terms["cross_entropy"] * tf.reduce_sum(ce)
+    else:
+        n = tf.reduce_sum(tf.cast(tf.not_equal(tf.cast(labels, tf.int32), ignore_label), tf.float32), axis=[1, 2])
+        total = tf.constant(0.0)
+    n = tf.stop_gradient(n)
+    per_image = {"lovasz": lovasz_softmax_per_image, "dice": dice_per_image}
+    for name, w in terms.items():
+        if name != "cross_entropy":
+            total = total + w * tf.reduce_sum(n * per_image[name](logits, labels, ignore_label))
+    return total, tf.reduce_sum(n)
 
 
 def median_frequency_weights(class_pixels, image_pixels, class_names=None) -> np.ndarray:

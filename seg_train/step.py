@@ -200,8 +200,9 @@ class TrainStep:
         with tf.GradientTape() as tape:
             tape.watch(tv)
             logits, new_state = self.state.model.stateless_call(tv, st, images, training=True)
-            loss_sum, normalizer = losses.pixel_loss_sum(logits, labels, cfg.data.ignore_label, self.class_weights,
-                                                         cfg.loss.top_k_percent_pixels)
+            loss_sum, normalizer = losses.objective_sum(
+                logits, labels, cfg.data.ignore_label, self.class_weights, cfg.loss.top_k_percent_pixels,
+                cfg.loss.term_weights(), cfg.loss.ohem_threshold, cfg.loss.ohem_min_kept)
             scaled = loss_sum * scale
         grads = tape.gradient(scaled, tv, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = [tf.cast(g, tf.float32) for g in grads]

@@ -201,6 +201,49 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
     return image, label
 
 
+PHOTOMETRIC_ORDER = ("brightness", "contrast", "saturation", "hue")
+
+
+def photometric_draws(spec: dict, key) -> dict:
+    """data.photometric's random draws for one sample: {name: (applied, amount)} for the named steps.
+
+    Each step is applied with probability 1/2; its amount is uniform in [-v, v] for the configured v
+    (brightness: added to 0..255 values; contrast, saturation: the factor is 1 + amount; hue: on
+    OpenCV's 0..180 hue scale). `key`: the sample's stateless seed pair; each step draws from its own
+    split of it, so a step's draws do not depend on which other steps are on.
+    """
+    keys = tf.random.experimental.stateless_split(key, num=2 * len(PHOTOMETRIC_ORDER))
+    draws = {}
+    for i, name in enumerate(PHOTOMETRIC_ORDER):
+        if name in spec:
+            draws[name] = (tf.random.stateless_uniform([], keys[2 * i]) < 0.5,
+                           spec[name] * tf.random.stateless_uniform([], keys[2 * i + 1], -1.0, 1.0))
+    return draws
+
+
+def apply_photometric(image, draws: dict):
+    """The colour jitter of one float32 RGB image in 0..255 for given draws (photometric_draws).
+
+    In this order, each step only where drawn, the result clipped to [0, 255] after each step:
+    brightness x + d; contrast x * (1 + a); saturation S * (1 + a) in HSV (S clipped to [0, 1]);
+    hue H + d / 180 of the hue circle, wrapping.
+    """
+    for name in PHOTOMETRIC_ORDER:
+        if name not in draws:
+            continue
+        applied, amount = draws[name]
+        if name == "brightness":
+            out = image + amount
+        elif name == "contrast":
+            out = image * (1.0 + amount)
+        elif name == "saturation":
+            out = tf.image.adjust_saturation(image / 255.0, 1.0 + amount) * 255.0
+        else:
+            out = tf.image.adjust_hue(image / 255.0, amount / 180.0) * 255.0
+        image = tf.where(applied, tf.clip_by_value(out, 0.0, 255.0), image)
+    return image
+
+
 class ImageReader:
     """Reads one split of a data set (data.layout) into tf.data pipelines, labels mapped to train ids.
 
@@ -391,6 +434,13 @@ class ImageReader:
         x = tf.random.stateless_uniform([], seeds[3], 0, w - cw + 1, dtype=tf.int32)
         image = image[y:y + ch, x:x + cw]
         label = label[y:y + ch, x:x + cw, 0]
+        if cfg.photometric:
+            # Its own key, folded off this sample's: the four draws above stay what they were.
+            key = tf.random.experimental.stateless_fold_in(tf.stack([tf.constant(self.seed + 1, tf.int64), k]), 1)
+            jittered = apply_photometric(image, photometric_draws(cfg.photometric, key))
+            # The padding keeps the mean colour (zero after normalisation), as without the jitter.
+            inside = (tf.range(ch)[:, None] + y < h - ph) & (tf.range(cw)[None, :] + x < w - pw)
+            image = tf.where(inside[..., None], jittered, image)
         image = self.normalize(image)
         image.set_shape([ch, cw, 3])
         label.set_shape([ch, cw])
