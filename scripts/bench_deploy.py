@@ -5,8 +5,8 @@
                                    [--threads 1,2] [--calibration-images 200] [--output docs/DEPLOY.md]
                                    [--report-only]
 
-For each model NAME (configs/NAME.yaml), with the real commands a user runs:
-  1. seg-train --config configs/NAME.yaml --gpus 1 --run-dir runs/deploy/NAME   (skipped when the run dir
+For each model NAME (configs/<name>.yaml), with the real commands a user runs:
+  1. seg-train --config configs/<name>.yaml --gpus 1 --run-dir runs/deploy/<name>/run   (skipped when the run dir
      already holds the final step's checkpoint; --run NAME=DIR uses another run dir)
   2. seg-eval --checkpoint DIR --split val|test --json                          (the checkpoint, the config's
      eval modes: flips and scales)
