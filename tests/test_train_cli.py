@@ -51,6 +51,14 @@ def event_tags(run_dir):
         t for t in tags["tensors"] if t.startswith("tower_")), acc
 
 
+def rewind_to_ckpt2(ckdir):
+    """Makes a run's checkpoints/ look killed right after writing ckpt-2: drops ckpt-3, ckpt-4 and their state."""
+    for f in [*ckdir.glob("ckpt-3.*"), *ckdir.glob("ckpt-4.*")]:
+        f.unlink()
+    tf.compat.v1.train.update_checkpoint_state(str(ckdir), str(ckdir / "ckpt-2"),
+                                               [str(ckdir / "ckpt-1"), str(ckdir / "ckpt-2")])
+
+
 def test_train_tags_and_resume(tmp_path, demo_root):
     cfg = write_config(tmp_path, demo_root)
     r = run(["--config", str(cfg), "--gpus", "2"], tmp_path)
@@ -99,12 +107,7 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, demo_root):
     assert ra.returncode == 0, ra.stderr
     assert ra.stderr.count("re-estimated the statistics") == 2 and "eval at step 2 " in ra.stderr, ra.stderr
     assert run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b).returncode == 0
-    # Make b look like it was killed right after writing ckpt-2: drop ckpt-3, ckpt-4 and their state entries.
-    ckdir = b / "run" / "checkpoints"
-    for f in [*ckdir.glob("ckpt-3.*"), *ckdir.glob("ckpt-4.*")]:
-        f.unlink()
-    tf.compat.v1.train.update_checkpoint_state(str(ckdir), str(ckdir / "ckpt-2"),
-                                               [str(ckdir / "ckpt-1"), str(ckdir / "ckpt-2")])
+    rewind_to_ckpt2(b / "run" / "checkpoints")
     r = run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b)
     assert r.returncode == 0, r.stderr
     assert "resumed from step 2" in r.stderr, r.stderr
@@ -135,10 +138,7 @@ def test_photometric_and_lovasz_resume_after_crash_equals_uninterrupted(tmp_path
     b = tmp_path / "b"
     shutil.copytree(a, b)
     ckdir = b / "run" / "checkpoints"
-    for f in [*ckdir.glob("ckpt-3.*"), *ckdir.glob("ckpt-4.*")]:
-        f.unlink()
-    tf.compat.v1.train.update_checkpoint_state(str(ckdir), str(ckdir / "ckpt-2"),
-                                               [str(ckdir / "ckpt-1"), str(ckdir / "ckpt-2")])
+    rewind_to_ckpt2(ckdir)
     r = run(["--config", str(b / "cfg.yaml"), "--gpus", "2"], b)
     assert r.returncode == 0, r.stderr
     assert "resumed from step 2" in r.stderr, r.stderr
