@@ -133,12 +133,13 @@ def convert(frozen, quantize: str, representative=None) -> bytes:
                           f"a model of TFLite builtin ops ({detail[:300]})") from None
 
 
-def op_counts(content: bytes) -> tuple[dict, dict]:
-    """({op: count}, {op: count of those computing in float32}) of a .tflite model, before any delegate.
+def describe(content: bytes) -> tuple[dict, dict, list, list]:
+    """Of a .tflite model, read with one interpreter and no delegate: ({op: count}, {op: count of those
+    computing in float32}, inputs, outputs), the tensors as JSON-ready dicts (name, index, dtype, shape).
 
     An op computes in float32 when one of its inputs or outputs is a float32 tensor. Read with
-    LiteRT's interpreter if installed, else TensorFlow's own (both without the XNNPACK delegate, which
-    would fold the ops into DELEGATE nodes).
+    LiteRT's interpreter if installed, else TensorFlow's own; without the XNNPACK delegate, which
+    would fold the ops into DELEGATE nodes.
     """
     try:
         from ai_edge_litert.interpreter import Interpreter, OpResolverType
@@ -157,26 +158,15 @@ def op_counts(content: bytes) -> tuple[dict, dict]:
         used = [i for i in list(op["inputs"]) + list(op["outputs"]) if i >= 0 and i in tensors]
         if any(tensors[i]["dtype"] == np.float32 for i in used):
             floating[op["op_name"]] += 1
-    return dict(sorted(ops.items())), dict(sorted(floating.items()))
 
+    def tensor(d, name):
+        return {"name": name, "index": int(d["index"]), "dtype": np.dtype(d["dtype"]).name,
+                "shape": [int(v) for v in d["shape"]]}
 
-def io_details(content: bytes) -> tuple[list, list]:
-    """The model's input and output tensors as JSON-ready dicts (name, index, dtype, shape)."""
-    import tensorflow as tf
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        interpreter = tf.lite.Interpreter(model_content=content)
-
-    def describe(d):
-        return {"index": int(d["index"]), "dtype": np.dtype(d["dtype"]).name, "shape": [int(v) for v in d["shape"]]}
-
-    inputs = [dict(name="image", **describe(d)) for d in interpreter.get_input_details()]
-    outputs = []
-    for d in interpreter.get_output_details():
-        name = "classes" if len(d["shape"]) == 3 else "probabilities"
-        outputs.append(dict(name=name, **describe(d)))
-    return inputs, outputs
+    inputs = [tensor(d, "image") for d in interpreter.get_input_details()]
+    outputs = [tensor(d, "classes" if len(d["shape"]) == 3 else "probabilities")
+               for d in interpreter.get_output_details()]
+    return dict(sorted(ops.items())), dict(sorted(floating.items())), inputs, outputs
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -236,8 +226,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
                        "resize": RESIZE, "ids": [s.id for s in samples]}
     log.info("converting step %d to TFLite (%s, input %dx%d)", step, quantize, height, width)
     content = convert(frozen, quantize, representative)
-    ops, float_ops = op_counts(content)
-    inputs, outputs = io_details(content)
+    ops, float_ops, inputs, outputs = describe(content)
     meta = {
         "format": "tflite", "checkpoint": prefix, "step": step, "quantization": quantize,
         "input": {**inputs[0], "color": "RGB", "range": "0..255",
