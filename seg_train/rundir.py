@@ -40,15 +40,28 @@ HARMLESS = {
 _ABSENT = "<absent>"
 
 
+def write_atomic(path: Path, write) -> None:
+    """Calls write(tmp) on a temporary name beside `path`, then renames it to `path` (os.replace).
+
+    Readers never see half a file, and an interrupted or failed write leaves neither a truncated
+    `path` nor the temporary file behind.
+    """
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_json(path: Path, obj) -> None:
-    """Writes the dict `obj` as JSON atomically (temp file + os.replace): readers never see half a file."""
+    """Writes the dict `obj` as JSON atomically (write_atomic), creating its folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     # One top-level key per line, each value compact: a confusion matrix stays a few lines long.
     body = ",\n".join(f" {json.dumps(str(k))}: {json.dumps(v)}" for k, v in obj.items())
-    tmp.write_text("{\n" + body + "\n}\n")
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: tmp.write_text("{\n" + body + "\n}\n"))
 
 
 def _default_of(key: str):

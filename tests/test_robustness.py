@@ -678,3 +678,25 @@ def test_scan_names_the_file_whatever_the_decoder_raises(monkeypatch, demo_root)
     report = scan.scan(samples, 3, 255)
     assert [s.id for s, _ in report.bad] == [samples[1].id]
     assert report.bad[0][1].startswith(f"unreadable sample ({samples[1].image}, {samples[1].label}): expected")
+
+
+def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
+    """rundir.write_atomic (JSON records, predicted PNGs, exported .tflite files): a write that fails
+    halfway leaves the previous file byte for byte and no temporary file; wrong if it writes in place
+    (a truncated file) or forgets the temporary one."""
+    from seg_train.rundir import write_atomic, write_json
+
+    path = tmp_path / "record.json"
+    write_json(path, {"miou": 0.5})
+    before = path.read_bytes()
+
+    def half_then_fail(tmp):
+        tmp.write_bytes(b'{"miou": 0.')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(path, half_then_fail)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
+    write_atomic(path, lambda tmp: tmp.write_bytes(b"new"))
+    assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]

@@ -32,6 +32,7 @@ from PIL import Image, UnidentifiedImageError
 from seg_train.progress import progress_bar
 from seg_train.config import Config, ConfigError
 from seg_train.data.label_images import save_index_png, voc_colormap
+from seg_train.rundir import write_atomic
 
 log = logging.getLogger("seg_train")
 
@@ -100,16 +101,6 @@ def overlay(image: np.ndarray, classes: np.ndarray, palette: np.ndarray, alpha: 
     return np.round((1 - alpha) * image.astype(np.float32) + alpha * colours).astype(np.uint8)
 
 
-def _write_atomic(path: Path, write) -> None:
-    """Calls write(tmp) and renames tmp to `path`, so an interrupted run leaves no truncated file."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os.PathLike,
                 progress: bool = True) -> list[Path]:
     """seg-predict: segments every input image with CKPT_OR_RUN_DIR and writes PNGs and overlays.
@@ -148,9 +139,9 @@ def write_predictions(files, out: Path, classes_of, progress: bool = True) -> li
                 image = np.asarray(im.convert("RGB"))
             classes = classes_of(image)
             mask_path = out / f"{f.stem}.png"
-            _write_atomic(mask_path, functools.partial(save_index_png, label=classes, palette=palette))
+            write_atomic(mask_path, functools.partial(save_index_png, label=classes, palette=palette))
             blended = Image.fromarray(overlay(image, classes, palette))
-            _write_atomic(out / f"{f.stem}_overlay.jpg", functools.partial(blended.save, format="JPEG", quality=90))
+            write_atomic(out / f"{f.stem}_overlay.jpg", functools.partial(blended.save, format="JPEG", quality=90))
             written.append(mask_path)
             bar.update(1)
     return written

@@ -169,17 +169,6 @@ def describe(content: bytes) -> tuple[dict, dict, list, list]:
     return dict(sorted(ops.items())), dict(sorted(floating.items())), inputs, outputs
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike, *, force: bool = False,
                       size=None, quantize: str = "none", calibration_images: int = 200, probabilities: bool = False,
                       check: bool = False, threads: int = 1, progress: bool = True) -> Path:
@@ -189,7 +178,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     from seg_train.infer.load import load_state
     from seg_train.infer.precise_bn import maybe_reestimate_bn
     from seg_train.progress import progress_bar
-    from seg_train.rundir import write_json
+    from seg_train.rundir import write_atomic, write_json
 
     if quantize not in QUANTIZATIONS:
         raise ConfigError("invalid --quantize", "--quantize", f"one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
@@ -238,7 +227,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out, content)
+    write_atomic(out, lambda tmp: tmp.write_bytes(content))
     write_json(sidecar_path(out), meta)
     where = "" if quantize != "int8" else \
         f"; float32 ops: {', '.join(f'{k} x{v}' for k, v in float_ops.items()) or 'none'}"
