@@ -331,11 +331,10 @@ def _precheck_checkpoint(path: str) -> None:
 def _precheck_model(args) -> None:
     """--model: the file exists and LiteRT is installed, before TensorFlow's slow import."""
     from pathlib import Path
-    from seg_train.infer.litert import interpreter_class
+    from seg_train.infer.litert import check_threads, interpreter_class
     if not Path(args.model).is_file():
         raise ConfigError("model file not found", args.model, "a .tflite file (seg-export --format tflite)")
-    if args.threads < 1:
-        raise ConfigError("invalid --threads", "--threads", f"a positive number of threads, got {args.threads}")
+    check_threads(args.threads)
     interpreter_class("--model")
 
 
@@ -455,16 +454,14 @@ def export_main(argv=None) -> int:
 
     def fail_fast(args):
         if args.format == "tflite":
-            from seg_train.infer.tflite_export import check_output_file
+            from seg_train.infer.litert import check_threads
+            from seg_train.infer.tflite_export import check_calibration_images, check_output_file
             check_output_file(args.output, args.force)
             if args.check:
                 from seg_train.infer.litert import interpreter_class
                 interpreter_class("seg-export --check")
-            if args.calibration_images < 1:
-                raise ConfigError("invalid --calibration-images", "--calibration-images",
-                                  f"a positive number of images, got {args.calibration_images}")
-            if args.threads < 1:
-                raise ConfigError("invalid --threads", "--threads", f"a positive number of threads, got {args.threads}")
+            check_calibration_images(args.calibration_images)
+            check_threads(args.threads)
             return
         given = [flag for flag, value in (("--input-size", args.input_size), ("--quantize", args.quantize != "none"),
                                           ("--probabilities", args.probabilities), ("--check", args.check))

@@ -239,12 +239,20 @@ def test_check_prints_float_and_exported_side_by_side(run, capsys):
     (["--format", "tflite", "--output", "x.pb"], "error: output is not a .tflite file (x.pb): "),
     (["--format", "tflite", "--output", "m.tflite", "--calibration-images", "0"],
      "error: invalid --calibration-images (--calibration-images): "),
+    (["--format", "tflite", "--output", "m.tflite", "--threads", "0"], "error: invalid --threads (--threads): "),
 ])
 def test_export_flag_errors_are_one_line(run, argv, line, capsys, monkeypatch):
     monkeypatch.chdir(run["tmp"])
     assert export_main(["--config", run["config"], "--checkpoint", "run", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(line), err
+    assert not (run["tmp"] / "m.tflite").exists()
+
+
+def test_model_threads_below_one_is_one_line(run, capsys):
+    assert eval_main(["--config", run["config"], "--model", str(run["files"]["int8"]), "--threads", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: invalid --threads (--threads): "), err
 
 
 def test_without_litert_the_model_commands_say_how_to_install_it(run, tmp_path):

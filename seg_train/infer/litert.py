@@ -80,6 +80,12 @@ def to_image_size(classes: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.asarray(Image.fromarray(classes).resize((width, height), Image.NEAREST))
 
 
+def check_threads(threads: int) -> None:
+    """--threads: a positive number (checked by the CLI before TensorFlow starts, and by TFLiteModel)."""
+    if threads < 1:
+        raise ConfigError("invalid --threads", "--threads", f"a positive number of threads, got {threads}")
+
+
 class TFLiteModel:
     """A .tflite segmentation model in LiteRT: `classes(image)` for a uint8 image of any size.
 
@@ -93,8 +99,7 @@ class TFLiteModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise ConfigError("model file not found", str(path), "a .tflite file (seg-export --format tflite)")
-        if threads < 1:
-            raise ConfigError("invalid --threads", "--threads", f"a positive number of threads, got {threads}")
+        check_threads(threads)
         interpreter = interpreter_class(where)
         try:
             self.interpreter = interpreter(model_path=str(self.path), num_threads=threads)

@@ -169,6 +169,13 @@ def describe(content: bytes) -> tuple[dict, dict, list, list]:
     return dict(sorted(ops.items())), dict(sorted(floating.items())), inputs, outputs
 
 
+def check_calibration_images(count: int) -> None:
+    """--calibration-images: a positive number (checked by the CLI before TensorFlow starts, and here)."""
+    if count < 1:
+        raise ConfigError("invalid --calibration-images", "--calibration-images",
+                          f"a positive number of images, got {count}")
+
+
 def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike, *, force: bool = False,
                       size=None, quantize: str = "none", calibration_images: int = 200, probabilities: bool = False,
                       check: bool = False, threads: int = 1, progress: bool = True) -> Path:
@@ -182,9 +189,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
 
     if quantize not in QUANTIZATIONS:
         raise ConfigError("invalid --quantize", "--quantize", f"one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
-    if calibration_images < 1:
-        raise ConfigError("invalid --calibration-images", "--calibration-images",
-                          f"a positive number of images, got {calibration_images}")
+    check_calibration_images(calibration_images)
     out = check_output_file(output, force)
     if check:
         interpreter_class("seg-export --check")  # fail before the work, not after it
