@@ -147,3 +147,20 @@ def test_train_order_is_the_definition_per_sample(tmp_path, replicas, pipelines,
     # A different epoch is a different order (7 samples, 40 elements: several epochs were compared above).
     assert [int(reader._index_of(tf.constant(k, tf.int64))) for k in range(7)] != \
         [int(reader._index_of(tf.constant(k, tf.int64))) for k in range(7, 14)]
+
+
+def test_split_list_lines_skip_comments_and_an_unreadable_file_is_one_error(tmp_path):
+    """files.split_lines, which the VOC/pairs reader and the pairs layout share: blank lines and '#'
+    lines are skipped with the line numbers kept (wrong if it renumbers or keeps a comment); a file
+    that is not UTF-8 is a ConfigError naming it (wrong if UnicodeDecodeError escapes)."""
+    from seg_train.config import ConfigError
+    from seg_train.data import files
+
+    path = tmp_path / "train.txt"
+    path.write_text("# image label\n\n a/1.jpg  a/1.png \n  #x y\nb\n")
+    assert files.split_lines(str(path)) == [(3, ["a/1.jpg", "a/1.png"], " a/1.jpg  a/1.png "), (5, ["b"], "b")]
+    path.write_bytes(b"\xff\xfe a.jpg a.png\n")
+    for read in (files.split_lines, lambda p: list_samples(tmp_path, p)):
+        with pytest.raises(ConfigError) as e:
+            read(str(path))
+        assert (e.value.what, e.value.where) == ("cannot read split", str(path))

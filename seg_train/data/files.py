@@ -51,3 +51,15 @@ def read_bytes(path) -> bytes:
 def read_text(path) -> str:
     """The file as UTF-8 text (errors as `read_bytes`; UnicodeDecodeError for bytes that are not UTF-8)."""
     return read_bytes(path).decode("utf-8")
+
+
+def split_lines(path) -> list[tuple[int, list[str], str]]:
+    """A split's list file as (line number, whitespace-separated fields, line), for each line that is
+    neither blank nor a '#' comment. An unreadable or non-UTF-8 file is a ConfigError naming it."""
+    from seg_train.config import ConfigError
+    try:
+        text = read_text(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("cannot read split", path, f"a readable UTF-8 text file ({e})") from None
+    return [(lineno, parts, line) for lineno, line in enumerate(text.splitlines(), 1)
+            if (parts := line.split()) and not parts[0].startswith("#")]

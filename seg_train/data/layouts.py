@@ -178,15 +178,8 @@ def _pairs(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
         raise ConfigError("split not found", path,
                           f"expected a list file of 'image_path label_path' lines for split {split!r} "
                           "(relative to data.root)")
-    try:
-        text = files.read_text(path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("cannot read split", path, f"a readable UTF-8 text file ({e})") from None
     out = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
-        if not parts or parts[0].startswith("#"):
-            continue
+    for lineno, parts, line in files.split_lines(path):
         if len(parts) != 2:
             raise ConfigError("bad split line", f"{path}:{lineno}", f"expected 'image_path label_path', got {line!r}")
         # A leading '/' means the data root, as in DeepLab-style list files.

@@ -79,15 +79,8 @@ def list_samples(root, split: str) -> list[Sample]:
         raise ConfigError("split not found", f"{path}", f"expected a split file for split {split!r} "
                           f"(ImageSets/Segmentation/{split}.txt under data.root, "
                           "or a list file of 'image label' pairs)")
-    try:
-        text = files.read_text(path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("cannot read split", path, f"a readable UTF-8 text file ({e})") from None
     samples = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
-        if not parts or parts[0].startswith("#"):
-            continue
+    for lineno, parts, line in files.split_lines(path):
         if len(parts) == 1:
             sid = parts[0]
             samples.append(Sample(sid, files.join(root, IMAGE_DIR, f"{sid}.jpg"),
