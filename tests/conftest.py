@@ -1,7 +1,8 @@
 """Test set-up: split the CPU into 4 logical devices before TensorFlow starts (how TF and Keras test
-their own distribution code), so 1-tower and N-tower runs can be compared in one process; and point
-the scan cache (seg_train/data/scan_cache.py) at a folder of this session, never the user's home
-(the seg-train processes the tests start inherit it)."""
+their own distribution code), so 1-tower and N-tower runs can be compared in one process; the CPU
+allocator the commands use (cli.TF_ENV_DEFAULTS), so the in-process tests run as the commands do; and
+point the scan cache (seg_train/data/scan_cache.py) at a folder of this session, never the user's
+home (the seg-train processes the tests start inherit it)."""
 
 import atexit
 import os
@@ -9,6 +10,9 @@ import shutil
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from seg_train.cli import set_tf_env_defaults  # noqa: E402
+
+set_tf_env_defaults()
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="seg-train-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
