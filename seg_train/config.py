@@ -151,6 +151,11 @@ class ModelConfig:
     aspp_channels: int = _c(256, check=_positive)
     decoder_channels: int = _c(256, check=_positive)
     low_level_channels: int = _c(48, check=_positive)
+    # DeepLabV3+'s last decoder stride: 4 (DeepLab's), or 2 (a refinement stage on the backbone's
+    # stride-2 features: models/deeplabv3plus.py says why).
+    decoder_stride: int = _c(4, choices=(4, 2))
+    fine_low_level_channels: int = _c(24, check=_positive)
+    fine_channels: int = _c(32, check=_positive)
     lraspp_channels: int = _c(128, check=_positive)
     fused_batchnorm: bool = _c(True)
     fast_atrous: bool = _c(True)
@@ -529,6 +534,10 @@ def resolve_defaults(cfg: Config) -> Config:
                           f"expected one weight per class ({cfg.data.num_classes}, data.num_classes), "
                           f"got {len(weights)}")
     _check_loss(cfg)
+    if cfg.model.head != "deeplabv3plus" and cfg.model.decoder_stride != 4:
+        raise ConfigError("not available for this head", "model.decoder_stride",
+                          f"expected 4 (or no value) with model.head {cfg.model.head!r}: the stride-2 stage is "
+                          f"DeepLabV3+'s, got {cfg.model.decoder_stride}")
     cfg = _resolve_eval(cfg)
     mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
     if cfg.data.mean is None:

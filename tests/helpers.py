@@ -33,6 +33,19 @@ def tiny_config(tmp_path: Path, data_root: Path | str = "data", **sections) -> c
     return config_lib.load(path)
 
 
+def bilinear_resize(x, size):
+    """numpy [b, h, w, c] -> [b, size[0], size[1], c]: bilinear, half-pixel centres, edge-clamped (TensorFlow
+    2's resize and torch's align_corners=False), written from the definition as a reference."""
+    def axis(n_in, n_out):
+        src = np.clip((np.arange(n_out) + 0.5) * n_in / n_out - 0.5, 0, n_in - 1)
+        lo = np.floor(src).astype(int)
+        return lo, np.minimum(lo + 1, n_in - 1), src - lo
+
+    (y0, y1, wy), (x0, x1, wx) = axis(x.shape[1], size[0]), axis(x.shape[2], size[1])
+    rows = x[:, y0] * (1 - wy)[None, :, None, None] + x[:, y1] * wy[None, :, None, None]
+    return rows[:, :, x0] * (1 - wx)[None, None, :, None] + rows[:, :, x1] * wx[None, None, :, None]
+
+
 def random_batch(batch=4, size=32, num_classes=3, seed=0, ignore_rows=None):
     """Normalised-looking images and labels; ignore_rows[i] rows of sample i are set to 255."""
     rng = np.random.default_rng(seed)

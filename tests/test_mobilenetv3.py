@@ -25,6 +25,7 @@ from seg_train.models.fused_bn import FusedBatchNormalization
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.infer.load import load_state
 from seg_train import replicas
+from tests.helpers import bilinear_resize
 from tests.test_backbone_weights import _perturb, _read_h5, _short, _weighted_layers
 
 CTORS = {"mobilenetv3_large": tf_keras.applications.MobileNetV3Large,
@@ -159,18 +160,6 @@ def test_every_bn_layer_is_of_the_chosen_class(sync, fused):
     assert {b.momentum for b in layers} == {0.8}  # (the class carries the synchronisation: models/sync_bn.py)
 
 
-def _resize(x, size):
-    """Bilinear, half-pixel centres, edge-clamped (TensorFlow 2's resize and torch's align_corners=False)."""
-    def axis(n_in, n_out):
-        src = np.clip((np.arange(n_out) + 0.5) * n_in / n_out - 0.5, 0, n_in - 1)
-        lo = np.floor(src).astype(int)
-        return lo, np.minimum(lo + 1, n_in - 1), src - lo
-
-    (y0, y1, wy), (x0, x1, wx) = axis(x.shape[1], size[0]), axis(x.shape[2], size[1])
-    rows = x[:, y0] * (1 - wy)[None, :, None, None] + x[:, y1] * wy[None, :, None, None]
-    return rows[:, :, x0] * (1 - wx)[None, None, :, None] + rows[:, :, x1] * wx[None, None, :, None]
-
-
 def _weights(model, name):
     return [v.numpy().astype(np.float64) for v in model.get_layer(name).weights]
 
@@ -204,9 +193,9 @@ def test_lraspp_logits_equal_numpy_by_hand(backbone):
     w_high, b_high = _weights(model, "lraspp_high_logits")
     cbr = np.maximum((high @ w_cbr[0, 0] - mean) / np.sqrt(var + 1e-5) * gamma + beta, 0)
     gate = 1 / (1 + np.exp(-(high.mean(axis=(1, 2), keepdims=True) @ w_scale[0, 0])))
-    up = _resize(cbr * gate, low.shape[1:3])
+    up = bilinear_resize(cbr * gate, low.shape[1:3])
     assert up.std(axis=(1, 2)).mean() > 0.1 * np.abs(up).mean()
-    expected = _resize(low @ w_low[0, 0] + b_low + up @ w_high[0, 0] + b_high, x.shape[1:3])
+    expected = bilinear_resize(low @ w_low[0, 0] + b_low + up @ w_high[0, 0] + b_high, x.shape[1:3])
 
     got = model(x, training=False)
     assert got.dtype == "float32" and got.shape == (2, 56, 72, 3)

@@ -24,15 +24,20 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
                          fast_atrous=cfg.fast_atrous)
     keras.utils.set_random_seed(seed)
-    # DeepLabV3+ decodes from stride-4 features, LR-ASPP from stride-8 ones.
-    low_stride = 8 if cfg.head == "lraspp" else 4
+    # DeepLabV3+ decodes from stride-4 features (and stride-2 ones with model.decoder_stride: 2),
+    # LR-ASPP from stride-8 ones.
+    if cfg.head == "lraspp":
+        low_strides = (8,)
+    else:
+        low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
     backbone = build_backbone(cfg.backbone, cfg.output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
-                              low_stride)
+                              low_strides)
     if cfg.head == "lraspp":
         model = lraspp(backbone, num_classes, choice, cfg.lraspp_channels, cfg.bn_momentum)
     else:
+        fine = (cfg.fine_low_level_channels, cfg.fine_channels) if cfg.decoder_stride == 2 else None
         model = deeplabv3plus(backbone, num_classes, cfg.output_stride, choice, cfg.aspp_channels,
-                              cfg.decoder_channels, cfg.low_level_channels, cfg.bn_momentum)
+                              cfg.decoder_channels, cfg.low_level_channels, cfg.bn_momentum, fine)
     if cfg.freeze_batchnorm:
         freeze_batchnorm(backbone)
     return model

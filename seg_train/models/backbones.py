@@ -1,7 +1,8 @@
-"""Backbones returning (low-level features at stride 4 or 8, high-level features at the output stride).
+"""Backbones returning low-level features (stride 2, 4 or 8) and high-level features at the output stride.
 
-The head picks the low-level stride: DeepLabV3+ decodes from stride 4 (the last block at stride 4,
-as DeepLab), LR-ASPP from stride 8 (the block that first reaches stride 8, as torchvision's
+The head picks the low-level strides: DeepLabV3+ decodes from stride 4 (the last block at stride 4,
+as DeepLab), with `model.decoder_stride: 2` also from stride 2 (the last layer at stride 2 before the
+next strided block); LR-ASPP from stride 8 (the block that first reaches stride 8, as torchvision's
 lraspp_mobilenet_v3_large).
 
 keras.applications models are built with plain strides (output stride 32) and their own BN layers
@@ -29,8 +30,9 @@ log = logging.getLogger("seg_train")
 
 
 def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int = 16,
-         low_stride: int = 4) -> keras.Model:
-    """A small conv net for tests and the demo: stride-4 (or 8) low-level and stride-16/8 high-level features."""
+         low_strides: tuple[int, ...] = (4,)) -> keras.Model:
+    """A small conv net for tests and the demo: low-level features at `low_strides` (2, 4 or 8), then the
+    stride-16/8 high-level features."""
     inp = keras.Input((None, None, 3), name="image")
 
     def block(x, filters, stride, dilation, name):
@@ -41,16 +43,15 @@ def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int
         return layers.ReLU(name=f"{name}_relu")(x)
 
     x = block(inp, width, 2, 1, "stem")                       # /2
+    found = {2: x}
     x = block(x, width * 2, 2, 1, "stage1")                   # /4
-    low = block(x, width * 2, 1, 1, "stage1b")
-    x = block(low, width * 4, 2, 1, "stage2")                 # /8
-    if low_stride == 8:
-        low = x
+    x = found[4] = block(x, width * 2, 1, 1, "stage1b")
+    x = found[8] = block(x, width * 4, 2, 1, "stage2")        # /8
     s3 = 1 if output_stride == 8 else 2
     d3 = 2 if output_stride == 8 else 1
     x = block(x, width * 8, s3, d3, "stage3")                 # /16 (or /8 dilated)
     x = block(x, width * 8, 1, 2 * d3, "stage3b")
-    return keras.Model(inp, [low, x], name="tiny")
+    return keras.Model(inp, [found[s] for s in low_strides] + [x], name="tiny")
 
 
 def _mobilenetv2_plan(output_stride, base=None):
@@ -128,17 +129,22 @@ def _app(ctor, **kwargs):
 _APPS = {
     # name: (constructor, {low-level stride: layer}, high-level layer (None: the model's output), plan,
     #        the file's layer name -> the model's)
-    "mobilenetv2": (_app(keras.applications.MobileNetV2), {4: "block_2_add", 8: "block_3_project_BN"},
+    "mobilenetv2": (_app(keras.applications.MobileNetV2),
+                    {2: "expanded_conv_project_BN", 4: "block_2_add", 8: "block_3_project_BN"},
                     "block_16_project_BN", _mobilenetv2_plan, _same),
     "mobilenetv3_large": (_app(keras.applications.MobileNetV3Large, include_preprocessing=False),
-                          {4: "expanded_conv_2_add", 8: "expanded_conv_3_project_bn"}, None,
-                          _mobilenetv3_plan((1, 3, 6, 12), 15), _keras2_mobilenetv3_name),
+                          {2: "expanded_conv_add", 4: "expanded_conv_2_add", 8: "expanded_conv_3_project_bn"},
+                          None, _mobilenetv3_plan((1, 3, 6, 12), 15), _keras2_mobilenetv3_name),
+    # Small's first block is strided: its stride-2 features are the stem's (before its hard-swish, whose
+    # layer has no fixed name; the head's 1x1 conv, BN and ReLU come next).
     "mobilenetv3_small": (_app(keras.applications.MobileNetV3Small, include_preprocessing=False),
-                          {4: "expanded_conv_project_bn", 8: "expanded_conv_1_project_bn"}, None,
+                          {2: "conv_bn", 4: "expanded_conv_project_bn", 8: "expanded_conv_1_project_bn"}, None,
                           _mobilenetv3_plan((0, 1, 3, 8), 11), _keras2_mobilenetv3_name),
-    "resnet50": (_app(keras.applications.ResNet50), {4: "conv2_block3_out", 8: "conv3_block1_out"},
+    "resnet50": (_app(keras.applications.ResNet50),
+                 {2: "conv1_relu", 4: "conv2_block3_out", 8: "conv3_block1_out"},
                  "conv5_block3_out", lambda os, base: _resnet_plan(os, (3, 4, 6, 3)), _same),
-    "resnet101": (_app(keras.applications.ResNet101), {4: "conv2_block3_out", 8: "conv3_block1_out"},
+    "resnet101": (_app(keras.applications.ResNet101),
+                  {2: "conv1_relu", 4: "conv2_block3_out", 8: "conv3_block1_out"},
                   "conv5_block3_out", lambda os, base: _resnet_plan(os, (3, 4, 23, 3)), _same),
 }
 
@@ -273,7 +279,7 @@ class HardSwish(layers.Layer):
 
 
 def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
-              weights: Path | None = None, low_stride: int = 4) -> keras.Model:
+              weights: Path | None = None, low_strides: tuple[int, ...] = (4,)) -> keras.Model:
     """A keras.applications backbone rebuilt as an atrous feature extractor with the configured BN."""
     ctor, low_names, high_name, plan, file_name = _APPS[name]
     in_file = None
@@ -304,26 +310,26 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerCh
         n = load_keras_h5(model, in_file, Path(weights), name)
         log.info("loaded %d ImageNet weight arrays into the %s backbone from %s", n, name, weights)
     inputs = model.input
-    outputs = [model.get_layer(low_names[low_stride]).output,
-               model.outputs[0] if high_name is None else model.get_layer(high_name).output]
+    outputs = [model.get_layer(low_names[s]).output for s in low_strides] + [
+        model.outputs[0] if high_name is None else model.get_layer(high_name).output]
     if name.startswith("resnet"):
         # Keras' ResNet ImageNet weights expect BGR ('caffe' preprocessing); the reader gives RGB minus
         # the RGB mean, so flip the channels here.
         x = layers.Lambda(lambda t: t[..., ::-1], name="rgb_to_bgr")(inputs)
-        low, high = keras.Model(inputs, outputs)(x)
-        return keras.Model(inputs, [low, high], name=name)
+        return keras.Model(inputs, keras.Model(inputs, outputs)(x), name=name)
     return keras.Model(inputs, outputs, name=name)
 
 
 def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
-                   weights: Path | None = None, low_stride: int = 4) -> keras.Model:
+                   weights: Path | None = None, low_strides: tuple[int, ...] = (4,)) -> keras.Model:
     """Builds the named backbone with the layer classes of `choice` (one dict maps names to builders).
 
-    `low_stride` (4 or 8) is the stride of the low-level features it returns beside the high-level ones.
+    It returns the low-level features at each of `low_strides` (2, 4 or 8), in that order, then the
+    high-level ones.
     """
     if name == "tiny":
         if weights is not None:
             raise ConfigError("no pretrained weights for this backbone", "model.backbone_weights",
                               "expected null for backbone 'tiny'")
-        return tiny(output_stride, bn_momentum, choice, low_stride=low_stride)
-    return keras_app(name, output_stride, bn_momentum, choice, weights, low_stride)
+        return tiny(output_stride, bn_momentum, choice, low_strides=low_strides)
+    return keras_app(name, output_stride, bn_momentum, choice, weights, low_strides)

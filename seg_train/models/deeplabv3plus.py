@@ -33,17 +33,29 @@ def _conv_bn_relu(x, filters, kernel, name, choice: LayerChoice, momentum: float
 
 def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, choice: LayerChoice,
                   aspp_channels: int = 256, decoder_channels: int = 256, low_level_channels: int = 48,
-                  bn_momentum: float = 0.9) -> keras.Model:
-    """Builds DeepLabV3+ on `backbone` (which returns [low-level, high-level] features).
+                  bn_momentum: float = 0.9, fine: tuple[int, int] | None = None) -> keras.Model:
+    """Builds DeepLabV3+ on `backbone` (which returns [low-level, high-level] features, or with `fine`
+    [stride-2, stride-4, high-level] features).
 
     The head's convs and BatchNormalization layers are of the classes `choice` gives.
 
     ASPP rates follow the output stride (6, 12, 18 at 16; doubled at 8), as in the DeepLabV3 paper.
+
+    `fine` = (projection channels, conv channels) adds a stage at stride 2 after DeepLab's stride-4
+    decoder (`model.decoder_stride: 2`): the decoder's features upsampled to stride 2, concatenated
+    with a 1x1 projection of the backbone's stride-2 features, two 3x3 convs, then the logits. Why:
+    the logits of a stride-4 decoder are a 4x4-pixel grid upsampled bilinearly, which cannot draw a
+    1-3 pixel wide pole or sign post. Measured on CamVid's val labels at 240x180 (the one-hot labels
+    averaged over 4x4 cells, upsampled bilinearly, argmax): even perfect stride-4 class scores give
+    Pole 17% IoU, SignSymbol 81%, Pedestrian 77% (mIoU 85%); at stride 2, 66%, 94%, 91% (94%).
     Returns float32 logits at the input's resolution.
     """
     kw = dict(choice=choice, momentum=bn_momentum)
     inp = keras.Input((None, None, 3), name="image")
-    low, high = backbone(inp)
+    if fine is None:
+        low, high = backbone(inp)
+    else:
+        fine_low, low, high = backbone(inp)
     rates = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
 
     branches = [_conv_bn_relu(high, aspp_channels, 1, "aspp0", **kw)]
@@ -60,6 +72,12 @@ def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, c
     x = layers.Concatenate(name="decoder_concat")([x, low])
     x = _conv_bn_relu(x, decoder_channels, 3, "decoder_conv1", **kw)
     x = _conv_bn_relu(x, decoder_channels, 3, "decoder_conv2", **kw)
+    if fine is not None:
+        fine_low = _conv_bn_relu(fine_low, fine[0], 1, "decoder_fine_low", **kw)
+        x = ResizeLike(name="decoder_fine_upsample")(x, fine_low)
+        x = layers.Concatenate(name="decoder_fine_concat")([x, fine_low])
+        x = _conv_bn_relu(x, fine[1], 3, "decoder_fine_conv1", **kw)
+        x = _conv_bn_relu(x, fine[1], 3, "decoder_fine_conv2", **kw)
     x = layers.Conv2D(num_classes, 1, name="logits")(x)
     x = ResizeLike(name="logits_resize")(x, inp)
     # Softmax/cross-entropy in float32 even under a mixed-precision policy.
