@@ -266,7 +266,8 @@ def recipe_of(cfg: dict) -> dict:
     d, m, t = cfg["data"], cfg["model"], cfg["train"]
     loss, e = cfg.get("loss", {}), cfg.get("eval", {})
     recipe = {
-        "model.backbone": m["backbone"], "model.output_stride": m["output_stride"],
+        "model.backbone": m["backbone"], "model.head": m.get("head"), "model.output_stride": m["output_stride"],
+        "model.decoder_stride": m.get("decoder_stride"),
         "model.aspp_channels": m["aspp_channels"], "model.decoder_channels": m["decoder_channels"],
         "model.low_level_channels": m["low_level_channels"], "model.bn_momentum": m["bn_momentum"],
         "model.weight_decay": m["weight_decay"], "model.backbone_weights": m["backbone_weights"],

@@ -28,6 +28,9 @@ import time
 
 def child(args) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from seg_train.cli import set_tf_env_defaults
+
+    set_tf_env_defaults()  # the CPU allocator the commands run on (the environment's choice wins)
     import seg_train
     from seg_train import config as config_lib
     from seg_train.data.reader import ImageReader

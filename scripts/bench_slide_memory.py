@@ -68,6 +68,9 @@ def _write_split(root: Path, h: int, w: int) -> None:
 
 def run_case(case: str, backbone: str, size, crop, stride) -> dict:
     """One case in this process: build, evaluate twice, report."""
+    from seg_train.cli import set_tf_env_defaults
+
+    set_tf_env_defaults()  # the CPU allocator seg-eval runs on (the environment's choice wins)
     from seg_train import replicas
 
     devices = replicas.setup_devices(1)

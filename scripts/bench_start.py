@@ -98,6 +98,9 @@ def _best(fn, repeat=3) -> float:
 
 def breakdown(work: Path, root: Path) -> dict:
     """Seconds of each per-sample step of a start, in this process (best of 3)."""
+    from seg_train.cli import set_tf_env_defaults
+
+    set_tf_env_defaults()  # the CPU allocator the commands run on (the environment's choice wins)
     import tensorflow as tf
 
     from seg_train import config as config_lib

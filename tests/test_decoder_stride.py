@@ -67,7 +67,7 @@ def test_fine_stage_equals_numpy_by_hand():
 
 
 @pytest.mark.parametrize("name, channels", [("tiny", 16), ("mobilenetv2", 16), ("mobilenetv3_large", 16),
-                                            ("mobilenetv3_small", 16), ("resnet50", 64)])
+                                            ("mobilenetv3_small", 16), ("resnet50", 64), ("resnet101", 64)])
 def test_every_backbone_gives_stride_2_features(name, channels):
     backbone = build_backbone(name, 16, 0.9, LayerChoice(False, True, True), low_strides=(2, 4))
     fine, low, high = backbone(np.zeros((1, 64, 96, 3), np.float32))
