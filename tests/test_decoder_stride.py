@@ -11,6 +11,8 @@ backbone's stride-2 layer that is really at stride 4, a default that grew the ne
 checkpoints would no longer load).
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -85,6 +87,25 @@ def test_default_builds_deeplabs_decoder_unchanged():
     extra = {v.path for v in fine.weights} - {v.path for v in plain.weights}
     assert extra and all("decoder_fine" in p for p in extra)
     assert {v.path for v in plain.weights} <= {v.path for v in fine.weights}
+
+
+OLD_VARIABLES = Path(__file__).resolve().parent / "fixtures" / "model_variables_3678d2a.json"
+
+
+@pytest.mark.parametrize("key", ["mobilenetv2/deeplabv3plus", "mobilenetv3_large/lraspp", "resnet50/deeplabv3plus"])
+def test_default_models_have_the_variables_of_the_code_before_the_option(key):
+    """The default models (19 classes, every width at its default) have exactly the variable paths and
+    shapes that commit 3678d2a, the code before model.decoder_stride, built (the fixture was written
+    by that commit). Checkpoints restore by path, so a renamed, added or reshaped variable here is an
+    old checkpoint that no longer loads; the keras.applications backbones were rewired by the option
+    (each names its stride-2 layer), which the tiny-backbone run of test_old_checkpoint.py cannot see."""
+    import json
+
+    expected = {path: shape for path, shape in json.loads(OLD_VARIABLES.read_text())[key]}
+    backbone, head = key.split("/")
+    model = models.build(ModelConfig(backbone=backbone, head=head), 19)
+    got = {v.path: list(v.shape) for v in model.weights}
+    assert got == expected
 
 
 def test_tflite_file_predicts_what_keras_predicts():
