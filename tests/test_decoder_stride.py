@@ -77,7 +77,8 @@ def test_every_backbone_gives_stride_2_features(name, channels):
 
 
 def test_default_builds_deeplabs_decoder_unchanged():
-    # decoder_stride 4 (the default) builds exactly the layers and variables it built before the option.
+    # decoder_stride 4 (the default) builds none of the stage's layers, and the stage adds only its own
+    # variables (the default's against the code before the option: the test below).
     cfg = ModelConfig(backbone="tiny", aspp_channels=8, decoder_channels=8, low_level_channels=4)
     assert cfg.decoder_stride == 4
     plain = models.build(cfg, 3)

@@ -45,9 +45,8 @@ def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, c
     decoder (`model.decoder_stride: 2`): the decoder's features upsampled to stride 2, concatenated
     with a 1x1 projection of the backbone's stride-2 features, two 3x3 convs, then the logits. Why:
     the logits of a stride-4 decoder are a 4x4-pixel grid upsampled bilinearly, which cannot draw a
-    1-3 pixel wide pole or sign post. Measured on CamVid's val labels at 240x180 (the one-hot labels
-    averaged over 4x4 cells, upsampled bilinearly, argmax): even perfect stride-4 class scores give
-    Pole 17% IoU, SignSymbol 81%, Pedestrian 77% (mIoU 85%); at stride 2, 66%, 94%, 91% (94%).
+    1-3 pixel wide pole or sign post even with perfect class scores (docs/ACCURACY.md measures that
+    ceiling on CamVid at both strides, and what the stage did at the step budget).
     Returns float32 logits at the input's resolution.
     """
     kw = dict(choice=choice, momentum=bn_momentum)
