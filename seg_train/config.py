@@ -260,6 +260,8 @@ class EvalConfig:
     scales: list[float] = _c(check=_scales, factory=lambda: [1.0])
     crop_size: Optional[tuple[int, int]] = _c(None, check=_pair_positive)
     stride: Optional[tuple[int, int]] = _c(None, check=_pair_positive)
+    # Post-hoc logit adjustment (modes.score_offsets): tau * log(loss.class_weights) off the scores.
+    logit_adjustment: float = _c(0.0, check=_non_negative)
 
 
 @dataclass(frozen=True)
@@ -586,6 +588,9 @@ def _check_loss(cfg: Config) -> None:
     if mining["loss.top_k_percent_pixels"] and mining["loss.ohem_threshold"]:
         raise ConfigError("two pixel minings", "loss.ohem_threshold",
                           "null with loss.top_k_percent_pixels below 1 (one mining at a time)")
+    if cfg.eval.logit_adjustment and loss.class_weights is None:
+        raise ConfigError("nothing to adjust", "eval.logit_adjustment",
+                          "0 (or no value) without loss.class_weights: it divides the scores by those weights")
 
 
 def _resolve_eval(cfg: Config) -> Config:

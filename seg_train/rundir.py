@@ -34,7 +34,7 @@ HARMLESS = {
     # What is recorded, not what is trained.
     "train.profile_steps",
     # How a model is evaluated and served (flips, scales, sliding window), not its weights.
-    "eval.mode", "eval.flip", "eval.scales", "eval.crop_size", "eval.stride",
+    "eval.mode", "eval.flip", "eval.scales", "eval.crop_size", "eval.stride", "eval.logit_adjustment",
 }
 
 _ABSENT = "<absent>"
@@ -62,6 +62,29 @@ def write_json(path: Path, obj) -> None:
     # One top-level key per line, each value compact: a confusion matrix stays a few lines long.
     body = ",\n".join(f" {json.dumps(str(k))}: {json.dumps(v)}" for k, v in obj.items())
     write_atomic(path, lambda tmp: tmp.write_text("{\n" + body + "\n}\n"))
+
+
+CLASS_WEIGHTS_FILE = "class_weights.json"
+
+
+def write_class_weights(run_dir: Path, source: str, names, weights) -> None:
+    """RUN_DIR/class_weights.json: the loss's class weights as trained ({"source", "weights": {name: w}})."""
+    write_json(Path(run_dir) / CLASS_WEIGHTS_FILE, {"source": source,
+                                                    "weights": {n: float(w) for n, w in zip(names, weights)}})
+
+
+def read_class_weights(run_dir: Path, names) -> list[float]:
+    """The weights `write_class_weights` wrote, in the order of `names`; a ConfigError if they are not there."""
+    path = Path(run_dir) / CLASS_WEIGHTS_FILE
+    try:
+        weights = json.loads(path.read_text())["weights"]
+        return [float(weights[n]) for n in names]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problem = "no such file" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
+        raise ConfigError("class weights of the run not found", str(path),
+                          f"the {CLASS_WEIGHTS_FILE} seg-train writes when it trains with a named "
+                          f"loss.class_weights scheme, with a weight for each class ({problem}); or give "
+                          f"the weights as a list (--set 'loss.class_weights=[...]')") from None
 
 
 def _default_of(key: str):

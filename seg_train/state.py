@@ -57,6 +57,9 @@ class TrainState:
 
     def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, optimizer: bool = True):
         self.cfg, self.strategy = cfg, strategy
+        # eval.logit_adjustment's per-class offsets (modes.score_offsets), set by whoever knows the
+        # loss's resolved class weights (train.py; infer.load.load_state); None: no adjustment.
+        self.score_offsets = None
         self.num_replicas = strategy.num_replicas_in_sync
         t = cfg.train
         only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA

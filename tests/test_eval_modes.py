@@ -191,7 +191,7 @@ def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
     cm = np.array(record["confusion_matrix"])
     assert cm.sum() == sum(h * w for h, w in SIZES) and np.trace(cm) == cm.sum()
     assert record["inference"] == {"mode": "slide", "flip": True, "scales": [1.0, 1.25], "crop_size": CROP,
-                                   "stride": STRIDE}
+                                   "stride": STRIDE, "logit_adjustment": 0.0}
 
     # The SavedModel gives the same classes.
     export_dir = tmp / "mode" / "model"
@@ -248,3 +248,92 @@ def test_mode_keys_may_change_on_resume(tmp_path):
     rundir.check_resume_config(changed, tmp_path / "run", allow_change=False)  # no error
     with pytest.raises(ConfigError, match="differs"):  # while a key that changes the weights is refused
         rundir.check_resume_config(tiny_config(tmp_path, model={"aspp_channels": 16}), tmp_path / "run", False)
+
+
+# ---- eval.logit_adjustment ------------------------------------------------------------------------
+WEIGHTS = [3.0, 1.0, 0.3, 0.0]  # NAMES' order; "tree" has weight 0 (a class the train split lacks): untouched
+
+
+def adjusted(probs, tau):
+    """The definition, in numpy: each class's probability times w_c**-tau (w_c = 0: times 1), renormalised."""
+    w = np.array(WEIGHTS, np.float64)
+    q = probs * np.where(w > 0, np.where(w > 0, w, 1.0) ** -tau, 1.0)
+    return q / q.sum(-1, keepdims=True)
+
+
+def adjusted_reference_matrix(cfg, model, reader, e, tau):
+    """The confusion matrix of the adjusted classes of the independent reference, and how many pixels moved."""
+    cm, moved = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64), 0
+    for s in reader.samples:
+        scores = reference_scores(model, normalized(cfg, s.image), e)
+        probs = tf.nn.softmax(scores).numpy() if modes.is_single_view(e) else scores
+        pred = adjusted(probs, tau).argmax(-1)
+        moved += int((pred != probs.argmax(-1)).sum())
+        label = read_label(s.label)
+        keep = label != 255
+        np.add.at(cm, (label[keep], pred[keep]), 1)
+    return cm, moved
+
+
+@pytest.mark.parametrize("keys", [{}, MODES["whole_flip_scales"]], ids=["one_view", "flip_scales"])
+def test_logit_adjustment_divides_the_probabilities_by_the_class_weights(setup, keys):
+    """eval.logit_adjustment tau: the served probabilities are the independent reference's times w_c**-tau,
+    renormalised (a class of weight 0 untouched), the classes their argmax, and seg-eval's step counts those
+    classes. Fails for the weights multiplied instead of divided, probabilities left unnormalised, log(0)
+    for the weight-0 class, or an evaluation that ignores the adjustment (or reuses the unadjusted step)."""
+    cfg, trainer, reader = setup["cfg"], setup["trainer"], setup["reader"]
+    tau = 0.8
+    e = config_lib.from_dict({"data": {"root": "d", "num_classes": NUM_CLASSES}, "loss": {"class_weights": WEIGHTS},
+                              "eval": {**keys, "logit_adjustment": tau}}).eval
+    assert "logit adjustment 0.8" in modes.describe(e)
+    offsets = modes.score_offsets(e, WEIGHTS)
+    module = serving_module(trainer.model, cfg.data.mean, cfg.data.std, e, offsets)
+    for s in reader.samples[:2]:
+        scores = reference_scores(trainer.model, normalized(cfg, s.image), e)
+        want = adjusted(tf.nn.softmax(scores).numpy() if not keys else scores, tau)
+        got = module.serve(tf.constant(np.asarray(Image.open(s.image).convert("RGB"))))
+        np.testing.assert_allclose(got["probabilities"].numpy(), want, atol=1e-5)
+        top2 = np.sort(want, axis=-1)[..., -2:]
+        clear = top2[..., 1] - top2[..., 0] > 1e-4
+        np.testing.assert_array_equal(got["classes"].numpy()[clear], want.argmax(-1)[clear])
+    ev.evaluate(trainer, reader, NAMES, progress=False, eval_cfg=e)  # the unadjusted step, cached first
+    ref, moved = adjusted_reference_matrix(cfg, trainer.model, reader, e, tau)
+    assert moved > 0.05 * sum(h * w for h, w in SIZES)  # the adjustment changes real predictions
+    trainer.score_offsets = offsets
+    try:
+        got = ev.evaluate(trainer, reader, NAMES, progress=False, eval_cfg=e)[0].confusion_matrix
+    finally:
+        trainer.score_offsets = None
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_seg_eval_divides_out_the_weights_the_run_trained_with(setup):
+    """A run trained with a named weighting scheme: seg-eval reads the weights from RUN_DIR/class_weights.json
+    by class name (written here in another order) and counts what the reference predicts; without the file
+    it stops with a one-line error naming it."""
+    tmp, trainer = setup["tmp"] / "adjust", setup["trainer"]
+    tau = 0.5
+    cfg = tiny_config(tmp, data_root=setup["root"], data={"num_classes": NUM_CLASSES},
+                      loss={"class_weights": "median_frequency"},
+                      eval={"bn_reestimate_batches": 0, "logit_adjustment": tau})
+    run_dir = tmp / "run"
+    ckpt_lib.Checkpointer(run_dir / "checkpoints", 1, **trainer.checkpoint_objects()).save(0)
+    rundir.write_class_weights(run_dir, "median_frequency", NAMES[::-1], WEIGHTS[::-1])
+    record = eval_checkpoint.run_eval(cfg, strategy(1), str(run_dir), progress=False)
+    assert record["inference"]["logit_adjustment"] == tau
+    ref, _ = adjusted_reference_matrix(cfg, trainer.model, setup["reader"], cfg.eval, tau)
+    np.testing.assert_array_equal(np.array(record["confusion_matrix"]), ref)
+    assert not np.array_equal(ref, setup["whole_cm"])
+    (run_dir / "class_weights.json").unlink()
+    with pytest.raises(ConfigError) as e:
+        eval_checkpoint.run_eval(cfg, strategy(1), str(run_dir), progress=False)
+    assert e.value.where == str(run_dir / "class_weights.json") and "\n" not in str(e.value)
+
+
+def test_logit_adjustment_needs_class_weights():
+    with pytest.raises(ConfigError) as e:
+        eval_config(logit_adjustment=0.5)
+    assert e.value.where == "eval.logit_adjustment" and "loss.class_weights" in str(e.value)
+    with pytest.raises(ConfigError, match="a number >= 0"):
+        eval_config(logit_adjustment=-1)
+    assert modes.score_offsets(eval_config(), WEIGHTS) is None

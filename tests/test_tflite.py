@@ -152,6 +152,34 @@ def test_sidecar_json_describes_the_file(run):
     assert sizes["int8"] < sizes["float16"] < sizes["none"]
 
 
+def test_logit_adjustment_is_in_the_file(run, outside):
+    """eval.logit_adjustment: LiteRT, outside seg_train, predicts argmax(Keras logits - tau log w_c), and
+    the sidecar JSON gives the offsets. Fails for a file that ignores the adjustment seg-eval measured."""
+    from seg_train import config as config_lib
+
+    images, results = outside
+    weights, tau = [4.0, 1.0, 0.25], 1.0
+    cfg = config_lib.replace(config_lib.replace(run["cfg"], "loss.class_weights", weights),
+                             "eval.logit_adjustment", tau)
+    path = run_export_tflite(cfg, run["state"].strategy, str(run["tmp"] / "run"), run["tmp"] / "adjusted.tflite",
+                             size=SIZE, progress=False)
+    out = subprocess.run([sys.executable, str(run["tmp"] / "outside.py"), str(path), str(run["tmp"] / "images.npy"),
+                          str(run["tmp"] / "adjusted.npy")], capture_output=True, text=True, cwd=run["tmp"],
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    classes = np.load(run["tmp"] / "adjusted.npy")
+    x = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
+    logits = run["state"].model(x, training=False).numpy() - tau * np.log(weights)
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 1e-3
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(classes[clear], logits.argmax(-1)[clear])
+    assert (classes != results["none"][1]).mean() > 0.05  # it moved predictions: not the plain file again
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["logit_adjustment"] == tau
+    np.testing.assert_allclose(list(meta["score_offsets"].values()), tau * np.log(weights), rtol=1e-6)
+
+
 def independent_eval(path, samples, c=3):
     """The app's protocol by hand: Pillow resize in, LiteRT, Pillow nearest back, numpy counts."""
     from ai_edge_litert.interpreter import Interpreter

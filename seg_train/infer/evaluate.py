@@ -68,7 +68,7 @@ def _make_eval_step(state, eval_cfg):
         def model_fn(x):
             return model.stateless_call(tv, st, x, training=False)[0]
 
-        scores = modes.class_scores(model_fn, image, eval_cfg, c)
+        scores = modes.class_scores(model_fn, image, eval_cfg, c, offsets=state.score_offsets)
         pred = tf.argmax(scores, axis=-1, output_type=tf.int32)
         return confusion_counts(label, pred, c, ignore)
 
@@ -115,7 +115,8 @@ def evaluate(state, reader: ImageReader, class_names, progress: bool = True,
         raise ValueError("the reader and the state disagree on data.ignore_label")
     eval_cfg = state.cfg.eval if eval_cfg is None else eval_cfg
     steps = _EVAL_STEPS.setdefault(state, {})
-    key = repr(modes.as_dict(eval_cfg))
+    offsets = state.score_offsets
+    key = repr((modes.as_dict(eval_cfg), None if offsets is None else offsets.tolist()))
     step = steps.get(key)
     if step is None:
         step = steps[key] = _make_eval_step(state, eval_cfg)

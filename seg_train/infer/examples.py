@@ -32,7 +32,8 @@ def predict_examples(state, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndar
     """
     module = _MODULES.get(state)
     if module is None:
-        module = _MODULES[state] = serving_module(state.model, reader.cfg.mean, reader.cfg.std, state.cfg.eval)
+        module = _MODULES[state] = serving_module(state.model, reader.cfg.mean, reader.cfg.std, state.cfg.eval,
+                                                   state.score_offsets)
     out = []
     for i in range(min(k, len(reader))):
         image, label = reader.decode(tf.constant(i, tf.int64))

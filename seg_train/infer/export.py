@@ -80,7 +80,7 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
     names = class_names_of(cfg)
     state, prefix, step = load_state(cfg, strategy, checkpoint)
     reestimated = maybe_reestimate_bn(state, cfg, progress)
-    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval)
+    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval, state.score_offsets)
 
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():  # left over by an interrupted export
@@ -93,6 +93,8 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
             "checkpoint": prefix, "step": step, "num_classes": cfg.data.num_classes, "class_names": names,
             "mean": list(cfg.data.mean), "std": list(cfg.data.std), "bn_stats_reestimated": reestimated,
             "inference": modes.as_dict(cfg.eval),
+            "score_offsets": None if state.score_offsets is None else
+            dict(zip(names, map(float, state.score_offsets))),
             "signature": "serving_default: image uint8 [height, width, 3] -> classes int32 [height, width], "
                          "probabilities float32 [height, width, num_classes]",
         }, indent=1) + "\n")

@@ -35,6 +35,20 @@ def _mismatch(e: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
+def inference_class_weights(cfg: Config, prefix: str):
+    """The loss's class weights eval.logit_adjustment divides out (None when it is 0): the config's list,
+    or for a named scheme (median_frequency, ...) the weights the run trained with, from
+    RUN_DIR/class_weights.json (rundir.write_class_weights), so no scan of the train split is needed."""
+    if not cfg.eval.logit_adjustment:
+        return None
+    if isinstance(cfg.loss.class_weights, list):
+        return cfg.loss.class_weights
+    from seg_train.data.reader import class_names_of
+    from seg_train.rundir import read_class_weights
+
+    return read_class_weights(run_dir_of(prefix), class_names_of(cfg))
+
+
 def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
     """Builds a TrainState for `cfg` (without an optimizer) and loads the weights of CKPT_OR_RUN_DIR into it.
 
@@ -42,6 +56,9 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
       (state, checkpoint prefix, the checkpoint's step).
     """
     prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
+    from seg_train.infer import modes
+
+    offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, prefix))
     # The checkpoint holds every weight: the ImageNet file the run started from is not read again
     # (it may have moved since). The loss's class weights change no variable and no prediction, and
     # a named scheme (median_frequency) would need the train split's histogram: not needed here.
@@ -54,6 +71,7 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
         raise ConfigError("checkpoint does not fit the model", prefix,
                           f"expected a checkpoint of the model this config builds (model.*, data.num_classes): "
                           f"{_mismatch(e)}") from None
+    state.score_offsets = offsets
     if state.ema_restored:
         state.use_averaged_weights()
         log.info("using the exponential moving average of the weights (train.ema_decay)")

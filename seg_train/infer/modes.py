@@ -35,12 +35,24 @@ parallel_iterations=1), so the network's activations are those of one window wha
 size; the logits sum (and the averaged logits) are image-sized. A window covering the whole image
 gives exactly whole-image inference.
 
+Logit adjustment (eval.logit_adjustment, tau > 0): a loss with class weights w_c trains the network
+towards probabilities proportional to w_c p(c | x), as if class c were w_c times as frequent; the
+rare classes it up-weights are then predicted more often than they occur. Dividing each class's
+probability by w_c**tau before the argmax takes back that share of the weighting (tau = 1: all of
+it, the Bayes-optimal correction when the network learned the weighted posterior exactly; the
+post-hoc logit adjustment of Menon et al., "Long-tail learning via logit adjustment", ICLR 2021,
+with the loss's weights as the prior to remove). On one view it is done on the logits
+(logits - tau log w_c); on several, on the averaged probabilities, then renormalised, so
+`probabilities` stays a distribution whose argmax is the class. A class of weight 0 (absent from
+the train split) is left as it is.
+
 Everything is written for unknown image sizes in graph mode (tf.image.resize with a size tensor;
 Keras' UpSampling2D fails on unknown sizes), so one trace serves every image.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 PAD_TO = 32
@@ -59,6 +71,8 @@ def describe(cfg) -> str:
         parts.append("flip")
     if list(cfg.scales) != [1.0]:
         parts.append("scales " + "/".join(f"{s:g}" for s in cfg.scales))
+    if cfg.logit_adjustment:
+        parts.append(f"logit adjustment {cfg.logit_adjustment:g}")
     return ", ".join(parts)
 
 
@@ -66,7 +80,22 @@ def as_dict(cfg) -> dict:
     """The modes of `cfg` as plain JSON values (for eval records and the SavedModel's metadata)."""
     return {"mode": cfg.mode, "flip": cfg.flip, "scales": list(cfg.scales),
             "crop_size": list(cfg.crop_size) if cfg.mode == "slide" else None,
-            "stride": list(cfg.stride) if cfg.mode == "slide" else None}
+            "stride": list(cfg.stride) if cfg.mode == "slide" else None,
+            "logit_adjustment": cfg.logit_adjustment}
+
+
+def score_offsets(cfg, class_weights):
+    """float32 [C] subtracted from each view's logits (eval.logit_adjustment; module doc), or None.
+
+    tau * log(w_c) for the loss's class weights w_c; 0 for a class of weight 0. None when tau is 0.
+    """
+    tau = float(cfg.logit_adjustment)
+    if not tau:
+        return None
+    if class_weights is None:
+        raise ValueError("eval.logit_adjustment needs the loss's class weights")
+    w = np.asarray(class_weights, np.float64)
+    return np.where(w > 0, tau * np.log(np.where(w > 0, w, 1.0)), 0.0).astype(np.float32)
 
 
 def _forward(model_fn, x, pad_to: int):
@@ -133,7 +162,7 @@ def _view_logits(model_fn, x, cfg, scale: float, num_classes: int, pad_to: int):
     return logits
 
 
-def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO):
+def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, offsets=None):
     """Per-pixel scores float32 [1, h, w, C] of `image` whose argmax is the predicted class.
 
     Args:
@@ -142,11 +171,14 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO):
       cfg: the EvalConfig (mode, flip, scales, crop_size, stride).
       num_classes: C.
       pad_to: each forward pass's input is padded to a multiple of this.
+      offsets: float32 [C] from `score_offsets` (eval.logit_adjustment), or None.
     Returns:
-      One view: its logits; several views: the mean of their softmax probabilities (see the module doc).
+      One view: its logits (minus `offsets`); several views: the mean of their softmax probabilities
+      (times exp(-offsets), renormalised), see the module doc.
     """
     if is_single_view(cfg):
-        return _view_logits(model_fn, image, cfg, cfg.scales[0], num_classes, pad_to)
+        logits = _view_logits(model_fn, image, cfg, cfg.scales[0], num_classes, pad_to)
+        return logits if offsets is None else logits - tf.constant(offsets, tf.float32)
     # Several views call the network from several places: through one function that is not
     # inlined, the graph holds the network once instead of once per view (tracing and graph
     # optimisation, once per tower, would otherwise grow with the number of views).
@@ -159,7 +191,11 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO):
             flipped = _view_logits(model_fn, tf.reverse(image, [2]), cfg, scale, num_classes, pad_to)
             probs = probs + tf.reverse(tf.nn.softmax(flipped, axis=-1), [2])
         total = probs if total is None else total + probs
-    return total / float(len(cfg.scales) * (2 if cfg.flip else 1))
+    mean = total / float(len(cfg.scales) * (2 if cfg.flip else 1))
+    if offsets is None:
+        return mean
+    adjusted = mean * tf.constant(np.exp(-offsets.astype(np.float64)).astype(np.float32))
+    return adjusted / tf.reduce_sum(adjusted, axis=-1, keepdims=True)
 
 
 def probabilities(scores, cfg):

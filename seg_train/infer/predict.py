@@ -119,7 +119,7 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     state, prefix, step = load_state(cfg, strategy, checkpoint)
     # As in seg-eval and seg-export, so predictions match the exported model and the eval numbers.
     maybe_reestimate_bn(state, cfg, progress)
-    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval)
+    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval, state.score_offsets)
     written = write_predictions(files, out, lambda image: module.serve(tf.constant(image))["classes"].numpy(),
                                 progress)
     print(f"wrote {len(written)} class-index PNG(s) and {len(written)} overlay(s) to {out} "

@@ -8,7 +8,7 @@ TensorFlow is imported inside the function: the command line checks its argument
 from __future__ import annotations
 
 
-def serving_module(model, mean, std, eval_cfg=None):
+def serving_module(model, mean, std, eval_cfg=None, offsets=None):
     """A tf.Module holding `model`, whose `serve` segments one image with the inference modes of `eval_cfg`.
 
     `serve(image)`: image uint8 [height, width, 3] (RGB) -> {"classes": int32 [height, width],
@@ -19,6 +19,7 @@ def serving_module(model, mean, std, eval_cfg=None):
       model: the Keras model (float32 logits at its input's size).
       mean, std: data.mean, data.std.
       eval_cfg: an EvalConfig (eval.mode, flip, scales, crop_size, stride); default: one whole-image pass.
+      offsets: the logit adjustment's offsets (modes.score_offsets; TrainState.score_offsets), or None.
     """
     import tensorflow as tf
 
@@ -35,7 +36,8 @@ def serving_module(model, mean, std, eval_cfg=None):
     @tf.function(input_signature=[tf.TensorSpec([None, None, 3], tf.uint8, name="image")])
     def serve(image):
         x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
-        scores = modes.class_scores(lambda t: model(t, training=False), x[None], eval_cfg, num_classes)[0]
+        scores = modes.class_scores(lambda t: model(t, training=False), x[None], eval_cfg, num_classes,
+                                     offsets=offsets)[0]
         return {"classes": tf.argmax(scores, axis=-1, output_type=tf.int32),
                 "probabilities": modes.probabilities(scores, eval_cfg)}
 

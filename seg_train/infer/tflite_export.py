@@ -4,9 +4,10 @@ The file, and why it is built this way:
 - One fixed input, uint8 RGB [1, H, W, 3] (--input-size; default eval.crop_size, else data.crop_size).
   TFLite's builtin kernels need static shapes: converting the SavedModel of seg-export, whose
   signature takes any image size, fails with "TF Select ops: Conv2D ... tensor<?x?x?x?xf32>".
-- Normalisation (x - mean) / std with the config's data.mean/std is inside the model, and so is the
-  argmax: the output is the class map, uint8 [1, H, W] (with --probabilities also the softmax,
-  float32 [1, H, W, C]). One forward pass at H x W, no flips or scales: what an app runs.
+- Normalisation (x - mean) / std with the config's data.mean/std is inside the model, and so are
+  eval.logit_adjustment's offsets (subtracted from the logits) and the argmax: the output is the
+  class map, uint8 [1, H, W] (with --probabilities also the softmax, float32 [1, H, W, C]). One
+  forward pass at H x W, no flips or scales: what an app runs.
 - Builtin ops only (target_spec.supported_ops = TFLITE_BUILTINS[_INT8]): a model that needs Select TF
   ops is refused at conversion, so the file runs in the stock LiteRT interpreter.
 - The variables are frozen into constants (convert_variables_to_constants_v2) here, not left to the
@@ -68,8 +69,12 @@ def input_size(cfg: Config, flag) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
-def app_function(model, mean, std, height: int, width: int, probabilities: bool = False):
-    """The tf.function an app runs: uint8 [1, H, W, 3] -> {"classes": uint8 [1, H, W] (, "probabilities")}."""
+def app_function(model, mean, std, height: int, width: int, probabilities: bool = False, offsets=None):
+    """The tf.function an app runs: uint8 [1, H, W, 3] -> {"classes": uint8 [1, H, W] (, "probabilities")}.
+
+    `offsets` (eval.logit_adjustment; modes.score_offsets) are subtracted from the logits before the
+    argmax and the softmax, as in seg-eval's single view.
+    """
     import tensorflow as tf
 
     num_classes = model.output_shape[-1]
@@ -83,6 +88,8 @@ def app_function(model, mean, std, height: int, width: int, probabilities: bool 
     def run(image):
         x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
         logits = model(x, training=False)
+        if offsets is not None:
+            logits = logits - tf.constant(offsets, tf.float32)
         out = {"classes": tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.uint8)}
         if probabilities:
             out["probabilities"] = tf.nn.softmax(logits, axis=-1)
@@ -197,7 +204,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     names = class_names_of(cfg)
     state, prefix, step = load_state(cfg, strategy, checkpoint)
     reestimated = maybe_reestimate_bn(state, cfg, progress)
-    frozen = frozen_function(app_function(state.model, cfg.data.mean, cfg.data.std, height, width, probabilities))
+    frozen = frozen_function(app_function(state.model, cfg.data.mean, cfg.data.std, height, width, probabilities,
+                                                state.score_offsets))
 
     calibration, representative = None, None
     if quantize == "int8":
@@ -230,6 +238,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         "num_classes": cfg.data.num_classes, "class_names": names, "calibration": calibration,
         "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": float_ops,
         "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
+        "logit_adjustment": cfg.eval.logit_adjustment,
+        "score_offsets": None if state.score_offsets is None else dict(zip(names, map(float, state.score_offsets))),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, lambda tmp: tmp.write_bytes(content))
