@@ -329,7 +329,10 @@ def eval_mode(recipe: dict) -> str:
         parts.append("scales " + ", ".join(f"{x:g}" for x in recipe["eval.scales"]))
     if recipe.get("eval.flip"):
         parts.append("+ left-right flip")
-    return ", ".join(parts) + " (softmax averaged)" if len(parts) > 1 else parts[0]
+    text = ", ".join(parts) + " (softmax averaged)" if len(parts) > 1 else parts[0]
+    if recipe.get("eval.logit_adjustment"):
+        text += f", classes divided by their loss weight^{recipe['eval.logit_adjustment']:g} (eval.logit_adjustment)"
+    return text
 
 
 def summary_markdown(s: dict) -> str:

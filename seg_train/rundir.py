@@ -73,18 +73,26 @@ def write_class_weights(run_dir: Path, source: str, names, weights) -> None:
                                                     "weights": {n: float(w) for n, w in zip(names, weights)}})
 
 
-def read_class_weights(run_dir: Path, names) -> list[float]:
-    """The weights `write_class_weights` wrote, in the order of `names`; a ConfigError if they are not there."""
+def read_class_weights(run_dir: Path, names, scheme: str | None = None) -> list[float]:
+    """The weights `write_class_weights` wrote, in the order of `names`; a ConfigError if they are not
+    there, are not finite and >= 0, or were computed by another scheme than `scheme` (when given)."""
     path = Path(run_dir) / CLASS_WEIGHTS_FILE
     try:
-        weights = json.loads(path.read_text())["weights"]
-        return [float(weights[n]) for n in names]
+        record = json.loads(path.read_text())
+        weights = [float(record["weights"][n]) for n in names]
+        if not all(w >= 0 and w != float("inf") for w in weights):  # NaN fails w >= 0
+            raise ValueError(f"expected finite weights >= 0, got {weights}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         problem = "no such file" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
         raise ConfigError("class weights of the run not found", str(path),
                           f"the {CLASS_WEIGHTS_FILE} seg-train writes when it trains with a named "
                           f"loss.class_weights scheme, with a weight for each class ({problem}); or give "
                           f"the weights as a list (--set 'loss.class_weights=[...]')") from None
+    if scheme is not None and record.get("source") != scheme:
+        raise ConfigError("class weights of another scheme", str(path),
+                          f"weights computed as loss.class_weights says ({scheme!r}); the run trained with "
+                          f"{record.get('source')!r}")
+    return weights
 
 
 def _default_of(key: str):

@@ -261,14 +261,17 @@ def adjusted(probs, tau):
     return q / q.sum(-1, keepdims=True)
 
 
-def adjusted_reference_matrix(cfg, model, reader, e, tau):
-    """The confusion matrix of the adjusted classes of the independent reference, and how many pixels moved."""
+def adjusted_reference_matrix(cfg, model, reader, e, tau, preds=None):
+    """The confusion matrix of the adjusted classes of the independent reference, and how many pixels moved
+    (the class maps appended to `preds`, by image id, if given)."""
     cm, moved = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64), 0
     for s in reader.samples:
         scores = reference_scores(model, normalized(cfg, s.image), e)
         probs = tf.nn.softmax(scores).numpy() if modes.is_single_view(e) else scores
         pred = adjusted(probs, tau).argmax(-1)
         moved += int((pred != probs.argmax(-1)).sum())
+        if preds is not None:
+            preds[s.id] = pred
         label = read_label(s.label)
         keep = label != 255
         np.add.at(cm, (label[keep], pred[keep]), 1)
@@ -296,21 +299,24 @@ def test_logit_adjustment_divides_the_probabilities_by_the_class_weights(setup, 
         top2 = np.sort(want, axis=-1)[..., -2:]
         clear = top2[..., 1] - top2[..., 0] > 1e-4
         np.testing.assert_array_equal(got["classes"].numpy()[clear], want.argmax(-1)[clear])
-    ev.evaluate(trainer, reader, NAMES, progress=False, eval_cfg=e)  # the unadjusted step, cached first
     ref, moved = adjusted_reference_matrix(cfg, trainer.model, reader, e, tau)
     assert moved > 0.05 * sum(h * w for h, w in SIZES)  # the adjustment changes real predictions
-    trainer.score_offsets = offsets
     try:
+        # A step with other weights' offsets (all 0) cached first: the real offsets must not reuse it.
+        trainer.score_offsets = modes.score_offsets(e, [1.0] * NUM_CLASSES)
+        ev.evaluate(trainer, reader, NAMES, progress=False, eval_cfg=e)
+        trainer.score_offsets = offsets
         got = ev.evaluate(trainer, reader, NAMES, progress=False, eval_cfg=e)[0].confusion_matrix
     finally:
         trainer.score_offsets = None
     np.testing.assert_array_equal(got, ref)
 
 
-def test_seg_eval_divides_out_the_weights_the_run_trained_with(setup):
+def test_seg_eval_predict_and_export_divide_out_the_weights_the_run_trained_with(setup):
     """A run trained with a named weighting scheme: seg-eval reads the weights from RUN_DIR/class_weights.json
-    by class name (written here in another order) and counts what the reference predicts; without the file
-    it stops with a one-line error naming it."""
+    by class name (written here in another order) and counts what the reference predicts; seg-predict and the
+    SavedModel predict those classes, and its seg_train.json gives the offsets. A file of another scheme, or
+    none, stops it with a one-line error naming the file."""
     tmp, trainer = setup["tmp"] / "adjust", setup["trainer"]
     tau = 0.5
     cfg = tiny_config(tmp, data_root=setup["root"], data={"num_classes": NUM_CLASSES},
@@ -321,9 +327,25 @@ def test_seg_eval_divides_out_the_weights_the_run_trained_with(setup):
     rundir.write_class_weights(run_dir, "median_frequency", NAMES[::-1], WEIGHTS[::-1])
     record = eval_checkpoint.run_eval(cfg, strategy(1), str(run_dir), progress=False)
     assert record["inference"]["logit_adjustment"] == tau
-    ref, _ = adjusted_reference_matrix(cfg, trainer.model, setup["reader"], cfg.eval, tau)
+    preds = {}
+    ref, _ = adjusted_reference_matrix(cfg, trainer.model, setup["reader"], cfg.eval, tau, preds)
     np.testing.assert_array_equal(np.array(record["confusion_matrix"]), ref)
     assert not np.array_equal(ref, setup["whole_cm"])
+    written = run_predict(cfg, strategy(1), str(run_dir), [str(setup["root"] / "JPEGImages")], tmp / "pred",
+                          progress=False)
+    for path in written:
+        np.testing.assert_array_equal(read_label(path), preds[path.stem])
+    run_export(cfg, strategy(1), str(run_dir), tmp / "model", progress=False)
+    meta = json.loads((tmp / "model" / "seg_train.json").read_text())
+    want = {n: (tau * np.log(w) if w else 0.0) for n, w in zip(NAMES, WEIGHTS)}
+    assert meta["score_offsets"] == pytest.approx(want) and meta["inference"]["logit_adjustment"] == tau
+    serve = tf.saved_model.load(str(tmp / "model")).signatures["serving_default"]
+    image = np.asarray(Image.open(setup["reader"].samples[0].image).convert("RGB"))
+    np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(),
+                                  preds[setup["reader"].samples[0].id])
+    other = config_lib.replace(cfg, "loss.class_weights", "sqrt_median_frequency")
+    with pytest.raises(ConfigError, match="another scheme"):
+        eval_checkpoint.run_eval(other, strategy(1), str(run_dir), progress=False)
     (run_dir / "class_weights.json").unlink()
     with pytest.raises(ConfigError) as e:
         eval_checkpoint.run_eval(cfg, strategy(1), str(run_dir), progress=False)

@@ -188,6 +188,7 @@ class TrainRunner:
         from seg_train.data.label_images import voc_colormap
         from seg_train.profiling import StepProfiler
         from seg_train.summaries import Summaries
+        from seg_train.infer import modes
         from seg_train.state import TrainState
         from seg_train.step import TrainStep
 
@@ -199,6 +200,7 @@ class TrainRunner:
         self.strategy = replicas.strategy_for(cfg.train, devices)
         self.build_start = t0 = time.perf_counter()
         self.state = TrainState(cfg, self.strategy)
+        self.state.score_offsets = modes.score_offsets(cfg.eval, class_weights)  # measure_eval's evaluation
         self.train_step = TrainStep(self.state, class_weights=class_weights)
         self.build_s = time.perf_counter() - t0
         batch = self.batch

@@ -215,10 +215,15 @@ def evaluate_file(cfg: Config, model: TFLiteModel, split: str, progress: bool = 
                           f"expected pixels whose label is not data.ignore_label ({cfg.data.ignore_label})")
     metrics = compute_metrics(cm)
     sidecar = read_sidecar(model.path) or {}
+    baked = sidecar.get("logit_adjustment") or 0.0
+    if cfg.eval.logit_adjustment != baked:
+        log.warning("eval.logit_adjustment is %g but %s was exported with %g: the file's own is what runs",
+                    cfg.eval.logit_adjustment, model.path, baked)
     return {"split": split, "model": str(model.path.resolve()), "format": "tflite",
             "quantization": sidecar.get("quantization"), "checkpoint": sidecar.get("checkpoint"),
             "step": sidecar.get("step"), "input_size": [model.height, model.width], "num_images": n,
             "size_bytes": model.size_bytes, "latency_ms": model.latency_ms(), "resize": RESIZE,
+            "logit_adjustment": baked, "score_offsets": sidecar.get("score_offsets"),
             **metrics_to_json(metrics, names)}, metrics, names
 
 

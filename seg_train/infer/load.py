@@ -46,7 +46,7 @@ def inference_class_weights(cfg: Config, prefix: str):
     from seg_train.data.reader import class_names_of
     from seg_train.rundir import read_class_weights
 
-    return read_class_weights(run_dir_of(prefix), class_names_of(cfg))
+    return read_class_weights(run_dir_of(prefix), class_names_of(cfg), cfg.loss.class_weights)
 
 
 def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
@@ -60,8 +60,9 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
 
     offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, prefix))
     # The checkpoint holds every weight: the ImageNet file the run started from is not read again
-    # (it may have moved since). The loss's class weights change no variable and no prediction, and
-    # a named scheme (median_frequency) would need the train split's histogram: not needed here.
+    # (it may have moved since). The loss's class weights change no variable, and a named scheme
+    # (median_frequency) would need the train split's histogram: the model is built without them
+    # (eval.logit_adjustment's offsets, which do change predictions, are resolved above).
     cfg = config_lib.replace(config_lib.replace(cfg, "model.backbone_weights", None), "loss.class_weights", None)
     state = TrainState(cfg, strategy, optimizer=False)  # inference: no optimizer slots are built or read
     try:

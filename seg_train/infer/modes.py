@@ -42,7 +42,7 @@ probability by w_c**tau before the argmax takes back that share of the weighting
 it, the Bayes-optimal correction when the network learned the weighted posterior exactly; the
 post-hoc logit adjustment of Menon et al., "Long-tail learning via logit adjustment", ICLR 2021,
 with the loss's weights as the prior to remove). On one view it is done on the logits
-(logits - tau log w_c); on several, on the averaged probabilities, then renormalised, so
+(logits - tau log w_c); on several, on the log of the averaged probabilities, then renormalised, so
 `probabilities` stays a distribution whose argmax is the class. A class of weight 0 (absent from
 the train split) is left as it is.
 
@@ -94,7 +94,8 @@ def score_offsets(cfg, class_weights):
         return None
     if class_weights is None:
         raise ValueError("eval.logit_adjustment needs the loss's class weights")
-    w = np.asarray(class_weights, np.float64)
+    # As the loss holds them (float32), so training's evaluation and seg-eval's offsets are the same bits.
+    w = np.asarray(class_weights, np.float32).astype(np.float64)
     return np.where(w > 0, tau * np.log(np.where(w > 0, w, 1.0)), 0.0).astype(np.float32)
 
 
@@ -176,6 +177,8 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, o
       One view: its logits (minus `offsets`); several views: the mean of their softmax probabilities
       (times exp(-offsets), renormalised), see the module doc.
     """
+    if bool(cfg.logit_adjustment) != (offsets is not None):
+        raise ValueError("eval.logit_adjustment and the offsets passed disagree (modes.score_offsets)")
     if is_single_view(cfg):
         logits = _view_logits(model_fn, image, cfg, cfg.scales[0], num_classes, pad_to)
         return logits if offsets is None else logits - tf.constant(offsets, tf.float32)
@@ -194,8 +197,9 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, o
     mean = total / float(len(cfg.scales) * (2 if cfg.flip else 1))
     if offsets is None:
         return mean
-    adjusted = mean * tf.constant(np.exp(-offsets.astype(np.float64)).astype(np.float32))
-    return adjusted / tf.reduce_sum(adjusted, axis=-1, keepdims=True)
+    # In the log domain: exp(-offsets) overflows float32 once tau * |log w_c| > 88. A probability
+    # that underflowed to 0 gives log 0 = -inf, i.e. 0 again after the softmax.
+    return tf.nn.softmax(tf.math.log(mean) - tf.constant(offsets, tf.float32), axis=-1)
 
 
 def probabilities(scores, cfg):
