@@ -31,8 +31,7 @@ from seg_train.data import layouts
 from seg_train.data.reader import ImageReader, class_names_of, prepare_data
 from seg_train.data.scan import class_weights_for_split, scan_for_training
 from seg_train.infer.precise_bn import maybe_reestimate_bn
-from seg_train import rundir
-from seg_train.rundir import RunLock, check_resume_config
+from seg_train.rundir import RunLock, check_resume_config, write_class_weights
 from seg_train.summaries import Summaries
 from seg_train.sysinfo import peak_rss_mb
 from seg_train.state import TrainState
@@ -261,8 +260,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if class_weights is not None:
         log.info("loss class weights (%s): %s", cfg.loss.class_weights if isinstance(cfg.loss.class_weights, str)
                  else "given", ", ".join(f"{n} {w:.3g}" for n, w in zip(names, class_weights)))
-        rundir.write_class_weights(write_dir, cfg.loss.class_weights if isinstance(cfg.loss.class_weights, str)
-                                   else "config", names, class_weights)
+        write_class_weights(write_dir, cfg.loss.class_weights if isinstance(cfg.loss.class_weights, str)
+                            else "config", names, class_weights)
 
     # ---- data ---------------------------------------------------------------------------------------
     batches = iter(dist_data)

@@ -93,8 +93,7 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
             "checkpoint": prefix, "step": step, "num_classes": cfg.data.num_classes, "class_names": names,
             "mean": list(cfg.data.mean), "std": list(cfg.data.std), "bn_stats_reestimated": reestimated,
             "inference": modes.as_dict(cfg.eval),
-            "score_offsets": None if state.score_offsets is None else
-            dict(zip(names, map(float, state.score_offsets))),
+            "score_offsets": modes.offsets_by_class(state.score_offsets, names),
             "signature": "serving_default: image uint8 [height, width, 3] -> classes int32 [height, width], "
                          "probabilities float32 [height, width, num_classes]",
         }, indent=1) + "\n")

@@ -99,6 +99,11 @@ def score_offsets(cfg, class_weights):
     return np.where(w > 0, tau * np.log(np.where(w > 0, w, 1.0)), 0.0).astype(np.float32)
 
 
+def offsets_by_class(offsets, names):
+    """`score_offsets`' output as {class name: offset} for the exports' JSON metadata, or None."""
+    return None if offsets is None else dict(zip(names, map(float, offsets)))
+
+
 def _forward(model_fn, x, pad_to: int):
     """Logits float32 [1, h, w, C] of x [1, h, w, 3]: padded to a multiple of pad_to, one pass, cropped."""
     h, w = tf.shape(x)[1], tf.shape(x)[2]

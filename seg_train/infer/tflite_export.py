@@ -189,6 +189,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
     from seg_train.data.reader import class_names_of, ensure_data
     from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
+    from seg_train.infer import modes
     from seg_train.infer.load import load_state
     from seg_train.infer.precise_bn import maybe_reestimate_bn
     from seg_train.progress import progress_bar
@@ -239,7 +240,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": float_ops,
         "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
         "logit_adjustment": cfg.eval.logit_adjustment,
-        "score_offsets": None if state.score_offsets is None else dict(zip(names, map(float, state.score_offsets))),
+        "score_offsets": modes.offsets_by_class(state.score_offsets, names),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, lambda tmp: tmp.write_bytes(content))
