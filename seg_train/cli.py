@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
 import traceback
@@ -190,7 +191,7 @@ def _run_guarded(main, args) -> int:
         return main(args)
     except KeyboardInterrupt:
         print("error: interrupted (keyboard): no checkpoint written for the step in progress", file=sys.stderr)
-        return 130
+        return exit_codes.signalled(signal.SIGINT)
     except Exception as e:  # noqa: BLE001 - the boundary where every error becomes an exit code
         if getattr(args, "debug", False):
             traceback.print_exc()

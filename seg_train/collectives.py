@@ -38,7 +38,7 @@ def all_reduce_sum(values: list):
     """SUM of each tensor in `values` over all towers, from inside a replica function; no gradient.
 
     Returns a list of the same length. One call is one batched reduction (the strategy may still
-    reduce tensor by tensor: pack first with `all_reduce_packed` to avoid that).
+    reduce tensor by tensor: pack first (`pack_layout`, `pack`) to avoid that; the train step does).
     """
     values = list(values)
     ctx = tf.distribute.get_replica_context()
@@ -106,17 +106,6 @@ def unpack(packs: list, layout) -> list:
         for (i, shape), part in zip(group, parts):
             out[i] = tf.reshape(part, shape)
     return [out[i] for i in range(len(out))]
-
-
-def all_reduce_packed(tensors: list, pack_bytes: int) -> list:
-    """SUM over the towers of float32 `tensors`, flattened into packs of at most `pack_bytes`.
-
-    Strategies that reduce tensor by tensor (ReductionToOneDevice, the logical-CPU default) pay a
-    fixed cost per tensor: a MobileNetV2 DeepLabV3+ has ~260 gradients, most of them tiny. Packing
-    is tf_cnn_benchmarks' `agg_small_grads_max_bytes` idea with one size bound.
-    """
-    layout = pack_layout([t.shape for t in tensors], pack_bytes)
-    return unpack(all_reduce_sum(pack(tensors, layout)), layout)
 
 
 def one_hot_row(values, index, size: int):

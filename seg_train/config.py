@@ -134,7 +134,7 @@ class DataConfig:
     scan_cache: bool = _c(True)
     scan_cache_dir: Optional[Path] = _c(None, path=True)
     format: str = _c("files", choices=("files", "tfrecord"))
-    # Colour jitter of the training crops (reader.photometric); null: off.
+    # Colour jitter of the training crops (reader.apply_photometric); null: off.
     photometric: Optional[dict[str, float]] = _c(None, check=_photometric)
 
 

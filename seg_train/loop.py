@@ -1,4 +1,4 @@
-"""The step loop shared by seg-train (train.py) and seg-bench (bench.TrainRunner).
+"""The step loop shared by seg-train (train.py) and seg-bench (bench.runner.TrainRunner).
 
 The host never waits for a step before dispatching the next one: step k's outputs (losses,
 finiteness, norms) are read after step k+1 has been dispatched, so a device is never idle between

@@ -65,3 +65,160 @@ def test_every_module_is_in_the_readme_layout():
     missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "seg_train").rglob("*.py"))
                if p.name != "__init__.py" and str(p.relative_to(ROOT)) not in layout and p.name not in layout]
     assert not missing, f"modules missing from README's Layout section: {missing}"
+
+
+# ---- dotted names: `module.function`, `Class.method`, `section.key` ------------------------------------
+# A doc or comment that names a function, class, method or config key by a dotted name must name one that
+# exists (docs/BATCHNORM.md once described a `reestimate` function of a bn_stats module, a `load_trainer` of a
+# restore module and an `average_bn_moving_stats` of replicas.py, none of which existed any more).
+#
+# What is checked:
+# - in the Markdown docs, every dotted name inside backticks or a fenced code block: its first part must be a
+#   module, package or class of seg_train (then the rest must be defined there), a config section (then the
+#   key must be one of its fields), `seg_train` (the import path must resolve), or one of the outside roots
+#   below (TensorFlow, Keras, numpy, file names...); anything else is reported as unknown;
+# - in comments and docstrings of the code, every dotted name whose first part is a module or class of
+#   seg_train (a local variable of the same name, e.g. `state.step`, resolves through the module's instance
+#   attributes).
+OUTSIDE_ROOTS = {
+    "tf", "keras", "np", "numpy", "yaml", "PIL", "Image", "os", "sys", "json", "tqdm", "h5py", "pytest",
+    "tensorboard", "keras_hub", "cityscapesscripts", "ai_edge_litert", "tflite", "absl", "scipy",
+    "CommunicationOptions", "CommunicationImplementation", "libtensorflow_cc",  # TF's C++/collective API names
+    "FILE", "RUN_DIR", "classes", "best", "leftImg8bit_trainvaltest", "gtFine_trainvaltest",  # file names
+    "summary", "optimizer", "state", "cfg", "args", "self",  # objects of a code sample or a docstring
+}
+CONFIG_SECTIONS = ("data", "model", "train", "loss", "eval")
+# Names that are both a module of seg_train and a config section: in prose they mean the config key.
+AMBIGUOUS_MODULES = {"train", "data"}
+FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "txt", "png", "jpg", "h5", "sh", "lock", "index", "tflite",
+                 "pb", "cfg", "toml", "tfrecord", "csv", "html", "gz", "zip", "whl", "so", "log", "out", "com"}
+# Dotted names of the outside world that start like one of ours: Keras' Model.fit, Latin.
+OUTSIDE_NAMES = {"model.fit", "e.g", "i.e"}
+DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)+)")
+
+
+def _defined_names() -> tuple[dict, dict]:
+    """(module or package name -> names it defines, class name -> its attributes), read from the source.
+
+    A module's names: its top-level functions, classes, assignments and imports, `Class.attr` for each
+    class's methods and class attributes, and the attributes its code assigns on `self` (so a dotted name
+    of an instance, `reader.cfg`, resolves). A package adds its submodules.
+    """
+    import ast
+    modules, classes = {}, {}
+    for path in (ROOT / "seg_train").rglob("*.py"):
+        name = path.parent.name if path.name == "__init__.py" else path.stem
+        names = modules.setdefault(name, set())
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                attrs = classes.setdefault(node.name, set())
+                for sub in ast.walk(node):
+                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        attrs.add(sub.name)
+                    elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                        for target in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
+                            attrs.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+                    if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                        attrs.add(sub.attr)
+                names.update(attrs)
+                names.update(f"{node.name}.{a}" for a in attrs)
+        if path.name == "__init__.py":
+            names.update(p.stem for p in path.parent.glob("*.py"))
+            names.update(p.name for p in path.parent.iterdir() if p.is_dir())
+    return modules, classes
+
+
+def _config_keys() -> dict:
+    import dataclasses
+    from seg_train import config
+    sections = {"data": config.DataConfig, "model": config.ModelConfig, "train": config.TrainConfig,
+                "loss": config.LossConfig, "eval": config.EvalConfig}
+    return {s: {f.name for f in dataclasses.fields(cls)} for s, cls in sections.items()}
+
+
+def _code_spans(text: str):
+    """(line number, text) of each backticked span and each line of a fenced code block of a Markdown file."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            yield number, line
+        else:
+            for span in re.findall(r"`([^`]+)`", line):
+                yield number, span
+
+
+def _comments_and_docstrings(path: Path):
+    import ast
+    source = path.read_text()
+    for number, line in enumerate(source.splitlines(), 1):
+        if "#" in line:
+            yield number, line.partition("#")[2]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                for offset, line in enumerate(doc.splitlines()):
+                    yield node.body[0].lineno + offset, line
+
+
+def _resolve(first: str, rest: list[str], modules: dict, classes: dict, keys: dict, in_docs: bool) -> str | None:
+    """None if the dotted name first.rest resolves (or is not ours to check), else why not."""
+    if rest[-1] in FILE_SUFFIXES or f"{first}.{rest[0]}" in OUTSIDE_NAMES:
+        return None  # a file name (config.yaml, train.py)
+    if first == "seg_train":  # a package path: each part must be defined in the one before it
+        names = modules["seg_train"]
+        for i, part in enumerate(rest):
+            if part not in names:
+                return f"seg_train.{'.'.join(rest[:i])} has no {part}" if i else f"no module {part} in seg_train"
+            if part not in modules:
+                return None
+            names = modules[part]
+        return None
+    if first in CONFIG_SECTIONS and (in_docs or first in AMBIGUOUS_MODULES):
+        if rest[0] in keys[first] or (first in modules and rest[0] in modules[first]):
+            return None
+        return f"no config key {first}.{rest[0]}"
+    if first in modules and first not in AMBIGUOUS_MODULES:
+        if rest[0] in modules[first] or (len(rest) > 1 and f"{rest[0]}.{rest[1]}" in modules[first]):
+            return None
+        return f"{first} has no {rest[0]}"
+    if first in classes:
+        return None if rest[0] in classes[first] else f"{first} has no {rest[0]}"
+    if not in_docs or first in OUTSIDE_ROOTS or first in modules:
+        return None
+    return f"unknown name {first}"
+
+
+def test_every_cited_dotted_name_exists():
+    modules, classes = _defined_names()
+    keys = _config_keys()
+    missing, checked = [], 0
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs += [p for p in [ROOT / "DEVELOPING.md"] if p.is_file()]
+    code = [*sorted((ROOT / "seg_train").rglob("*.py")), *sorted((ROOT / "scripts").glob("*.py")),
+            *sorted((ROOT / "tests").glob("*.py"))]
+    for path, in_docs in [(p, True) for p in docs] + [(p, False) for p in code]:
+        lines = _code_spans(path.read_text()) if in_docs else _comments_and_docstrings(path)
+        for number, text in lines:
+            for m in DOTTED.finditer(text):
+                first, rest = m.group(1), m.group(2).split(".")[1:]
+                if not in_docs and not (first in modules or first in classes or first == "seg_train"):
+                    continue
+                checked += 1
+                why = _resolve(first, rest, modules, classes, keys, in_docs)
+                if why:
+                    missing.append(f"{path.relative_to(ROOT)}:{number}: {m.group(0)} ({why})")
+    assert checked > 300  # the scan reads what it should
+    assert not missing, "dotted names that do not exist:\n" + "\n".join(missing)
