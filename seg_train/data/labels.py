@@ -7,8 +7,9 @@ data.label_map, data.reduce_zero_label, data.binary_threshold or the layout's bu
 
 load_sample (reader.py) applies it with numpy, so training, evaluation, --check-data, precise BN and
 the class-weight counts all see the same mapped values; `apply_tf` is the same lookup as a TensorFlow
-op, for a reader that decodes labels in the graph. No TensorFlow at module level: config.py builds the
-table to check a config before TensorFlow starts.
+op, for a reader that decodes labels in the graph; `raw_ids` is its inverse, the raw values seg-predict
+--label-ids writes. No TensorFlow at module level: config.py builds the table to check a config before
+TensorFlow starts.
 """
 
 from __future__ import annotations
@@ -118,3 +119,22 @@ def unmapped_counts(table: np.ndarray | None, label: np.ndarray) -> dict[int, in
         return {}
     counts = np.bincount(label.ravel(), minlength=RAW_VALUES)
     return {raw: int(counts[raw]) for raw in np.flatnonzero((table == NO_ID) & (counts > 0)).tolist()}
+
+
+def raw_ids(data: DataConfig) -> np.ndarray:
+    """Train id -> the raw label value seg-predict --label-ids writes for it (uint8 [num_classes]).
+
+    The inverse of `label_table`, so that reading the written PNG back through the same config gives the
+    predicted classes: Cityscapes' trainId t -> the labelId whose trainId is t, ADE20K's class k -> k + 1,
+    the identity (VOC) unchanged. Where several raw values map to one train id (a data.label_map of your
+    own), the lowest is written; a data.binary_threshold mask is written 0 / 255, the values a binary mask
+    usually holds (either reads back as the same class with any threshold in 1..255). A class no raw value
+    maps to would have nothing to write, but `label_table` already refuses such a config when it loads.
+    """
+    table = label_table(data)
+    if table is None:
+        return np.arange(data.num_classes, dtype=np.uint8)
+    if data.binary_threshold is not None:
+        return np.array([0, 255], np.uint8)
+    # np.argmax gives the first (lowest) raw value equal to each train id.
+    return np.argmax(table[None, :] == np.arange(data.num_classes)[:, None], axis=1).astype(np.uint8)

@@ -252,13 +252,16 @@ def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, thre
 
 
 def run_predict_tflite(cfg: Config, model_path: str, inputs, output, threads: int = 1,
-                       progress: bool = True) -> list[Path]:
-    """seg-predict --model FILE.tflite: class-index PNGs and overlays, as seg-predict writes for a checkpoint."""
-    from seg_train.infer.predict import check_output_dir, collect_inputs, write_predictions
+                       progress: bool = True, label_ids: bool = False) -> list[Path]:
+    """seg-predict --model FILE.tflite: class-index PNGs and overlays (or, with `label_ids`, raw-label-value
+    PNGs), as seg-predict writes for a checkpoint."""
+    from seg_train.infer.predict import check_output_dir, collect_inputs, raw_ids_of, write_predictions, \
+        written_summary
 
-    files = collect_inputs(inputs)
+    files = collect_inputs(inputs, label_ids)
     out = check_output_dir(output)
+    raw = raw_ids_of(cfg, label_ids)
     model = TFLiteModel(model_path, threads)
-    written = write_predictions(files, out, model.classes, progress)
-    print(f"wrote {len(written)} class-index PNG(s) and {len(written)} overlay(s) to {out} ({model_path}, LiteRT)")
+    written = write_predictions(files, out, model.classes, progress, raw)
+    print(f"wrote {written_summary(cfg, len(written), raw)} to {out} ({model_path}, LiteRT)")
     return written
