@@ -167,8 +167,8 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
     except FileNotFoundError:
         raise BadSample(f"image not found ({image_path}): expected a readable JPEG/PNG image") from None
     except UnidentifiedImageError:
-        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG, got bytes of no image "
-                        "format Pillow reads") from None
+        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG (its bytes are of no "
+                        "image format Pillow reads)") from None
     except (OSError, SyntaxError) as e:
         raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({exception_text(e)})") from None
     try:
@@ -178,8 +178,8 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
     except LossyLabel:
         raise BadSample(f"{LOSSY_WHAT} ({label_path}): {LOSSY_EXPECTED}") from None
     except UnidentifiedImageError:
-        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG, got bytes of no image format "
-                        "Pillow reads") from None
+        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG (its bytes are of no image "
+                        "format Pillow reads)") from None
     except ValueError as e:
         raise BadSample(f"bad label ({label_path}): {str(e).replace(f'{label_path}: ', '')}") from None
     except (OSError, SyntaxError) as e:
