@@ -11,7 +11,8 @@ the class, as in PASCAL VOC), single-channel ('L') or 16-bit images with values
 0..255; 255 means "ignore".  Colour (RGB) label images need --colour-map, a
 text file of lines "R G B index" (# comments allowed) or a JSON file, either a
 list of [R, G, B, index] or an object {"R,G,B": index}; colours not in the map
-become 255 and are counted in a warning.
+become 255 and are counted in a warning.  A JPEG label (lossy: its class values
+are damaged) is refused.
 
 Writes the VOC layout to OUT: JPEGImages/<id>.jpg, SegmentationClass/<id>.png
 (palette PNGs of class indices), ImageSets/Segmentation/{train,val}.txt (a
@@ -36,6 +37,7 @@ from PIL import Image
 
 # seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from seg_train.data.label_images import JPEG_START, LOSSY_EXPECTED, LOSSY_WHAT  # noqa: E402
 from seg_train.data.label_images import save_index_png, voc_colormap  # noqa: E402
 from seg_train.data.prepare import PrepError, run_main, wrote  # noqa: E402
 
@@ -111,7 +113,14 @@ def map_colours(rgb: np.ndarray, colour_map: dict[tuple[int, int, int], int]) ->
 
 
 def read_label(path: Path, colour_map: dict | None) -> tuple[np.ndarray, int]:
-    """Read a label image as uint8 class indices; return (indices, pixels of unknown colours)."""
+    """Read a label image as uint8 class indices; return (indices, pixels of unknown colours).
+
+    A JPEG is refused (by its bytes, whatever its name), as seg-train refuses it: written out as a PNG
+    here, its damaged class values would pass every later check.
+    """
+    with open(path, "rb") as f:
+        if f.read(len(JPEG_START)) == JPEG_START:
+            raise PrepError(LOSSY_WHAT, path, LOSSY_EXPECTED)
     try:
         with Image.open(path) as img:
             mode = img.mode

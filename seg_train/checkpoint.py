@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train.config import ConfigError
+from seg_train.config import ConfigError, exception_text
 from seg_train.rundir import write_json
 
 log = logging.getLogger("seg_train")
@@ -68,7 +68,7 @@ class Checkpointer:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return path
             except (tf.errors.OpError, IndexError, ValueError, AssertionError) as e:
-                log.warning("skipping unreadable checkpoint %s (%s)", path, (str(e).splitlines() or [""])[0][:200])
+                log.warning("skipping unreadable checkpoint %s (%s)", path, exception_text(e)[:200])
         raise ConfigError("no readable checkpoint", str(self.directory),
                           f"at least one complete checkpoint among {', '.join(Path(p).name for p in candidates)} "
                           "(move the folder away to start over)")

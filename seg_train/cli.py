@@ -22,7 +22,7 @@ import tempfile
 import traceback
 
 from seg_train import exit_codes, preflight
-from seg_train.config import ConfigError
+from seg_train.config import ConfigError, without_reprs
 
 log = logging.getLogger("seg_train")
 
@@ -205,7 +205,7 @@ def _run_guarded(main, args) -> int:
             print(f"error: {msg}", file=sys.stderr)
             return EXIT_USER_ERROR
         if not getattr(args, "debug", False):
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            lines = [line for line in map(without_reprs, str(e).splitlines()) if line]
             print(f"error: internal error ({type(e).__name__}): {lines[-1] if lines else ''} "
                   "-- rerun with --debug for the traceback", file=sys.stderr)
         return EXIT_INTERNAL
@@ -526,7 +526,7 @@ def check_data_main(args) -> int:
     from seg_train.data import layouts
     prepare_data(cfg)
     names = class_names_of(cfg)  # a wrong classes.txt is a one-line user error (exit 2)
-    bad = 0
+    bad = lossy = 0
     for split in dict.fromkeys([cfg.data.train_split, cfg.data.val_split]):
         if split == cfg.data.val_split and not layouts.split_exists(cfg.data, split):
             print(f"split {split}: not found ({layouts.split_location(cfg.data, split)}), skipped")
@@ -536,8 +536,10 @@ def check_data_main(args) -> int:
         report = scan_cached(cfg, reader, f"split {split}", refresh=True)
         print(f"split {split}: " + format_report(report, names))
         bad += len(report.bad)
+        lossy += report.lossy
     if bad:
-        print(f"error: {bad} bad sample(s) ({cfg.data.root}): see the list above", file=sys.stderr)
+        of_them = f", {lossy} of them lossy JPEG labels (convert those to PNG)" if lossy else ""
+        print(f"error: {bad} bad sample(s) ({cfg.data.root}): see the list above{of_them}", file=sys.stderr)
         return EXIT_USER_ERROR
     return 0
 

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from seg_train.config import Config, ConfigError, is_url
+from seg_train.config import Config, ConfigError, exception_text, is_url
 
 
 def _requirement(name: str) -> str:
@@ -56,7 +56,7 @@ def check_summary_backend() -> None:
 
 
 def _broken(e: Exception, pin: str):
-    detail = (str(e).strip().splitlines() or [""])[0][:200]
+    detail = exception_text(e)[:200]
     raise ConfigError("TensorBoard cannot be imported", "python package 'tensorboard'",
                       f"a working install: pip install --force-reinstall '{pin}' "
                       f"({type(e).__name__}: {detail})") from None

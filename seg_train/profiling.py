@@ -13,6 +13,8 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from seg_train.config import exception_text
+
 log = logging.getLogger("seg_train")
 
 
@@ -43,7 +45,7 @@ class StepProfiler:
                 tf.profiler.experimental.start(str(self.logdir))
             except (tf.errors.OpError, RuntimeError) as e:  # e.g. another profiler session is running
                 log.warning("profiler not started for train.profile_steps %s: %s", list(self.steps),
-                            str(e).splitlines()[0] if str(e) else type(e).__name__)
+                            exception_text(e))
                 self.steps = None
                 return
             self.active = True

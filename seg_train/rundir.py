@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from seg_train import config as config_lib
-from seg_train.config import Config, ConfigError, flatten
+from seg_train.config import Config, ConfigError, exception_text, flatten
 
 log = logging.getLogger("seg_train")
 
@@ -83,7 +83,7 @@ def read_class_weights(run_dir: Path, names, scheme: str | None = None) -> list[
         if not all(w >= 0 and w != float("inf") for w in weights):  # NaN fails w >= 0
             raise ValueError(f"expected finite weights >= 0, got {weights}")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        problem = "no such file" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {e}"
+        problem = "no such file" if isinstance(e, FileNotFoundError) else f"{type(e).__name__}: {exception_text(e)}"
         raise ConfigError("class weights of the run not found", str(path),
                           f"the {CLASS_WEIGHTS_FILE} seg-train writes when it trains with a named "
                           f"loss.class_weights scheme, with a weight for each class ({problem}); or give "

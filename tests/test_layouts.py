@@ -234,9 +234,9 @@ def test_missing_folders_and_files_are_named(tmp_path, trees):
     assert len(layouts.list_samples(skip, "nolabel")) == 1
 
     ade = load(tmp_path, trees, "ade20k").data
-    expect_error(ade, "train", f"folder not found ({trees['ade20k'] / 'images/train'}): expected "
-                 "ADEChallengeData2016's images/train/*.jpg under data.root (the split names a folder: training or "
-                 "validation)")
+    expect_error(ade, "test", f"folder not found ({trees['ade20k'] / 'images/test'}): expected "
+                 "ADEChallengeData2016's images/test/*.jpg under data.root (the split names a folder: training or "
+                 "validation, which train and val also name)")
 
     pairs = load(tmp_path, trees, "pairs").data
     expect_error(pairs, "nosuch.txt", f"split not found ({trees['pairs'] / 'nosuch.txt'}): expected a list file of "
@@ -253,17 +253,46 @@ def test_missing_folders_and_files_are_named(tmp_path, trees):
                  f"'{tmp_path / 'gone'}'")
 
 
+def default_splits(path: Path) -> Path:
+    """The config at `path` without data.train_split / val_split: the defaults, train and val."""
+    raw = yaml.safe_load(path.read_text())
+    del raw["data"]["train_split"], raw["data"]["val_split"]
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_ade20k_default_split_names_are_training_and_validation(tmp_path, trees, capsys):
+    """data.layout: ade20k with the default split names (train, val) reads images/training and
+    images/validation (issue 24's usual names), through --check-data; the explicit names give the same
+    samples. Fails for the alias dropped (folder not found) or dropped only where a split's existence is
+    asked (the val split then 'not found, skipped', the run silently without evaluation)."""
+    path = default_splits(write_config(tmp_path, trees, "ade20k"))
+    cfg = config_lib.load(path)
+    assert (cfg.data.train_split, cfg.data.val_split) == ("train", "val")
+    assert cli.train_main(["--config", str(path), "--check-data"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^split train: 3 samples, 0 bad", out, re.M), out
+    assert re.search(r"^split val: 2 samples, 0 bad", out, re.M), out
+    for alias, folder in (("train", "training"), ("val", "validation")):
+        assert layouts.split_exists(cfg.data, alias)
+        assert layouts.split_location(cfg.data, alias) == str(trees["ade20k"] / "images" / folder)
+        assert layouts.list_samples(cfg.data, alias) == layouts.list_samples(cfg.data, folder)
+    assert [s.image for s in layouts.list_samples(cfg.data, "val")] == [
+        str(trees["ade20k"] / f"images/validation/ADE_val_0000000{n}.jpg") for n in (1, 2)]
+
+
 @pytest.mark.parametrize("layout, predict_from", [("cityscapes", "leftImg8bit/val/frankfurt"),
                                                   ("ade20k", "images/validation")])
 def test_train_eval_predict(tmp_path, trees, layout, predict_from, capsys):
-    """seg-train, seg-eval and seg-predict on the layout as shipped (tiny model, 2 steps)."""
-    path = str(write_config(tmp_path, trees, layout))
+    """seg-train, seg-eval and seg-predict on the layout as shipped (tiny model, 2 steps), with the
+    default split names (train, val: ADE20K's training and validation)."""
+    path = str(default_splits(write_config(tmp_path, trees, layout)))
     run = tmp_path / "run"
     assert cli.train_main(["--config", path, "--gpus", "1"]) == 0
     assert tf.train.latest_checkpoint(str(run / "checkpoints")).endswith("ckpt-2")
     capsys.readouterr()
     assert cli.eval_main(["--config", path, "--gpus", "1", "--checkpoint", str(run), "--json"]) == 0
-    record = json.loads((run / "eval" / f"{SPLITS[layout][1]}-step2.json").read_text())
+    record = json.loads((run / "eval" / "val-step2.json").read_text())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == record  # --json: the record, last
     cfg = config_lib.load(path)
     val = layouts.list_samples(cfg.data, cfg.data.val_split)

@@ -339,6 +339,25 @@ def test_prepare_folder_rgb_without_colour_map(tmp_path):
     assert_one_line_error(result, "colour (RGB) label image", "--colour-map")
 
 
+def test_prepare_folder_refuses_a_jpeg_label(tmp_path):
+    """A JPEG label (lossy: its class values damaged) is refused in one line naming it, as seg-train refuses
+    it; written out as a PNG, its damaged values would pass every later check. Fails for a JPEG label
+    converted like any other."""
+    make_folder(tmp_path)
+    (tmp_path / "images/no_label.jpg").unlink()
+    (tmp_path / "labels/no_image.png").unlink()
+    label = tmp_path / "labels/c.png"
+    with Image.open(label) as im:
+        im.convert("L").save(tmp_path / "labels/c.jpg", quality=95)
+    label.unlink()
+    result = run(
+        "prepare_folder.py", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
+        "--output", tmp_path / "out",
+    )  # fmt: skip
+    assert_one_line_error(result, f"error: lossy JPEG label ({tmp_path / 'labels/c.jpg'}): ",
+                          "convert the label to PNG")
+
+
 def test_prepare_folder_no_pairs(tmp_path):
     (tmp_path / "images").mkdir()
     (tmp_path / "labels").mkdir()

@@ -116,6 +116,7 @@ def assert_user_error(rc, stderr, expected: str):
     assert len(lines) == 1, f"expected one error line:\n{stderr}"
     assert lines[0].startswith(expected), f"expected {expected!r}, got:\n{stderr}"
     assert ERROR_LINE.match(lines[0]), lines[0]
+    assert "object at 0x" not in stderr, stderr  # a Python repr (tests/test_error_lines.py has the whole corpus)
 
 
 def tree_hash(directory: Path) -> dict:

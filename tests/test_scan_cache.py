@@ -248,9 +248,10 @@ def test_bad_samples_come_back_from_the_cache(tmp_path, data, opens, caplog, pol
     first, second = outcomes
     assert first[-1] >= 12 and second[-1] == 0  # every file read, then none
     if policy == "skip":
-        assert first[0] == second[0] and len(first[0]) == 2, first[0]
+        assert first[0] == second[0] and len(first[0]) == 3, first[0]
         assert first[0][0].startswith("skipping bad sample (data.on_bad_sample: skip): unreadable image (")
         assert "label values out of range" in first[0][1] and "got [9]" in first[0][1]
+        assert first[0][2] == "train: 2 bad samples of 6 skipped (data.on_bad_sample: skip)", first[0]
         assert first[1] == second[1] == ["demo_00000", "demo_00002", "demo_00003", "demo_00005"]
         assert first[2] == second[2]
     else:

@@ -6,6 +6,7 @@ indices), and shards written by hand with tf.io.TFRecordWriter under Model Garde
 """
 
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,9 +132,11 @@ def test_truncated_shard_and_stale_index(voc, tmp_path):
     shard = out / "train-00000-of-00001.tfrecord"
     data = shard.read_bytes()
     shard.write_bytes(data[:-10])
-    # The index no longer matches the shard's size, so the shard is walked, and the walk names the problem.
-    with pytest.raises(ValueError, match="past the end of the file"):
+    # The index no longer matches the shard's size, so the shard is walked, and the walk names the problem:
+    # the shard file (not the split's glob) and the record that runs past its end.
+    with pytest.raises(records.ShardError, match="past the end of the file") as e:
         records.load_records(records.split_pattern(str(out), "train"))
+    assert e.value.shard == str(shard) and re.match(r"record 4 at byte \d+ claims \d+ bytes", e.value.problem)
 
 
 def test_a_sample_that_cannot_be_converted_is_named(voc, tmp_path):

@@ -11,7 +11,10 @@ GIL on tf.data's threads. Each file's header picks the decoder:
 - labels: 8-bit single-channel PNG -> `tf.io.decode_png`. Palette ('P') PNGs such as PASCAL VOC's
   -> Pillow: `tf.io.decode_png` expands a palette to colours (or, with channels=1, to luminance:
   class 1 becomes 38), silently wrong classes. 16-bit and colour labels -> Pillow too, whose
-  `read_label` keeps or refuses them exactly as it always has.
+  `read_label` keeps or refuses them exactly as it always has. Anything else, a JPEG label above
+  all, -> `read_label`, which refuses a JPEG by its first bytes (lossy: its class values are damaged).
+  Never `tf.io.decode_jpeg` for a label: a greyscale JPEG decodes to values that mostly stay in the
+  class range, so no later check would notice.
 
 A PNG's kind is in its first 26 bytes: the signature, then the IHDR chunk, whose data starts with
 width and height (4 bytes each), then the bit depth (byte 24) and the colour type (byte 25: 0 grey,
@@ -28,11 +31,10 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.data.label_images import read_label
+from seg_train.data.label_images import JPEG_START as _JPEG_START, read_label
 
 _HEAD = 26
 _PNG_START = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x0dIHDR"  # signature, then IHDR's length and type
-_JPEG_START = b"\xff\xd8\xff"  # start-of-image marker, then the next marker's first byte
 _GREY, _RGB, _PALETTE, _GREY_ALPHA, _RGBA = 0, 2, 3, 4, 6
 
 
@@ -83,7 +85,8 @@ def decode_image(contents):
 def decode_label(contents):
     """Encoded label PNG bytes (scalar string tensor) -> uint8 [H, W] class indices as stored.
 
-    Raises (when run) an error for what `read_label` refuses (colour labels, 16-bit values above 255).
+    Raises (when run) an error for what `read_label` refuses (JPEG labels, colour labels, 16-bit values
+    above 255).
     """
     _, is_png, depth, colour = _header(contents)
     grey8 = is_png & tf.equal(depth, 8) & tf.equal(colour, _GREY)

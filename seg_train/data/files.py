@@ -56,10 +56,10 @@ def read_text(path) -> str:
 def split_lines(path) -> list[tuple[int, list[str], str]]:
     """A split's list file as (line number, whitespace-separated fields, line), for each line that is
     neither blank nor a '#' comment. An unreadable or non-UTF-8 file is a ConfigError naming it."""
-    from seg_train.config import ConfigError
+    from seg_train.config import ConfigError, exception_text
     try:
         text = read_text(path)
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError("cannot read split", path, f"a readable UTF-8 text file ({e})") from None
+        raise ConfigError("cannot read split", path, f"a readable UTF-8 text file ({exception_text(e)})") from None
     return [(lineno, parts, line) for lineno, line in enumerate(text.splitlines(), 1)
             if (parts := line.split()) and not parts[0].startswith("#")]

@@ -4,7 +4,10 @@ Segmentation labels are stored as PNGs whose pixel values are class indices:
 either palette ('P') images, where the stored value is the palette index and
 the palette only controls how viewers display it (the PASCAL VOC convention),
 or plain single-channel ('L') images.  Colour (RGB) label images are rejected
-because their pixel values are colours, not classes.
+because their pixel values are colours, not classes, and so are JPEGs, whatever
+their file name says: JPEG compression changes the values around every edge (a
+greyscale JPEG decodes as 'L', so without the check it would pass as class
+indices, most of its damaged values still in the class range).
 """
 
 from __future__ import annotations
@@ -17,6 +20,37 @@ from PIL import Image
 
 # Colour VOC uses for its "ignore" (void/boundary) value 255.
 VOID_COLOUR = (224, 224, 192)
+
+# A JPEG file starts with its start-of-image marker (FF D8), then the next marker's FF; Pillow and libjpeg
+# recognise a JPEG by the same bytes.
+JPEG_START = b"\xff\xd8\xff"
+# How a lossy label is named in messages (the pre-training scan counts its samples by this prefix).
+LOSSY_WHAT = "lossy JPEG label"
+LOSSY_EXPECTED = ("expected a PNG of class indices (JPEG compression damages the class values); convert the "
+                  "label to PNG, from its source annotation if you have it")
+
+
+class LossyLabel(ValueError):
+    """A label image stored as a JPEG (found by its bytes, whatever its name): a bad sample."""
+
+    def __init__(self, name):
+        super().__init__(f"{LOSSY_WHAT} ({name}): {LOSSY_EXPECTED}")
+
+
+def is_lossy_message(message: str) -> bool:
+    """Whether a bad sample's message is that of a JPEG label."""
+    return message.startswith(f"{LOSSY_WHAT} (")
+
+
+def _head(source, n: int) -> bytes:
+    """The first n bytes of a path or a binary file object (whose position is left where it was)."""
+    if hasattr(source, "read"):
+        pos = source.tell()
+        head = source.read(n)
+        source.seek(pos)
+        return head
+    with open(source, "rb") as f:
+        return f.read(n)
 
 
 def voc_colormap(n: int = 256) -> np.ndarray:
@@ -106,15 +140,20 @@ def read_label(path, name: str | None = None) -> np.ndarray:
     Args:
         path: a 'P', 'L' or 16/32-bit integer ('I;16', 'I') image: a file path
             or a binary file object (e.g. the bytes of a file read elsewhere).
-        name: how messages name the file (default: ``path``).
+        name: how messages name the file (default: ``path``; for a file object, its name if it has
+            one: never its repr).
 
     Returns:
         uint8 array [H, W].
 
     Raises:
+        LossyLabel: for a JPEG (by its first bytes, whatever the name), before Pillow decodes anything.
         ValueError: for colour images, or integer images with values outside 0..255.
     """
-    name = path if name is None else name
+    if name is None:
+        name = getattr(path, "name", "label image") if hasattr(path, "read") else path
+    if _head(path, len(JPEG_START)) == JPEG_START:
+        raise LossyLabel(name)
     with Image.open(path) as img:
         mode = img.mode
         if mode in ("P", "L"):

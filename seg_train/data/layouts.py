@@ -140,13 +140,25 @@ def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
     return out
 
 
+# ADEChallengeData2016's folders are training/ and validation/; the names every other layout uses (and the
+# config's defaults) name them too, so a config need not spell the layout's own (issue 24).
+ADE20K_SPLITS = {"train": "training", "val": "validation"}
+
+
+def split_folder(data: DataConfig, split: str) -> str:
+    """The folder name a split stands for in the layout: ade20k's train and val are training and validation;
+    any other name (and every other layout's) as it is."""
+    return ADE20K_SPLITS.get(split, split) if data.layout == "ade20k" else split
+
+
 def _ade20k(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
     import tensorflow as tf
     from seg_train.data import files
     root = str(data.root)
+    split = split_folder(data, split)
     images = _folder(files.join(root, "images", split),
                      f"expected ADEChallengeData2016's images/{split}/*.jpg under data.root "
-                     "(the split names a folder: training or validation)")
+                     "(the split names a folder: training or validation, which train and val also name)")
     labels = _folder(files.join(root, "annotations", split),
                      f"expected ADEChallengeData2016's annotations/{split}/*.png under data.root")
     present = set(tf.io.gfile.glob(files.join(labels, "*.png")))
@@ -227,8 +239,8 @@ def _records(data: DataConfig, split: str) -> list:
     except FileNotFoundError:
         raise ConfigError("split not found", pattern, f"TFRecord shards of split {split!r} "
                           "(scripts/make_tfrecords.py writes <split>-NNNNN-of-MMMMM.tfrecord)") from None
-    except ValueError as e:  # the framing of a shard: truncated, or not a TFRecord file
-        raise ConfigError("unreadable TFRecord shard", pattern, str(e)) from None
+    except records.ShardError as e:  # the framing of a shard: truncated, or not a TFRecord file
+        raise ConfigError("unreadable TFRecord shard", e.shard, e.problem) from None
     if not found:
         raise ConfigError("empty split", pattern, "at least one record")
     # The record stands for both files: errors name it by shard and id.
@@ -245,7 +257,7 @@ def split_location(data: DataConfig, split: str) -> str:
     if data.layout == "cityscapes":
         return files.join(data.root, "leftImg8bit", split)
     if data.layout == "ade20k":
-        return files.join(data.root, "images", split)
+        return files.join(data.root, "images", split_folder(data, split))
     if data.layout == "pairs":
         return _list_file(data, split)
     from seg_train.data.reader import split_file  # TensorFlow: see list_samples

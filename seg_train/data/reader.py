@@ -38,8 +38,8 @@ from PIL import UnidentifiedImageError
 from seg_train import preflight
 
 from seg_train.data import decode as decoders, files, labels, layouts, synthetic
-from seg_train.config import Config, ConfigError, DataConfig
-from seg_train.data.label_images import load_class_names
+from seg_train.config import Config, ConfigError, DataConfig, exception_text
+from seg_train.data.label_images import LOSSY_EXPECTED, LOSSY_WHAT, LossyLabel, load_class_names
 
 log = logging.getLogger("seg_train")
 
@@ -138,8 +138,9 @@ def record_contents(sample: Sample) -> tuple[bytes, bytes]:
     try:
         image, label, _ = records.parse_example(records.read_record(sample.record))
     except Exception as e:  # noqa: BLE001 - a damaged record: whatever protobuf or the file system raises
-        raise BadSample(f"unreadable record ({sample.image}): expected a tf.train.Example with an encoded image "
-                        f"and label ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise BadSample(f"unreadable record ({sample.image}, at byte {sample.record.offset}): expected a "
+                        f"tf.train.Example with an encoded image and label ({type(e).__name__}: "
+                        f"{exception_text(e)})") from None
     return image, label
 
 
@@ -159,20 +160,30 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
 
     Raises BadSample naming the file (and the raw values the table does not map).
     """
+    # Pillow decodes from memory here, so its own messages would name a BytesIO object (by its repr), not
+    # the file: the messages below are written out, naming the path.
     try:
         image = decoders.pillow_rgb(contents[0] if contents else files.read_bytes(image_path))
     except FileNotFoundError:
         raise BadSample(f"image not found ({image_path}): expected a readable JPEG/PNG image") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({e})") from None
+    except UnidentifiedImageError:
+        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG (its bytes are of no "
+                        "image format Pillow reads)") from None
+    except (OSError, SyntaxError) as e:
+        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({exception_text(e)})") from None
     try:
         label = decoders.pillow_label(contents[1] if contents else files.read_bytes(label_path), label_path)
     except FileNotFoundError:
         raise BadSample(f"label not found ({label_path}): expected a PNG of class indices") from None
+    except LossyLabel:
+        raise BadSample(f"{LOSSY_WHAT} ({label_path}): {LOSSY_EXPECTED}") from None
+    except UnidentifiedImageError:
+        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG (its bytes are of no image "
+                        "format Pillow reads)") from None
     except ValueError as e:
         raise BadSample(f"bad label ({label_path}): {str(e).replace(f'{label_path}: ', '')}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({e})") from None
+    except (OSError, SyntaxError) as e:
+        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({exception_text(e)})") from None
     if label.shape != image.shape[:2]:
         raise BadSample(f"label size differs from image ({label_path}): expected {image.shape[1]}x{image.shape[0]} "
                         f"like {posixpath.basename(image_path)}, got {label.shape[1]}x{label.shape[0]}")

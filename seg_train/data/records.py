@@ -52,26 +52,37 @@ def _gfile():
     return tf.io.gfile
 
 
+class ShardError(ValueError):
+    """A shard whose record framing does not hold: `shard` is the file (not the split's glob), `problem`
+    names the record (its number and byte offset) and what is wrong."""
+
+    def __init__(self, shard: str, problem: str):
+        self.shard, self.problem = shard, problem
+        super().__init__(f"{shard}: {problem}")
+
+
 def walk_shard(path: str) -> list[RecordRef]:
     """The records of one TFRecord file, found by walking the record headers.
 
-    Raises ValueError naming the file if the framing does not end exactly at the end of the file
-    (a truncated file, or not a TFRecord file).
+    Raises ShardError naming the file and the record if the framing does not end exactly at the end of
+    the file (a truncated file, or not a TFRecord file).
     """
     gfile = _gfile()
     size = gfile.stat(path).length
     refs, pos = [], 0
+    expected = "expected a complete TFRecord file (this one is truncated, or is not a TFRecord file)"
     with gfile.GFile(path, "rb") as f:
         while pos < size:
             f.seek(pos)
             header = f.read(_HEADER)
             if len(header) < _HEADER:
-                raise ValueError(f"truncated TFRecord header at byte {pos}")
+                raise ShardError(path, f"record {len(refs)} at byte {pos}: the file ends inside its "
+                                       f"{_HEADER}-byte header ({size} bytes); {expected}")
             (length,) = struct.unpack("<Q", header[:8])
             end = pos + _HEADER + length + _FOOTER
             if end > size:
-                raise ValueError(f"record at byte {pos} claims {length} bytes, past the end of the file "
-                                 f"({size} bytes): truncated, or not a TFRecord file")
+                raise ShardError(path, f"record {len(refs)} at byte {pos} claims {length} bytes, past the end of "
+                                       f"the file ({size} bytes); {expected}")
             refs.append(RecordRef(path, pos + _HEADER, length))
             pos = end
     return refs
@@ -225,7 +236,8 @@ def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
     """
     from PIL import Image
 
-    from seg_train.data.label_images import read_label
+    from seg_train.config import exception_text
+    from seg_train.data.label_images import LossyLabel, read_label
 
     gfile = _gfile()
     try:
@@ -239,10 +251,13 @@ def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
             rgb.save(buf, format="PNG")
             data, fmt = buf.getvalue(), "png"
         with gfile.GFile(label_path, "rb") as f:
-            label = read_label(io.BytesIO(f.read()))
+            label = read_label(io.BytesIO(f.read()), name=label_path)
+    except LossyLabel:  # its own line (naming the label): what is wrong and what to do
+        raise
     except Exception as e:  # noqa: BLE001 - whatever a decoder raises names the sample
+        # exception_text: Pillow decodes from memory here, and its messages would carry the BytesIO's repr.
         raise ValueError(f"cannot convert sample {sample_id!r} ({image_path}, {label_path}): "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+                         f"{type(e).__name__}: {exception_text(e)}") from None
     if label.shape != (rgb.height, rgb.width):
         raise ValueError(f"label size differs from image ({label_path}): expected {rgb.width}x{rgb.height}, "
                          f"got {label.shape[1]}x{label.shape[0]}")

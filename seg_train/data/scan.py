@@ -1,8 +1,10 @@
 """A scan of a split before training: every sample decoded and checked once, with a progress bar.
 
 Everything that can be found before training starts is found here (missing files, unreadable or
-truncated images, colour labels, size mismatches, raw label values the label map does not cover,
-out-of-range label values), so a bad file is named in seconds instead of crashing a run hours later.
+truncated images, colour labels, JPEG labels, size mismatches, raw label values the label map does not
+cover, out-of-range label values), so a bad file is named in seconds instead of crashing a run hours
+later. JPEG labels are counted on their own: most of their damaged values still look like classes, so
+they are the bad samples a user would not find by looking at the values.
 The per-class histogram counts the labels after the label map: the train ids the model learns.
 """
 
@@ -20,8 +22,9 @@ import numpy as np
 
 from seg_train import losses
 from seg_train.progress import progress_bar, shown
-from seg_train.config import Config, ConfigError
+from seg_train.config import Config, ConfigError, exception_text
 from seg_train.data import scan_cache
+from seg_train.data.label_images import is_lossy_message
 from seg_train.data.reader import BadSample, ImageReader, Sample, load
 
 log = logging.getLogger("seg_train")
@@ -42,6 +45,11 @@ class ScanReport:
     unmapped_samples: dict[int, int] = field(default_factory=dict)
     cached: Path | None = None  # the scan cache entry this report was read from (None: decoded now)
 
+    @property
+    def lossy(self) -> int:
+        """Bad samples whose label is a JPEG (counted from their messages, so a cached report has them too)."""
+        return sum(is_lossy_message(problem) for _, problem in self.bad)
+
 
 def _check(sample: Sample, num_classes: int, ignore_label: int, label_table):
     try:
@@ -53,7 +61,7 @@ def _check(sample: Sample, num_classes: int, ignore_label: int, label_table):
     except Exception as e:  # noqa: BLE001 - e.g. Pillow's DecompressionBombError or a ValueError on a corrupt header
         # Whatever a decoder raises on a file makes that sample bad; it must be named, not crash the scan.
         return sample, (f"unreadable sample ({sample.image}, {sample.label}): expected a valid JPEG/PNG image and "
-                        f"PNG label ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"), None
+                        f"PNG label ({type(e).__name__}: {exception_text(e)})"), None
     counts = np.bincount(np.where(label == ignore_label, num_classes, label).ravel(), minlength=num_classes + 1)
     return sample, None, counts
 
@@ -99,6 +107,8 @@ def format_report(report: ScanReport, class_names: list[str]) -> str:
     absent = [n for n, c in zip(class_names, report.histogram[:-1]) if c == 0]
     if absent:
         lines.append(f"classes with no pixels: {', '.join(absent)}")
+    if report.lossy:
+        lines.append(f"lossy JPEG labels: {report.lossy} (their samples are bad: convert those labels to PNG)")
     if report.unmapped_pixels:
         lines.append("raw label values with no mapping (their samples are bad): " + ", ".join(
             f"{raw} ({report.unmapped_pixels[raw]} pixels in {report.unmapped_samples[raw]} samples)"
@@ -142,14 +152,19 @@ def scan_cached(cfg: Config, reader: ImageReader, what: str, shard: tuple[int, i
     return report
 
 
+def _bad_count(report: ScanReport) -> str:
+    """'3 bad', or '3 bad (2 lossy JPEG labels)'."""
+    return f"{len(report.bad)} bad" + (f" ({report.lossy} lossy JPEG labels)" if report.lossy else "")
+
+
 def _log_scan(report: ScanReport, what: str, share: str = "") -> None:
     if report.cached is not None:
         log.info("%s: the scan of %d samples%s read from the scan cache in %.1fs (%s; the files and settings are "
-                 "unchanged since they were checked): %d bad", what, report.num_samples, share, report.seconds,
-                 report.cached, len(report.bad))
+                 "unchanged since they were checked): %s", what, report.num_samples, share, report.seconds,
+                 report.cached, _bad_count(report))
     else:
-        log.info("checked %d %s samples%s in %.1fs: %d bad", report.num_samples, what, share, report.seconds,
-                 len(report.bad))
+        log.info("checked %d %s samples%s in %.1fs: %s", report.num_samples, what, share, report.seconds,
+                 _bad_count(report))
 
 
 def apply_on_bad_sample(cfg: Config, reader: ImageReader, report: ScanReport, what: str) -> ScanReport:
@@ -158,12 +173,17 @@ def apply_on_bad_sample(cfg: Config, reader: ImageReader, report: ScanReport, wh
     if not report.bad:
         return report
     if cfg.data.on_bad_sample == "error":
-        more = f" (and {len(report.bad) - 1} more bad samples)" if len(report.bad) > 1 else ""
+        n = len(report.bad)
+        lossy = f"; {report.lossy} of the {n} are lossy JPEG labels" if report.lossy and n > 1 else ""
+        more = f" (and {n - 1} more bad samples{lossy})" if n > 1 else ""
         raise BadSample(report.bad[0][1] + more)
     for sample, problem in report.bad:
         log.warning("skipping bad sample (data.on_bad_sample: skip): %s", problem)
     bad = {s.id for s, _ in report.bad}
+    before = len(reader.samples)
     reader.samples = [s for s in reader.samples if s.id not in bad]
+    log.warning("%s: %d bad samples of %d skipped (data.on_bad_sample: skip)%s", what, len(report.bad), before,
+                f", {report.lossy} of them lossy JPEG labels" if report.lossy else "")
     if not reader.samples:
         raise ConfigError("no usable samples", what, "at least one sample that passes the checks")
     return report

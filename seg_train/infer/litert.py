@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from seg_train.config import Config, ConfigError
+from seg_train.config import Config, ConfigError, exception_text
 
 log = logging.getLogger("seg_train")
 
@@ -106,7 +106,7 @@ class TFLiteModel:
             self.interpreter.allocate_tensors()
         except (ValueError, RuntimeError) as e:
             raise ConfigError("not a TFLite model LiteRT can run", str(path),
-                              f"a .tflite file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                              f"a .tflite file ({exception_text(e)})") from None
         self.threads = threads
         self.size_bytes = self.path.stat().st_size
         inputs = self.interpreter.get_input_details()

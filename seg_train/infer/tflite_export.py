@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seg_train.config import Config, ConfigError
+from seg_train.config import Config, ConfigError, without_reprs
 
 log = logging.getLogger("seg_train")
 
@@ -133,7 +133,7 @@ def convert(frozen, quantize: str, representative=None) -> bytes:
             warnings.simplefilter("ignore")
             return converter.convert()
     except Exception as e:  # noqa: BLE001 - the converter raises ConverterError and plain Exceptions alike
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        lines = [line for line in map(without_reprs, str(e).splitlines()) if line]
         detail = next((line for line in lines if "ops" in line.lower() or "error" in line.lower()),
                       lines[0] if lines else type(e).__name__)
         raise ConfigError("cannot convert the model to TFLite builtin ops", f"--quantize {quantize}",

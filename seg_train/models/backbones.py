@@ -23,7 +23,7 @@ import keras
 import numpy as np
 from keras import layers
 
-from seg_train.config import ConfigError
+from seg_train.config import ConfigError, exception_text
 from seg_train.models.layer_choice import LayerChoice
 
 log = logging.getLogger("seg_train")
@@ -187,7 +187,8 @@ def read_keras_h5(path: Path, name: str) -> dict[str, list[tuple[str, np.ndarray
     try:
         f = h5py.File(path, "r")
     except OSError as e:
-        raise ConfigError("cannot read backbone weights", where, f"{_expected(name)}, an HDF5 file ({e})") from None
+        raise ConfigError("cannot read backbone weights", where,
+                          f"{_expected(name)}, an HDF5 file ({exception_text(e)})") from None
     with f:
         group = f["model_weights"] if "model_weights" in f else f  # a whole model saved with model.save()
         if "layer_names" not in group.attrs and "layer_names0" not in group.attrs:
@@ -202,7 +203,8 @@ def read_keras_h5(path: Path, name: str) -> dict[str, list[tuple[str, np.ndarray
                 if weight_names:
                     in_file[layer_name] = [(w, np.asarray(layer_group[w])) for w in weight_names]
         except (KeyError, OSError, ValueError) as e:  # a listed layer or array missing, a truncated file
-            raise ConfigError("corrupt backbone weights file", where, f"{_expected(name)} ({e})") from None
+            raise ConfigError("corrupt backbone weights file", where,
+                              f"{_expected(name)} ({exception_text(e)})") from None
     return in_file
 
 
