@@ -619,6 +619,24 @@ def test_seg_export_serves_the_classes_by_hand(served):
     assert meta["inference"]["scales"] == [1.0, 1.25] and meta["inference"]["stride"] == [16, 20]
 
 
+
+def test_tflite_export_and_its_evaluation_read_the_eval_window_and_the_ignore_label(served):
+    """seg-export --format tflite without --input-size takes eval.crop_size (24 x 32, not data.crop_size); seg-eval
+    --model evaluates the 'check' split (data.val_split) in LiteRT and leaves out the pixels of label 0
+    (data.ignore_label): exactly the other labelled pixels are counted, under data.class_names. Fails for the
+    window, the split or the ignore label ignored on the LiteRT path."""
+    pytest.importorskip("ai_edge_litert")
+    model = served["tmp"] / "lite" / "m.tflite"
+    assert command(cli.export_main, ["--config", str(served["path"]), "--checkpoint", str(served["tmp"] / "run"),
+                                     "--format", "tflite", "--output", str(model)]) == 0
+    assert json.loads(model.with_suffix(".json").read_text())["input_size"] == [24, 32]
+    assert command(cli.eval_main, ["--config", str(served["path"]), "--model", str(model)]) == 0
+    record = json.loads((model.parent / "m.eval-check.json").read_text())
+    cm = np.array(record["confusion_matrix"])
+    labels = [label for _, label in served["check"]]
+    assert cm[SERVED_IGNORE].sum() == 0 and cm.sum() == sum(int((lb != SERVED_IGNORE).sum()) for lb in labels)
+    assert list(record["per_class_iou"]) == NAMES and record["num_images"] == len(CHECK)
+
 def test_bn_reestimation_reads_the_configured_batches(served):
     """seg-export with eval.bn_reestimate_batches 2: the exported first BN layer's moving statistics are the
     population mean and variance, by hand (numpy on tf.nn.conv2d with the stem kernel), of its input over 2
