@@ -33,7 +33,9 @@ def run(tmp_path_factory):
     """A tiny model with BN statistics of the data, saved as a checkpoint, and its three exports."""
     tmp = tmp_path_factory.mktemp("tflite")
     synthetic.generate(tmp / "data", num_train=12, num_val=6, size=IMAGE, num_classes=3, seed=1)
-    cfg = tiny_config(tmp, data_root=tmp / "data", data={"crop_size": list(SIZE)}, eval={"bn_reestimate_batches": 0})
+    # data.mean / data.std not the backbone's defaults: the file must normalise with the configured ones.
+    cfg = tiny_config(tmp, data_root=tmp / "data", data={"crop_size": list(SIZE), "mean": [100.0, 110.0, 120.0],
+                                                         "std": [50.0, 40.0, 60.0]}, eval={"bn_reestimate_batches": 0})
     state = TrainState(cfg, tf.distribute.MirroredStrategy(["/device:CPU:0"]))
     images = np.stack([np.asarray(Image.open(p)) for p in sorted((tmp / "data" / "JPEGImages").glob("*.jpg"))])
     x = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
