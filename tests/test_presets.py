@@ -243,3 +243,22 @@ def test_config_paths_of_the_presets_are_resolved_like_the_other_paths(tmp_path)
     assert cfg.model.init_weights == tmp_path / "sub" / "presets" / "segformer_b0_ade20k_512"
     assert cfg.model.output_stride == 32 and cfg.model.segformer_channels == 256
     assert config_lib.without_weight_files(cfg).model.init_weights is None
+
+
+def test_a_checkpoint_is_read_without_its_preset(hub, tmp_path, from_segformer_preset):
+    """Inference (and a resumed run) rebuilds the model from the config of a run that started from a
+    preset: the checkpoint holds every weight, so the preset is not read again (it may be gone)."""
+    from seg_train import checkpoint as ckpt_lib
+    from seg_train.infer.load import load_state
+
+    preset = _copy(hub, "segformer_b0", tmp_path)
+    cfg = tiny_config(tmp_path / "cfg", data={"num_classes": CLASSES, "crop_size": [SIZE, SIZE]},
+                      model={"backbone": "mit_b0", "head": "segformer", "init_weights": str(preset)})
+    state = TrainState(cfg, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    state.step.assign(1)
+    ckpt_lib.Checkpointer(tmp_path / "run" / "checkpoints", 1, **state.checkpoint_objects()).save(1)
+    shutil.rmtree(preset)
+    loaded, _, step = load_state(cfg, tf.distribute.OneDeviceStrategy("/cpu:0"), str(tmp_path / "run"))
+    assert step == 1
+    np.testing.assert_array_equal(loaded.model(hub["x"], training=False),
+                                  from_segformer_preset(hub["x"], training=False))

@@ -243,3 +243,47 @@ def test_the_mit_backbone_is_the_models_only_nested_model_and_has_no_batchnorm()
     assert ModelConfig().output_stride is None  # unresolved: build takes the backbone's (16 here)
     assert models.build(ModelConfig(backbone="tiny", aspp_channels=8, decoder_channels=8, low_level_channels=4),
                         3).get_layer("aspp1_conv").dilation_rate == (6, 6)
+
+
+def test_attention_logits_and_softmax_in_float32_under_mixed_float16():
+    """Under mixed_float16 the attention's inputs are float16; q.k / sqrt(d) beyond float16's 65504 must
+    still give the float64 reference (in float16 the logits would be inf and the softmax NaN)."""
+    from seg_train.models.mit import EfficientAttention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 3, 5, 16)) for _ in range(3))
+    q[..., :8] *= 300.0
+    k[..., :8] *= 300.0  # logits up to ~1e5 after the 1/sqrt(8) scale
+    layer = EfficientAttention(2, dtype="mixed_float16")
+    got = layer(*(tf.constant(t, tf.float16) for t in (q, k, v))).numpy().astype(np.float64)
+    q16, k16, v16 = (t.astype(np.float16).astype(np.float64) for t in (q, k, v))
+
+    def heads(t):  # [1, h, w, 16] -> [2, h*w, 8]
+        return t.reshape(1, -1, 2, 8).transpose(0, 2, 1, 3)[0]
+
+    logits = heads(q16) @ heads(k16).transpose(0, 2, 1) / np.sqrt(8)
+    assert np.abs(logits).max() > 65504
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    want = ((p / p.sum(-1, keepdims=True)) @ heads(v16)).transpose(1, 0, 2).reshape(1, 3, 5, 16)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+
+def test_precise_bn_gives_the_heads_bn_the_population_statistics_of_its_input(tmp_path):
+    """Precise BN (before every evaluation and export) reaches the SegFormer head's BN through the nested
+    MiT: its moving statistics become the mean and variance of its input over the re-estimation batches."""
+    from seg_train.data import synthetic
+    from seg_train.infer import precise_bn
+    from tests.test_bn_stats import global_batches, population
+
+    root = synthetic.generate(tmp_path / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3, seed=0)
+    cfg = _mit_config(tmp_path, data_root=root, data={"batch_size": 4})
+    state = TrainState(cfg, strategy(1))
+    reader = ImageReader(cfg.data, "train", cfg.seed)
+    assert precise_bn.reestimate(state, reader, 2, progress=False) is True
+    fuse = keras.Model(state.model.input, state.model.get_layer("segformer_fuse_conv").output)
+    batches = global_batches(type("T", (), {"state": state})(), reader, 2)
+    mean, var = population([fuse(b, training=False).numpy() for b in batches])
+    bn = state.model.get_layer("segformer_fuse_bn")
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), var, rtol=1e-3, atol=1e-6)
