@@ -158,12 +158,31 @@ class DataConfig:
     photometric: Optional[dict[str, float]] = _c(None, check=_photometric)
 
 
+# The Mix Transformer sizes (models/mit.py), SegFormer's encoders.
+MIT_BACKBONES = tuple(f"mit_b{i}" for i in range(6))
+# The smallest training or slide crop side a MiT takes: its first stage's 8x8 spatial-reduction conv
+# needs an 8x8 map at stride 4 (models/mit.py).
+MIT_MIN_SIZE = 29
+
+
+def default_output_stride(backbone: str) -> int:
+    """model.output_stride when not given: 32 for the MiT backbones (fixed), else 16."""
+    return 32 if backbone in MIT_BACKBONES else 16
+
+
+def default_segformer_channels(backbone: str) -> int:
+    """model.segformer_channels when not given: the paper's C, 256 for B0/B1 and 768 for B2-B5 (also
+    the width of keras-hub's SegFormer presets), 256 on other backbones."""
+    return 768 if backbone in MIT_BACKBONES[2:] else 256
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     backbone: str = _c("mobilenetv2", choices=("tiny", "mobilenetv2", "mobilenetv3_large", "mobilenetv3_small",
-                                               "resnet50", "resnet101"))
-    head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp"))
-    output_stride: int = _c(16, choices=(8, 16))
+                                               "resnet50", "resnet101") + MIT_BACKBONES)
+    head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp", "segformer"))
+    # None: the backbone's (default_output_stride); resolve_defaults fills it and checks it against the backbone.
+    output_stride: Optional[int] = _c(None, choices=(8, 16, 32))
     sync_batchnorm: bool = _c(False)
     bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)")
     weight_decay: float = _c(4e-5, check=_non_negative)
@@ -180,6 +199,10 @@ class ModelConfig:
     fused_batchnorm: bool = _c(True)
     fast_atrous: bool = _c(True)
     freeze_batchnorm: bool = _c(False)
+    # The SegFormer head's width C; None: the paper's for the backbone (default_segformer_channels).
+    segformer_channels: Optional[int] = _c(None, check=_positive)
+    # A keras-hub SegFormer preset directory: encoder and head (models/presets.py).
+    init_weights: Optional[Path] = _c(None, path=True)
 
 
 # train.allreduce_pack_mb's default, chosen by measurement (docs/PERFORMANCE.md, "packing").
@@ -526,7 +549,8 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
         data["root"] = str(cwd / "data" / path.stem)
     cfg = _build(Config, raw, "", base_dir)
     for key, value in cli_paths.items():
-        if key in ("run_dir", "data.root", "model.backbone_weights") and isinstance(value, str) and value:
+        if key in ("run_dir", "data.root", "model.backbone_weights", "model.init_weights") and \
+                isinstance(value, str) and value:
             cfg = replace(cfg, key, _local_path(value, key, cwd, key == "data.root"))
     if run_dir is not None:
         cfg = replace(cfg, "run_dir", _local_path(run_dir, "--run-dir", cwd, False))
@@ -544,6 +568,8 @@ BACKBONE_NORMALIZATION = {
     "mobilenetv3_small": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
     "resnet50": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
     "resnet101": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
+    # keras-hub's SegFormer and MiT presets: ImageNet's mean and std (its image converter's 0.485.../0.229...).
+    **{name: ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)) for name in MIT_BACKBONES},
 }
 
 
@@ -561,6 +587,7 @@ def resolve_defaults(cfg: Config) -> Config:
                           f"expected 4 (or no value) with model.head {cfg.model.head!r}: the stride-2 stage is "
                           f"DeepLabV3+'s, got {cfg.model.decoder_stride}")
     cfg = _resolve_eval(cfg)
+    cfg = _resolve_model(cfg)
     mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
     if cfg.data.mean is None:
         cfg = replace(cfg, "data.mean", mean)
@@ -613,6 +640,46 @@ def _check_loss(cfg: Config) -> None:
                           "0 (or no value) without loss.class_weights: it divides the scores by those weights")
 
 
+def _resolve_model(cfg: Config) -> Config:
+    """model.output_stride and model.segformer_channels from the backbone; the MiT and preset keys checked."""
+    m = cfg.model
+    mit = m.backbone in MIT_BACKBONES
+    if m.output_stride is None:
+        cfg = replace(cfg, "model.output_stride", default_output_stride(m.backbone))
+    elif mit and m.output_stride != 32:
+        raise ConfigError("not available for this backbone", "model.output_stride",
+                          f"expected 32 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer's "
+                          f"stages have no dilated form, got {m.output_stride}")
+    elif not mit and m.output_stride == 32:
+        raise ConfigError("not available for this backbone", "model.output_stride",
+                          f"expected one of 8, 16 (or no value) with model.backbone {m.backbone!r} (32 is the "
+                          f"MiT backbones' fixed stride), got 32")
+    # Filled for the head that uses it only: an older run's config.yaml has no such key, and its resolved
+    # config must stay what it was (rundir.check_resume_config).
+    if m.segformer_channels is None and m.head == "segformer":
+        cfg = replace(cfg, "model.segformer_channels", default_segformer_channels(m.backbone))
+    if mit and m.decoder_stride != 4:
+        raise ConfigError("not available for this backbone", "model.decoder_stride",
+                          f"expected 4 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer has "
+                          f"no stride-2 features, got {m.decoder_stride}")
+    if m.init_weights is not None:
+        if not mit or m.head != "segformer":
+            raise ConfigError("not available for this model", "model.init_weights",
+                              f"a keras-hub SegFormer preset needs model.backbone mit_b0..mit_b5 and model.head "
+                              f"segformer, got {m.backbone!r} and {m.head!r}")
+        if m.backbone_weights is not None:
+            raise ConfigError("two initialisations", "model.backbone_weights",
+                              "null with model.init_weights (the SegFormer preset holds the encoder too)")
+    if mit:
+        for key, size in (("data.crop_size", cfg.data.crop_size), ("eval.crop_size", cfg.eval.crop_size)):
+            if size is not None and min(size) < MIT_MIN_SIZE:
+                raise ConfigError("too small for this backbone", key,
+                                  f"expected at least {MIT_MIN_SIZE} pixels per side with model.backbone "
+                                  f"{m.backbone!r} (its first stage's 8x8 spatial reduction at stride 4), "
+                                  f"got {list(size)}")
+    return cfg
+
+
 def _resolve_eval(cfg: Config) -> Config:
     """Checks the slide window against its stride; fills eval.stride's default."""
     e = cfg.eval
@@ -635,6 +702,13 @@ def replace(cfg: Config, dotted: str, value) -> Config:
         return dataclasses.replace(cfg, **{parts[0]: value})
     section = getattr(cfg, parts[0])
     return dataclasses.replace(cfg, **{parts[0]: dataclasses.replace(section, **{parts[1]: value})})
+
+
+def without_weight_files(cfg: Config) -> Config:
+    """`cfg` with model.backbone_weights and model.init_weights null: for building a model whose every
+    weight a checkpoint is about to restore (resume, inference, --init-from's source), so the files a run
+    started from are not read again (they may have moved since)."""
+    return replace(replace(cfg, "model.backbone_weights", None), "model.init_weights", None)
 
 
 def from_dict(raw: dict, base_dir: str | os.PathLike = ".") -> Config:

@@ -31,6 +31,8 @@ def load_weights(model, path: str) -> tuple[int, list[str]]:
     """
     prefix = ckpt_lib.resolve(path)
     src_cfg = _source_config(prefix)
+    # Every weight comes from the checkpoint: the files the source run started from are not read.
+    src_cfg = config_lib.without_weight_files(src_cfg)
     src = models.build(src_cfg.model, src_cfg.data.num_classes, src_cfg.seed)
     tf.train.Checkpoint(model=src).read(prefix).expect_partial()
     source = {v.path: v for v in src.weights}

@@ -208,9 +208,9 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if stop.signum is not None:  # signalled during the checks: nothing written yet, nothing to save
         log.warning("interrupted by %s before training started", signal.Signals(stop.signum).name)
         return exit_codes.signalled(stop.signum)
-    # Resuming: the checkpoint holds every weight, so the ImageNet file the run started from is not
+    # Resuming: the checkpoint holds every weight, so the ImageNet file or preset the run started from is not
     # read again (it may have moved since).
-    build_cfg = config_lib.replace(cfg, "model.backbone_weights", None) if resuming else cfg
+    build_cfg = config_lib.without_weight_files(cfg) if resuming else cfg
     state = TrainState(build_cfg, strategy)
     state.score_offsets = modes.score_offsets(cfg.eval, class_weights)  # evaluations during training
     train_step = TrainStep(state, class_weights=class_weights)

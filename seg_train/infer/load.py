@@ -59,11 +59,11 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
     from seg_train.infer import modes
 
     offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, prefix))
-    # The checkpoint holds every weight: the ImageNet file the run started from is not read again
+    # The checkpoint holds every weight: the ImageNet file or preset the run started from is not read again
     # (it may have moved since). The loss's class weights change no variable, and a named scheme
     # (median_frequency) would need the train split's histogram: the model is built without them
     # (eval.logit_adjustment's offsets, which do change predictions, are resolved above).
-    cfg = config_lib.replace(config_lib.replace(cfg, "model.backbone_weights", None), "loss.class_weights", None)
+    cfg = config_lib.replace(config_lib.without_weight_files(cfg), "loss.class_weights", None)
     state = TrainState(cfg, strategy, optimizer=False)  # inference: no optimizer slots are built or read
     try:
         step = state.restore_weights(prefix)

@@ -4,40 +4,54 @@ from __future__ import annotations
 
 import keras
 
-from seg_train.config import ModelConfig
+from seg_train.config import ModelConfig, default_output_stride, default_segformer_channels
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 from seg_train.models.layer_choice import LayerChoice
 from seg_train.models.lraspp import lraspp
+from seg_train.models.presets import check_segformer_preset, load_segformer_preset
+from seg_train.models.segformer import segformer
 
 __all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm"]
 
 
 def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
-    """The configured head (DeepLabV3+ or LR-ASPP) on the configured backbone; call inside `strategy.scope()`
-    for one set of variables.
+    """The configured head (DeepLabV3+, LR-ASPP or SegFormer) on the configured backbone; call inside
+    `strategy.scope()` for one set of variables.
 
-    The seed fixes the initial weights, so every run with the same config starts from the same model.
-    With `cfg.freeze_batchnorm` the backbone's BN layers are frozen (see `freeze_batchnorm`) before
-    anything reads `model.trainable_variables`.
+    The seed fixes the initial weights, so every run with the same config starts from the same model;
+    `cfg.init_weights` (a keras-hub SegFormer preset) then overwrites them. With `cfg.freeze_batchnorm`
+    the backbone's BN layers are frozen (see `freeze_batchnorm`) before anything reads
+    `model.trainable_variables`. Keys a loaded config resolves (output_stride, segformer_channels) take
+    the backbone's defaults when null.
     """
     choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
                          fast_atrous=cfg.fast_atrous)
+    channels = cfg.segformer_channels or default_segformer_channels(cfg.backbone)
+    if cfg.init_weights is not None:
+        check_segformer_preset(cfg.backbone, cfg.init_weights, channels)  # a wrong preset refused before building
     keras.utils.set_random_seed(seed)
+    output_stride = cfg.output_stride or default_output_stride(cfg.backbone)
     # DeepLabV3+ decodes from stride-4 features (and stride-2 ones with model.decoder_stride: 2),
-    # LR-ASPP from stride-8 ones.
+    # LR-ASPP from stride-8 ones, SegFormer from every stride from 4 up to the output stride.
     if cfg.head == "lraspp":
         low_strides = (8,)
+    elif cfg.head == "segformer":
+        low_strides = tuple(s for s in (4, 8, 16) if s < output_stride)
     else:
         low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
-    backbone = build_backbone(cfg.backbone, cfg.output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
+    backbone = build_backbone(cfg.backbone, output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
                               low_strides)
     if cfg.head == "lraspp":
         model = lraspp(backbone, num_classes, choice, cfg.lraspp_channels, cfg.bn_momentum)
+    elif cfg.head == "segformer":
+        model = segformer(backbone, num_classes, choice, channels, cfg.bn_momentum)
     else:
         fine = (cfg.fine_low_level_channels, cfg.fine_channels) if cfg.decoder_stride == 2 else None
-        model = deeplabv3plus(backbone, num_classes, cfg.output_stride, choice, cfg.aspp_channels,
+        model = deeplabv3plus(backbone, num_classes, output_stride, choice, cfg.aspp_channels,
                               cfg.decoder_channels, cfg.low_level_channels, cfg.bn_momentum, fine)
+    if cfg.init_weights is not None:
+        load_segformer_preset(model, backbone, cfg.backbone, cfg.init_weights, num_classes, channels)
     if cfg.freeze_batchnorm:
         freeze_batchnorm(backbone)
     return model

@@ -1,5 +1,7 @@
 """Backbones returning low-level features (stride 2, 4 or 8) and high-level features at the output stride.
 
+The Mix Transformers (mit_b0..mit_b5) are models/mit.py's, at a fixed output stride of 32.
+
 The head picks the low-level strides: DeepLabV3+ decodes from stride 4 (the last block at stride 4,
 as DeepLab), with `model.decoder_stride: 2` also from stride 2 (the last layer at stride 2 before the
 next strided block); LR-ASPP from stride 8 (the block that first reaches stride 8, as torchvision's
@@ -23,8 +25,10 @@ import keras
 import numpy as np
 from keras import layers
 
-from seg_train.config import ConfigError, exception_text
+from seg_train.config import MIT_BACKBONES, ConfigError, exception_text
 from seg_train.models.layer_choice import LayerChoice
+from seg_train.models.mit import mix_transformer
+from seg_train.models.presets import check_mit_preset, load_mit_preset
 
 log = logging.getLogger("seg_train")
 
@@ -326,12 +330,23 @@ def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: La
                    weights: Path | None = None, low_strides: tuple[int, ...] = (4,)) -> keras.Model:
     """Builds the named backbone with the layer classes of `choice` (one dict maps names to builders).
 
-    It returns the low-level features at each of `low_strides` (2, 4 or 8), in that order, then the
-    high-level ones.
+    It returns the low-level features at each of `low_strides` (2, 4 or 8; 4, 8 or 16 for the MiT
+    backbones), in that order, then the high-level ones. `weights`: model.backbone_weights (a Keras
+    ImageNet file, or a keras-hub MiT preset directory for mit_b0..mit_b5).
     """
     if name == "tiny":
         if weights is not None:
             raise ConfigError("no pretrained weights for this backbone", "model.backbone_weights",
                               "expected null for backbone 'tiny'")
         return tiny(output_stride, bn_momentum, choice, low_strides=low_strides)
+    if name in MIT_BACKBONES:
+        # No BN layers, no dilated form: the Mix Transformer's output stride is 32 (config.py refuses others).
+        if output_stride != 32:
+            raise ValueError(f"{name} has output stride 32, got {output_stride}")
+        if weights is not None:
+            check_mit_preset(name, weights)  # a wrong preset refused before the model is built
+        model = mix_transformer(name, low_strides)
+        if weights is not None:
+            load_mit_preset(model, name, weights)
+        return model
     return keras_app(name, output_stride, bn_momentum, choice, weights, low_strides)

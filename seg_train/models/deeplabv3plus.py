@@ -39,7 +39,8 @@ def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, c
 
     The head's convs and BatchNormalization layers are of the classes `choice` gives.
 
-    ASPP rates follow the output stride (6, 12, 18 at 16; doubled at 8), as in the DeepLabV3 paper.
+    ASPP rates follow the output stride (6, 12, 18 at 16; doubled at 8), as in the DeepLabV3 paper;
+    halved at 32 (the MiT backbones' fixed stride).
 
     `fine` = (projection channels, conv channels) adds a stage at stride 2 after DeepLab's stride-4
     decoder (`model.decoder_stride: 2`): the decoder's features upsampled to stride 2, concatenated
@@ -55,7 +56,7 @@ def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, c
         low, high = backbone(inp)
     else:
         fine_low, low, high = backbone(inp)
-    rates = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
+    rates = {8: (12, 24, 36), 16: (6, 12, 18), 32: (3, 6, 9)}[output_stride]
 
     branches = [_conv_bn_relu(high, aspp_channels, 1, "aspp0", **kw)]
     for i, r in enumerate(rates, 1):

@@ -1,0 +1,176 @@
+"""The Mix Transformer (MiT-B0..B5), SegFormer's encoder (Xie et al., NeurIPS 2021), for any input size.
+
+Four stages, each: an overlapping patch embedding (a strided conv with kernel larger than its stride on
+zero-padded input, then LayerNorm), transformer blocks, a LayerNorm; features at strides 4, 8, 16, 32.
+A block is x + attention(LN(x)), then x + Mix-FFN(LN(x)):
+- efficient self-attention: the keys and values come from the map shrunk by a conv with kernel and
+  stride R (the stage's spatial-reduction ratio, 8/4/2/1) and a LayerNorm, so attention costs
+  N * N / R^2 instead of N^2; per head softmax(q k^T / sqrt(d)) v, then a dense projection;
+- Mix-FFN: dense to 4x the width, a 3x3 depthwise conv (the position information; MiT has no position
+  embedding), GELU, dense back.
+
+Written here rather than taken from keras-hub (keras_hub.models.MiTBackbone, 0.32) because keras-hub's
+attention and Mix-FFN rebuild the 2-D map from the token count as H = W = sqrt(N): its model takes only
+SQUARE inputs of the size it was built for ((None, None, 3) does not build; a (64, 96, 3) model fails
+when called). seg-train trains on crops, evaluates whole images of every size in one traced function
+with unknown H and W, slides windows and predicts on any image. Here every layer works on the
+[batch, H, W, C] map and the attention flattens it with the map's own dynamic shape, so any H x W works.
+
+The same layers, widths and variables as keras-hub's (and the paper's): parameter counts are equal for
+B0..B5, and keras-hub's presets load into it (models/presets.py maps its variable layout onto these
+layers by name). Two details follow keras-hub rather than the PyTorch original, so its presets give its
+outputs: GELU is the tanh approximation (`keras.ops.gelu`'s default), and the stage LayerNorms use
+epsilon 1e-5 (the blocks' are 1e-6, the patch embeddings' and the reductions' 1e-5, as both).
+
+Mixed precision: Keras' LayerNormalization computes its moments in float32 for half-precision inputs
+(keras.ops.layer_normalization), and `EfficientAttention` computes its logits and softmax in float32
+(float16 logits overflow at |q.k| / sqrt(d) > 65504). Every LayerNorm is made by `_layer_norm`, the one
+place to change should int8 export need another formulation.
+
+Inputs need at least 29 pixels per side: the first stage's 8x8 reduction conv needs an 8x8 map at stride
+4 (config.py refuses smaller training and slide crops; evaluation pads to a multiple of 32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import keras
+import tensorflow as tf
+from keras import layers
+
+STRIDES = (4, 8, 16, 32)  # each stage's output stride
+_PATCH = ((7, 4), (3, 2), (3, 2), (3, 2))  # (patch size, stride) of each stage's embedding
+_HEADS = (1, 2, 5, 8)
+_SR_RATIOS = (8, 4, 2, 1)
+_MLP_RATIO = 4
+# The epsilons: blocks' LayerNorms, and every other LayerNorm (embeddings, reductions, stage ends).
+BLOCK_EPSILON, EPSILON = 1e-6, 1e-5
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One MiT size: per-stage widths and block counts (heads, reduction ratios and patches are shared)."""
+
+    widths: tuple[int, int, int, int]
+    depths: tuple[int, int, int, int]
+    heads: tuple[int, int, int, int] = _HEADS
+    sr_ratios: tuple[int, int, int, int] = _SR_RATIOS
+    patch_sizes: tuple[int, int, int, int] = tuple(p for p, _ in _PATCH)
+    patch_strides: tuple[int, int, int, int] = tuple(s for _, s in _PATCH)
+
+
+# The paper's Table 6 (and keras-hub's MiT presets).
+VARIANTS = {
+    "mit_b0": Variant((32, 64, 160, 256), (2, 2, 2, 2)),
+    "mit_b1": Variant((64, 128, 320, 512), (2, 2, 2, 2)),
+    "mit_b2": Variant((64, 128, 320, 512), (3, 4, 6, 3)),
+    "mit_b3": Variant((64, 128, 320, 512), (3, 4, 18, 3)),
+    "mit_b4": Variant((64, 128, 320, 512), (3, 8, 27, 3)),
+    "mit_b5": Variant((64, 128, 320, 512), (3, 6, 40, 3)),
+}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class EfficientAttention(layers.Layer):
+    """Multi-head softmax(q k^T / sqrt(d)) v of a query map [b, h, w, c] and a key/value map [b, h', w', c].
+
+    No weights: the projections are the Dense layers around it. The maps are flattened with their own
+    dynamic shapes (any h x w, also unknown in a trace); the output has the query map's shape.
+    """
+
+    def __init__(self, heads: int, **kwargs):
+        super().__init__(**kwargs)
+        self.heads = heads
+
+    def call(self, q, k, v):
+        c = q.shape[-1]
+        d = c // self.heads
+        shape = tf.shape(q)
+
+        def split(t):  # [b, h, w, c] -> [b, heads, h * w, d]
+            t = tf.reshape(t, [shape[0], -1, self.heads, d])
+            return tf.transpose(t, [0, 2, 1, 3])
+
+        # Logits and softmax in float32 under a mixed policy (module doc); no-ops in float32.
+        logits = tf.matmul(split(tf.cast(q, tf.float32)), split(tf.cast(k, tf.float32)), transpose_b=True)
+        weights = tf.nn.softmax(logits * (d ** -0.5), axis=-1)
+        out = tf.matmul(tf.cast(weights, v.dtype), split(v))  # [b, heads, h * w, d]
+        out = tf.transpose(out, [0, 2, 1, 3])
+        return tf.reshape(out, [shape[0], shape[1], shape[2], c])
+
+    def compute_output_shape(self, q_shape, k_shape, v_shape):
+        return q_shape
+
+    def get_config(self):
+        return {**super().get_config(), "heads": self.heads}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class Gelu(layers.Layer):
+    """GELU as keras.ops.gelu computes it by default (the tanh approximation), as keras-hub's Mix-FFN.
+
+    A layer of its own: keras.layers.Activation("gelu") is the exact (erf) form.
+    """
+
+    def call(self, x):
+        return keras.ops.gelu(x, approximate=True)
+
+
+def _layer_norm(epsilon: float, name: str) -> layers.LayerNormalization:
+    return layers.LayerNormalization(epsilon=epsilon, name=name)
+
+
+# The original's initialisation (SegFormer's `_init_weights`, as timm's transformers): dense kernels
+# N(0, 0.02), conv kernels N(0, 2 / fan_out), biases 0; Keras' Glorot default gives a dense kernel
+# several times that spread, which matters when a MiT trains from scratch. New instances per layer
+# (an initializer object called twice would repeat its values).
+def _dense(units: int, name: str) -> layers.Dense:
+    return layers.Dense(units, kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02), name=name)
+
+
+def _conv_init():
+    return keras.initializers.VarianceScaling(2.0, mode="fan_out", distribution="untruncated_normal")
+
+
+def _block(x, width: int, heads: int, sr_ratio: int, name: str):
+    """One transformer block on the map x [b, h, w, width]."""
+    y = _layer_norm(BLOCK_EPSILON, f"{name}_norm1")(x)
+    q = _dense(width, f"{name}_attn_q")(y)
+    kv = y
+    if sr_ratio > 1:
+        kv = layers.Conv2D(width, sr_ratio, strides=sr_ratio, kernel_initializer=_conv_init(),
+                           name=f"{name}_attn_sr")(kv)
+        kv = _layer_norm(EPSILON, f"{name}_attn_sr_norm")(kv)
+    k = _dense(width, f"{name}_attn_k")(kv)
+    v = _dense(width, f"{name}_attn_v")(kv)
+    y = EfficientAttention(heads, name=f"{name}_attn")(q, k, v)
+    y = _dense(width, f"{name}_attn_proj")(y)
+    # Drop path (stochastic depth) would scale each residual branch per sample here.
+    x = layers.Add(name=f"{name}_add1")([x, y])
+
+    y = _layer_norm(BLOCK_EPSILON, f"{name}_norm2")(x)
+    y = _dense(width * _MLP_RATIO, f"{name}_ffn_fc1")(y)
+    y = layers.DepthwiseConv2D(3, padding="same", depthwise_initializer=_conv_init(), name=f"{name}_ffn_dwconv")(y)
+    y = Gelu(name=f"{name}_ffn_gelu")(y)
+    y = _dense(width, f"{name}_ffn_fc2")(y)
+    return layers.Add(name=f"{name}_add2")([x, y])
+
+
+def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,)) -> keras.Model:
+    """MiT `name` (mit_b0..mit_b5): the features at each of `low_strides` (4, 8 or 16), in that order,
+    then the stride-32 features (the backbone interface of models/backbones.py)."""
+    spec = VARIANTS[name]
+    inp = keras.Input((None, None, 3), name="image")
+    x, found = inp, {}
+    for i in range(4):
+        s = f"stage{i + 1}"
+        patch, stride = spec.patch_sizes[i], spec.patch_strides[i]
+        x = layers.ZeroPadding2D(patch // 2, name=f"{s}_embed_pad")(x)
+        x = layers.Conv2D(spec.widths[i], patch, strides=stride, kernel_initializer=_conv_init(),
+                          name=f"{s}_embed_conv")(x)
+        x = _layer_norm(EPSILON, f"{s}_embed_norm")(x)
+        for j in range(spec.depths[i]):
+            x = _block(x, spec.widths[i], spec.heads[i], spec.sr_ratios[i], f"{s}_block{j + 1}")
+        x = found[STRIDES[i]] = _layer_norm(EPSILON, f"{s}_norm")(x)
+    return keras.Model(inp, [found[s] for s in low_strides] + [found[32]], name=name)

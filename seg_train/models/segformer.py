@@ -1,0 +1,41 @@
+"""SegFormer's all-MLP decoder (Xie et al., NeurIPS 2021) on any backbone with stride-4 first features.
+
+Each feature level -> a dense projection to C channels -> upsampled bilinearly to the first (stride-4)
+level's size; the levels concatenated deepest first (the paper's and keras-hub's order, which the fuse
+conv's weights depend on) -> 1x1 conv (no bias) + BN + ReLU -> classifier (1x1 conv) -> upsampled to
+the input. Dense, resize, concatenation and 1x1 convs only: any input size, every op a TFLite builtin.
+
+The dropout the paper puts before the classifier (0.1) is not applied: it comes with the training
+recipe, drawn per sample so that 1 tower computes what N towers do (Keras' Dropout draws per call).
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers
+
+from seg_train.models.deeplabv3plus import ResizeLike
+from seg_train.models.layer_choice import LayerChoice
+
+
+def segformer(backbone: keras.Model, num_classes: int, choice: LayerChoice, channels: int = 256,
+              bn_momentum: float = 0.9) -> keras.Model:
+    """Builds the SegFormer head on `backbone` (which returns its features shallowest first, the first at
+    stride 4). The BatchNormalization layer is of the class `choice` gives. Returns float32 logits at
+    the input's resolution."""
+    inp = keras.Input((None, None, 3), name="image")
+    features = backbone(inp)
+    first = features[0]
+    projected = []
+    for i, f in enumerate(features, 1):
+        x = layers.Dense(channels, name=f"segformer_linear{i}")(f)
+        projected.append(x if i == 1 else ResizeLike(name=f"segformer_upsample{i}")(x, first))
+    x = layers.Concatenate(name="segformer_concat")(projected[::-1])
+    x = layers.Conv2D(channels, 1, use_bias=False, name="segformer_fuse_conv")(x)
+    x = choice.batch_norm(bn_momentum, 1e-5, "segformer_fuse_bn")(x)
+    x = layers.ReLU(name="segformer_fuse_relu")(x)
+    x = layers.Conv2D(num_classes, 1, name="logits")(x)
+    x = ResizeLike(name="logits_resize")(x, inp)
+    # Softmax/cross-entropy in float32 even under a mixed-precision policy.
+    x = layers.Activation("linear", dtype="float32", name="logits_float32")(x)
+    return keras.Model(inp, x, name=f"segformer_{backbone.name}")

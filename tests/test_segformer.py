@@ -1,0 +1,289 @@
+"""model.backbone: mit_b0..mit_b5 and model.head: segformer in seg-train's own machinery: parameter counts
+equal keras-hub's and the paper's for every size; train steps of MiT-B0 + SegFormer (synchronized BN) on
+2 towers equal 1 tower; evaluation (whole and slide) of non-square images equals an independent eager
+computation; seg-predict, the SavedModel and a TFLite file of builtins predict what the model predicts;
+the MiT backbone under DeepLabV3+ and LR-ASPP, the SegFormer head on another backbone; the config's checks.
+
+Wrong answers these catch: a MiT size with other depths or widths than the paper's (or keras-hub's), the
+SegFormer head's width not the paper's C; the head's BN left out of the BN layers the towers synchronise;
+a model that only runs on square or fixed-size inputs; an op without a TFLite builtin; a key accepted
+where it means nothing (an output stride the MiT cannot have, the stride-2 decoder without stride-2
+features, a preset for a head that cannot hold it).
+"""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from seg_train import checkpoint as ckpt_lib
+from seg_train import config as config_lib
+from seg_train import models
+from seg_train.config import ConfigError, ModelConfig
+from seg_train.data.label_images import read_label
+from seg_train.data.reader import ImageReader
+from seg_train.models.mit import VARIANTS
+from seg_train.infer import evaluate as ev
+from seg_train.infer.export import run_export
+from seg_train.infer.predict import run_predict
+from seg_train.state import TrainState
+from seg_train.step import TrainStep
+from tests.helpers import tiny_config
+from tests.test_eval_modes import eval_config, normalized, reference_scores
+from tests.test_evaluate import NAMES, NUM_CLASSES, calibrate_bn, write_split
+from tests.test_presets import _mit_kwargs
+from tests.test_towers import strategy
+
+# SegFormer with 150 classes (ADE20K), in millions as the paper's Table 1 gives them (encoder + decoder).
+PAPER_MILLIONS = {"mit_b0": 3.8, "mit_b1": 13.7, "mit_b2": 27.5, "mit_b3": 47.3, "mit_b4": 64.1, "mit_b5": 84.7}
+
+
+@pytest.mark.parametrize("name", ["mit_b1", "mit_b2", "mit_b3", "mit_b4", "mit_b5"])
+def test_parameter_counts_equal_keras_hubs_and_the_papers(name):
+    """Built, not run (B0's are compared in tests/test_presets.py, with its outputs). The encoder against
+    the parameter count keras-hub records for its published preset of that size (its metadata counts a
+    10-class classifier on the last level, 10 x (width + 1), for every size), the whole model with 150
+    classes against the paper; B1 (C = 256) and B2 (C = 768) also against keras-hub's models built here."""
+    from keras_hub.src.models.mit.mit_presets import backbone_presets_with_weights
+
+    model = models.build(config_lib.from_dict({"data": {"root": "d", "num_classes": 150},
+                                               "model": {"backbone": name, "head": "segformer"}}).model, 150)
+    encoder = models.backbone_of(model).count_params()
+    recorded = backbone_presets_with_weights[f"{name}_ade20k_{640 if name == 'mit_b5' else 512}"]["metadata"]
+    assert encoder + 10 * (VARIANTS[name].widths[-1] + 1) == recorded["params"]
+    assert round(model.count_params() / 1e6, 1) == PAPER_MILLIONS[name]
+    if name in ("mit_b1", "mit_b2"):
+        hub = keras_hub.models.MiTBackbone(image_shape=(64, 64, 3), **_mit_kwargs(name))
+        hub_seg = keras_hub.models.SegFormerImageSegmenter(
+            backbone=keras_hub.models.SegFormerBackbone(image_encoder=hub, projection_filters=256 if name == "mit_b1"
+                                                        else 768), num_classes=150)
+        assert encoder == hub.count_params()
+        assert model.count_params() == hub_seg.count_params()
+    keras.backend.clear_session()
+
+
+def _mit_config(tmp_path, **sections):
+    model = {"backbone": "mit_b0", "head": "segformer", "segformer_channels": 16, **sections.pop("model", {})}
+    return tiny_config(tmp_path, model=model, **sections)
+
+
+def test_two_towers_equal_one_tower_with_synchronized_bn(tmp_path):
+    """Two SGD steps of MiT-B0 + SegFormer at a non-square crop, synchronized BN in the head, through the
+    trainer's own step: 2 towers give the weights of 1 tower (the tower tests' reference, on this model)."""
+    cfg = _mit_config(tmp_path, data={"crop_size": [32, 48]}, model={"sync_batchnorm": True, "weight_decay": 0.05},
+                      train={"optimizer": "sgd", "learning_rate": 0.05})
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(4, 32, 48, 3)).astype(np.float32)
+    labels = rng.integers(0, 3, (4, 32, 48)).astype(np.uint8)
+    labels[0, :20] = 255  # uneven ignored pixels across the towers
+    steps = [TrainStep(TrainState(cfg, strategy(n))) for n in (1, 2)]
+    initial = [w.numpy() for w in steps[0].state.model.trainable_weights]
+    assert [b.name for b in steps[0].state.bn_layers] == ["segformer_fuse_bn"]  # synchronised, re-estimated
+    outs = []
+    for step in steps:
+        batch = next(iter(step.state.strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensors((images, labels)))))
+        outs.append([float(step(batch).loss) for _ in range(2)])
+    assert np.isfinite(outs[0]).all() and outs[0][1] != outs[0][0]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5)
+    for a, b in zip(steps[0].state.model.weights, steps[1].state.model.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
+    moved = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(initial, steps[0].state.model.trainable_weights))
+    assert moved > 1e-3
+    # The backbone/head split (train.backbone_lr_multiplier) puts the MiT in the backbone, the head out of it.
+    model = steps[0].state.model
+    head = [v.path for v, in_backbone in zip(model.trainable_variables, models.backbone_variable_mask(model))
+            if not in_backbone]
+    assert head and all(p.startswith(("segformer_", "logits")) for p in head), head
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """MiT-B0 + SegFormer (its initial weights, BN statistics of the images), a checkpoint of it, and
+    non-square val images."""
+    tmp = tmp_path_factory.mktemp("mit_eval")
+    sizes = [(37, 53), (64, 17), (50, 41), (29, 70)]
+    root = write_split(tmp / "data", sizes, seed=1)
+    cfg = _mit_config(tmp, data={"num_classes": NUM_CLASSES, "root": str(root)}, eval={"bn_reestimate_batches": 0})
+    state = TrainState(cfg, tf.distribute.OneDeviceStrategy("/cpu:0"))
+    reader = ImageReader(cfg.data, "val")
+    calibrate_bn(cfg, state.model, reader, passes=20)  # the head's BN statistics for these images
+    run_dir = tmp / "run"
+    state.step.assign(2)
+    ckpt_lib.Checkpointer(run_dir / "checkpoints", 1, **state.checkpoint_objects()).save(2)
+    return {"tmp": tmp, "cfg": cfg, "state": state, "root": root, "run_dir": run_dir, "sizes": sizes,
+            "reader": reader}
+
+
+@pytest.mark.parametrize("keys", [{}, {"mode": "slide", "crop_size": [32, 40], "stride": [16, 24]}],
+                         ids=["whole", "slide"])
+def test_evaluation_of_non_square_images_equals_an_eager_reference(evaluated, keys):
+    modes = eval_config(**keys)
+    result, n = ev.evaluate(evaluated["state"], evaluated["reader"], NAMES, progress=False, eval_cfg=modes)
+    assert n == len(evaluated["sizes"])
+    ref = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
+    for s in evaluated["reader"].samples:
+        label = read_label(s.label)
+        pred = reference_scores(evaluated["state"].model, normalized(evaluated["cfg"], s.image), modes).argmax(-1)
+        keep = label != 255
+        np.add.at(ref, (label[keep], pred[keep]), 1)
+    np.testing.assert_array_equal(result.confusion_matrix, ref)
+    assert (ref.sum(axis=0) > 100).sum() >= 2  # not one class everywhere: a real comparison
+
+
+def test_predict_and_the_savedmodel_segment_any_size(evaluated):
+    cfg, tmp = evaluated["cfg"], evaluated["tmp"]
+    written = run_predict(cfg, tf.distribute.OneDeviceStrategy("/cpu:0"), str(evaluated["run_dir"]),
+                          [str(evaluated["root"] / "JPEGImages")], tmp / "pred", progress=False)
+    assert len(written) == len(evaluated["sizes"])
+    export_dir = tmp / "model"
+    run_export(cfg, tf.distribute.OneDeviceStrategy("/cpu:0"), str(evaluated["run_dir"]), export_dir, progress=False)
+    serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
+    for path in written:
+        image = np.asarray(Image.open(evaluated["root"] / "JPEGImages" / f"{path.stem}.jpg").convert("RGB"))
+        ref = reference_scores(evaluated["state"].model, normalized(cfg, evaluated["root"] / "JPEGImages" /
+                                                                    f"{path.stem}.jpg"), cfg.eval).argmax(-1)
+        np.testing.assert_array_equal(read_label(path), ref)
+        np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), ref)
+
+
+def test_tflite_file_has_builtins_only_and_predicts_what_keras_predicts(evaluated):
+    from ai_edge_litert.interpreter import Interpreter
+
+    from seg_train.infer.tflite_export import app_function, convert, frozen_function
+
+    cfg, model = evaluated["cfg"], evaluated["state"].model
+    image = np.random.default_rng(5).integers(0, 256, (1, 64, 96, 3), dtype=np.uint8)
+    content = convert(frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96)), "none", None)
+    interpreter = Interpreter(model_content=content)
+    interpreter.allocate_tensors()
+    ops = {op["op_name"] for op in interpreter._get_ops_details()}
+    assert not [op for op in ops if "FLEX" in op.upper() or "CUSTOM" in op.upper()], ops
+    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], image)
+    interpreter.invoke()
+    classes = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])[0]
+    x = (image.astype(np.float32) - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
+    logits = model(x, training=False).numpy()[0]
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 1e-3
+    assert clear.mean() > 0.9 and (classes[clear] == logits.argmax(-1)[clear]).all()
+    assert len(np.unique(classes)) >= 2
+
+
+@pytest.mark.parametrize("head, backbone, features", [
+    ("deeplabv3plus", "mit_b0", [(16, 24, 32), (2, 3, 256)]),   # stride 4 and 32
+    ("lraspp", "mit_b0", [(8, 12, 64), (2, 3, 256)]),           # stride 8 and 32
+    ("segformer", "tiny", [(16, 24, 32), (8, 12, 64), (4, 6, 128)]),  # strides 4, 8 and 16 (tiny's output stride)
+])
+def test_every_head_on_the_mit_and_segformer_on_another_backbone(head, backbone, features):
+    cfg = config_lib.from_dict({"data": {"root": "d", "num_classes": 3},
+                                "model": {"backbone": backbone, "head": head, "segformer_channels": 8,
+                                          "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4}}).model
+    model = models.build(cfg, 3)
+    x = np.random.default_rng(0).normal(size=(1, 64, 96, 3)).astype(np.float32)
+    got = models.backbone_of(model)(x)
+    assert [tuple(f.shape[1:]) for f in got] == features
+    assert model(x).shape == (1, 64, 96, 3)
+
+
+def test_defaults_resolved_from_the_backbone():
+    def model(**keys):
+        return config_lib.from_dict({"data": {"root": "d", "num_classes": 3}, "model": keys})
+
+    assert model(backbone="mit_b0", head="segformer").model.output_stride == 32
+    assert model(backbone="mit_b1", head="segformer").model.segformer_channels == 256
+    assert model(backbone="mit_b2", head="segformer").model.segformer_channels == 768
+    assert model(backbone="mit_b2", head="segformer", segformer_channels=64).model.segformer_channels == 64
+    mit = model(backbone="mit_b3", head="segformer").data
+    assert (mit.mean, mit.std) == ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))  # keras-hub's converter
+    old = model()  # an old config: the model it always built
+    assert (old.model.output_stride, old.model.backbone, old.model.head) == (16, "mobilenetv2", "deeplabv3plus")
+
+
+@pytest.mark.parametrize("sections, expected", [
+    ({"model": {"backbone": "mit_b0", "output_stride": 16}},
+     "error: not available for this backbone (model.output_stride): expected 32 (or no value) with model.backbone "
+     "'mit_b0': the Mix Transformer's stages have no dilated form, got 16"),
+    ({"model": {"output_stride": 32}},
+     "error: not available for this backbone (model.output_stride): expected one of 8, 16 (or no value) with "
+     "model.backbone 'mobilenetv2' (32 is the MiT backbones' fixed stride), got 32"),
+    ({"model": {"backbone": "mit_b0", "decoder_stride": 2}},
+     "error: not available for this backbone (model.decoder_stride): expected 4 (or no value) with model.backbone "
+     "'mit_b0': the Mix Transformer has no stride-2 features, got 2"),
+    ({"model": {"backbone": "mit_b0", "init_weights": "p"}},
+     "error: not available for this model (model.init_weights): a keras-hub SegFormer preset needs model.backbone "
+     "mit_b0..mit_b5 and model.head segformer, got 'mit_b0' and 'deeplabv3plus'"),
+    ({"model": {"backbone": "mit_b0", "head": "segformer", "init_weights": "p", "backbone_weights": "q"}},
+     "error: two initialisations (model.backbone_weights): null with model.init_weights (the SegFormer preset holds "
+     "the encoder too)"),
+    ({"model": {"backbone": "mit_b0"}, "data": {"crop_size": [28, 64]}},
+     "error: too small for this backbone (data.crop_size): expected at least 29 pixels per side with model.backbone "
+     "'mit_b0' (its first stage's 8x8 spatial reduction at stride 4), got [28, 64]"),
+    ({"model": {"backbone": "mit_b0"}, "eval": {"mode": "slide", "crop_size": [64, 16]}},
+     "error: too small for this backbone (eval.crop_size): expected at least 29 pixels per side with model.backbone "
+     "'mit_b0' (its first stage's 8x8 spatial reduction at stride 4), got [64, 16]"),
+    ({"model": {"segformer_channels": 0}},
+     "error: out of range (model.segformer_channels): expected a positive number, got 0"),
+    ({"model": {"backbone": "mit_b6"}}, "error: invalid value (model.backbone): expected one of tiny, mobilenetv2, "),
+])
+def test_config_errors_are_one_line_naming_the_key(sections, expected):
+    raw = {"data": {"root": "d", "num_classes": 3, **sections.pop("data", {})}, **sections}
+    with pytest.raises(ConfigError) as e:
+        config_lib.from_dict(raw)
+    assert f"error: {e.value}".startswith(expected), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_mit_backbone_is_the_models_only_nested_model_and_has_no_batchnorm():
+    model = models.build(ModelConfig(backbone="mit_b0", head="segformer", segformer_channels=8), 3)
+    assert models.backbone_of(model).name == "mit_b0"
+    assert [b.name for b in models.batchnorm_layers(model)] == ["segformer_fuse_bn"]
+    assert ModelConfig().output_stride is None  # unresolved: build takes the backbone's (16 here)
+    assert models.build(ModelConfig(backbone="tiny", aspp_channels=8, decoder_channels=8, low_level_channels=4),
+                        3).get_layer("aspp1_conv").dilation_rate == (6, 6)
+
+
+def test_attention_logits_and_softmax_in_float32_under_mixed_float16():
+    """Under mixed_float16 the attention's inputs are float16; q.k / sqrt(d) beyond float16's 65504 must
+    still give the float64 reference (in float16 the logits would be inf and the softmax NaN)."""
+    from seg_train.models.mit import EfficientAttention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(1, 3, 5, 16)) for _ in range(3))
+    q[..., :8] *= 300.0
+    k[..., :8] *= 300.0  # logits up to ~1e5 after the 1/sqrt(8) scale
+    layer = EfficientAttention(2, dtype="mixed_float16")
+    got = layer(*(tf.constant(t, tf.float16) for t in (q, k, v))).numpy().astype(np.float64)
+    q16, k16, v16 = (t.astype(np.float16).astype(np.float64) for t in (q, k, v))
+
+    def heads(t):  # [1, h, w, 16] -> [2, h*w, 8]
+        return t.reshape(1, -1, 2, 8).transpose(0, 2, 1, 3)[0]
+
+    logits = heads(q16) @ heads(k16).transpose(0, 2, 1) / np.sqrt(8)
+    assert np.abs(logits).max() > 65504
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    want = ((p / p.sum(-1, keepdims=True)) @ heads(v16)).transpose(1, 0, 2).reshape(1, 3, 5, 16)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+
+def test_precise_bn_gives_the_heads_bn_the_population_statistics_of_its_input(tmp_path):
+    """Precise BN (before every evaluation and export) reaches the SegFormer head's BN through the nested
+    MiT: its moving statistics become the mean and variance of its input over the re-estimation batches."""
+    from seg_train.data import synthetic
+    from seg_train.infer import precise_bn
+    from tests.test_bn_stats import global_batches, population
+
+    root = synthetic.generate(tmp_path / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3, seed=0)
+    cfg = _mit_config(tmp_path, data_root=root, data={"batch_size": 4})
+    state = TrainState(cfg, strategy(1))
+    reader = ImageReader(cfg.data, "train", cfg.seed)
+    assert precise_bn.reestimate(state, reader, 2, progress=False) is True
+    fuse = keras.Model(state.model.input, state.model.get_layer("segformer_fuse_conv").output)
+    batches = global_batches(type("T", (), {"state": state})(), reader, 2)
+    mean, var = population([fuse(b, training=False).numpy() for b in batches])
+    bn = state.model.get_layer("segformer_fuse_bn")
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), var, rtol=1e-3, atol=1e-6)
