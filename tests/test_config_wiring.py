@@ -54,7 +54,7 @@ from tests.test_loss_terms import dice_numpy, lovasz_numpy, softmax64
 ROOT = Path(__file__).resolve().parents[1]
 
 # ---- WIRED: every key of README's configuration table -> its wiring test, or why it cannot be observed --------
-# "key": "test_name" (a test of this file), "tests/test_x.py::test_name" (a test of another file; it builds its
+# "key": "test_name" (a test of this file), "tests/<file>.py::<test_name>" (a test of another file; it builds its
 # config through the config file or the command too), or "unobservable: <reason>". Each named test fails when
 # the key is replaced by its default (scripts/mutants.yaml holds the mutants that show it).
 WIRED = {
