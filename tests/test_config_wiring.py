@@ -15,7 +15,7 @@ The tests of this file:
   and evaluations, the step-1 tower losses (against numpy's weighted, top-k cross-entropy of the model
   built from the config's seed, on the reader's first batch, with sqrt median-frequency weights counted
   by numpy from the label files), the step-1 weight decay, the clipped flags, the checkpoint files and
-  their shapes, the profile (and in it the op determinism);
+  their shapes, best/ holding the moving average, the profile (and in it the op determinism);
 - TrainStep built from a config file: the clipping of a plain SGD step against TF autodiff (a norm below
   the bound passes unchanged, one above is scaled to exactly the bound), the configured losses against
   numpy (Dice; a cross-entropy + Lovász sum with OHEM), the traced step's XLA attribute and all-reduce
@@ -98,7 +98,7 @@ WIRED = {
     "train.allreduce_num_packs": "test_allreduce_keys_reach_the_strategy",
     "train.accumulate_steps": "test_run_step1_tower_losses_are_numpys_on_the_first_batch",
     "train.clip_global_norm": "test_clip_passes_a_norm_below_the_bound_and_scales_one_above_to_it",
-    "train.ema_decay": "tests/test_optimizer_reference.py::test_ema_matches_tf_exponential_moving_average",
+    "train.ema_decay": "test_run_evaluates_and_keeps_the_ema_weights",
     "train.collective_timeout": "unobservable: it only bounds a collective whose peer is alive but silent; a peer "
                                 "that dies is caught by TensorFlow's health checks within seconds "
                                 "(tests/test_multiworker.py::test_dead_worker_stops_the_other), and a hung peer "
@@ -166,8 +166,8 @@ def run(tmp_path_factory):
            "model": {"backbone": "tiny", "weight_decay": WEIGHT_DECAY, "decoder_stride": 2, **WIDTHS},
            "train": {"num_steps": STEPS, "learning_rate": BASE_LR, "lr_power": POWER, "warmup_steps": WARMUP,
                      "checkpoint_every": 2, "keep_checkpoints": 2, "summary_every": 1, "image_summary_every": 4,
-                     "eval_every": 3, "accumulate_steps": K_MICRO, "clip_global_norm": CLIP, "deterministic": True,
-                     "profile_steps": [2, 2]},
+                     "eval_every": 4, "accumulate_steps": K_MICRO, "clip_global_norm": CLIP, "deterministic": True,
+                     "profile_steps": [2, 2], "ema_decay": 0.6},
            "loss": {"class_weights": "sqrt_median_frequency", "top_k_percent_pixels": TOP_K},
            "eval": {"bn_reestimate_batches": 1}}
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
@@ -200,10 +200,32 @@ def test_run_learning_rate_of_every_step_is_the_formulas(run):
 
 def test_run_summary_image_and_eval_steps(run):
     """summary_every 1: scalars at every step (20: only at the last); image_summary_every 4: pictures at
-    the first step and step 4 (500: the first only); eval_every 3: evaluations at 3 and 6 (0: the end only)."""
+    the first step and step 4 (500: the first only); eval_every 4: evaluations at 4 and 6 (0: the end only)."""
     assert sorted(_events(run, "loss/total")) == list(range(1, STEPS + 1))
     assert sorted(e.step for e in run["acc"].Tensors("tower_0/triplet")) == [1, 4]
-    assert sorted(_events(run, "eval/miou")) == [3, 6]
+    assert sorted(_events(run, "eval/miou")) == [4, 6]
+
+
+def test_run_evaluates_and_keeps_the_ema_weights(run):
+    """train.ema_decay: evaluation during training uses the moving average, so best/ (the best evaluation,
+    at step 4 or 6) holds, variable for variable, the average that the same step's training checkpoint
+    holds (written after the evaluation), not the training weights. Evaluating the training weights (the
+    average kept but not swapped in), or no average at all, fails."""
+    step = yaml.safe_load((run["dir"] / "best" / "best.json").read_text())["step"]
+    assert step in (4, 6)
+    best = tf.train.load_checkpoint(str(run["dir"] / "best" / f"ckpt-{step}"))
+    kept = [best.get_tensor(k) for k in best.get_variable_to_shape_map() if k.endswith("VARIABLE_VALUE")]
+    ckpt = tf.train.load_checkpoint(str(run["dir"] / "checkpoints" / f"ckpt-{step}"))
+    names = ckpt.get_variable_to_shape_map()
+    ema = [ckpt.get_tensor(k) for k in names if k.startswith("ema/") and k.endswith("VARIABLE_VALUE")]
+    weights = [ckpt.get_tensor(k) for k in names if k.startswith("optimizer/_trainable_variables/")]
+    assert len(ema) == len(weights) > 20
+
+    def held(x, arrays):
+        return any(a.shape == x.shape and np.array_equal(a, x) for a in arrays)
+
+    assert all(held(e, kept) for e in ema)
+    assert sum(held(w, kept) for w in weights) < len(weights) // 2  # the average is not the weights
 
 
 def test_run_checkpoints_kept_and_their_steps(run):
