@@ -4,7 +4,7 @@ seg-train applies its update with TensorFlow's fused kernels on Keras' slot vari
 learning-rate multiplier for the backbone, weight decay folded into the gradient and an EMA of the
 weights. Here three steps of Adam and of SGD with momentum are replayed on an independent copy of
 the weights: the update's gradient comes from trainer.probe (nothing applied), and is applied by
-keras.optimizers.Adam / keras.optimizers.SGD(momentum=0.9) (a second Keras optimizer at lr * 0.1
+keras.optimizers.Adam / keras.optimizers.SGD(momentum=0.8) (a second Keras optimizer at lr * 0.1
 for the backbone variables); the copy's weights and Keras' slots must equal the trainer's after
 every step, on every tower. The EMA is replayed with tf.train.ExponentialMovingAverage.
 
@@ -16,7 +16,8 @@ elements by over 20 times more (lr = 0.01, backbone lr = 0.001):
   (1 - b1^t) * m / sqrt(v) shrinks from lr to 0.74 lr, 2.6e-4 on the backbone; one step early
   (t - 1) divides by 1 - b1^0 = 0 (the weights turn non-finite, step 2 is not applied).
 - the backbone multiplier ignored: backbone weights move lr instead of 0.1 lr (9e-3 under Adam).
-- momentum unused (plain SGD): the momentum slot stays 0 while Keras' holds -lr * g after step 1.
+- momentum unused (plain SGD): the momentum slot stays 0 while Keras' holds -lr * g after step 1; or
+  train.momentum replaced by its default 0.9 (hence 0.8 here): step 2's slot is off by 0.1 lr * g.
 - weight decay left out of the update's gradient (it would be left out of probe's too, so the
   replay cannot see it): probe's gradient is held to the plain tape's gradient of the mean
   cross-entropy plus 0.5 * coefficient * |kernel|^2; every kernel has elements whose decay term
@@ -48,6 +49,7 @@ DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 STEPS = 3
 EMA_DECAY = 0.3
 MULT = 0.1
+MOMENTUM = 0.8  # not train.momentum's default 0.9
 WEIGHT_DECAY = 0.01
 WEIGHT_ATOL = 2e-6
 SLOT_RTOL = 2e-4
@@ -93,7 +95,7 @@ def tape_gradient(trainer, images, labels):
 def replay(tmp_path, data_root, optimizer, towers):
     """STEPS train steps, each replayed with Keras' optimizer and TF's EMA; what both hold after each step."""
     cfg = tiny_config(tmp_path, data_root=data_root, model={"weight_decay": WEIGHT_DECAY},
-                      train={"optimizer": optimizer, "momentum": 0.9, "learning_rate": 0.01,
+                      train={"optimizer": optimizer, "momentum": MOMENTUM, "learning_rate": 0.01,
                              "backbone_lr_multiplier": MULT, "ema_decay": EMA_DECAY})
     adam = optimizer == "adam"
     trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", ""))))
@@ -105,7 +107,7 @@ def replay(tmp_path, data_root, optimizer, towers):
     copy = [keras.Variable(np.asarray(v), name=f"copy{i}") for i, v in enumerate(variables)]
 
     def make(lr):
-        return keras.optimizers.Adam(lr) if adam else keras.optimizers.SGD(lr, momentum=0.9)
+        return keras.optimizers.Adam(lr) if adam else keras.optimizers.SGD(lr, momentum=MOMENTUM)
 
     groups = {}
     for backbone in (False, True):
