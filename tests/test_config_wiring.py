@@ -49,6 +49,7 @@ from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
+from tests.test_config_wiring_data import WIRED_DATA
 from tests.test_loss_terms import dice_numpy, lovasz_numpy, softmax64
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,12 +113,14 @@ WIRED = {
     "loss.terms": "test_loss_keys_reach_the_step",
     "loss.ohem_threshold": "test_loss_keys_reach_the_step",
     "loss.ohem_min_kept": "test_loss_keys_reach_the_step",
-    # -- data.*, eval.* ------------------------------------------------------------------------------------------
+    "model.segformer_channels": "test_segformer_channels_shape_the_segformer_head",
+    # A keras-hub SegFormer preset loaded through the config (TrainState): keras-hub's own logits, which a
+    # model built without the preset (random weights) cannot give.
+    "model.init_weights":
+        "tests/test_presets.py::test_segformer_preset_gives_keras_hubs_levels_and_logits_classifier_kept",
 }
-
-# Sections whose WIRED entries are still to come (issue 36, item 6: data.* and eval.*); remove each one as its
-# entries arrive, so that its keys are checked too.
-PENDING = ("data.", "eval.")
+# data.* and eval.*: their tests and entries are in tests/test_config_wiring_data.py.
+WIRED.update(WIRED_DATA)
 
 
 def documented_keys() -> list[str]:
@@ -134,7 +137,7 @@ def documented_keys() -> list[str]:
 def test_every_documented_key_is_wired():
     keys = documented_keys()
     assert {"seed", "train.lr_power", "loss.ohem_min_kept", "model.fast_atrous", "data.root"} <= set(keys)
-    missing = [k for k in keys if k not in WIRED and not k.startswith(PENDING)]
+    missing = [k for k in keys if k not in WIRED]
     assert not missing, f"keys of README's config table with neither a wiring test nor a reason in WIRED: {missing}"
     assert not set(WIRED) - set(keys), f"WIRED names keys README does not document: {set(WIRED) - set(keys)}"
     here = Path(__file__).read_text()
@@ -143,6 +146,7 @@ def test_every_documented_key_is_wired():
             assert len(entry) > 40, (key, "say why")
             continue
         path, _, name = entry.rpartition("::")
+        name = re.sub(r"\[.*\]$", "", name)  # a parametrised test's id
         source = (ROOT / path).read_text() if path else here
         assert re.search(rf"^def {re.escape(name)}\(", source, re.M), f"{key}: no test {entry}"
 
@@ -502,6 +506,17 @@ def test_model_keys_shape_the_lraspp_model(tmp_path):
     assert state.model.get_layer("lraspp_scale_conv").filters == 5
     bn = models.batchnorm_layers(state.model)
     assert len(bn) > 3 and all(isinstance(layer, SyncBatchNormalization) for layer in bn)
+
+
+def test_segformer_channels_shape_the_segformer_head(tmp_path):
+    """TrainState from a config with model.head: segformer and model.segformer_channels: 6: every level's
+    projection, the fuse conv and the classifier's input are 6 wide (the default would be 256)."""
+    cfg = tiny_config(tmp_path, model={"head": "segformer", "segformer_channels": 6})
+    model = TrainState(cfg, _strategy(1), optimizer=False).model
+    linear = [layer for layer in model.layers if layer.name.startswith("segformer_linear")]
+    assert len(linear) >= 2 and all(layer.units == 6 for layer in linear)
+    assert model.get_layer("segformer_fuse_conv").filters == 6
+    assert model.get_layer("logits").kernel.shape == (1, 1, 6, CLASSES)
 
 
 def test_backbone_weights_reach_the_runs_model(tmp_path):

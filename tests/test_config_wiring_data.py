@@ -10,12 +10,12 @@ called eagerly, TensorBoard's EventAccumulator), never to the config object the 
 
 WIRED_DATA maps each key of the table's data.* and eval.* rows to the test that fails when the key is
 ignored (a pytest node id), or to "unobservable: <why>" (no key here needed it);
-`test_every_data_and_eval_key_of_the_readme_table_is_wired` keeps it complete and true.
+tests/test_config_wiring.py merges it into its WIRED map, whose `test_every_documented_key_is_wired` keeps it
+complete and true.
 """
 
 import json
 import logging
-import re
 from pathlib import Path
 
 import numpy as np
@@ -677,33 +677,3 @@ def test_synthetic_data_set_generated_where_the_config_says(tmp_path, capsys):
     assert len((root / "classes.txt").read_text().split()) == 4
     values = set(np.unique(np.array(Image.open(root / "SegmentationClass" / f"{ids[0]}.png"))).tolist())
     assert values <= {0, 1, 2, 3, 255} and len(values - {255}) >= 2
-
-
-# ---- the list --------------------------------------------------------------------------------------------------
-def readme_keys(sections=("data.", "eval.")) -> set:
-    """The keys named in the first column of README's config table, of the given sections."""
-    lines = (ROOT / "README.md").read_text().splitlines()
-    start = lines.index("| key | default | meaning |")
-    keys = set()
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        keys |= {k for k in re.findall(r"`([a-z_]+\.[a-z_0-9]+)`", line.split("|")[1]) if k.startswith(sections)}
-    return keys
-
-
-def test_every_data_and_eval_key_of_the_readme_table_is_wired():
-    """Each data.* and eval.* key of README's table has an entry in WIRED_DATA, each entry names a key of the table,
-    and each names a test that exists ('tests/<file>.py::<test>') or says why the key cannot be observed. Fails
-    for a key added to the table without a test that it reaches its code, or an entry left naming a renamed test."""
-    keys = readme_keys()
-    assert len(keys) >= 30  # the walk reached both sections
-    assert not keys - set(WIRED_DATA), f"keys with no wiring test: {sorted(keys - set(WIRED_DATA))}"
-    assert not set(WIRED_DATA) - keys, f"entries naming no key of the table: {sorted(set(WIRED_DATA) - keys)}"
-    for key, test in WIRED_DATA.items():
-        if test.startswith("unobservable: "):
-            assert len(test) > len("unobservable: ") + 20, key  # a reason, not a shrug
-            continue
-        path, _, name = test.partition("::")
-        name = re.sub(r"\[.*\]$", "", name)
-        assert name and re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), f"{key}: no {test}"
