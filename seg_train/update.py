@@ -50,6 +50,20 @@ class Reduced(NamedTuple):
     bn_stats: list  # the BN statistics it would set, for TrainStep.probe
 
 
+def _fused_kind(optimizer) -> str:
+    """Which fused op makes `optimizer`'s update: "adam", "momentum" (SGD with momentum) or "sgd".
+
+    Exact classes, not isinstance: keras.optimizers.AdamW subclasses Adam, and its decoupled weight
+    decay is not ResourceApplyAdam's update. A new optimizer gets its kind here, its slots in
+    `slot_variables` and its op in `fused_update`.
+    """
+    if type(optimizer) is keras.optimizers.Adam:
+        return "adam"
+    if type(optimizer) is keras.optimizers.SGD:
+        return "momentum" if optimizer.momentum else "sgd"
+    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam or SGD")
+
+
 def slot_variables(optimizer, variables) -> list:
     """Keras' own slot variables of each variable, in the order the fused op (`fused_update`) takes them.
 
@@ -57,35 +71,33 @@ def slot_variables(optimizer, variables) -> list:
     The one place that reads Keras' private slot lists (Keras 3 has no public per-variable lookup);
     tests/test_trainer_slots.py holds the mapping to what Keras' own update writes.
     """
-    index = optimizer._get_variable_index
-    if isinstance(optimizer, keras.optimizers.Adam):
+    index, kind = optimizer._get_variable_index, _fused_kind(optimizer)
+    if kind == "adam":
         return [[optimizer._momentums[index(v)], optimizer._velocities[index(v)]] for v in variables]
-    if isinstance(optimizer, keras.optimizers.SGD) and optimizer.momentum:
+    if kind == "momentum":
         return [[optimizer.momentums[index(v)]] for v in variables]
-    if isinstance(optimizer, keras.optimizers.SGD):
-        return [[] for _ in variables]
-    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam or SGD")
+    return [[] for _ in variables]
 
 
 def fused_update(optimizer, t):
     """`apply(var, slots, grad, lr)`: the fused TensorFlow op making `optimizer`'s update of one variable.
 
-    `var` and `slots` are resource handles (slots as `slot_variables` orders them), `t` the 1-based
-    update count (Adam's bias correction), computed once per update, not per variable. Each op is
-    held to Keras' own update by tests/test_optimizer_reference.py.
+    The one place that picks the op per optimizer. `var` and `slots` are resource handles (slots as
+    `slot_variables` orders them), `t` the 1-based update count (Adam's bias correction), computed
+    once per update, not per variable. Each op is held to Keras' own update by
+    tests/test_optimizer_reference.py.
     """
-    if isinstance(optimizer, keras.optimizers.Adam):
+    kind = _fused_kind(optimizer)
+    if kind == "adam":
         b1, b2 = optimizer.beta_1, optimizer.beta_2
         b1p, b2p = tf.pow(b1, t), tf.pow(b2, t)
         return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyAdam(
             var=var, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=lr, beta1=b1, beta2=b2,
             epsilon=optimizer.epsilon, grad=grad)
-    if isinstance(optimizer, keras.optimizers.SGD) and optimizer.momentum:
+    if kind == "momentum":
         return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyKerasMomentum(
             var=var, accum=slots[0], lr=lr, grad=grad, momentum=optimizer.momentum)
-    if isinstance(optimizer, keras.optimizers.SGD):
-        return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad)
-    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam or SGD")
+    return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad)
 
 
 class Update:

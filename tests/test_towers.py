@@ -1,8 +1,10 @@
-"""The tower math: N towers in one graph equal 1 tower on the same global batch.
+"""The tower math: N towers in one graph equal 1 tower on the same global batch; and the tower pass
+traced once for every tower (towers.py) by the train step, evaluation and precise BN.
 
 These fail for the known wrong answers: a double gradient reduction (N times too large a step),
 per-tower loss normalisation (towers with many ignored pixels weigh more), weight decay counted N
-times, and BN moving statistics left to drift apart per tower.
+times, BN moving statistics left to drift apart per tower, a pass traced inside every tower, and
+synchronized BN's training pass traced outside the towers.
 """
 
 import numpy as np
