@@ -75,7 +75,7 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
 
     devices = replicas.setup_devices(1)
     from seg_train import config as config_lib
-    from seg_train.infer.evaluate import evaluate
+    from seg_train.infer.evaluate import Evaluator
     from seg_train.data.reader import ImageReader
     from seg_train.sysinfo import peak_rss_mb
     from seg_train.state import TrainState
@@ -95,9 +95,10 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
         if case != "model":
             reader = ImageReader(cfg.data, "val")
             names = [f"c{i}" for i in range(NUM_CLASSES)]
-            evaluate(state, reader, names, progress=False)  # traces
+            evaluator = Evaluator(state)
+            evaluator.evaluate(reader, names, progress=False)  # traces
             start = time.perf_counter()
-            evaluate(state, reader, names, progress=False)
+            evaluator.evaluate(reader, names, progress=False)
             result["seconds"] = round(time.perf_counter() - start, 2)
             if modes:
                 (ch, cw), (sh, sw) = crop, stride

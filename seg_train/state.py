@@ -13,7 +13,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from seg_train import models
+from seg_train import models, towers
 from seg_train.config import Config
 from seg_train.schedule import lr_at
 
@@ -21,18 +21,6 @@ from seg_train.schedule import lr_at
 # halved below LOSS_SCALE_FLOOR (TensorFlow's LossScaleOptimizer's floor): a gradient that is still
 # non-finite with the loss unscaled is a non-finite step, not a float16 overflow.
 LOSS_SCALE_INITIAL, LOSS_SCALE_FLOOR = 2.0 ** 15, 1.0
-
-
-def read_handle(handle, like):
-    """A variable's value from its resource handle (inside a function traced once for every tower)."""
-    value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=like.dtype)
-    value.set_shape(like.shape)
-    return value
-
-
-def handles(variables) -> list:
-    """The resource handles of (Keras) variables on the calling tower (replica context)."""
-    return [(v.value if isinstance(v, keras.Variable) else v).handle for v in variables]
 
 
 class TrainState:
@@ -53,13 +41,12 @@ class TrainState:
       variables: model.trainable_variables at build time; non_trainable: model.non_trainable_variables.
       bn_layers: every BN layer of the model; bn_positions: where the moving statistics the forward
         pass updates sit in `non_trainable` (the order stateless_call returns them in).
+      per_tower_trace: a training-mode pass over the model is traced per tower (synchronized BN on
+        several towers, towers.py) instead of once for every tower.
     """
 
     def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, optimizer: bool = True):
         self.cfg, self.strategy = cfg, strategy
-        # eval.logit_adjustment's per-class offsets (modes.score_offsets), set by whoever knows the
-        # loss's resolved class weights (train.py; infer.load.load_state); None: no adjustment.
-        self.score_offsets = None
         self.num_replicas = strategy.num_replicas_in_sync
         t = cfg.train
         only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -106,8 +93,8 @@ class TrainState:
         position = {id(v): i for i, v in enumerate(self.non_trainable)}
         self.bn_positions = [position[id(v)] for b in self.bn_layers if b.trainable
                              for v in (b.moving_mean, b.moving_variance)]
-        # Synchronized BN across towers needs each tower's replica context while tracing (step.py).
-        self.per_tower_trace = cfg.model.sync_batchnorm and self.num_replicas > 1
+        # Synchronized BN across towers needs each tower's replica context while tracing a training pass.
+        self.per_tower_trace = towers.per_tower_trace(cfg.model.sync_batchnorm, self.num_replicas)
 
     @property
     def bn_variables(self) -> list:
@@ -189,32 +176,3 @@ class TrainState:
     def distribute(self, dataset_fn):
         """Distributes a per-replica-batched dataset function (see ImageReader.train_dataset)."""
         return self.strategy.distribute_datasets_from_function(dataset_fn)
-
-    # ---- functions traced once for every tower -------------------------------------------------------
-    def tower_function(self, body, input_specs, training: bool):
-        """`body(trainable_values, non_trainable_values, *inputs)` as a function every tower calls from ONE trace.
-
-        Returns f(*inputs) for use inside `strategy.run`, which passes the calling tower's own
-        variable handles (see step.py's module doc for why: a replica function is traced once per
-        tower). Call this in cross-replica context (inside the outer tf.function, before
-        strategy.run), so the trace is not made inside a tower's thread. In training mode with
-        synchronized BN on several towers the BN layers all-reduce, which needs each tower's
-        replica context: then `body` is traced per tower instead (called with the tower's variable
-        values).
-        """
-        # The model's variable lists as they are now (a layer frozen after the state was built
-        # moves its weights from one list to the other).
-        variables, state = list(self.model.trainable_variables), list(self.model.non_trainable_variables)
-        if training and self.per_tower_trace:
-            return lambda *inputs: body([tf.convert_to_tensor(v.value) for v in variables],
-                                        [tf.convert_to_tensor(v.value) for v in state], *inputs)
-
-        def from_handles(var_handles, state_handles, *inputs):
-            tv = [read_handle(h, v) for h, v in zip(var_handles, variables)]
-            st = [read_handle(h, v) for h, v in zip(state_handles, state)]
-            return body(tv, st, *inputs)
-
-        res = tf.TensorSpec([], tf.resource)
-        fn = tf.function(from_handles, experimental_attributes={"_noinline": True})
-        concrete = fn.get_concrete_function([res] * len(variables), [res] * len(state), *input_specs)
-        return lambda *inputs: concrete(handles(variables), handles(state), *inputs)

@@ -3,18 +3,19 @@
 One step is one optimizer update, in ONE tf.function over the strategy:
 
   each tower (replica function):
-    tower function: for each of the K micro-batches (train.accumulate_steps) of its slice:
-        forward pass (Keras' stateless_call: BN moving statistics come back as values, so nothing
-        is assigned before the update is known to be finite), loss sum and normaliser (losses.py),
-        backward pass; gradients and new BN statistics summed over the micro-batches
+    tower pass (traced once for every tower, towers.py): for each of the K micro-batches
+        (train.accumulate_steps) of its slice: forward pass (Keras' stateless_call: BN moving
+        statistics come back as values, so nothing is assigned before the update is known to be
+        finite), loss sum and normaliser (losses.py), backward pass; gradients and new BN statistics
+        summed over the micro-batches
     ONE all-reduce (SUM) of flat packs (train.allreduce_pack_mb) holding: the gradients, the BN
         statistics / (K * towers), and a few scalars per tower in one-hot slots (loss sum,
         normaliser, squared gradient norm, finiteness, the stop request)
-    apply function: gradient = reduced sum / global normaliser + weight decay (once), global norm,
-        clipping (train.clip_global_norm); if finite (a verdict computed from reduced values, so
-        identical on every tower), TensorFlow's fused update ops on Keras' slot variables and the
-        averaged BN statistics assigned
-  then: step += 1, optimizer iterations += 1 if applied, dynamic loss scale (float16)
+    update (update.py, also traced once for every tower): gradient = reduced sum / global normaliser
+        + weight decay (once), global norm, clipping (train.clip_global_norm); if finite (a verdict
+        computed from reduced values, so identical on every tower), TensorFlow's fused update ops on
+        Keras' slot variables, the averaged BN statistics and the EMA assigned
+  then: step += 1, optimizer iterations += 1 if applied, dynamic loss scale (float16, update.py)
 
 The maths is that of "K x N towers" (K micro-batches on N towers): every micro-batch's loss sum is
 divided by the normaliser of ALL micro-batches on all towers (the valid pixels, or the weights of
@@ -24,21 +25,15 @@ on N towers equal one step on K x N towers (tests/test_gradients.py, test_accumu
 
 Why it is built this way (each point measured on MobileNetV2 DeepLabV3+, 64x64 crops, global
 batch 8, 2-core CPU, 4 logical towers; docs/PERFORMANCE.md):
-- Keras' optimizer.apply_gradients inside strategy.run SUMs the towers' gradients itself, clips
-  each tower's partial gradient (clipnorm / global_clipnorm), and builds ~25 graph ops per variable
-  per tower: the apply branch alone had more graph nodes than the 4 towers' forward and backward
-  passes. So the reduction is ours (one packed all-reduce, never a second one) and the update is
-  TensorFlow's fused ResourceApplyAdam / ResourceApplyKerasMomentum / ResourceApplyGradientDescent
-  on Keras' own slot variables, which compute exactly Keras' Adam / SGD (with or without momentum)
-  formulas, one op per variable.
-- Under MirroredStrategy a replica function is traced once per tower. The tower's forward and
-  backward pass is therefore a tf.function traced ONCE and called by every tower with its own
-  variable handles, and marked not to be inlined, so TensorFlow also optimises its graph once per
-  device instead of one whole graph N times the size (docs/SCALING.md, "One trace for every
-  tower": the first step at 4 towers in about a third of the time).
+- The reduction is ours, one packed all-reduce and never a second one, and the update is
+  TensorFlow's fused ops: Keras' optimizer.apply_gradients inside strategy.run reduces again, clips
+  each tower's partial gradient and builds more graph than the towers' passes (update.py).
+- Under MirroredStrategy a replica function is traced once per tower; the tower pass is therefore
+  traced ONCE and called by every tower with its own variable handles (towers.py, docs/SCALING.md
+  "One trace for every tower": the first step at 4 towers in about a third of the time).
 - With synchronized BN on several towers the BN layers all-reduce inside the forward and backward
-  passes, which needs each tower's own replica context: the tower function is then traced per
-  tower (models/sync_bn.py keeps that trace cheap), and micro-batches are unrolled in Python,
+  passes, which needs each tower's own replica context: the tower pass is then traced per tower
+  (towers.py; models/sync_bn.py keeps that trace cheap), and micro-batches are unrolled in Python,
   because a cross-tower reduction inside a tf.while_loop is refused by MirroredStrategy.
 - The apply decision is a tf.cond in replica context with no collective inside (all-reduces
   inside control flow of a replica function are not allowed); the verdict is identical on every
@@ -50,18 +45,14 @@ import functools
 import math
 from typing import NamedTuple
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from seg_train import collectives, losses, models
+from seg_train import collectives, losses
 from seg_train.config import ConfigError
-from seg_train.state import LOSS_SCALE_FLOOR, TrainState, handles, read_handle
-
-# Per-tower scalars carried in one-hot slots of the all-reduce (see _tower): "finite" is the loss
-# and gradient's, "bn_finite" the new BN statistics'.
-TOWER_FIELDS = ("loss_sum", "normalizer", "grad_sq", "finite", "bn_finite")
-_NF = len(TOWER_FIELDS)
+from seg_train.state import TrainState
+from seg_train.towers import TowerPass
+from seg_train.update import Reduced, Update, update_loss_scale
 
 
 class StepResult(NamedTuple):
@@ -92,45 +83,11 @@ class ProbeResult(NamedTuple):
     global_norm: tf.Tensor
 
 
-class _Reduced(NamedTuple):
-    """The apply function's outputs on one tower (identical on every tower: computed from reduced values)."""
-    applied: tf.Tensor
-    global_norm: tf.Tensor
-    clipped: tf.Tensor
-    loss_total: tf.Tensor
-    norm_total: tf.Tensor
-    weight_decay: tf.Tensor
-    towers: tf.Tensor  # [towers, len(TOWER_FIELDS)]
-    stop: tf.Tensor
-    tower_grad_norm: tf.Tensor
-    var_grad_norms: tf.Tensor
-    finite_update: tf.Tensor
-    gradients: list  # the update's gradient (after clipping), for probe()
-    bn_stats: list  # the BN statistics it would set, for probe()
-
-
 class _Traced(NamedTuple):
-    """The tower and apply functions traced for one per-tower input shape, and that shape's pixel scale."""
-    tower: object  # a ConcreteFunction, or None with synchronized BN across towers (traced per tower)
-    apply: object
+    """The tower pass and the update traced for one per-tower input shape, and that shape's pixel scale."""
+    tower: object  # f(images, labels, loss_scale, tower_index, stop, want_preds) (towers.TowerPass.trace)
+    update: object  # f(packs, lr, t, loss_scale, scale_back, want_details, apply_update) (update.Update.trace)
     pixel_scale: float
-
-
-def slot_variables(optimizer, variables) -> list:
-    """Keras' own slot variables of each variable, in the order TensorFlow's fused update ops take them.
-
-    Adam: [m, v]; SGD with momentum: [momentum]; plain SGD (momentum 0): [] (Keras keeps none).
-    The one place that reads Keras' private slot lists (Keras 3 has no public per-variable lookup);
-    tests/test_trainer_slots.py holds the mapping to what Keras' own update writes.
-    """
-    index = optimizer._get_variable_index
-    if isinstance(optimizer, keras.optimizers.Adam):
-        return [[optimizer._momentums[index(v)], optimizer._velocities[index(v)]] for v in variables]
-    if isinstance(optimizer, keras.optimizers.SGD) and optimizer.momentum:
-        return [[optimizer.momentums[index(v)]] for v in variables]
-    if isinstance(optimizer, keras.optimizers.SGD):
-        return [[] for _ in variables]
-    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam or SGD")
 
 
 def pixel_scale(b: int, h: int, w: int) -> float:
@@ -148,8 +105,8 @@ class TrainStep:
     """The compiled train step for a TrainState built with its optimizer.
 
     Calling it makes one update: `TrainStep(state)(batch, lr)`. It holds what the step's functions
-    need (pack layouts, slots, weight-decay mask, learning-rate multipliers, class weights); all of
-    it is fixed when it is built, nothing is set on it while tracing.
+    need (pack layouts, class weights, the tower pass and the update, update.Update); all of it is
+    fixed when it is built, nothing is set on it while tracing.
 
     Args:
       state: the TrainState (model, optimizer, counters, EMA, loss scale).
@@ -174,21 +131,15 @@ class TrainStep:
         self.num_replicas = state.num_replicas
         self.class_weights = None if class_weights is None else np.asarray(class_weights, np.float32)
         self.accumulate = cfg.train.accumulate_steps
-        decay_ids = {id(v) for v in losses.decay_variables(state.model)}
-        self._decay = [id(v) in decay_ids for v in state.variables]
-        self._slots = slot_variables(state.optimizer, state.variables)
-        # train.backbone_lr_multiplier scales the learning rate (not the gradient: Adam would undo that).
-        self._lr_mult = [cfg.train.backbone_lr_multiplier if in_backbone else 1.0
-                         for in_backbone in models.backbone_variable_mask(state.model)]
         pack_bytes = int(cfg.train.allreduce_pack_mb * 2 ** 20)
-        self._grad_shapes = [v.shape for v in state.variables]
-        self._bn_shapes = [v.shape for v in state.bn_variables]
-        self._grad_layout = collectives.pack_layout(self._grad_shapes, pack_bytes)
-        self._state_layout = collectives.pack_layout(self._bn_shapes, pack_bytes)
-        attrs = {"_noinline": True}
-        self._tower_fn = tf.function(self._tower_from_handles, jit_compile=cfg.train.jit_compile or None,
-                                     experimental_attributes=attrs)
-        self._apply_fn = tf.function(self._apply_from_handles, experimental_attributes=attrs)
+        self._grad_layout = collectives.pack_layout([v.shape for v in state.variables], pack_bytes)
+        self._state_layout = collectives.pack_layout([v.shape for v in state.bn_variables], pack_bytes)
+        # The forward and backward pass, traced once for every tower (towers.py); with synchronized BN
+        # across towers traced per tower, its micro-batches unrolled (module doc).
+        self._tower_pass = TowerPass(functools.partial(self._tower, unrolled=state.per_tower_trace), state.variables,
+                                     state.non_trainable, per_tower=state.per_tower_trace,
+                                     jit_compile=cfg.train.jit_compile or None)
+        self._update = Update(state, self._grad_layout, self._state_layout)
         self._step_fn = tf.function(self._train_step)
         self._probe_fn = tf.function(self._probe)
 
@@ -256,88 +207,6 @@ class TrainStep:
         scalars = tf.concat([row, tf.reshape(tf.cast(stop, tf.float32), [1])], axis=0)
         return grad_packs + bn_packs + [scalars], preds
 
-    def _tower_from_handles(self, var_handles, state_handles, images, labels, loss_scale, tower_index, stop,
-                            want_preds):
-        """_tower on variables read from this tower's handles (traced once, called by every tower)."""
-        tv = [read_handle(h, v) for h, v in zip(var_handles, self.state.variables)]
-        st = [read_handle(h, v) for h, v in zip(state_handles, self.state.non_trainable)]
-        return self._tower(tv, st, images, labels, loss_scale, tower_index, stop, want_preds, unrolled=False)
-
-    # ---- after the all-reduce: normalise, decay, clip, apply ------------------------------------------
-    def _apply_from_handles(self, packs, var_handles, slot_handles, state_handles, ema_handles, lr, t, loss_scale,
-                            scale_back, want_details, apply_update) -> _Reduced:
-        """Turns the reduced packs into the update and applies it on this tower's variables (traced once).
-
-        The arithmetic runs on the flat packs (a handful of ops per pack, not per variable): graph
-        size is what tracing and TensorFlow's graph optimisation pay for. `scale_back` is the
-        towers' pixel scale P (pixel_scale).
-        """
-        cfg, n, variables = self.cfg, self.num_replicas, self.state.variables
-        n_grad_packs = len(self._grad_layout) if self._grad_layout is not None else len(variables)
-        grad_packs, scalars = packs[:n_grad_packs], packs[-1]
-        bn = collectives.unpack(packs[n_grad_packs:-1], self._state_layout)
-        towers = tf.reshape(scalars[:-1], [n, _NF])
-        loss_total, norm_total = tf.reduce_sum(towers[:, 0]), tf.reduce_sum(towers[:, 1])
-        # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
-        # when nothing counts, and then the loss gradient is 0, not a division by zero.
-        to_mean = tf.math.divide_no_nan(scale_back / loss_scale, norm_total)
-        coeff = cfg.model.weight_decay
-        # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
-        decayed = [read_handle(h, v) if d else tf.zeros(v.shape) for h, v, d in
-                   zip(var_handles, variables, self._decay)]
-        w_packs = collectives.pack(decayed, self._grad_layout)
-        update = [g * to_mean + coeff * w for g, w in zip(grad_packs, w_packs)] if coeff else \
-            [g * to_mean for g in grad_packs]
-        weight_decay = 0.5 * coeff * tf.add_n([tf.reduce_sum(tf.square(w)) for w in w_packs])
-        global_norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in update]))
-        finite = tf.math.is_finite(global_norm) & tf.math.is_finite(loss_total) & \
-            (tf.reduce_min(towers[:, 4]) > 0.5)
-        clip = cfg.train.clip_global_norm
-        clipped = global_norm > clip if clip else tf.constant(False)
-        factor = tf.where(clipped, clip / tf.maximum(global_norm, 1e-30), 1.0) if clip else tf.constant(1.0)
-        if clip:
-            update = [u * factor for u in update]
-        grads = collectives.unpack(update, self._grad_layout)
-        opt = self.state.optimizer
-        if cfg.train.optimizer == "adam":
-            b1p, b2p = tf.pow(opt.beta_1, t), tf.pow(opt.beta_2, t)
-        rates = {m: (lr * m if m != 1.0 else lr) for m in set(self._lr_mult)}
-
-        def apply():
-            ops = []
-            for g, h, slots, mult in zip(grads, var_handles, slot_handles, self._lr_mult):
-                if cfg.train.optimizer == "adam":
-                    ops.append(tf.raw_ops.ResourceApplyAdam(
-                        var=h, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=rates[mult],
-                        beta1=opt.beta_1, beta2=opt.beta_2, epsilon=opt.epsilon, grad=g))
-                elif slots:
-                    ops.append(tf.raw_ops.ResourceApplyKerasMomentum(
-                        var=h, accum=slots[0], lr=rates[mult], grad=g, momentum=cfg.train.momentum))
-                else:
-                    ops.append(tf.raw_ops.ResourceApplyGradientDescent(var=h, alpha=rates[mult], delta=g))
-            for pos, value in zip(self.state.bn_positions, bn):
-                ops.append(tf.raw_ops.AssignVariableOp(resource=state_handles[pos], value=value))
-            if ema_handles:
-                # ema -= (1 - d) * (ema - w), with TF's ExponentialMovingAverage decay schedule.
-                d = cfg.train.ema_decay
-                rate = 1.0 - tf.minimum(d, (1.0 + t) / (10.0 + t))
-                with tf.control_dependencies(ops):
-                    for h, e, v in zip(var_handles, ema_handles, variables):
-                        ops.append(tf.raw_ops.ResourceApplyGradientDescent(
-                            var=e, alpha=rate, delta=read_handle(e, v) - read_handle(h, v)))
-            with tf.control_dependencies(ops):
-                return tf.constant(True)
-
-        applied = tf.cond(finite & apply_update, apply, lambda: tf.constant(False))
-        # Per-variable norms of the update's gradient (before clipping), for the histogram.
-        var_norms = tf.cond(want_details,
-                            lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
-                            lambda: tf.zeros([len(grads)]))
-        return _Reduced(applied=applied, global_norm=global_norm, clipped=clipped & applied, loss_total=loss_total,
-                        norm_total=norm_total, weight_decay=weight_decay, towers=towers, stop=scalars[-1],
-                        tower_grad_norm=tf.sqrt(towers[:, 2]) * to_mean, var_grad_norms=var_norms,
-                        finite_update=finite, gradients=grads, bn_stats=bn)
-
     # ---- the step ------------------------------------------------------------------------------------
     def _tower_shape(self, images) -> tf.TensorShape:
         """One tower's image shape with its batch dimension known.
@@ -354,46 +223,23 @@ class TrainStep:
         return shape
 
     def _trace(self, images) -> _Traced:
-        """The tower and apply functions for this per-tower input shape (module doc), traced in cross-replica
+        """The tower pass and the update for this per-tower input shape (module doc), traced in cross-replica
         context; tf.function's own cache makes a second call for the same shape a lookup."""
         shape = self._tower_shape(images)
-        res = tf.TensorSpec([], tf.resource)
-        spec_i = tf.TensorSpec(shape, images.dtype)
-        spec_l = tf.TensorSpec(shape[:3], tf.uint8)
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
-        variables, n_state = self.state.variables, len(self.state.non_trainable)
-        tower = None
-        if not self.state.per_tower_trace:
-            tower = self._tower_fn.get_concrete_function(
-                [res] * len(variables), [res] * n_state, spec_i, spec_l, scalar(tf.float32),
-                scalar(tf.int32), scalar(tf.bool), scalar(tf.bool))
-        pack_specs = [tf.TensorSpec(x, tf.float32) for x in
-                      collectives.pack_sizes(self._grad_shapes, self._grad_layout) +
-                      collectives.pack_sizes(self._bn_shapes, self._state_layout) + [[self.num_replicas * _NF + 1]]]
-        apply = self._apply_fn.get_concrete_function(
-            pack_specs, [res] * len(variables), [[res] * len(s) for s in self._slots], [res] * n_state,
-            [res] * len(self.state.ema or []), scalar(tf.float32), scalar(tf.float32), scalar(tf.float32),
-            scalar(tf.float32), scalar(tf.bool), scalar(tf.bool))
+        tower = self._tower_pass.trace(tf.TensorSpec(shape, images.dtype), tf.TensorSpec(shape[:3], tf.uint8),
+                                       scalar(tf.float32), scalar(tf.int32), scalar(tf.bool), scalar(tf.bool))
         k = self.accumulate
-        return _Traced(tower, apply, pixel_scale(shape[0] // k, shape[1], shape[2]))
+        return _Traced(tower, self._update.trace(), pixel_scale(shape[0] // k, shape[1], shape[2]))
 
     def _replica(self, traced: _Traced, images, labels, lr, t, loss_scale, stop, want_images, apply_update=True):
-        """One tower's part of the step (replica context): (its _Reduced, its predictions)."""
+        """One tower's part of the step (replica context): (its update.Reduced, its predictions)."""
         shape = self._tower_shape(images)
         images, labels = tf.ensure_shape(images, shape), tf.ensure_shape(labels, shape[:3])
-        st = self.state
-        index = collectives.replica_id()
-        if traced.tower is not None:
-            packs, preds = traced.tower(handles(st.variables), handles(st.non_trainable), images, labels, loss_scale,
-                                        index, stop, want_images)
-        else:
-            tv = [tf.convert_to_tensor(v.value) for v in st.variables]
-            nt = [tf.convert_to_tensor(v.value) for v in st.non_trainable]
-            packs, preds = self._tower(tv, nt, images, labels, loss_scale, index, stop, want_images, unrolled=True)
+        packs, preds = traced.tower(images, labels, loss_scale, collectives.replica_id(), stop, want_images)
         packs = collectives.all_reduce_sum(packs)
-        out = traced.apply(packs, handles(st.variables), [handles(s) for s in self._slots], handles(st.non_trainable),
-                           handles(st.ema or []), lr, t, loss_scale, tf.constant(traced.pixel_scale, tf.float32),
-                           want_images, tf.constant(apply_update))
+        out = traced.update(packs, lr, t, loss_scale, tf.constant(traced.pixel_scale, tf.float32), want_images,
+                            tf.constant(apply_update))
         return out, preds
 
     def _train_step(self, batch, lr, stop=False, want_images=False) -> StepResult:
@@ -417,7 +263,7 @@ class TrainStep:
                             tf.convert_to_tensor(stop), tf.convert_to_tensor(want_images)))
         return self._finish_step(out, preds, loss_scale)
 
-    def _finish_step(self, out: _Reduced, preds, loss_scale_used) -> StepResult:
+    def _finish_step(self, out: Reduced, preds, loss_scale_used) -> StepResult:
         """Cross-replica end of a step: counters, loss scale, and the outputs the host reads.
 
         `loss_scale_used` is the scale this step's gradients were computed with: the host needs it
@@ -430,7 +276,7 @@ class TrainStep:
         st.optimizer.iterations.assign_add(tf.cast(applied, tf.int64))
         towers = first(out.towers)
         if self.cfg.train.precision == "mixed_float16":
-            self._update_loss_scale(applied)
+            update_loss_scale(st, applied)
         st.step.assign_add(1)
         return StepResult(
             loss=tf.math.divide_no_nan(first(out.loss_total), first(out.norm_total)) + first(out.weight_decay),
@@ -450,28 +296,6 @@ class TrainStep:
             preds=tuple(s.experimental_local_results(preds)),
             var_grad_norms=first(out.var_grad_norms),
         )
-
-    def _update_loss_scale(self, applied):
-        """Dynamic loss scaling: halve on a skipped step, double after 2000 applied steps (Keras' defaults).
-
-        The scale never goes below LOSS_SCALE_FLOOR; a step skipped at the floor is not an overflow
-        but a non-finite step (loop.HostSide decides that from the step's `loss_scale_used`).
-        """
-        st = self.state
-
-        def grow():
-            st.good_steps.assign_add(1)
-            done = st.good_steps >= 2000
-            st.loss_scale.assign(tf.where(done, st.loss_scale * 2.0, st.loss_scale))
-            st.good_steps.assign(tf.where(done, tf.constant(0, tf.int64), st.good_steps))
-            return tf.constant(0)
-
-        def shrink():
-            st.loss_scale.assign(tf.maximum(st.loss_scale / 2.0, LOSS_SCALE_FLOOR))
-            st.good_steps.assign(0)
-            return tf.constant(0)
-
-        tf.cond(applied, grow, shrink)
 
     def _probe(self, batch) -> ProbeResult:
         images, labels = batch

@@ -111,7 +111,7 @@ class Summaries:
           confusion_matrix: int [C, C], rows ground truth (SegMetrics.confusion_matrix).
           class_names: C names.
           examples: (uint8 RGB image, label, prediction) of the same val images at every evaluation
-            (eval_examples.predict_examples); each becomes one image | label | prediction picture.
+            (Evaluator.predict_examples, infer/evaluate.py); each becomes one image | label | prediction picture.
         """
         matrix, _ = plots.confusion_matrix_image(confusion_matrix, class_names, title=confusion_matrix_title(step))
         pictures = [plots.sample_panels(plots.fit(image, EVAL_EXAMPLE_SIDE, nearest=False),

@@ -22,7 +22,6 @@ from seg_train import determinism, replicas
 from seg_train.infer import evaluate
 from seg_train.infer import modes
 from seg_train.config import Config, ConfigError, check_batch
-from seg_train.infer.examples import predict_examples
 from seg_train.loop import HostSide, NonFiniteError, StepLoop
 from seg_train.infer.metrics import format_table
 from seg_train.data.label_images import voc_colormap
@@ -30,7 +29,6 @@ from seg_train.profiling import StepProfiler
 from seg_train.data import layouts
 from seg_train.data.reader import ImageReader, class_names_of, prepare_data
 from seg_train.data.scan import class_weights_for_split, scan_for_training
-from seg_train.infer.precise_bn import maybe_reestimate_bn
 from seg_train.rundir import RunLock, check_resume_config, write_class_weights
 from seg_train.summaries import Summaries
 from seg_train.sysinfo import peak_rss_mb
@@ -127,18 +125,20 @@ def open_val(cfg: Config) -> ImageReader | None:
     return ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
 
 
-def run_evaluation(cfg: Config, state: TrainState, reader: ImageReader, names: list[str], summaries: Summaries,
-                   run_dir: Path, step: int, progress: bool) -> None:
-    """Evaluates on the val split (BN statistics re-estimated first if configured), logs, keeps the best.
+def run_evaluation(cfg: Config, evaluator: evaluate.Evaluator, reader: ImageReader, names: list[str],
+                   summaries: Summaries, run_dir: Path, step: int, progress: bool) -> None:
+    """Evaluates evaluator.state on the val split (BN statistics re-estimated first if configured), logs,
+    keeps the best.
 
     With train.ema_decay the averaged weights are evaluated (and kept in best/), with BN statistics
     re-estimated for them; the training weights and statistics are back in place afterwards.
     """
+    state = evaluator.state
     with state.averaged_weights():
-        reestimated = maybe_reestimate_bn(state, cfg, progress)
-        metrics, count = evaluate.evaluate(state, reader, names, progress=progress)
+        reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
+        metrics, count = evaluator.evaluate(reader, names, progress=progress)
         evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
-        summaries.eval_pictures(step, metrics.confusion_matrix, names, predict_examples(state, reader))
+        summaries.eval_pictures(step, metrics.confusion_matrix, names, evaluator.predict_examples(reader))
         improved = ckpt_lib.keep_best(run_dir, state, step, metrics)
     log.info("eval at step %d on %d %s images (%s, %sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
              step, count, cfg.data.val_split, modes.describe(state.cfg.eval),
@@ -212,8 +212,9 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # read again (it may have moved since).
     build_cfg = config_lib.without_weight_files(cfg) if resuming else cfg
     state = TrainState(build_cfg, strategy)
-    state.score_offsets = modes.score_offsets(cfg.eval, class_weights)  # evaluations during training
     train_step = TrainStep(state, class_weights=class_weights)
+    # The evaluations during training: one Evaluator keeps their compiled functions for the whole run.
+    evaluator = evaluate.Evaluator(state, cfg.eval, score_offsets=modes.score_offsets(cfg.eval, class_weights))
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **state.checkpoint_objects())
     restored = ckpt.restore_latest()
     if write_dir != run_dir:
@@ -310,7 +311,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
             # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
             # resumed from this step's checkpoint must hold the same values as one that went on.
             if evaluate_now:
-                run_evaluation(cfg, state, val_reader, names, summaries, write_dir, step, bar is not None)
+                run_evaluation(cfg, evaluator, val_reader, names, summaries, write_dir, step, bar is not None)
                 loop.restart_clock()  # evaluation is not training time
             if checkpoint_now:
                 save_checked(step)

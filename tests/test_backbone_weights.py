@@ -286,7 +286,7 @@ def test_precise_bn_leaves_frozen_backbone_bn_alone(tmp_path):
     head = [b for b in _bn(trainer.state.model) if b not in frozen]
     for b in frozen:
         b.moving_mean.assign(np.full(b.moving_mean.shape, 0.25, np.float32))
-    assert precise_bn.reestimate(trainer.state, ImageReader(cfg.data, "train", cfg.seed), 1, progress=False)
+    assert precise_bn.PreciseBN(trainer.state).reestimate(ImageReader(cfg.data, "train", cfg.seed), 1, progress=False)
     for b in frozen:
         np.testing.assert_array_equal(b.moving_mean.numpy(), 0.25)
         np.testing.assert_array_equal(b.moving_variance.numpy(), 1.0)

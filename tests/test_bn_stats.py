@@ -1,4 +1,4 @@
-"""Precise BN (seg_train.infer.precise_bn.reestimate): the moving statistics become the exact population
+"""Precise BN (seg_train.infer.precise_bn.PreciseBN.reestimate): the moving statistics become the exact population
 statistics of every BN layer's input over the re-estimation batches, the same on every tower, and
 nothing else changes.
 
@@ -41,7 +41,7 @@ def make(tmp_path, data_root, towers, **sections):
 
 
 def global_batches(trainer, reader, num_batches):
-    """The images reestimate() reads: global batches of the training stream at its fixed start."""
+    """The images PreciseBN.reestimate reads: global batches of the training stream at its fixed start."""
     batch = trainer.state.cfg.data.batch_size
     ds = reader.train_dataset(batch, precise_bn.stream_start_step(batch), 1)
     return [images.numpy() for images, _ in ds.take(num_batches)]
@@ -69,7 +69,7 @@ def population(features):
 
 def test_first_bn_layer_gets_population_stats_of_its_input(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=2)
-    assert precise_bn.reestimate(trainer.state, reader, 3, progress=False) is True
+    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 3, progress=False) is True
     # stem_bn's input is stem_conv(image): a 3x3 stride-2 'same' convolution, no bias.
     conv = trainer.state.model.get_layer("tiny").get_layer("stem_conv")
     kernel = conv.kernel.numpy()
@@ -113,7 +113,7 @@ def test_every_bn_layer_matches_per_tower_training_mode_reference(tmp_path, data
             for lay, f in zip(bb_bn + head_bn, outs):
                 feats[lay.name].append(f.numpy())
 
-    assert precise_bn.reestimate(trainer.state, reader, 2, progress=False)
+    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 2, progress=False)
     for layer in trainer.state.bn_layers:
         mean, var = population(feats[layer.name])
         np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-4, atol=1e-5, err_msg=layer.name)
@@ -135,7 +135,8 @@ def test_only_moving_stats_change_and_result_is_deterministic(tmp_path, data_roo
     assert any(np.abs(s).sum() > 0 for s in slots[2:])  # slots are live (Adam moments after a step)
     before = moving_stats(trainer)
 
-    assert precise_bn.reestimate(trainer.state, reader, 2, progress=False)
+    bn = precise_bn.PreciseBN(trainer.state)
+    assert bn.reestimate(reader, 2, progress=False)
     for a, v in zip(trainable, trainer.state.model.trainable_variables):
         np.testing.assert_array_equal(a, v.numpy(), err_msg=v.path)
     for a, v in zip(slots, trainer.state.optimizer.variables):
@@ -146,7 +147,7 @@ def test_only_moving_stats_change_and_result_is_deterministic(tmp_path, data_roo
 
     # Forced again (bn_stats_step reset): the same batches, the same statistics.
     trainer.state.bn_stats_step.assign(-1)
-    assert precise_bn.reestimate(trainer.state, reader, 2, progress=False)
+    assert bn.reestimate(reader, 2, progress=False)  # its probe and forward pass kept from the first call
     for (m1, v1), (m2, v2) in zip(after, moving_stats(trainer)):
         np.testing.assert_allclose(m1, m2, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(v1, v2, rtol=1e-6, atol=1e-7)
@@ -155,21 +156,23 @@ def test_only_moving_stats_change_and_result_is_deterministic(tmp_path, data_roo
 def test_checkpoint_marked_reestimated_is_not_reestimated_again(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=2)
     trainer.state.step.assign(1)  # as after one training step (the weights do not matter here)
-    assert precise_bn.reestimate(trainer.state, reader, 1, progress=False) is True
-    assert precise_bn.reestimate(trainer.state, reader, 1, progress=False) is False  # same step: no-op
+    bn = precise_bn.PreciseBN(trainer.state)
+    assert bn.reestimate(reader, 1, progress=False) is True
+    assert bn.reestimate(reader, 1, progress=False) is False  # same step: no-op
     prefix = tf.train.Checkpoint(**trainer.state.checkpoint_objects()).write(str(tmp_path / "ckpt"))
     saved = moving_stats(trainer)
 
     restored, _ = make(tmp_path, data_root, towers=2)
     assert restored.state.restore_weights(prefix) == 1
     assert int(restored.state.bn_stats_step.numpy()) == 1
-    assert precise_bn.reestimate(restored.state, reader, 1, progress=False) is False
+    restored_bn = precise_bn.PreciseBN(restored.state)
+    assert restored_bn.reestimate(reader, 1, progress=False) is False
     for (m1, v1), (m2, v2) in zip(saved, moving_stats(restored)):
         np.testing.assert_array_equal(m1, m2)
         np.testing.assert_array_equal(v1, v2)
     # A later step no longer matches: re-estimated again.
     restored.state.step.assign_add(1)
-    assert precise_bn.reestimate(restored.state, reader, 1, progress=False) is True
+    assert restored_bn.reestimate(reader, 1, progress=False) is True
     assert int(restored.state.bn_stats_step.numpy()) == 2
 
 
@@ -177,7 +180,7 @@ def test_mixed_bfloat16_moments_in_float32(tmp_path, data_root):
     trainer, reader = make(tmp_path, data_root, towers=2, train={"precision": "mixed_bfloat16"})
     conv = trainer.state.model.get_layer("tiny").get_layer("stem_conv")
     assert conv.compute_dtype == "bfloat16"
-    assert precise_bn.reestimate(trainer.state, reader, 2, progress=False)
+    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 2, progress=False)
     # The BN input is bfloat16; its moments are taken in float32 (as Keras' BN computes them).
     feats = [conv(images).numpy().astype(np.float32) for images in global_batches(trainer, reader, 2)]
     mean, var = population(feats)
@@ -203,7 +206,7 @@ def test_stale_moving_stats_vs_reestimated_eval(tmp_path, data_root):
                            train={"learning_rate": 3e-3, "num_steps": 1000})
     train_steps(trainer, reader, 40)
     stale = val_miou(trainer, data_root)
-    assert precise_bn.reestimate(trainer.state, reader, 8, progress=False)
+    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 8, progress=False)
     fresh = val_miou(trainer, data_root)
     print(f"val mIoU: stale moving stats {stale:.3f}, re-estimated {fresh:.3f}")
     assert fresh > stale + 0.15, (stale, fresh)
@@ -213,7 +216,7 @@ def test_rejects_no_batches(tmp_path, data_root):
     from seg_train.config import ConfigError
     trainer, reader = make(tmp_path, data_root, towers=1)
     with pytest.raises(ConfigError, match="bn_reestimate_batches"):
-        precise_bn.reestimate(trainer.state, reader, 0)
+        precise_bn.PreciseBN(trainer.state).reestimate(reader, 0)
 
 
 def test_frozen_bn_layer_keeps_its_statistics(tmp_path, data_root):
@@ -223,7 +226,7 @@ def test_frozen_bn_layer_keeps_its_statistics(tmp_path, data_root):
     frozen = trainer.state.model.get_layer("tiny").get_layer("stem_bn")
     frozen.trainable = False
     frozen.moving_mean.assign(np.full(frozen.moving_mean.shape, 0.25, np.float32))
-    assert precise_bn.reestimate(trainer.state, reader, 1, progress=False)
+    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 1, progress=False)
     np.testing.assert_array_equal(frozen.moving_mean.numpy(), 0.25)
     np.testing.assert_array_equal(frozen.moving_variance.numpy(), 1.0)
     other = trainer.state.model.get_layer("aspp0_bn")

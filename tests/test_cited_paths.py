@@ -82,7 +82,7 @@ def test_every_module_is_in_the_readme_layout():
 #   attributes).
 OUTSIDE_ROOTS = {
     "tf", "keras", "np", "numpy", "yaml", "PIL", "Image", "os", "sys", "json", "tqdm", "h5py", "pytest",
-    "tensorboard", "keras_hub", "cityscapesscripts", "ai_edge_litert", "tflite", "absl", "scipy",
+    "tensorboard", "keras_hub", "kagglehub", "cityscapesscripts", "ai_edge_litert", "tflite", "absl", "scipy",
     "CommunicationOptions", "CommunicationImplementation", "libtensorflow_cc",  # TF's C++/collective API names
     "FILE", "RUN_DIR", "classes", "best", "leftImg8bit_trainvaltest", "gtFine_trainvaltest",  # file names
     "summary", "optimizer", "state", "cfg", "args", "self",  # objects of a code sample or a docstring

@@ -18,13 +18,12 @@ from seg_train.infer import eval_checkpoint
 from seg_train.infer import modes
 from seg_train.infer import evaluate as ev
 from seg_train.config import ConfigError
-from seg_train.infer.examples import predict_examples
 from seg_train.infer.export import run_export
 from seg_train.infer.serving import serving_module
 from seg_train.data.label_images import read_label, voc_colormap
 from seg_train.infer.predict import run_predict
 from seg_train.data.reader import ImageReader
-from seg_train.infer.load import load_state
+from seg_train.infer.load import load_evaluator
 from seg_train.summaries import Summaries
 from seg_train.train import run_evaluation
 from seg_train.state import TrainState
@@ -61,7 +60,7 @@ def setup(tmp_path_factory):
     calibrate_bn(cfg, trainer.model, reader, passes=10)
     four = TrainState(cfg, strategy(4))
     four.model.set_weights(trainer.model.get_weights())
-    whole, _ = ev.evaluate(trainer, reader, NAMES, progress=False)
+    whole, _ = ev.Evaluator(trainer).evaluate(reader, NAMES, progress=False)
     return {"tmp": tmp, "root": root, "cfg": cfg, "trainer": trainer, "four": four, "reader": reader,
             "whole_cm": whole.confusion_matrix}
 
@@ -113,8 +112,8 @@ def reference_scores(model, x, modes):
 def test_modes_on_1_and_4_towers_give_the_reference_matrix_counting_every_pixel_once(setup, name):
     cfg, reader = setup["cfg"], setup["reader"]
     modes = eval_config(**MODES[name])
-    one, n1 = ev.evaluate(setup["trainer"], reader, NAMES, progress=False, eval_cfg=modes)
-    four, n4 = ev.evaluate(setup["four"], reader, NAMES, progress=False, eval_cfg=modes)
+    one, n1 = ev.Evaluator(setup["trainer"], modes).evaluate(reader, NAMES, progress=False)
+    four, n4 = ev.Evaluator(setup["four"], modes).evaluate(reader, NAMES, progress=False)
     assert n1 == n4 == len(SIZES)
     np.testing.assert_array_equal(four.confusion_matrix, one.confusion_matrix)
     labels = [read_label(s.label) for s in reader.samples]
@@ -133,7 +132,7 @@ def test_modes_on_1_and_4_towers_give_the_reference_matrix_counting_every_pixel_
 
 def test_a_window_covering_the_image_is_whole_image_inference(setup):
     covering = eval_config(mode="slide", crop_size=[64, 70], stride=[64, 70])  # the largest image is 64 x 70
-    got, _ = ev.evaluate(setup["trainer"], setup["reader"], NAMES, progress=False, eval_cfg=covering)
+    got, _ = ev.Evaluator(setup["trainer"], covering).evaluate(setup["reader"], NAMES, progress=False)
     np.testing.assert_array_equal(got.confusion_matrix, setup["whole_cm"])
     # Scores too, exactly: windows larger than the image, and exactly the image's size.
     model = setup["trainer"].model
@@ -203,14 +202,15 @@ def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
         np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), read_label(path))
 
     # Evaluation during training and its eval/examples use the mode too.
-    mode_trainer, _, _ = load_state(cfg, strategy(1), str(run_dir))
-    examples = predict_examples(mode_trainer, ImageReader(pred_cfg.data, "val"))
+    mode_evaluator, _, _ = load_evaluator(cfg, strategy(1), str(run_dir))
+    examples = mode_evaluator.predict_examples(ImageReader(pred_cfg.data, "val"))
     for (_, label, pred), path in zip(examples, written):
         np.testing.assert_array_equal(pred, read_label(path))
         np.testing.assert_array_equal(label, read_label(path))
     train_dir = tmp / "mode" / "train"
     summaries = Summaries(train_dir, voc_colormap(), 255, cfg.data.mean, cfg.data.std)
-    run_evaluation(pred_cfg, mode_trainer, ImageReader(pred_cfg.data, "val"), NAMES, summaries, train_dir, 3, False)
+    run_evaluation(pred_cfg, mode_evaluator, ImageReader(pred_cfg.data, "val"), NAMES, summaries, train_dir, 3,
+                   False)
     assert json.loads((train_dir / "best" / "best.json").read_text())["miou"] == 1.0
 
 
@@ -301,15 +301,14 @@ def test_logit_adjustment_divides_the_probabilities_by_the_class_weights(setup, 
         np.testing.assert_array_equal(got["classes"].numpy()[clear], want.argmax(-1)[clear])
     ref, moved = adjusted_reference_matrix(cfg, trainer.model, reader, e, tau)
     assert moved > 0.05 * sum(h * w for h, w in SIZES)  # the adjustment changes real predictions
-    try:
-        # A step with other weights' offsets (all 0) cached first: the real offsets must not reuse it.
-        trainer.score_offsets = modes.score_offsets(e, [1.0] * NUM_CLASSES)
-        ev.evaluate(trainer, reader, NAMES, progress=False, eval_cfg=e)
-        trainer.score_offsets = offsets
-        got = ev.evaluate(trainer, reader, NAMES, progress=False, eval_cfg=e)[0].confusion_matrix
-    finally:
-        trainer.score_offsets = None
+    # An evaluation with other weights' offsets (all 0) on the same state first: the real offsets' own
+    # Evaluator must not reuse its step.
+    ev.Evaluator(trainer, e, score_offsets=modes.score_offsets(e, [1.0] * NUM_CLASSES)).evaluate(
+        reader, NAMES, progress=False)
+    got = ev.Evaluator(trainer, e, score_offsets=offsets).evaluate(reader, NAMES, progress=False)[0].confusion_matrix
     np.testing.assert_array_equal(got, ref)
+    with pytest.raises(ValueError, match="disagree"):  # an adjustment without its offsets: no silent plain argmax
+        ev.Evaluator(trainer, e)
 
 
 def test_seg_eval_predict_and_export_divide_out_the_weights_the_run_trained_with(setup):

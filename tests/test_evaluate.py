@@ -95,7 +95,7 @@ def reference(cfg, model, reader):
 
 def test_evaluate_equals_numpy_reference_and_counts_every_pixel_once(setup):
     cfg, trainer, reader = setup
-    metrics, num_images = ev.evaluate(trainer.state, reader, NAMES, progress=False)
+    metrics, num_images = ev.Evaluator(trainer.state).evaluate(reader, NAMES, progress=False)
     assert num_images == len(SIZES)
     labels = [read_label(s.label) for s in reader.samples]
     # Every non-ignored pixel exactly once: not the padding, not the ignored block, no image twice.
@@ -111,21 +111,23 @@ def test_evaluate_equals_numpy_reference_and_counts_every_pixel_once(setup):
 @pytest.mark.parametrize("n", [2, 4])
 def test_n_towers_give_the_identical_confusion_matrix(setup, n):
     cfg, trainer, reader = setup
-    one, _ = ev.evaluate(trainer.state, reader, NAMES, progress=False)
+    one, _ = ev.Evaluator(trainer.state).evaluate(reader, NAMES, progress=False)
     multi = TrainStep(TrainState(cfg, strategy(n)))
     multi.state.model.set_weights(trainer.state.model.get_weights())
-    got, num_images = ev.evaluate(multi.state, reader, NAMES, progress=False)
+    evaluator = ev.Evaluator(multi.state)
+    got, num_images = evaluator.evaluate(reader, NAMES, progress=False)
     assert num_images == len(SIZES)
     np.testing.assert_array_equal(got.confusion_matrix, one.confusion_matrix)
-    # A second call reuses the compiled step and gives the same answer.
-    again, _ = ev.evaluate(multi.state, reader, NAMES, progress=False)
+    # A second call reuses the Evaluator's compiled step (no second trace) and gives the same answer.
+    again, _ = evaluator.evaluate(reader, NAMES, progress=False)
     np.testing.assert_array_equal(again.confusion_matrix, one.confusion_matrix)
+    assert evaluator._step.experimental_get_tracing_count() == 1
 
 
 def test_wrong_number_of_class_names_is_refused(setup):
     _, trainer, reader = setup
     with pytest.raises(ConfigError, match="class names"):
-        ev.evaluate(trainer.state, reader, NAMES[:2], progress=False)
+        ev.Evaluator(trainer.state).evaluate(reader, NAMES[:2], progress=False)
 
 
 def test_run_eval_writes_the_record(setup, tmp_path, capsys):

@@ -280,7 +280,7 @@ def test_precise_bn_gives_the_heads_bn_the_population_statistics_of_its_input(tm
     cfg = _mit_config(tmp_path, data_root=root, data={"batch_size": 4})
     state = TrainState(cfg, strategy(1))
     reader = ImageReader(cfg.data, "train", cfg.seed)
-    assert precise_bn.reestimate(state, reader, 2, progress=False) is True
+    assert precise_bn.PreciseBN(state).reestimate(reader, 2, progress=False) is True
     fuse = keras.Model(state.model.input, state.model.get_layer("segformer_fuse_conv").output)
     batches = global_batches(type("T", (), {"state": state})(), reader, 2)
     mean, var = population([fuse(b, training=False).numpy() for b in batches])

@@ -1,15 +1,17 @@
-"""The tower math: N towers in one graph equal 1 tower on the same global batch.
+"""The tower math: N towers in one graph equal 1 tower on the same global batch; and the tower pass
+traced once for every tower (towers.py) by the train step, evaluation and precise BN.
 
 These fail for the known wrong answers: a double gradient reduction (N times too large a step),
 per-tower loss normalisation (towers with many ignored pixels weigh more), weight decay counted N
-times, and BN moving statistics left to drift apart per tower.
+times, BN moving statistics left to drift apart per tower, a pass traced inside every tower, and
+synchronized BN's training pass traced outside the towers.
 """
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import losses, models, replicas
+from seg_train import losses, models, replicas, towers
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
@@ -165,3 +167,50 @@ def test_global_batches_independent_of_tower_count(tmp_path, n):
     im1, _ = next(iter(one))
     got = np.concatenate([t.numpy() for t in st.experimental_local_results(next(dist)[0])])
     np.testing.assert_array_equal(got, im1.numpy())
+
+
+# ---- towers.py: the tower pass traced once for every tower ----------------------------------------------
+@pytest.fixture
+def counted_tower_passes(monkeypatch):
+    """Every towers.TowerPass built from now on, with a count of how often its body is traced."""
+    built = []
+    original = towers.TowerPass.__init__
+
+    def init(self, body, *args, **kwargs):
+        def counted(*a, **k):
+            counted.traces += 1
+            return body(*a, **k)
+
+        counted.traces = 0
+        built.append(counted)
+        original(self, counted, *args, **kwargs)
+
+    monkeypatch.setattr(towers.TowerPass, "__init__", init)
+    return built
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["2_towers", "sync_bn_2_towers"])
+def test_step_evaluation_and_precise_bn_trace_the_tower_pass_once_for_every_tower(tmp_path, counted_tower_passes,
+                                                                                   sync):
+    """The train step, evaluation and precise BN each build their pass through towers.TowerPass, and its body
+    is traced ONCE for N towers (the graph holds the network once). Synchronized BN in training mode is the
+    exception (its all-reduces need each tower's context): then the step's and precise BN's passes are traced
+    once per tower, evaluation's (inference mode, no all-reduce) still once. Fails for a pass traced inside
+    every tower (an N-fold graph), for synchronized BN traced once (no tower to reduce over), and for any of
+    the three tracing the model its own way (no TowerPass built)."""
+    from seg_train.data import synthetic
+    from seg_train.data.reader import ImageReader
+    from seg_train.infer.evaluate import Evaluator
+
+    root = synthetic.generate(tmp_path / "demo", num_train=8, num_val=2, size=(40, 40), num_classes=3)
+    cfg = tiny_config(tmp_path, data_root=root, model={"sync_batchnorm": sync})
+    n = 2
+    trainer = TrainStep(TrainState(cfg, strategy(n)))
+    images, labels = random_batch()
+    trainer(next(iter(trainer.state.strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensors((images, labels))))))
+    evaluator = Evaluator(trainer.state)
+    evaluator.evaluate(ImageReader(cfg.data, "val"), ["a", "b", "c"], progress=False)
+    assert evaluator.reestimate_bn(ImageReader(cfg.data, "train", cfg.seed), 1, progress=False)
+    per_training_pass = n if sync else 1
+    assert [p.traces for p in counted_tower_passes] == [per_training_pass, 1, per_training_pass]

@@ -1,4 +1,4 @@
-"""trainer.slot_variables: the slots the fused update ops write are the ones Keras' own update writes.
+"""update.slot_variables: the slots the fused update ops write are the ones Keras' own update writes.
 
 The mapping reads Keras' private slot lists, so it is held to Keras' public behaviour: one
 `apply_gradients` of keras.optimizers.Adam / SGD(momentum) with known gradients, and each returned
@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 
-from seg_train.step import slot_variables
+from seg_train.update import slot_variables
 
 SHAPES = [(3, 2), (4,), (2, 2, 2)]
 

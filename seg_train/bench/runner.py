@@ -189,6 +189,7 @@ class TrainRunner:
         from seg_train.profiling import StepProfiler
         from seg_train.summaries import Summaries
         from seg_train.infer import modes
+        from seg_train.infer.evaluate import Evaluator
         from seg_train.state import TrainState
         from seg_train.step import TrainStep
 
@@ -200,8 +201,9 @@ class TrainRunner:
         self.strategy = replicas.strategy_for(cfg.train, devices)
         self.build_start = t0 = time.perf_counter()
         self.state = TrainState(cfg, self.strategy)
-        self.state.score_offsets = modes.score_offsets(cfg.eval, class_weights)  # measure_eval's evaluation
         self.train_step = TrainStep(self.state, class_weights=class_weights)
+        # measure_eval's evaluation and measure_bn_reestimate's precise BN, as train.py evaluates
+        self.evaluator = Evaluator(self.state, cfg.eval, score_offsets=modes.score_offsets(cfg.eval, class_weights))
         self.build_s = time.perf_counter() - t0
         batch = self.batch
         if input_mode == "cached":
@@ -337,7 +339,7 @@ class TrainRunner:
     def close(self) -> None:
         self.summaries.flush()
         del self.steps, self.host, self.summaries, self.batches, self.dataset
-        del self.train_step, self.state, self.strategy
+        del self.train_step, self.evaluator, self.state, self.strategy
         gc.collect()
         self.scratch.cleanup()
 
@@ -345,8 +347,6 @@ class TrainRunner:
 def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
     """Precise-BN re-estimation from `images` training images on this runner's towers: the first run
     (which traces) and a second one (trace cached), in seconds."""
-    from seg_train.infer import precise_bn
-
     state = runner.state
     batches = max(images // runner.batch, 1)
     saved = [np.asarray(v) for v in state.non_trainable] + [int(state.bn_stats_step.numpy())]
@@ -354,7 +354,7 @@ def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
     for _ in range(2):
         state.bn_stats_step.assign(-7)  # forces the re-estimation (it is skipped when already done)
         t0 = time.perf_counter()
-        precise_bn.reestimate(state, reader, batches, progress=False)
+        runner.evaluator.reestimate_bn(reader, batches, progress=False)
         times.append(time.perf_counter() - t0)
     for v, x in zip(state.non_trainable, saved[:-1]):  # the runner goes on training from its own statistics
         v.assign(x)
@@ -366,13 +366,11 @@ def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
 def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
     """Full-resolution evaluation of `val_reader`'s images on this runner's towers: a first pass (which
     traces), then a timed pass; images/s of the timed pass."""
-    from seg_train.infer import evaluate
-
     t0 = time.perf_counter()
-    evaluate.evaluate(runner.state, val_reader, names, progress=False)
+    runner.evaluator.evaluate(val_reader, names, progress=False)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, count = evaluate.evaluate(runner.state, val_reader, names, progress=False)
+    _, count = runner.evaluator.evaluate(val_reader, names, progress=False)
     seconds = time.perf_counter() - t0
     return {"eval_images_per_sec": count / seconds, "eval_images": count, "eval_first_pass_s": first}
 

@@ -12,11 +12,9 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train.infer import modes
 from seg_train import preflight
 from seg_train.config import Config
-from seg_train.infer.evaluate import evaluate
 from seg_train.infer.metrics import format_table, metrics_to_json
 from seg_train.data.reader import ImageReader, class_names_of, ensure_data
-from seg_train.infer.load import load_state, run_dir_of
-from seg_train.infer.precise_bn import maybe_reestimate_bn
+from seg_train.infer.load import load_evaluator, run_dir_of
 from seg_train.rundir import write_json
 
 log = logging.getLogger("seg_train")
@@ -41,14 +39,14 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
     ensure_data(cfg)
     reader = ImageReader(cfg.data, split, cfg.seed)
     names = class_names_of(cfg)
-    state, prefix, step = load_state(cfg, strategy, checkpoint)
-    reestimated = maybe_reestimate_bn(state, cfg, progress)
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
+    reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
     if not reestimated:
         log.info("BN moving statistics as saved (not re-estimated for step %d; see eval.bn_reestimate_batches)",
                  step)
     log.info("evaluating %s (step %d) on %d %s images, %d tower(s), %s", prefix, step, len(reader), split,
              strategy.num_replicas_in_sync, modes.describe(cfg.eval))
-    metrics, num_images = evaluate(state, reader, names, progress)
+    metrics, num_images = evaluator.evaluate(reader, names, progress)
     record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
               "bn_stats_reestimated": reestimated, "inference": modes.as_dict(cfg.eval),
               **metrics_to_json(metrics, names)}

@@ -15,31 +15,37 @@ How the pixels are counted (why it looks like this):
   deterministic GPU kernel: under train.deterministic TensorFlow refuses to run it on a GPU.
 - Images differ in size, so the step is traced once for unknown heights and widths (an input
   signature of N plain tensors, dealt to the towers inside the graph), and the model's forward
-  pass once for all towers (TrainState.tower_function); the model resizes with tf.image.resize, which
+  pass once for all towers (towers.TowerPass); the model resizes with tf.image.resize, which
   takes dynamic sizes (models.ResizeLike: Keras' bilinear UpSampling2D fails on unknown sizes in
   graph mode).
 
+Who holds the compiled functions: an `Evaluator`, built once per TrainState and inference setup
+(inference modes, logit-adjustment offsets), as big_vision's evaluators are. It owns the eval step,
+precise BN's probe and forward pass (precise_bn.PreciseBN) and the serving module of the eval
+examples (examples.py), so the evaluations during a run trace each once; dropping the Evaluator
+drops them. Training (train.py) builds one at the start; seg-eval, seg-predict and seg-export get
+one from load.load_evaluator; seg-bench's runners hold one each.
+
 Also here: `write_eval_summaries`, the TensorBoard scalars of an evaluation during training. The
-seg-eval command is eval_checkpoint.py; loading a checkpoint and the BN re-estimation gate are load.py;
-the best checkpoint is checkpoint.keep_best.
+seg-eval command is eval_checkpoint.py; loading a checkpoint is load.py; the best checkpoint is
+checkpoint.keep_best.
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import tensorflow as tf
 
 from seg_train.progress import progress_bar
 from seg_train.infer import modes
-from seg_train.config import ConfigError
+from seg_train.config import Config, ConfigError
+from seg_train.infer.examples import NUM_EXAMPLES, predict_examples
 from seg_train.infer.metrics import SegMetrics, compute_metrics
+from seg_train.infer.precise_bn import PreciseBN
+from seg_train.infer.serving import serving_module
 from seg_train.data.reader import ImageReader
-
-# One compiled eval step per TrainState and inference modes: evaluation during training calls
-# evaluate() many times and must not retrace each time. Weak keys, so a dropped TrainState frees its graph.
-_EVAL_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from seg_train.towers import TowerPass
 
 
 # ---- the evaluation itself ----------------------------------------------------------------------
@@ -59,7 +65,7 @@ def confusion_counts(labels, preds, num_classes: int, ignore_label: int):
     return tf.reshape(tf.reduce_sum(tf.cast(rows, tf.int64), axis=0), [c * c])
 
 
-def _make_eval_step(state, eval_cfg):
+def _make_eval_step(state, eval_cfg, offsets):
     """A tf.function (N images, N labels; one per tower) -> int64 counts [C * C] summed over the towers."""
     model, strategy = state.model, state.strategy
     c, ignore = state.cfg.data.num_classes, state.cfg.data.ignore_label
@@ -68,7 +74,7 @@ def _make_eval_step(state, eval_cfg):
         def model_fn(x):
             return model.stateless_call(tv, st, x, training=False)[0]
 
-        scores = modes.class_scores(model_fn, image, eval_cfg, c, offsets=state.score_offsets)
+        scores = modes.class_scores(model_fn, image, eval_cfg, c, offsets=offsets)
         pred = tf.argmax(scores, axis=-1, output_type=tf.int32)
         return confusion_counts(label, pred, c, ignore)
 
@@ -84,7 +90,9 @@ def _make_eval_step(state, eval_cfg):
             # tf.identity under the replica's device scope places the sample on that tower.
             return tf.identity(images[i]), tf.identity(labels[i])
 
-        tower = state.tower_function(body, [image_spec, label_spec], training=False)
+        # The model's variable lists as they are now (a layer frozen after the state was built moves
+        # its weights from one list to the other). Inference mode: one trace for every tower (towers.py).
+        tower = TowerPass(body, model.trainable_variables, model.non_trainable_variables).trace(image_spec, label_spec)
         counts = strategy.run(tower, strategy.experimental_distribute_values_from_function(tower_input))
         if multiworker:
             # Each worker holds only its own towers' counts: sum them over the workers too.
@@ -94,55 +102,90 @@ def _make_eval_step(state, eval_cfg):
     return step
 
 
-def evaluate(state, reader: ImageReader, class_names, progress: bool = True,
-             eval_cfg=None) -> tuple[SegMetrics, int]:
-    """Evaluates the state's model on every image of `reader`'s split at full resolution.
+class Evaluator:
+    """Evaluation of a TrainState with fixed inference modes; owns its compiled functions (module doc).
 
     Args:
-      state: a `TrainState` (its model in inference mode, its strategy's towers share the images).
-      reader: the split to evaluate (`ImageReader`); its data config gives ignore_label.
-      class_names: one name per class (checked against the model's number of classes).
-      progress: show a tqdm bar on stderr (only when stderr is a terminal).
+      state: a `TrainState` (its model in inference mode; its strategy's towers share the images).
       eval_cfg: the inference modes (an EvalConfig; default: the state's config's `eval`).
-    Returns:
-      (metrics from the summed confusion matrix, number of images evaluated).
+      score_offsets: eval.logit_adjustment's per-class offsets (modes.score_offsets of the loss's
+        class weights), or None; required exactly when eval_cfg.logit_adjustment is set.
     """
-    c = state.cfg.data.num_classes
-    if len(class_names) != c:
-        raise ConfigError("wrong number of class names", "data.class_names",
-                          f"expected {c} names (data.num_classes), got {len(class_names)}")
-    if reader.cfg.ignore_label != state.cfg.data.ignore_label:
-        raise ValueError("the reader and the state disagree on data.ignore_label")
-    eval_cfg = state.cfg.eval if eval_cfg is None else eval_cfg
-    steps = _EVAL_STEPS.setdefault(state, {})
-    offsets = state.score_offsets
-    key = repr((modes.as_dict(eval_cfg), None if offsets is None else offsets.tolist()))
-    step = steps.get(key)
-    if step is None:
-        step = steps[key] = _make_eval_step(state, eval_cfg)
-    strategy = state.strategy
-    n = strategy.num_replicas_in_sync
-    dummy = (tf.zeros([1, 32, 32, 3], tf.float32),
-             tf.fill([1, 32, 32], tf.constant(reader.cfg.ignore_label, tf.uint8)))  # all ignored
-    total = tf.zeros([c * c], tf.int64)
-    num_images = 0
-    samples = iter(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
-    with progress_bar(len(reader), f"eval {reader.split}", enabled=progress) as bar:
-        while True:
-            group = [(image, label) for image, label, _ in itertools.islice(samples, n)]
-            if not group:
-                break
-            real = len(group)
-            group += [dummy] * (n - real)  # towers without an image count nothing
-            images, labels = zip(*group)
-            total += step(list(images), list(labels))
-            num_images += real
-            bar.update(real)
-    cm = total.numpy().reshape(c, c)
-    if not cm.any():
-        raise ConfigError("no labelled pixels", f"split {reader.split}",
-                          f"expected pixels whose label is not data.ignore_label ({reader.cfg.ignore_label})")
-    return compute_metrics(cm), num_images
+
+    def __init__(self, state, eval_cfg=None, score_offsets=None):
+        self.state = state
+        self.eval_cfg = state.cfg.eval if eval_cfg is None else eval_cfg
+        if bool(self.eval_cfg.logit_adjustment) != (score_offsets is not None):
+            raise ValueError("eval.logit_adjustment and the offsets passed disagree (modes.score_offsets)")
+        self.score_offsets = score_offsets
+        self.precise_bn = PreciseBN(state)
+        self._step = None  # the eval step, traced at the first evaluation
+        self._examples = None  # the eval examples' serving module, traced at their first prediction
+
+    def evaluate(self, reader: ImageReader, class_names, progress: bool = True) -> tuple[SegMetrics, int]:
+        """Evaluates the state's model on every image of `reader`'s split at full resolution.
+
+        Args:
+          reader: the split to evaluate (`ImageReader`); its data config gives ignore_label.
+          class_names: one name per class (checked against the model's number of classes).
+          progress: show a tqdm bar on stderr (only when stderr is a terminal).
+        Returns:
+          (metrics from the summed confusion matrix, number of images evaluated).
+        """
+        state = self.state
+        c = state.cfg.data.num_classes
+        if len(class_names) != c:
+            raise ConfigError("wrong number of class names", "data.class_names",
+                              f"expected {c} names (data.num_classes), got {len(class_names)}")
+        if reader.cfg.ignore_label != state.cfg.data.ignore_label:
+            raise ValueError("the reader and the state disagree on data.ignore_label")
+        if self._step is None:
+            self._step = _make_eval_step(state, self.eval_cfg, self.score_offsets)
+        n = state.strategy.num_replicas_in_sync
+        dummy = (tf.zeros([1, 32, 32, 3], tf.float32),
+                 tf.fill([1, 32, 32], tf.constant(reader.cfg.ignore_label, tf.uint8)))  # all ignored
+        total = tf.zeros([c * c], tf.int64)
+        num_images = 0
+        samples = iter(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
+        with progress_bar(len(reader), f"eval {reader.split}", enabled=progress) as bar:
+            while True:
+                group = [(image, label) for image, label, _ in itertools.islice(samples, n)]
+                if not group:
+                    break
+                real = len(group)
+                group += [dummy] * (n - real)  # towers without an image count nothing
+                images, labels = zip(*group)
+                total += self._step(list(images), list(labels))
+                num_images += real
+                bar.update(real)
+        cm = total.numpy().reshape(c, c)
+        if not cm.any():
+            raise ConfigError("no labelled pixels", f"split {reader.split}",
+                              f"expected pixels whose label is not data.ignore_label ({reader.cfg.ignore_label})")
+        return compute_metrics(cm), num_images
+
+    def reestimate_bn(self, reader: ImageReader, num_batches: int, progress: bool = True) -> bool:
+        """Precise BN on the training split's `reader` (precise_bn.PreciseBN.reestimate)."""
+        return self.precise_bn.reestimate(reader, num_batches, progress)
+
+    def maybe_reestimate_bn(self, cfg: Config, progress: bool = True) -> bool:
+        """The BN gate before inference: re-estimates if eval.bn_reestimate_batches > 0
+        (precise_bn.PreciseBN.maybe_reestimate). Returns whether the statistics match the weights."""
+        return self.precise_bn.maybe_reestimate(cfg, progress)
+
+    def serving_module(self, mean, std):
+        """The serving function of the state's model with these inference modes and offsets (serving.py):
+        what seg-predict runs and seg-export saves. A new module (and trace) per call."""
+        return serving_module(self.state.model, mean, std, self.eval_cfg, self.score_offsets)
+
+    def predict_examples(self, reader: ImageReader, k: int = NUM_EXAMPLES):
+        """eval/examples: the first k images of the val split `reader` with their predictions (examples.py).
+
+        The serving module is built at the first call, with `reader`'s normalisation, and kept.
+        """
+        if self._examples is None:
+            self._examples = self.serving_module(reader.cfg.mean, reader.cfg.std)
+        return predict_examples(self._examples, reader, k)
 
 
 # ---- evaluation during training -------------------------------------------------------------------

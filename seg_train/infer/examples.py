@@ -3,37 +3,28 @@
 The first `k` images of the val split, in split order, at full resolution. They are predicted by
 the exported model's own function (serving.serving_module: the same normalisation and inference
 modes, eval.*, as evaluation and seg-predict) on one device: a handful of images does not need the towers,
-and no collective is involved, so every worker of a multi-worker run can do it on its own.
+and no collective is involved, so every worker of a multi-worker run can do it on its own. The
+serving module is built and kept by an `infer.evaluate.Evaluator` (Evaluator.predict_examples), so
+the evaluations of a run trace it once.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import tensorflow as tf
 
-from seg_train.infer.serving import serving_module
-
 NUM_EXAMPLES = 4  # val images shown in eval/examples
 
-# One traced serving function per TrainState: evaluation during training runs many times.
-_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-
-def predict_examples(state, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def predict_examples(module, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(uint8 RGB image [h, w, 3], uint8 label [h, w], uint8 prediction [h, w]) of the first k images.
 
     Args:
-      state: a `TrainState`; its model is run in inference mode (use it after any BN re-estimation,
-        so the pictures match the evaluation's numbers).
-      reader: the val split (`ImageReader`); its data config gives the normalisation.
+      module: the serving module (serving.serving_module) of the model, run in inference mode (use it
+        after any BN re-estimation, so the pictures match the evaluation's numbers).
+      reader: the val split (`ImageReader`).
       k: how many images (fewer if the split is smaller).
     """
-    module = _MODULES.get(state)
-    if module is None:
-        module = _MODULES[state] = serving_module(state.model, reader.cfg.mean, reader.cfg.std, state.cfg.eval,
-                                                   state.score_offsets)
     out = []
     for i in range(min(k, len(reader))):
         image, label = reader.decode(tf.constant(i, tf.int64))

@@ -72,15 +72,13 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
 
     from seg_train.infer import modes
     from seg_train.data.reader import class_names_of
-    from seg_train.infer.load import load_state
-    from seg_train.infer.precise_bn import maybe_reestimate_bn
-    from seg_train.infer.serving import serving_module
+    from seg_train.infer.load import load_evaluator
 
     out = check_output(output, force)
     names = class_names_of(cfg)
-    state, prefix, step = load_state(cfg, strategy, checkpoint)
-    reestimated = maybe_reestimate_bn(state, cfg, progress)
-    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval, state.score_offsets)
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
+    reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
+    module = evaluator.serving_module(cfg.data.mean, cfg.data.std)
 
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():  # left over by an interrupted export
@@ -93,7 +91,7 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
             "checkpoint": prefix, "step": step, "num_classes": cfg.data.num_classes, "class_names": names,
             "mean": list(cfg.data.mean), "std": list(cfg.data.std), "bn_stats_reestimated": reestimated,
             "inference": modes.as_dict(cfg.eval),
-            "score_offsets": modes.offsets_by_class(state.score_offsets, names),
+            "score_offsets": modes.offsets_by_class(evaluator.score_offsets, names),
             "signature": "serving_default: image uint8 [height, width, 3] -> classes int32 [height, width], "
                          "probabilities float32 [height, width, num_classes]",
         }, indent=1) + "\n")

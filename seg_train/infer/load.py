@@ -1,6 +1,6 @@
-"""A trained model for seg-eval, seg-predict and seg-export: a TrainState loaded from a checkpoint, and
-the gate that re-estimates its BN statistics before use (eval.bn_reestimate_batches).
-
+"""A trained model for seg-eval, seg-predict and seg-export: a TrainState loaded from a checkpoint
+(`load_state`), and the Evaluator the commands use it through (`load_evaluator`: the inference modes,
+the logit adjustment's offsets from the run's class weights, and the BN gate, eval.bn_reestimate_batches).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import tensorflow as tf
 from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
+from seg_train.infer import modes
+from seg_train.infer.evaluate import Evaluator
 from seg_train.state import TrainState
 
 log = logging.getLogger("seg_train")
@@ -56,13 +58,10 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
       (state, checkpoint prefix, the checkpoint's step).
     """
     prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
-    from seg_train.infer import modes
-
-    offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, prefix))
     # The checkpoint holds every weight: the ImageNet file or preset the run started from is not read again
     # (it may have moved since). The loss's class weights change no variable, and a named scheme
     # (median_frequency) would need the train split's histogram: the model is built without them
-    # (eval.logit_adjustment's offsets, which do change predictions, are resolved above).
+    # (eval.logit_adjustment's offsets, which do change predictions, are the Evaluator's: load_evaluator).
     cfg = config_lib.replace(config_lib.without_weight_files(cfg), "loss.class_weights", None)
     state = TrainState(cfg, strategy, optimizer=False)  # inference: no optimizer slots are built or read
     try:
@@ -72,8 +71,20 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
         raise ConfigError("checkpoint does not fit the model", prefix,
                           f"expected a checkpoint of the model this config builds (model.*, data.num_classes): "
                           f"{_mismatch(e)}") from None
-    state.score_offsets = offsets
     if state.ema_restored:
         state.use_averaged_weights()
         log.info("using the exponential moving average of the weights (train.ema_decay)")
     return state, prefix, step
+
+
+def load_evaluator(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
+    """`load_state`, and the Evaluator of seg-eval, seg-predict and seg-export on it: cfg.eval's inference
+    modes and eval.logit_adjustment's offsets from the weights the run trained with.
+
+    Returns:
+      (infer.evaluate.Evaluator, checkpoint prefix, the checkpoint's step); the state is evaluator.state.
+    """
+    # Resolved before the model is built: a missing or mismatched class_weights.json fails fast.
+    offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, os.path.abspath(ckpt_lib.resolve(checkpoint))))
+    state, prefix, step = load_state(cfg, strategy, checkpoint)
+    return Evaluator(state, cfg.eval, score_offsets=offsets), prefix, step

@@ -7,7 +7,7 @@ makes). On a plain Keras DeepLabV3+-lite trained from scratch: 2.5% val mIoU wit
 statistics vs 44.0% after re-estimating them, for the same weights. See docs/BATCHNORM.md for the
 measurements.
 
-What `reestimate` does ("precise BN", Wu & Johnson, "Rethinking Batch in BatchNorm", 2021):
+What `PreciseBN.reestimate` does ("precise BN", Wu & Johnson, "Rethinking Batch in BatchNorm", 2021):
 - runs `num_batches` training batches (the normal training augmentation, the global batch split
   over the state's towers exactly as in training) forward through the model in training mode, so
   each BN layer normalises with its batch statistics as it did while the weights were trained;
@@ -34,14 +34,14 @@ backbone; ResNet's holds another) gets its own probe, called in its place: still
 the same ops as the model's plus the moments. It runs under keras.StatelessScope with the tower's
 variable values, as model.stateless_call would. Building it calls every layer once more on symbolic
 tensors, which adds a node to each layer's call history; the model's own graph, config and
-checkpoint do not change.
+checkpoint do not change. A `PreciseBN` builds its probe once (an `infer.evaluate.Evaluator` holds one
+for its state, so repeated evaluations during training reuse the probe and its trace).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import weakref
 
 import keras
 import numpy as np
@@ -52,6 +52,7 @@ from seg_train import models
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.data import layouts
 from seg_train.data.reader import ImageReader, ensure_data
+from seg_train.towers import TowerPass
 
 log = logging.getLogger("seg_train")
 
@@ -143,53 +144,6 @@ def _combine(acc, count, mean, m2):
     return n, mean_a + delta * (count / n), m2_a + m2 + delta * delta * (n_a * count / n)
 
 
-# One probe and compiled forward pass per state and batch shape, so that re-estimating before every
-# evaluation does not build and trace them again each time (weak keys: a dropped state drops it).
-_FORWARD = weakref.WeakKeyDictionary()
-
-
-def _forward_fn(state, layers):
-    """The tf.function running one global batch on all towers; returns the recorded moments.
-
-    The probe model (`_probe`) is traced ONCE for all towers (TrainState.tower_function) and each
-    tower's moments come back as one flat float32 vector: [count, mean (C), m2 (C)] per call of
-    each layer, in the order `layout` gives ((layer index, channels) per record). The host reads
-    one [towers, F] array per batch instead of three small tensors per layer per tower.
-    """
-    key = tuple(id(layer) for layer in layers)
-    cached = _FORWARD.get(state)
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
-    model, strategy = state.model, state.strategy
-    probe, layout = _probe(model, {id(layer): i for i, layer in enumerate(layers)})
-    n_outputs = len(model.outputs)
-
-    def body(tv, st, images):
-        # The probe reads the model's variables, so the tower's values are mapped onto those (as
-        # model.stateless_call does). Training mode: batch statistics, as during training; the
-        # moving-statistics updates stay in the scope and are dropped: nothing is assigned here.
-        mapping = list(zip(model.trainable_variables, tv, strict=True))
-        mapping += zip(model.non_trainable_variables, st, strict=True)
-        with keras.StatelessScope(state_mapping=mapping):
-            outs = probe(images, training=True)[n_outputs:]
-        flat = []
-        for k in range(0, len(outs), 3):
-            count, mean, m2 = outs[k:k + 3]
-            flat += [tf.reshape(tf.cast(count, tf.float32), [1]), mean, m2]
-        return tf.concat(flat, axis=0)
-
-    @tf.function
-    def forward(batch):
-        images, _ = batch
-        per_tower = strategy.experimental_local_results(images)[0]
-        tower = state.tower_function(body, [tf.TensorSpec(per_tower.shape, per_tower.dtype)], training=True)
-        out = strategy.run(tower, (images,))
-        return tf.stack(strategy.experimental_local_results(out))
-
-    _FORWARD[state] = (key, forward, layout)
-    return forward, layout
-
-
 def _combine_rows(acc, rows, layout):
     """Merges one batch's [towers, F] records into the per-layer (N, mean, M2) accumulators."""
     for row in rows:
@@ -200,96 +154,159 @@ def _combine_rows(acc, rows, layout):
             acc[i] = _combine(acc[i], count, mean, m2)
 
 
-def reestimate(state, reader, num_batches: int, progress: bool = True) -> bool:
-    """Sets every BN layer's moving statistics to the population statistics of the current weights.
+class PreciseBN:
+    """Precise BN for one TrainState: `reestimate` and the gate before inference, `maybe_reestimate`.
+
+    It keeps the probe model and the compiled forward pass between calls (re-estimating before
+    every evaluation during training must not build and trace them again each time); they are
+    built again only when the model's trainable BN layers change. An `infer.evaluate.Evaluator`
+    holds one.
 
     Args:
       state: a `TrainState` (model, strategy, step, bn_stats_step); its towers do the forward passes.
-      reader: the training split's `ImageReader` (batches with the training augmentation).
-      num_batches: global batches of `cfg.data.batch_size` images to estimate from.
-      progress: show a tqdm bar on stderr (only when stderr is a terminal).
-    Returns:
-      True if the statistics were re-estimated; False if they already matched this step
-      (`state.bn_stats_step == state.step`), in which case nothing changes.
     """
-    if int(state.bn_stats_step.numpy()) == int(state.step.numpy()):
-        return False
-    t0 = time.perf_counter()
-    if num_batches < 1:
-        raise ConfigError("invalid number of BN re-estimation batches", "eval.bn_reestimate_batches",
-                          f"expected a positive number of batches, got {num_batches}")
-    cfg, strategy, model = state.cfg, state.strategy, state.model
-    n_towers = strategy.num_replicas_in_sync
-    batch = cfg.data.batch_size
-    check_batch(cfg, n_towers)
-    layers = [layer for layer in models.batchnorm_layers(model) if layer.trainable]
-    if not layers:
-        state.bn_stats_step.assign(state.step)
-        return True
-    start = stream_start_step(batch)
 
-    # Every worker reads the same batches, dealt to its own towers with the training per-tower batch
-    # size, so with several workers each computes the same statistics without exchanging them (on
-    # one machine this is simply the global batch split over the towers).
-    n_local = len(strategy.extended.worker_devices)
-    per_tower = batch // n_towers
+    def __init__(self, state):
+        self.state = state
+        self._forward = None  # (the BN layers' ids, the compiled forward pass, its layout)
 
-    def dataset_fn(ctx: tf.distribute.InputContext):
-        ds = reader.train_dataset(per_tower * n_local, start, n_local, 0, 1)
-        # Exactly the batches used (the pipeline feeds each tower one batch per step): an endless
-        # stream would keep prefetching, and tearing that down cost seconds.
-        return ds.take(num_batches * n_local)
+    def _forward_fn(self, layers):
+        """The tf.function running one global batch on all towers; returns the recorded moments.
 
-    forward, layout = _forward_fn(state, layers)
-    bar = progress_bar(num_batches, "BN statistics", "batch") if shown(progress) else None
-    acc, seen = [None] * len(layers), 0
-    try:
-        for dist_batch in state.distribute(dataset_fn):
-            rows = forward(dist_batch).numpy().astype(np.float64)  # one host read per batch
-            seen += 1
-            _combine_rows(acc, rows, layout)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    if seen != num_batches:  # the stream is endless; fewer batches would mean a broken reader
-        raise RuntimeError(f"BN re-estimation read {seen} batches, expected {num_batches}")
+        The probe model (`_probe`) is traced ONCE for all towers (towers.TowerPass) and each
+        tower's moments come back as one flat float32 vector: [count, mean (C), m2 (C)] per call of
+        each layer, in the order `layout` gives ((layer index, channels) per record). The host reads
+        one [towers, F] array per batch instead of three small tensors per layer per tower.
+        """
+        key = tuple(id(layer) for layer in layers)
+        if self._forward is not None and self._forward[0] == key:
+            return self._forward[1], self._forward[2]
+        state = self.state
+        model, strategy = state.model, state.strategy
+        probe, layout = _probe(model, {id(layer): i for i, layer in enumerate(layers)})
+        n_outputs = len(model.outputs)
 
-    # Cross-replica context (eager, outside strategy.run): assigning a MirroredVariable here writes
-    # every tower's copy, so all towers (and a checkpoint, which saves tower 0's) agree.
-    unused = []
-    for layer, a in zip(layers, acc):
-        if a is None:
-            unused.append(layer.name)
-            continue
-        n, mean, m2 = a
-        layer.moving_mean.assign(mean.astype(np.float32))
-        layer.moving_variance.assign(np.maximum(m2 / n, 0.0).astype(np.float32))
-    if unused:
-        log.warning("BN re-estimation: %d layer(s) never called in the forward pass, left as they were: %s",
-                    len(unused), ", ".join(unused))
-    state.bn_stats_step.assign(state.step)
-    log.info("re-estimated the statistics of %d BN layers at step %d from %d batches (%d images, %d tower(s)) "
-             "in %.1fs", len(layers) - len(unused), int(state.step.numpy()), num_batches, num_batches * batch,
-             n_towers, time.perf_counter() - t0)
-    return True
+        def body(tv, st, images):
+            # The probe reads the model's variables, so the tower's values are mapped onto those (as
+            # model.stateless_call does). Training mode: batch statistics, as during training; the
+            # moving-statistics updates stay in the scope and are dropped: nothing is assigned here.
+            mapping = list(zip(model.trainable_variables, tv, strict=True))
+            mapping += zip(model.non_trainable_variables, st, strict=True)
+            with keras.StatelessScope(state_mapping=mapping):
+                outs = probe(images, training=True)[n_outputs:]
+            flat = []
+            for k in range(0, len(outs), 3):
+                count, mean, m2 = outs[k:k + 3]
+                flat += [tf.reshape(tf.cast(count, tf.float32), [1]), mean, m2]
+            return tf.concat(flat, axis=0)
 
+        @tf.function
+        def forward(batch):
+            images, _ = batch
+            per_tower = strategy.experimental_local_results(images)[0]
+            # The model's variable lists as they are now (a layer frozen after the state was built
+            # moves its weights from one list to the other). Training mode: with synchronized BN
+            # across towers the pass is traced per tower (towers.py).
+            tower = TowerPass(body, model.trainable_variables, model.non_trainable_variables,
+                              per_tower=state.per_tower_trace).trace(tf.TensorSpec(per_tower.shape, per_tower.dtype))
+            out = strategy.run(tower, (images,))
+            return tf.stack(strategy.experimental_local_results(out))
 
-def maybe_reestimate_bn(state, cfg: Config, progress: bool = True) -> bool:
-    """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
+        self._forward = (key, forward, layout)
+        return forward, layout
 
-    Returns:
-      Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
-    """
-    if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
-        ensure_data(cfg)  # the re-estimation reads the training split
-        if not layouts.split_exists(cfg.data, cfg.data.train_split):
-            # Predicting or exporting where the training data is not at hand: go on with the
-            # statistics as trained, and say so.
-            log.warning("BN statistics not re-estimated: training split %r not found under %s "
-                        "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
+    def reestimate(self, reader, num_batches: int, progress: bool = True) -> bool:
+        """Sets every BN layer's moving statistics to the population statistics of the current weights.
+
+        Args:
+          reader: the training split's `ImageReader` (batches with the training augmentation).
+          num_batches: global batches of `cfg.data.batch_size` images to estimate from.
+          progress: show a tqdm bar on stderr (only when stderr is a terminal).
+        Returns:
+          True if the statistics were re-estimated; False if they already matched this step
+          (`state.bn_stats_step == state.step`), in which case nothing changes.
+        """
+        state = self.state
+        if int(state.bn_stats_step.numpy()) == int(state.step.numpy()):
             return False
-        train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-        reestimate(state, train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
-    return int(state.bn_stats_step.numpy()) == int(state.step.numpy())
+        t0 = time.perf_counter()
+        if num_batches < 1:
+            raise ConfigError("invalid number of BN re-estimation batches", "eval.bn_reestimate_batches",
+                              f"expected a positive number of batches, got {num_batches}")
+        cfg, strategy, model = state.cfg, state.strategy, state.model
+        n_towers = strategy.num_replicas_in_sync
+        batch = cfg.data.batch_size
+        check_batch(cfg, n_towers)
+        layers = [layer for layer in models.batchnorm_layers(model) if layer.trainable]
+        if not layers:
+            state.bn_stats_step.assign(state.step)
+            return True
+        start = stream_start_step(batch)
+
+        # Every worker reads the same batches, dealt to its own towers with the training per-tower batch
+        # size, so with several workers each computes the same statistics without exchanging them (on
+        # one machine this is simply the global batch split over the towers).
+        n_local = len(strategy.extended.worker_devices)
+        per_tower = batch // n_towers
+
+        def dataset_fn(ctx: tf.distribute.InputContext):
+            ds = reader.train_dataset(per_tower * n_local, start, n_local, 0, 1)
+            # Exactly the batches used (the pipeline feeds each tower one batch per step): an endless
+            # stream would keep prefetching, and tearing that down cost seconds.
+            return ds.take(num_batches * n_local)
+
+        forward, layout = self._forward_fn(layers)
+        bar = progress_bar(num_batches, "BN statistics", "batch") if shown(progress) else None
+        acc, seen = [None] * len(layers), 0
+        try:
+            for dist_batch in state.distribute(dataset_fn):
+                rows = forward(dist_batch).numpy().astype(np.float64)  # one host read per batch
+                seen += 1
+                _combine_rows(acc, rows, layout)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        if seen != num_batches:  # the stream is endless; fewer batches would mean a broken reader
+            raise RuntimeError(f"BN re-estimation read {seen} batches, expected {num_batches}")
+
+        # Cross-replica context (eager, outside strategy.run): assigning a MirroredVariable here writes
+        # every tower's copy, so all towers (and a checkpoint, which saves tower 0's) agree.
+        unused = []
+        for layer, a in zip(layers, acc):
+            if a is None:
+                unused.append(layer.name)
+                continue
+            n, mean, m2 = a
+            layer.moving_mean.assign(mean.astype(np.float32))
+            layer.moving_variance.assign(np.maximum(m2 / n, 0.0).astype(np.float32))
+        if unused:
+            log.warning("BN re-estimation: %d layer(s) never called in the forward pass, left as they were: %s",
+                        len(unused), ", ".join(unused))
+        state.bn_stats_step.assign(state.step)
+        log.info("re-estimated the statistics of %d BN layers at step %d from %d batches (%d images, %d tower(s)) "
+                 "in %.1fs", len(layers) - len(unused), int(state.step.numpy()), num_batches, num_batches * batch,
+                 n_towers, time.perf_counter() - t0)
+        return True
+
+    def maybe_reestimate(self, cfg: Config, progress: bool = True) -> bool:
+        """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
+
+        Args:
+          cfg: the config whose data (the training split), seed and eval.bn_reestimate_batches are used.
+        Returns:
+          Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
+        """
+        state = self.state
+        if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
+            ensure_data(cfg)  # the re-estimation reads the training split
+            if not layouts.split_exists(cfg.data, cfg.data.train_split):
+                # Predicting or exporting where the training data is not at hand: go on with the
+                # statistics as trained, and say so.
+                log.warning("BN statistics not re-estimated: training split %r not found under %s "
+                            "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
+                return False
+            train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+            self.reestimate(train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
+        return int(state.bn_stats_step.numpy()) == int(state.step.numpy())

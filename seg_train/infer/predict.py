@@ -138,17 +138,15 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
     """
     import tensorflow as tf
 
-    from seg_train.infer.load import load_state
-    from seg_train.infer.precise_bn import maybe_reestimate_bn
-    from seg_train.infer.serving import serving_module
+    from seg_train.infer.load import load_evaluator
 
     files = collect_inputs(inputs, label_ids)
     out = check_output_dir(output)
     raw = raw_ids_of(cfg, label_ids)
-    state, prefix, step = load_state(cfg, strategy, checkpoint)
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
     # As in seg-eval and seg-export, so predictions match the exported model and the eval numbers.
-    maybe_reestimate_bn(state, cfg, progress)
-    module = serving_module(state.model, cfg.data.mean, cfg.data.std, cfg.eval, state.score_offsets)
+    evaluator.maybe_reestimate_bn(cfg, progress)
+    module = evaluator.serving_module(cfg.data.mean, cfg.data.std)
     written = write_predictions(files, out, lambda image: module.serve(tf.constant(image))["classes"].numpy(),
                                 progress, raw)
     print(f"wrote {written_summary(cfg, len(written), raw)} to {out} (step {step}, {prefix})")

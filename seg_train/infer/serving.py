@@ -19,7 +19,7 @@ def serving_module(model, mean, std, eval_cfg=None, offsets=None):
       model: the Keras model (float32 logits at its input's size).
       mean, std: data.mean, data.std.
       eval_cfg: an EvalConfig (eval.mode, flip, scales, crop_size, stride); default: one whole-image pass.
-      offsets: the logit adjustment's offsets (modes.score_offsets; TrainState.score_offsets), or None.
+      offsets: the logit adjustment's offsets (modes.score_offsets; Evaluator.score_offsets), or None.
     """
     import tensorflow as tf
 

@@ -190,8 +190,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     from seg_train.data.reader import class_names_of, ensure_data
     from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
     from seg_train.infer import modes
-    from seg_train.infer.load import load_state
-    from seg_train.infer.precise_bn import maybe_reestimate_bn
+    from seg_train.infer.load import load_evaluator
     from seg_train.progress import progress_bar
     from seg_train.rundir import write_atomic, write_json
 
@@ -203,10 +202,10 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         interpreter_class("seg-export --check")  # fail before the work, not after it
     height, width = input_size(cfg, size)
     names = class_names_of(cfg)
-    state, prefix, step = load_state(cfg, strategy, checkpoint)
-    reestimated = maybe_reestimate_bn(state, cfg, progress)
-    frozen = frozen_function(app_function(state.model, cfg.data.mean, cfg.data.std, height, width, probabilities,
-                                                state.score_offsets))
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
+    reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
+    frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
+                                          probabilities, evaluator.score_offsets))
 
     calibration, representative = None, None
     if quantize == "int8":
@@ -240,7 +239,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": float_ops,
         "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
         "logit_adjustment": cfg.eval.logit_adjustment,
-        "score_offsets": modes.offsets_by_class(state.score_offsets, names),
+        "score_offsets": modes.offsets_by_class(evaluator.score_offsets, names),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, lambda tmp: tmp.write_bytes(content))

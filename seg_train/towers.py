@@ -1,0 +1,96 @@
+"""Trace the tower pass once for every tower: the one implementation, used by the train step (step.py),
+evaluation (infer/evaluate.py) and precise BN (infer/precise_bn.py).
+
+Why: under MirroredStrategy a replica function is traced once per tower, so a model called inside it
+is traced N times and the step's graph holds N copies of the network, which TensorFlow's graph
+optimisation then works through as one graph N times the size. Instead the pass over the model
+(forward, and backward in training) is a tf.function of (variable handles, inputs), traced ONCE in
+cross-replica context and called by every tower with its own variable handles: the graph holds the
+network once. It is marked `_noinline`, so it stays a function call and TensorFlow optimises its
+body once per device (docs/SCALING.md, "One trace for every tower": the first step at 4 towers in
+about a third of the time).
+
+The exception: synchronized BN on several towers in training mode. Its layers all-reduce inside the
+forward and backward passes, which needs the calling tower's own replica context (a function traced
+outside every tower has no tower to reduce over): then the body is traced per tower, inside
+strategy.run, on that tower's variable values (models/sync_bn.py keeps that trace cheap). In
+inference mode BN uses its moving statistics and reduces nothing, so evaluation always traces once.
+
+The train step's update after the all-reduce (update.py) is traced once for every tower the same way
+(`shared`), on handles of the variables, slots and averages it writes.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+def read_handle(handle, like):
+    """A variable's value from its resource handle (inside a function traced once for every tower)."""
+    value = tf.raw_ops.ReadVariableOp(resource=handle, dtype=like.dtype)
+    value.set_shape(like.shape)
+    return value
+
+
+def handles(variables) -> list:
+    """The resource handles of (Keras) variables on the calling tower (replica context)."""
+    return [(v.value if isinstance(v, keras.Variable) else v).handle for v in variables]
+
+
+def values(variables) -> list:
+    """The calling tower's values of (Keras) variables, as tensors (replica context)."""
+    return [tf.convert_to_tensor(v.value) for v in variables]
+
+
+def per_tower_trace(sync_batchnorm: bool, num_replicas: int) -> bool:
+    """Whether a training-mode pass must be traced per tower: synchronized BN across towers (module doc)."""
+    return bool(sync_batchnorm) and num_replicas > 1
+
+
+def shared(python_function, jit_compile=None):
+    """`python_function` as a tf.function that every tower calls from one trace, not inlined (module doc).
+
+    Call it with the calling tower's resource handles (`handles`), never with variables captured
+    by the trace: a captured variable would be the first tower's on every tower.
+    """
+    return tf.function(python_function, jit_compile=jit_compile, experimental_attributes={"_noinline": True})
+
+
+class TowerPass:
+    """`body(trainable_values, non_trainable_values, *inputs)` as the function every tower calls.
+
+    Build it once and call `trace` in cross-replica context (inside the outer tf.function, before
+    strategy.run), so the trace is not made inside a tower's thread; tf.function's cache makes a
+    second `trace` with the same input specs a lookup.
+
+    Args:
+      body: the pass over the model, on the variables' values (as Keras' stateless_call takes them).
+      variables, non_trainable: the model's variables in the order `body` takes their values.
+      per_tower: trace `body` in each tower instead (synchronized BN in training mode, `per_tower_trace`).
+      jit_compile: XLA-compile the shared trace (train.jit_compile).
+    """
+
+    def __init__(self, body, variables, non_trainable, per_tower: bool = False, jit_compile=None):
+        self.body = body
+        self.variables, self.non_trainable = list(variables), list(non_trainable)
+        self.per_tower = per_tower
+        self._function = shared(self._from_handles, jit_compile=jit_compile)
+
+    def _from_handles(self, var_handles, state_handles, *inputs):
+        tv = [read_handle(h, v) for h, v in zip(var_handles, self.variables)]
+        st = [read_handle(h, v) for h, v in zip(state_handles, self.non_trainable)]
+        return self.body(tv, st, *inputs)
+
+    def trace(self, *input_specs):
+        """f(*inputs) for use inside strategy.run: `body` on the calling tower's variables.
+
+        Args:
+          input_specs: a tf.TensorSpec (or nest of them) per input of `body` after the values.
+        """
+        if self.per_tower:
+            return lambda *inputs: self.body(values(self.variables), values(self.non_trainable), *inputs)
+        res = tf.TensorSpec([], tf.resource)
+        concrete = self._function.get_concrete_function(
+            [res] * len(self.variables), [res] * len(self.non_trainable), *input_specs)
+        return lambda *inputs: concrete(handles(self.variables), handles(self.non_trainable), *inputs)

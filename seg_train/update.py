@@ -1,0 +1,224 @@
+"""The train step's update after the all-reduce (step.py): normalise, decay, clip, then the fused optimizer
+ops, the BN statistics and the EMA; and the dynamic loss scale of mixed_float16.
+
+The update is one function traced once for every tower (towers.shared) on the tower's handles of the
+variables, Keras' slot variables and the averages it writes. Every tower computes it from the same
+reduced packs, so every tower reaches the same verdict and writes the same values: no second
+all-reduce, and the apply decision can be a tf.cond in replica context (collectives are not allowed
+inside a replica function's control flow; none is inside this one).
+
+Why fused ops on Keras' slots, not optimizer.apply_gradients (measured, docs/PERFORMANCE.md): inside
+strategy.run Keras SUMs the towers' gradients itself (a second reduction), clips each tower's partial
+gradient (clipnorm / global_clipnorm), and builds ~25 graph ops per variable per tower, more graph
+than the towers' forward and backward passes. TensorFlow's ResourceApplyAdam /
+ResourceApplyKerasMomentum / ResourceApplyGradientDescent compute exactly Keras' Adam / SGD formulas,
+one op per variable, on Keras' own slot variables (so checkpoints keep Keras' layout).
+`fused_update` is the one place that picks the op per optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import keras
+import tensorflow as tf
+
+from seg_train import collectives, losses, models
+from seg_train.state import LOSS_SCALE_FLOOR
+from seg_train.towers import handles, read_handle, shared
+
+# Per-tower scalars carried in one-hot slots of the all-reduce (step.py's tower pass): "finite" is the
+# loss and gradient's, "bn_finite" the new BN statistics'.
+TOWER_FIELDS = ("loss_sum", "normalizer", "grad_sq", "finite", "bn_finite")
+NF = len(TOWER_FIELDS)
+
+
+class Reduced(NamedTuple):
+    """The update's outputs on one tower (identical on every tower: computed from reduced values)."""
+    applied: tf.Tensor
+    global_norm: tf.Tensor
+    clipped: tf.Tensor
+    loss_total: tf.Tensor
+    norm_total: tf.Tensor
+    weight_decay: tf.Tensor
+    towers: tf.Tensor  # [towers, len(TOWER_FIELDS)]
+    stop: tf.Tensor
+    tower_grad_norm: tf.Tensor
+    var_grad_norms: tf.Tensor
+    finite_update: tf.Tensor
+    gradients: list  # the update's gradient (after clipping), for TrainStep.probe
+    bn_stats: list  # the BN statistics it would set, for TrainStep.probe
+
+
+def _fused_kind(optimizer) -> str:
+    """Which fused op makes `optimizer`'s update: "adam", "momentum" (SGD with momentum) or "sgd".
+
+    Exact classes, not isinstance: keras.optimizers.AdamW subclasses Adam, and its decoupled weight
+    decay is not ResourceApplyAdam's update. A new optimizer gets its kind here, its slots in
+    `slot_variables` and its op in `fused_update`.
+    """
+    if type(optimizer) is keras.optimizers.Adam:
+        return "adam"
+    if type(optimizer) is keras.optimizers.SGD:
+        return "momentum" if optimizer.momentum else "sgd"
+    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam or SGD")
+
+
+def slot_variables(optimizer, variables) -> list:
+    """Keras' own slot variables of each variable, in the order the fused op (`fused_update`) takes them.
+
+    Adam: [m, v]; SGD with momentum: [momentum]; plain SGD (momentum 0): [] (Keras keeps none).
+    The one place that reads Keras' private slot lists (Keras 3 has no public per-variable lookup);
+    tests/test_trainer_slots.py holds the mapping to what Keras' own update writes.
+    """
+    index, kind = optimizer._get_variable_index, _fused_kind(optimizer)
+    if kind == "adam":
+        return [[optimizer._momentums[index(v)], optimizer._velocities[index(v)]] for v in variables]
+    if kind == "momentum":
+        return [[optimizer.momentums[index(v)]] for v in variables]
+    return [[] for _ in variables]
+
+
+def fused_update(optimizer, t):
+    """`apply(var, slots, grad, lr)`: the fused TensorFlow op making `optimizer`'s update of one variable.
+
+    The one place that picks the op per optimizer. `var` and `slots` are resource handles (slots as
+    `slot_variables` orders them), `t` the 1-based update count (Adam's bias correction), computed
+    once per update, not per variable. Each op is held to Keras' own update by
+    tests/test_optimizer_reference.py.
+    """
+    kind = _fused_kind(optimizer)
+    if kind == "adam":
+        b1, b2 = optimizer.beta_1, optimizer.beta_2
+        b1p, b2p = tf.pow(b1, t), tf.pow(b2, t)
+        return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyAdam(
+            var=var, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=lr, beta1=b1, beta2=b2,
+            epsilon=optimizer.epsilon, grad=grad)
+    if kind == "momentum":
+        return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyKerasMomentum(
+            var=var, accum=slots[0], lr=lr, grad=grad, momentum=optimizer.momentum)
+    return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad)
+
+
+class Update:
+    """The update from the reduced packs, traced once for every tower: `trace()` in cross-replica context.
+
+    Args:
+      state: the TrainState (built with its optimizer).
+      grad_layout, state_layout: the packing of the gradients and of the BN statistics
+        (collectives.pack_layout), as the tower pass packed them.
+    """
+
+    def __init__(self, state, grad_layout, state_layout):
+        cfg = state.cfg
+        self.state, self.cfg = state, cfg
+        self._grad_layout, self._state_layout = grad_layout, state_layout
+        decay_ids = {id(v) for v in losses.decay_variables(state.model)}
+        self._decay = [id(v) in decay_ids for v in state.variables]
+        self.slots = slot_variables(state.optimizer, state.variables)
+        # train.backbone_lr_multiplier scales the learning rate (not the gradient: Adam would undo that).
+        self._lr_mult = [cfg.train.backbone_lr_multiplier if in_backbone else 1.0
+                         for in_backbone in models.backbone_variable_mask(state.model)]
+        self._function = shared(self._apply)
+
+    def trace(self):
+        """f(packs, lr, t, loss_scale, scale_back, want_details, apply_update) -> Reduced, for strategy.run."""
+        st, n = self.state, self.state.num_replicas
+        res = tf.TensorSpec([], tf.resource)
+        scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
+        sizes = (collectives.pack_sizes([v.shape for v in st.variables], self._grad_layout)
+                 + collectives.pack_sizes([v.shape for v in st.bn_variables], self._state_layout) + [[n * NF + 1]])
+        concrete = self._function.get_concrete_function(
+            [tf.TensorSpec(x, tf.float32) for x in sizes], [res] * len(st.variables),
+            [[res] * len(s) for s in self.slots], [res] * len(st.non_trainable), [res] * len(st.ema or []),
+            scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool),
+            scalar(tf.bool))
+        return lambda packs, *args: concrete(packs, handles(st.variables), [handles(s) for s in self.slots],
+                                             handles(st.non_trainable), handles(st.ema or []), *args)
+
+    def _apply(self, packs, var_handles, slot_handles, state_handles, ema_handles, lr, t, loss_scale, scale_back,
+               want_details, apply_update) -> Reduced:
+        """Turns the reduced packs into the update and applies it on this tower's variables (traced once).
+
+        The arithmetic runs on the flat packs (a handful of ops per pack, not per variable): graph
+        size is what tracing and TensorFlow's graph optimisation pay for. `scale_back` is the
+        towers' pixel scale P (step.pixel_scale).
+        """
+        cfg, n, variables = self.cfg, self.state.num_replicas, self.state.variables
+        n_grad_packs = len(self._grad_layout) if self._grad_layout is not None else len(variables)
+        grad_packs, scalars = packs[:n_grad_packs], packs[-1]
+        bn = collectives.unpack(packs[n_grad_packs:-1], self._state_layout)
+        towers = tf.reshape(scalars[:-1], [n, NF])
+        loss_total, norm_total = tf.reduce_sum(towers[:, 0]), tf.reduce_sum(towers[:, 1])
+        # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
+        # when nothing counts, and then the loss gradient is 0, not a division by zero.
+        to_mean = tf.math.divide_no_nan(scale_back / loss_scale, norm_total)
+        coeff = cfg.model.weight_decay
+        # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
+        decayed = [read_handle(h, v) if d else tf.zeros(v.shape) for h, v, d in
+                   zip(var_handles, variables, self._decay)]
+        w_packs = collectives.pack(decayed, self._grad_layout)
+        update = [g * to_mean + coeff * w for g, w in zip(grad_packs, w_packs)] if coeff else \
+            [g * to_mean for g in grad_packs]
+        weight_decay = 0.5 * coeff * tf.add_n([tf.reduce_sum(tf.square(w)) for w in w_packs])
+        global_norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in update]))
+        finite = tf.math.is_finite(global_norm) & tf.math.is_finite(loss_total) & \
+            (tf.reduce_min(towers[:, 4]) > 0.5)
+        clip = cfg.train.clip_global_norm
+        clipped = global_norm > clip if clip else tf.constant(False)
+        factor = tf.where(clipped, clip / tf.maximum(global_norm, 1e-30), 1.0) if clip else tf.constant(1.0)
+        if clip:
+            update = [u * factor for u in update]
+        grads = collectives.unpack(update, self._grad_layout)
+        apply_one = fused_update(self.state.optimizer, t)
+        rates = {m: (lr * m if m != 1.0 else lr) for m in set(self._lr_mult)}
+
+        def apply():
+            ops = [apply_one(h, slots, g, rates[mult])
+                   for g, h, slots, mult in zip(grads, var_handles, slot_handles, self._lr_mult)]
+            for pos, value in zip(self.state.bn_positions, bn):
+                ops.append(tf.raw_ops.AssignVariableOp(resource=state_handles[pos], value=value))
+            if ema_handles:
+                # ema -= (1 - d) * (ema - w), with TF's ExponentialMovingAverage decay schedule.
+                d = cfg.train.ema_decay
+                rate = 1.0 - tf.minimum(d, (1.0 + t) / (10.0 + t))
+                with tf.control_dependencies(ops):
+                    for h, e, v in zip(var_handles, ema_handles, variables):
+                        ops.append(tf.raw_ops.ResourceApplyGradientDescent(
+                            var=e, alpha=rate, delta=read_handle(e, v) - read_handle(h, v)))
+            with tf.control_dependencies(ops):
+                return tf.constant(True)
+
+        applied = tf.cond(finite & apply_update, apply, lambda: tf.constant(False))
+        # Per-variable norms of the update's gradient (before clipping), for the histogram.
+        var_norms = tf.cond(want_details,
+                            lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
+                            lambda: tf.zeros([len(grads)]))
+        return Reduced(applied=applied, global_norm=global_norm, clipped=clipped & applied, loss_total=loss_total,
+                       norm_total=norm_total, weight_decay=weight_decay, towers=towers, stop=scalars[-1],
+                       tower_grad_norm=tf.sqrt(towers[:, 2]) * to_mean, var_grad_norms=var_norms,
+                       finite_update=finite, gradients=grads, bn_stats=bn)
+
+
+def update_loss_scale(state, applied) -> None:
+    """Dynamic loss scaling: halve on a skipped step, double after 2000 applied steps (Keras' defaults).
+
+    The scale never goes below LOSS_SCALE_FLOOR; a step skipped at the floor is not an overflow
+    but a non-finite step (loop.HostSide decides that from the step's `loss_scale_used`).
+    Cross-replica context (the scale is one variable for every tower).
+    """
+    st = state
+
+    def grow():
+        st.good_steps.assign_add(1)
+        done = st.good_steps >= 2000
+        st.loss_scale.assign(tf.where(done, st.loss_scale * 2.0, st.loss_scale))
+        st.good_steps.assign(tf.where(done, tf.constant(0, tf.int64), st.good_steps))
+        return tf.constant(0)
+
+    def shrink():
+        st.loss_scale.assign(tf.maximum(st.loss_scale / 2.0, LOSS_SCALE_FLOOR))
+        st.good_steps.assign(0)
+        return tf.constant(0)
+
+    tf.cond(applied, grow, shrink)
