@@ -121,7 +121,7 @@ def evaluated(tmp_path_factory):
                          ids=["whole", "slide"])
 def test_evaluation_of_non_square_images_equals_an_eager_reference(evaluated, keys):
     modes = eval_config(**keys)
-    result, n = ev.evaluate(evaluated["state"], evaluated["reader"], NAMES, progress=False, eval_cfg=modes)
+    result, n = ev.Evaluator(evaluated["state"], modes).evaluate(evaluated["reader"], NAMES, progress=False)
     assert n == len(evaluated["sizes"])
     ref = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
     for s in evaluated["reader"].samples:
