@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         print(f"error: Model Garden not importable ({e}): expected tf-models-official in this Python's "
               "environment (see the docstring: a separate venv)", file=sys.stderr)
         return 2
-    import official
+    from importlib import metadata
 
     params = exp_factory.get_exp_config(args.experiment)
     data = params.task.train_data
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
            "window_cores_busy": busy, "window_cpu_ms_per_sample": cpu, "batch_shape": shape,
            "crop_size": list(args.crop), "output_size": list(args.output_size), "scale": list(args.scale),
            "steps_per_window": args.steps, "windows": args.windows, "warmup_steps": args.warmup,
-           "tensorflow": tf.__version__, "tf_models_official": getattr(official, "__version__", None)}
+           "tensorflow": tf.__version__, "tf_models_official": metadata.version("tf-models-official")}
     if args.json:
         print(json.dumps(out))
     else:

@@ -5,7 +5,7 @@
         [--tfrecords]
 
 Writes, in PASCAL VOC's layout, OUT/JPEGImages/<id>.jpg (textured procedural scenes with sensor noise,
-seg_train.data.synthetic's renderer, saved by Pillow as baseline JPEGs, 4:2:0, quality 90, about 0.9 MB
+seg_train.data.synthetic's renderer, saved by Pillow as baseline JPEGs, 4:2:0, quality 90, about 0.5 MB
 each), OUT/SegmentationClass/<id>.png (8-bit single-channel 'L' PNGs of the class indices 0..18, 255 on
 object outlines: Cityscapes' labelTrainIds kind, decoded by TensorFlow's PNG decoder),
 OUT/ImageSets/Segmentation/train.txt (all of them) and OUT/bench.yaml, a seg-train config with the
