@@ -16,6 +16,9 @@ GIL on tf.data's threads. Each file's header picks the decoder:
   Never `tf.io.decode_jpeg` for a label: a greyscale JPEG decodes to values that mostly stay in the
   class range, so no later check would notice.
 
+The training stream decodes a JPEG only around the source pixels its crop reads (`decode_jpeg_window`:
+`tf.image.decode_and_crop_jpeg`, the same IDCT, a margin that keeps the pixels those of the whole decode).
+
 A PNG's kind is in its first 26 bytes: the signature, then the IHDR chunk, whose data starts with
 width and height (4 bytes each), then the bit depth (byte 24) and the colour type (byte 25: 0 grey,
 2 RGB, 3 palette, 4 grey-alpha, 6 RGBA).
