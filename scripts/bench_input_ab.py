@@ -3,8 +3,9 @@
 Each round runs one fresh process per tree, in turn A B, A B, ... (so a change of machine load hits both),
 with PYTHONPATH set to the tree. The process times the loop `seg-bench --input-only` times
 (seg_train/bench/runner.py `input_throughput`: the reader's training stream, global batches, no model)
-and reports images/s and cores busy (its CPU time, all threads, over the wall time of each timed window:
-how many cores the pipeline kept busy), both the median over the windows. Only `ImageReader.train_dataset`
+and reports images/s, cores busy (its CPU time, all threads, over the wall time of each timed window:
+how many cores the pipeline kept busy) and CPU milliseconds per sample (that CPU time over the window's
+samples), each the median over the windows. Only `ImageReader.train_dataset`
 is used, so a tree from before seg-bench reported cores busy is measured the same way.
 
     python scripts/bench_input_ab.py --config CFG --trees OLD_TREE NEW_TREE [--rounds 3] [--cpus 0]
@@ -41,18 +42,20 @@ def child(args) -> None:
     it = iter(reader.train_dataset(batch, 0, 1))
     for _ in range(args.warmup):
         next(it)
-    rates, busy = [], []
+    rates, busy, cpu = [], [], []
     for _ in range(args.windows):
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             next(it)
-        wall = time.perf_counter() - t0
+        wall, used = time.perf_counter() - t0, time.process_time() - c0
         rates.append(args.steps * batch / wall)
-        busy.append((time.process_time() - c0) / wall)
+        busy.append(used / wall)
+        cpu.append(1000.0 * used / (args.steps * batch))
     del it  # as input_throughput does: an iterator left to interpreter exit can hang it
     print(json.dumps({"tree": os.path.dirname(os.path.dirname(os.path.abspath(seg_train.__file__))),
                       "images_per_sec": statistics.median(rates), "cores_busy": statistics.median(busy),
-                      "window_images_per_sec": rates, "window_cores_busy": busy}), flush=True)
+                      "cpu_ms_per_sample": statistics.median(cpu), "window_images_per_sec": rates,
+                      "window_cores_busy": busy, "window_cpu_ms_per_sample": cpu}), flush=True)
 
 
 def main() -> int:
@@ -77,7 +80,7 @@ def main() -> int:
     argv = [sys.executable, os.path.abspath(__file__), "--child", "--config", os.path.abspath(args.config),
             "--steps", str(args.steps), "--windows", str(args.windows), "--warmup", str(args.warmup)]
     argv += [f"--set={s}" for s in args.set]
-    rows, ratios = [], []
+    rows, ratios, cpu_ratios = [], [], []
     for r in range(1, args.rounds + 1):
         pair = []
         for tree in args.trees:
@@ -89,11 +92,15 @@ def main() -> int:
                 return 1
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             pair.append(out)
-            rows.append(f"| {r} | {out['tree']} | {out['images_per_sec']:.2f} | {out['cores_busy']:.2f} | {load:.2f} |")
+            rows.append(f"| {r} | {out['tree']} | {out['images_per_sec']:.2f} | {out['cores_busy']:.2f} | "
+                        f"{out['cpu_ms_per_sample']:.1f} | {load:.2f} |")
         ratios.append(pair[1]["images_per_sec"] / pair[0]["images_per_sec"])
-    print("| round | tree | images/s | cores busy | load at start |\n| --- | --- | --- | --- | --- |")
+        cpu_ratios.append(pair[0]["cpu_ms_per_sample"] / pair[1]["cpu_ms_per_sample"])
+    print("| round | tree | images/s | cores busy | CPU ms/sample | load at start |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
-    print(f"\nB/A per round: {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})")
+    print(f"\nB/A per round: {', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}); "
+          f"by CPU per sample (A/B): {', '.join(f'{x:.2f}' for x in cpu_ratios)}")
     return 0
 
 

@@ -663,12 +663,19 @@ def bench_main(argv=None) -> int:
             with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
                 result = bench.run_input_only(cfg, steps=args.steps, windows=args.windows, warmup=args.warmup)
             result["config"], result["overrides"] = os.path.abspath(args.config), list(args.overrides)
-            inp = result["input"]
+            inp, floor = result["input"], result["decode_floor"]
             print(json.dumps(result) if args.json else
                   f"input pipeline alone: {inp['images_per_sec']:.1f} images/s, {inp['cores_busy']:.2f} cores busy "
                   f"(global batch {result['global_batch']}, "
                   f"data.cache {result['cache']}" + (f"; first pass {inp['first_pass_images_per_sec']:.1f} images/s, "
-                  f"cache {inp['cache_mb']:.0f} MiB" if result["cache"] else "") + ")")
+                  f"cache {inp['cache_mb']:.0f} MiB" if result["cache"] else "") + ")\n"
+                  f"                    {'images/s':>9} {'cores busy':>11} {'CPU ms/sample':>14}\n"
+                  f"input pipeline    {inp['images_per_sec']:9.1f} {inp['cores_busy']:11.2f} "
+                  f"{inp['cpu_ms_per_sample']:14.1f}\n"
+                  f"decode only       {floor['images_per_sec']:9.1f} {floor['cores_busy']:11.2f} "
+                  f"{floor['cpu_ms_per_sample']:14.1f}\n"
+                  f"CPU per sample: {result['cpu_per_sample_vs_floor']:.2f}x the decode-only floor (the same "
+                  "samples, decoded by the reader's decoders, no augmentation)")
             return 0
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             result = bench.run(cfg, towers, devices, steps=args.steps, windows=args.windows, warmup=args.warmup,

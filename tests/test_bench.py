@@ -139,6 +139,21 @@ def test_bench_input_only_with_cache(tiny_cfg):
     # CPU time over wall time of the timed windows: above 0, at most the cores the process may use.
     assert 0 < out["input"]["cores_busy"] <= out["machine"]["usable_cpus"] * 1.05
     assert "towers" not in out  # nothing but the reader was run
+    # CPU per SAMPLE (not per batch): in every window CPU time / samples = cores busy / (samples / s); and
+    # the decode-only floor on the same files beside it (decoding the files even with data.cache on).
+    floor = out["decode_floor"]
+    for timed in (out["input"], floor):
+        for cpu, busy, rate in zip(timed["window_cpu_ms_per_sample"], timed["window_cores_busy"],
+                                   timed["window_images_per_sec"]):
+            assert cpu == pytest.approx(1000 * busy / rate, rel=1e-6)
+    assert positive(floor["images_per_sec"]) and positive(out["input_cpu_ms_per_sample"])
+    ratio = out["input"]["cpu_ms_per_sample"] / floor["cpu_ms_per_sample"]
+    assert out["cpu_per_sample_vs_floor"] == pytest.approx(ratio)
+    text = run_bench(["--config", str(tiny_cfg), "--input-only", "--steps", "1", "--windows", "1", "--warmup", "1"],
+                     tiny_cfg.parent)
+    assert text.returncode == 0, text.stderr
+    assert re.search(r"decode only +[\d.]+ +[\d.]+ +[\d.]+\n", text.stdout), text.stdout
+    assert re.search(r"CPU per sample: [\d.]+x the decode-only floor", text.stdout), text.stdout
 
 
 def test_bench_first_step_probes_and_accumulation_memory(tiny_cfg):

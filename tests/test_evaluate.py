@@ -124,6 +124,29 @@ def test_n_towers_give_the_identical_confusion_matrix(setup, n):
     assert evaluator._step.experimental_get_tracing_count() == 1
 
 
+def test_each_image_is_decoded_once_whatever_the_scales_and_flips(setup, tmp_path, monkeypatch):
+    """Multi-scale, flipped evaluation decodes each file once and makes every view from that decode
+    (eval_dataset decodes, the inference modes resize the decoded image). Counted through the decoder
+    itself: fails for an evaluation that decodes a file again per scale or per view (15 or 30 decodes
+    of these 5 images, not 5)."""
+    from seg_train.data import decode
+
+    cfg, trainer, reader = setup
+    calls = []
+    real = decode.decode_image
+
+    def counting(contents):
+        image = real(contents)
+        tick = tf.numpy_function(lambda: calls.append(1) or np.int64(0), [], tf.int64, stateful=True)
+        with tf.control_dependencies([tick]):
+            return tf.identity(image)
+
+    monkeypatch.setattr(decode, "decode_image", counting)
+    modes = tiny_config(tmp_path, eval={"flip": True, "scales": [0.5, 1.0, 1.5]}).eval
+    _, num_images = ev.evaluate(trainer.state, reader, NAMES, progress=False, eval_cfg=modes)
+    assert num_images == len(SIZES) and len(calls) == len(SIZES), len(calls)
+
+
 def test_wrong_number_of_class_names_is_refused(setup):
     _, trainer, reader = setup
     with pytest.raises(ConfigError, match="class names"):

@@ -17,7 +17,10 @@ What is measured, and how (docs/PERFORMANCE.md quotes these definitions):
   its steps, and `cores_busy` = CPU time / wall time. Other processes on the machine inflate wall
   time far more than CPU time, so CPU-time ratios are a cross-check of the wall-time ratios.
 - **Input images/s**: the same ImageReader pipeline (global batches) iterated alone, no training,
-  after warm-up; median over windows.
+  after warm-up; median over windows. Its **CPU ms per sample**: this process's CPU time over a
+  window / the window's samples (median window). `--input-only` also times the **decode-only floor**
+  (DECODE_FLOOR_DEFINITION: the same samples, decoded by the reader's own decoders, nothing else) and
+  reports `cpu_per_sample_vs_floor`, the pipeline's CPU per sample over the floor's.
 - **FLOPs, achieved FLOP/s, peak and `flops_utilization`**: defined in flops.py's docstring.
 - **Op time per op type and the cross-tower share** (`--profile`): op_profile.py.
 - **Peak resident memory**: VmHWM of /proc/self/status (ru_maxrss as fallback) at the end: the
@@ -52,6 +55,10 @@ log = logging.getLogger("seg_train")
 EFFICIENCY_DEFINITION = ("images/s at N towers / images/s at 1 tower, same global batch "
                          "(each tower gets global_batch / N images); 1.0 = no loss from splitting")
 WAIT_DEFINITION = "time blocked in next(iterator) / total time of the timed steps (median window)"
+DECODE_FLOOR_DEFINITION = ("the same samples in the same order, image and label decoded by the reader's own "
+                           "decoders and nothing else (no augmentation, no batching), at data.num_parallel_calls, "
+                           "timed in windows of as many samples; cpu_ms_per_sample = this process's CPU time "
+                           "(all threads) over a window / its samples, median window")
 
 
 @dataclass(frozen=True)
@@ -124,19 +131,54 @@ def input_throughput(reader, global_batch: int, steps: int, windows: int, warmup
         first_pass = n * global_batch / (time.perf_counter() - t0)
     for _ in range(warmup):
         next(it)
-    rates, busy = [], []
+    out = _timed_windows(it, steps, windows, global_batch)
+    del it
+    out["cache"] = reader.cfg.cache
+    if first_pass is not None:
+        out.update(first_pass_images_per_sec=first_pass, cache_mb=reader.cache_bytes() / 2**20)
+    return out
+
+
+def _timed_windows(it, steps: int, windows: int, per_item: int) -> dict:
+    """Times `windows` windows of `steps` next(it) calls, each giving `per_item` samples: images/s, cores
+    busy and CPU milliseconds per sample (this process's CPU time, all threads, over the window's
+    samples), the median window of each and the windows themselves."""
+    rates, busy, cpu = [], [], []
     for _ in range(windows):
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             next(it)
-        wall = time.perf_counter() - t0
-        rates.append(steps * global_batch / wall)
-        busy.append((time.process_time() - c0) / wall)
+        wall, used = time.perf_counter() - t0, time.process_time() - c0
+        rates.append(steps * per_item / wall)
+        busy.append(used / wall)
+        cpu.append(1000.0 * used / (steps * per_item))
+    return {"images_per_sec": _median(rates), "window_images_per_sec": rates, "cores_busy": _median(busy),
+            "window_cores_busy": busy, "cpu_ms_per_sample": _median(cpu), "window_cpu_ms_per_sample": cpu}
+
+
+def decode_floor(reader, global_batch: int, steps: int, windows: int, warmup: int) -> dict:
+    """The decode-only floor of the training stream: the same samples in the same order, each image and
+    label decoded by the reader's own decoders (`ImageReader.decode`: TensorFlow's, Pillow where the
+    reader uses Pillow) and nothing else, at data.num_parallel_calls; timed like input_throughput
+    (windows of `steps` global batches' worth of samples). Always decodes the files (data.cache off).
+    """
+    import dataclasses
+
+    import tensorflow as tf
+
+    from seg_train.data.reader import ImageReader
+
+    plain = reader
+    if reader.cfg.cache:
+        plain = ImageReader(dataclasses.replace(reader.cfg, cache=False), reader.split, reader.seed)
+        plain.samples = reader.samples
+    ds = plain.train_order(global_batch, 0, 1).map(
+        lambda k, i: plain.decode(i), num_parallel_calls=plain.cfg.num_parallel_calls, deterministic=True)
+    it = iter(ds.prefetch(tf.data.AUTOTUNE))
+    for _ in range(warmup * global_batch):
+        next(it)
+    out = _timed_windows(it, steps * global_batch, windows, 1)
     del it
-    out = {"images_per_sec": _median(rates), "window_images_per_sec": rates, "cores_busy": _median(busy),
-           "window_cores_busy": busy, "cache": reader.cfg.cache}
-    if first_pass is not None:
-        out.update(first_pass_images_per_sec=first_pass, cache_mb=reader.cache_bytes() / 2**20)
     return out
 
 
@@ -402,8 +444,16 @@ def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int =
     batch = cfg.data.batch_size
     log.info("timing the input pipeline alone (data.cache %s)", cfg.data.cache)
     inp = input_throughput(reader, batch, steps, windows, warmup)
-    log.info("input pipeline alone: %.1f images/s, %.2f cores busy", inp["images_per_sec"], inp["cores_busy"])
+    log.info("input pipeline alone: %.1f images/s, %.2f cores busy, %.1f ms CPU per sample", inp["images_per_sec"],
+             inp["cores_busy"], inp["cpu_ms_per_sample"])
+    log.info("timing the decode-only floor on the same samples")
+    floor = decode_floor(reader, batch, steps, windows, warmup)
+    log.info("decode only: %.1f images/s, %.2f cores busy, %.1f ms CPU per sample", floor["images_per_sec"],
+             floor["cores_busy"], floor["cpu_ms_per_sample"])
     return {"input_images_per_sec": inp["images_per_sec"], "input": inp, "global_batch": batch,
+            "input_cpu_ms_per_sample": inp["cpu_ms_per_sample"], "decode_floor": floor,
+            "cpu_per_sample_vs_floor": inp["cpu_ms_per_sample"] / floor["cpu_ms_per_sample"],
+            "decode_floor_definition": DECODE_FLOOR_DEFINITION,
             "crop_size": list(cfg.data.crop_size), "data_root": str(cfg.data.root), "num_train_images": len(reader),
             "num_parallel_calls": cfg.data.num_parallel_calls, "cache": cfg.data.cache,
             "steps_per_window": steps, "windows": windows, "warmup_steps": warmup,

@@ -16,6 +16,9 @@ GIL on tf.data's threads. Each file's header picks the decoder:
   Never `tf.io.decode_jpeg` for a label: a greyscale JPEG decodes to values that mostly stay in the
   class range, so no later check would notice.
 
+The training stream decodes a JPEG only around the source pixels its crop reads (`decode_jpeg_window`:
+`tf.image.decode_and_crop_jpeg`, the same IDCT, a margin that keeps the pixels those of the whole decode).
+
 A PNG's kind is in its first 26 bytes: the signature, then the IHDR chunk, whose data starts with
 width and height (4 bytes each), then the bit depth (byte 24) and the colour type (byte 25: 0 grey,
 2 RGB, 3 palette, 4 grey-alpha, 6 RGBA).
@@ -80,6 +83,32 @@ def decode_image(contents):
         lambda: tf.io.decode_jpeg(contents, channels=3, dct_method="INTEGER_ACCURATE"),
         lambda: tf.cond(tf_png, lambda: tf.io.decode_png(contents, channels=3),
                         lambda: _with_pillow(pillow_rgb, contents, [None, None, 3])))
+
+
+# Rows and columns decoded around a JPEG window beyond those it reads. libjpeg-turbo's cropped decoding
+# (jpeg_crop_scanline) upsamples the chroma of the window's outermost column as if it were the image's
+# edge, so that column can differ from the whole image's decode (by up to 39 levels, seen on 4:2:0 and
+# 4:2:2 files); one more column makes it exact, and one iMCU (16 pixels) costs nothing more, as the
+# decoder works in whole iMCUs anyway.
+JPEG_WINDOW_MARGIN = 16
+
+
+def is_jpeg(contents):
+    """Whether encoded bytes (scalar string tensor) are a JPEG, by their first bytes."""
+    return _header(contents)[0]
+
+
+def decode_jpeg_window(contents, box, size):
+    """The pixels of a JPEG that `box` = [top, left, height, width] covers (and up to JPEG_WINDOW_MARGIN
+    around it, within the image of `size` [height, width]): (uint8 [h, w, 3], the part's top-left pixel
+    [y, x] in the image). The pixels are those `decode_image` gives there (Pillow's), but only the
+    rows down to the box's last one are decoded and only the columns of the box get the IDCT:
+    `tf.image.decode_and_crop_jpeg` with the accurate integer IDCT.
+    """
+    start = tf.maximum(box[:2] - JPEG_WINDOW_MARGIN, 0)
+    end = tf.minimum(box[:2] + box[2:] + JPEG_WINDOW_MARGIN, size)
+    window = tf.concat([start, end - start], 0)
+    return tf.image.decode_and_crop_jpeg(contents, window, channels=3, dct_method="INTEGER_ACCURATE"), start
 
 
 def decode_label(contents):

@@ -9,6 +9,10 @@ Design (why it looks like this):
 - The global batch for step s is samples k = s*B .. s*B+B-1 whatever the tower count; each input
   pipeline (one per worker) emits its towers' slices of it in turn, which MirroredStrategy deals out
   round-robin to its towers (tf.distribute's `distribute_datasets_from_function` contract).
+- Augmentation computes only the crop (`augment`): the window is placed in the source image's
+  coordinates from the sample's draws and resampled from the source pixels it reads, with
+  ResizeBilinear's own arithmetic, so the crop is bit for bit the one cut from the whole scaled image;
+  a JPEG is decoded only down to the window's last row (`training_sample`).
 - Files are decoded by TensorFlow's ops in the graph, off the GIL, with Pillow only where those ops
   would give other pixels or classes than Pillow does (palette label PNGs such as PASCAL VOC's:
   data/decode.py). A sample TensorFlow cannot decode or that fails a check (sizes, label map, label
@@ -248,6 +252,31 @@ def apply_photometric(image, draws: dict):
     return image
 
 
+def _bilinear_axis(out_index, in_size, out_size):
+    """Along one axis, the source pixels and weight of ResizeBilinear (half-pixel centres, no antialias)
+    for output pixels `out_index` of a resize from `in_size` to `out_size`: (lower, upper, lerp).
+
+    TensorFlow's CPU kernel (resize_bilinear_op.cc, compute_interpolation_weights), in float32 as it
+    computes them: scale = in / out; p = (i + 0.5) * scale - 0.5; lower = max(floor(p), 0);
+    upper = min(ceil(p), in - 1); lerp = p - floor(p). At the edges lower == upper, so the weight,
+    whatever it is, changes nothing (the edge pixel is repeated, as the kernel does).
+    """
+    scale = tf.cast(in_size, tf.float32) / tf.cast(out_size, tf.float32)
+    p = (tf.cast(out_index, tf.float32) + 0.5) * scale - 0.5
+    floor = tf.floor(p)
+    lower = tf.maximum(tf.cast(floor, tf.int32), 0)
+    upper = tf.minimum(tf.cast(tf.math.ceil(p), tf.int32), in_size - 1)
+    return lower, upper, p - floor
+
+
+def _nearest_axis(out_index, in_size, out_size):
+    """Along one axis, the source pixel ResizeNearestNeighbor (half-pixel centres) reads for output pixels
+    `out_index`: min(floor((i + 0.5) * in / out), in - 1), in float32 (resize_nearest_neighbor_op.cc)."""
+    scale = tf.cast(in_size, tf.float32) / tf.cast(out_size, tf.float32)
+    index = tf.cast(tf.floor((tf.cast(out_index, tf.float32) + 0.5) * scale), tf.int32)
+    return tf.maximum(tf.minimum(index, in_size - 1), 0)
+
+
 class ImageReader:
     """Reads one split of a data set (data.layout) into tf.data pipelines, labels mapped to train ids.
 
@@ -347,14 +376,29 @@ class ImageReader:
         """TensorFlow's decode of encoded image and label bytes, with load_sample's checks as assertions."""
         image = decoders.decode_image(image_contents)
         label = decoders.decode_label(label_contents)
-        # The label map, then the range check: a raw value the map does not cover (NO_ID) fails it as
-        # an out-of-range value does, and load_sample then names the file and the value.
-        ids = labels.apply_tf(self.label_table, label)
-        in_range = ((ids >= 0) & (ids < self.cfg.num_classes)) | (ids == self.cfg.ignore_label)
+        ids, in_range = self._train_ids(label)
         checks = [tf.debugging.assert_equal(tf.shape(label), tf.shape(image)[:2]),
-                  tf.debugging.assert_equal(tf.reduce_all(in_range), True)]
+                  tf.debugging.assert_equal(in_range, True)]
         with tf.control_dependencies(checks):
             return tf.identity(image), tf.cast(ids, tf.uint8)
+
+    def _train_ids(self, label):
+        """A decoded uint8 label -> (its train ids, whether all of them are classes or ignore_label).
+
+        The label map, then the range check: a raw value the map does not cover (NO_ID) fails it as
+        an out-of-range value does, and load_sample then names the file and the value. Without a map
+        the ids are the label itself, checked as uint8 (no int32 copy of a whole frame).
+        """
+        c, ignore = self.cfg.num_classes, self.cfg.ignore_label
+        if self.label_table is None:
+            valid = label == ignore
+            if c < 256:
+                valid |= label < c
+            else:
+                valid = tf.ones_like(valid)
+            return label, tf.reduce_all(valid)
+        ids = labels.apply_tf(self.label_table, label)
+        return ids, tf.reduce_all(((ids >= 0) & (ids < c)) | (ids == ignore))
 
     def decode(self, index):
         """Sample `index` -> (uint8 image [H, W, 3], uint8 label [H, W]).
@@ -376,6 +420,49 @@ class ImageReader:
                 lambda p: self._decode_files(p[0], p[1]))
         checked = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_checked(i, fallback=True))
         return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
+
+    def training_sample(self, k, index):
+        """Sample `index` decoded and augmented as the stream's sample k: `augment(*decode(index), k)`.
+
+        The same pixels, decoded more cheaply: a JPEG image decodes only the rows and columns its crop
+        reads (`_decode_crop`; its label is decoded whole, as the checks read all of it). What
+        TensorFlow fails on, or what fails a check, goes through load_sample as in `decode`, which
+        names the file (or gives the stand-in), and is cropped from the whole image.
+        """
+        if self._cache is not None:
+            return self.augment(*self._decode_checked(index, fallback=False), k)
+        index = tf.cast(index, tf.int64)
+        if self.cfg.format == "tfrecord":
+            fast = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_crop(*self._read_record(i), k))
+        else:
+            paths = tf.constant([[s.image, s.label] for s in self.samples])
+            fast = tf.data.Dataset.from_tensors(tf.gather(paths, index)).map(
+                lambda p: self._decode_crop(tf.io.read_file(p[0]), tf.io.read_file(p[1]), k))
+        checked = tf.data.Dataset.from_tensors(index).map(
+            lambda i: self.augment(*self._decode_checked(i, fallback=True), k))
+        return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
+
+    def _decode_crop(self, image_contents, label_contents, k):
+        """`_decode_contents` then `augment`, a JPEG image decoded only where the crop reads it."""
+        label = decoders.decode_label(label_contents)
+        ids, in_range = self._train_ids(label)
+
+        def jpeg():
+            size = tf.io.extract_jpeg_shape(image_contents)[:2]
+            plan = self._window_plan(size, k)
+            part, origin = decoders.decode_jpeg_window(image_contents, plan["box"], size)
+            return (size,) + self._crop(part, ids, plan, origin)
+
+        def other():
+            image = decoders.decode_image(image_contents)
+            size = tf.shape(image)[:2]
+            return (size,) + self._crop(image, ids, self._window_plan(size, k), tf.zeros([2], tf.int32))
+
+        size, image, crop_label = tf.cond(decoders.is_jpeg(image_contents), jpeg, other)
+        # load_sample's checks, as in _decode_contents: on the whole label.
+        checks = [tf.debugging.assert_equal(tf.shape(label), size), tf.debugging.assert_equal(in_range, True)]
+        with tf.control_dependencies(checks):
+            return tf.identity(image), tf.identity(crop_label)
 
     def normalize(self, image):
         """uint8/float RGB -> float32 (x - mean) / std."""
@@ -408,45 +495,140 @@ class ImageReader:
         return head.concatenate(rest)
 
     def augment(self, image, label, k):
-        """Random scale, mirror and crop of one sample, drawn from stateless RNG seeded by (seed, k)."""
+        """Random scale, mirror and crop of one sample, drawn from stateless RNG seeded by (seed, k).
+
+        The definition: the image is scaled by s ~ U(data.random_scale) to round(s * size) (bilinear,
+        half-pixel centres: tf.image.resize; the label nearest-neighbour), mirrored with probability
+        1/2, padded at the bottom and right to at least data.crop_size (mean colour; ignore_label),
+        and a window of data.crop_size is cut at a uniform position. Only that window is computed
+        (`_window_plan`, `_crop`): its pixels are resampled from the source rows and columns they
+        read, with ResizeBilinear's and ResizeNearestNeighbor's own index and weight arithmetic, so
+        the crop is the one cut from the whole scaled image bit for bit (tests/test_crop_window.py),
+        at a fraction of the cost: at scale 2 a 769x769 window of a 2048x1024 frame is 1.8 M values,
+        the whole scaled image 25 M.
+        """
+        plan = self._window_plan(tf.shape(image)[:2], k)
+        return self._crop(image, label, plan, tf.zeros([2], tf.int32))
+
+    def _window_plan(self, hw, k) -> dict:
+        """The (seed, k) draws of a sample of source size `hw` and the crop window they give.
+
+        Draws, in this order, each from its own split of the sample's key: scale, mirror, y, x: the
+        order and the arithmetic of the whole-image augmentation this replaced, so the stream stays
+        what it was. Returns the window in the scaled, mirrored, padded frame (y, x; rows, cols: how
+        many of its rows and columns fall inside the scaled image of size h x w), where its pixels
+        are in the SOURCE image (`_bilinear_axis`, `_nearest_axis`), whether `_crop` resizes the whole
+        image for them (`whole`) and `box`: the source rows and columns [top, left, height, width] it
+        reads, resampling margins included.
+        """
         cfg = self.cfg
         seeds = tf.random.experimental.stateless_split(
             tf.stack([tf.constant(self.seed + 1, tf.int64), k]), num=4)
-        image = tf.cast(image, tf.float32)
-        label = tf.cast(label, tf.int32)[..., None]
+        hw = tf.cast(hw, tf.int32)
         lo, hi = cfg.random_scale
-        if hi > lo or lo != 1.0:
+        resize = hi > lo or lo != 1.0
+        if resize:
             scale = tf.random.stateless_uniform([], seeds[0], lo, hi)
-            hw = tf.cast(tf.shape(image)[:2], tf.float32)
-            new_hw = tf.maximum(tf.cast(tf.round(hw * scale), tf.int32), 1)
-            image = tf.image.resize(image, new_hw, method="bilinear")
-            label = tf.image.resize(label, new_hw, method="nearest")
-        if cfg.random_mirror:
-            flip = tf.random.stateless_uniform([], seeds[1]) < 0.5
-            image = tf.cond(flip, lambda: tf.reverse(image, [1]), lambda: image)
-            label = tf.cond(flip, lambda: tf.reverse(label, [1]), lambda: label)
-        # Pad to at least the crop size: image with the mean colour (zero after normalisation),
-        # label with ignore_label, so padding is never learned from.
+            new_hw = tf.maximum(tf.cast(tf.round(tf.cast(hw, tf.float32) * scale), tf.int32), 1)
+        else:
+            new_hw = hw
+        flip = tf.random.stateless_uniform([], seeds[1]) < 0.5 if cfg.random_mirror else tf.constant(False)
         ch, cw = cfg.crop_size
-        h, w = tf.shape(image)[0], tf.shape(image)[1]
+        h, w = new_hw[0], new_hw[1]
         ph, pw = tf.maximum(ch - h, 0), tf.maximum(cw - w, 0)
-        pad = [[0, ph], [0, pw], [0, 0]]
-        image = tf.pad(image - tf.constant(cfg.mean), pad) + tf.constant(cfg.mean)
-        label = tf.pad(label, pad, constant_values=cfg.ignore_label)
-        h, w = h + ph, w + pw
-        y = tf.random.stateless_uniform([], seeds[2], 0, h - ch + 1, dtype=tf.int32)
-        x = tf.random.stateless_uniform([], seeds[3], 0, w - cw + 1, dtype=tf.int32)
-        image = image[y:y + ch, x:x + cw]
-        label = label[y:y + ch, x:x + cw, 0]
+        y = tf.random.stateless_uniform([], seeds[2], 0, h + ph - ch + 1, dtype=tf.int32)
+        x = tf.random.stateless_uniform([], seeds[3], 0, w + pw - cw + 1, dtype=tf.int32)
+        rows, cols = tf.minimum(ch, h - y), tf.minimum(cw, w - x)
+        # The window's rows and columns in the scaled image; mirrored, its column j is the scaled
+        # image's column w - 1 - j: columns x0 .. x0 + cols - 1 read right to left.
+        x0 = tf.where(flip, w - cols - x, x)
+        ys = tf.range(y, y + rows)
+        xs = tf.where(flip, tf.range(x0 + cols - 1, x0 - 1, -1), tf.range(x0, x0 + cols))
+        plan = {"k": k, "flip": flip, "y": y, "x": x, "x0": x0, "rows": rows, "cols": cols, "h": h, "w": w,
+                "resize": resize}
+        if not resize:
+            plan["ny"], plan["nx"] = ys, xs
+            plan["box"] = tf.stack([y, x0, rows, cols])
+            return plan
+        plan["by"], plan["bx"] = _bilinear_axis(ys, hw[0], h), _bilinear_axis(xs, hw[1], w)
+        plan["ny"], plan["nx"] = _nearest_axis(ys, hw[0], h), _nearest_axis(xs, hw[1], w)
+        top, bottom = plan["by"][0][0], plan["by"][1][-1]
+        left, right = tf.reduce_min(plan["bx"][0]), tf.reduce_max(plan["bx"][1])
+        # Two ways to the same values, costed in pixels of work (their times on one core follow these
+        # counts within about 20%): 0: tf.image.resize of the whole image, where the window is most of
+        # the scaled image; 1: the window's own resampling (`_crop`), which reads the box of source
+        # pixels around it, about 1.5 units per box pixel, and interpolates each window pixel.
+        band = tf.cast(bottom - top + 1, tf.float32) * tf.cast(right - left + 1, tf.float32)
+        cost = tf.stack([tf.cast(h * w, tf.float32), 1.5 * band + tf.cast(rows * cols, tf.float32)])
+        plan["whole"] = tf.argmin(cost) == 0
+        plan["box"] = tf.where(plan["whole"], tf.stack([0, 0, hw[0], hw[1]]),
+                               tf.stack([top, left, bottom - top + 1, right - left + 1]))
+        return plan
+
+    def _crop(self, image, label, plan: dict, origin):
+        """The crop `plan` describes, from uint8 `image` [H', W', 3] and `label` [H'', W''] whose top-left
+        pixels are the source image's pixel `origin` (the whole image at [0, 0], or a part of it holding
+        at least plan["box"] of the image; the label is always whole). Normalised image, uint8 label.
+
+        Every element-wise step works on [rows, cols * 3] views, where TensorFlow broadcasts a row or a
+        column vector fast (a [3]-vector over [h, w, 3] is about six times slower).
+        """
+        cfg = self.cfg
+        ch, cw = cfg.crop_size
+        top, left, bh, bw = tf.unstack(plan["box"])
+        rows, cols, x0 = plan["rows"], plan["cols"], plan["x0"]
+        image = image[top - origin[0]:top - origin[0] + bh, left - origin[1]:left - origin[1] + bw]
+        label = label[top:top + bh, left:left + bw]
+
+        def mirrored(part):
+            return tf.cond(plan["flip"], lambda: tf.reverse(part, [1]), lambda: part)
+
+        if plan["resize"]:
+            (y0, y1, wy), (x0s, x1s, wx) = plan["by"], plan["bx"]
+            y, h, w = plan["y"], plan["h"], plan["w"]
+
+            def whole():
+                # The whole scaled image, as the whole-image augmentation made it; then the window.
+                scaled = tf.image.resize(image, [h, w], method="bilinear")
+                return tf.reshape(mirrored(scaled[y:y + rows, x0:x0 + cols]), [rows, -1])
+
+            def window():
+                # ResizeBilinear's arithmetic written out, in its order: along x within each source row,
+                # left + (right - left) * lerp, then along y, top + (bottom - top) * lerp. Along x on the
+                # transposed source, whose columns are rows: TensorFlow gathers whole rows several times
+                # faster than single pixels, and transposing costs less than the difference.
+                source = tf.reshape(tf.transpose(tf.cast(image, tf.float32), [1, 0, 2]), [bw, -1])
+                a, b = tf.gather(source, x0s - left), tf.gather(source, x1s - left)
+                along_x = a + (b - a) * wx[:, None]
+                along_x = tf.reshape(tf.transpose(tf.reshape(along_x, [cols, bh, 3]), [1, 0, 2]), [bh, -1])
+                upper, lower = tf.gather(along_x, y0 - top), tf.gather(along_x, y1 - top)
+                return upper + (lower - upper) * wy[:, None]
+
+            image = tf.cond(plan["whole"], whole, window)
+            # The label's rows, then its columns as the rows of the transpose (as above).
+            label = tf.gather(label, plan["ny"] - top)
+            label = tf.transpose(tf.gather(tf.transpose(label), plan["nx"] - left))
+        else:
+            image = tf.reshape(tf.cast(mirrored(image), tf.float32), [bh, -1])
+            label = mirrored(label)
+        # Pad to the crop size: image with the mean colour (zero after normalisation), label with
+        # ignore_label, so padding is never learned from; (x - mean) + mean as the whole-image
+        # augmentation computed it, so the values stay its values to the bit.
+        mean = tf.constant(cfg.mean, tf.float32)
+        image = tf.pad(image - tf.tile(mean, [cols])[None], [[0, ch - rows], [0, 3 * (cw - cols)]])
+        image = image + tf.tile(mean, [cw])[None]
+        label = tf.pad(label, [[0, ch - rows], [0, cw - cols]], constant_values=cfg.ignore_label)
         if cfg.photometric:
-            # Its own key, folded off this sample's: the four draws above stay what they were.
-            key = tf.random.experimental.stateless_fold_in(tf.stack([tf.constant(self.seed + 1, tf.int64), k]), 1)
+            image = tf.reshape(image, [ch, cw, 3])
+            # Its own key, folded off this sample's: the four draws stay what they were.
+            key = tf.random.experimental.stateless_fold_in(
+                tf.stack([tf.constant(self.seed + 1, tf.int64), plan["k"]]), 1)
             jittered = apply_photometric(image, photometric_draws(cfg.photometric, key))
             # The padding keeps the mean colour (zero after normalisation), as without the jitter.
-            inside = (tf.range(ch)[:, None] + y < h - ph) & (tf.range(cw)[None, :] + x < w - pw)
-            image = tf.where(inside[..., None], jittered, image)
-        image = self.normalize(image)
-        image.set_shape([ch, cw, 3])
+            inside = (tf.range(ch)[:, None] < rows) & (tf.range(cw)[None, :] < cols)
+            image = tf.reshape(tf.where(inside[..., None], jittered, image), [ch, -1])
+        image = (image - tf.tile(mean, [cw])[None]) / tf.tile(tf.constant(cfg.std, tf.float32), [cw])[None]
+        image = tf.reshape(image, [ch, cw, 3])
         label.set_shape([ch, cw])
         return image, tf.cast(label, tf.uint8)
 
@@ -498,8 +680,7 @@ class ImageReader:
         per_replica = micro_batches * (global_batch // num_replicas)
 
         def load(k, index):
-            image, label = self.decode(index)
-            return self.augment(image, label, k)
+            return self.training_sample(k, index)
 
         ds = self.train_order(global_batch, start_step, num_replicas, pipeline_id, num_pipelines, micro_batches)
         if end_step is not None:
