@@ -35,6 +35,7 @@ from seg_train.progress import progress_bar
 from seg_train.infer import modes
 from seg_train.config import ConfigError
 from seg_train.infer.metrics import SegMetrics, compute_metrics
+from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader
 
 # One compiled eval step per TrainState and inference modes: evaluation during training calls
@@ -126,7 +127,7 @@ def evaluate(state, reader: ImageReader, class_names, progress: bool = True,
              tf.fill([1, 32, 32], tf.constant(reader.cfg.ignore_label, tf.uint8)))  # all ignored
     total = tf.zeros([c * c], tf.int64)
     num_images = 0
-    samples = iter(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
+    samples = Feed(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
     with progress_bar(len(reader), f"eval {reader.split}", enabled=progress) as bar:
         while True:
             group = [(image, label) for image, label, _ in itertools.islice(samples, n)]
