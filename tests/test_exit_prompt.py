@@ -74,18 +74,7 @@ cli.import_tensorflow = import_tensorflow
 
 DRIVER = SLOW_TEARDOWN + r'''
 import sys
-command = sys.argv.pop(1)
-if os.environ.get("INJECT_ERROR_AT_STEP"):
-    from seg_train import loop
-    finish, at = loop.HostSide.finish, int(os.environ["INJECT_ERROR_AT_STEP"])
-
-    def failing_finish(self, pending, ended=None):
-        if pending[0] == at:  # a bug in the host side of a step, mid-run: the next step's batch in flight
-            raise AttributeError("'HostSide' object has no attribute 'injected_for_the_test'")
-        return finish(self, pending, ended)
-
-    loop.HostSide.finish = failing_finish
-sys.exit(getattr(cli, command)())
+sys.exit(getattr(cli, sys.argv.pop(1))())
 '''
 
 
@@ -94,18 +83,20 @@ def destructions(record) -> list[tuple[str, str]]:
     return [tuple(line.split()) for line in record.read_text().splitlines()] if record.exists() else []
 
 
-def timed(tmp_path, command: str, args: list[str], stop_at: str | None = None, env_extra: dict | None = None):
+def timed(tmp_path, command: str, args: list[str], stop_at: str | None = None):
     """Runs `command` (a seg_train.cli entry point) through the driver; returns (exit code, output lines,
-    seconds from the last line to the exit). stop_at: a regex; SIGTERM is sent when a stderr line matches."""
+    seconds from the last line to the exit, the record of destructions). stop_at: a regex; SIGTERM is
+    sent when a stderr line matches."""
     import re
 
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
+    record = tmp_path / f"{command}-{time.monotonic_ns()}.destroyed"
     env = dict(os.environ, PYTHONUNBUFFERED="1", SLOW_DESTROY=str(SLOW_DESTROY),
-               DESTROY_RECORD=str(tmp_path / f"{command}.destroyed"), **(env_extra or {}))
+               DESTROY_RECORD=str(record))
     proc = subprocess.Popen([sys.executable, str(driver), command, *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, last = [], [time.monotonic()]
+    lines, last, signalled = [], [time.monotonic()], []
     lock = threading.Lock()
 
     def pump(stream, is_err):
@@ -113,8 +104,9 @@ def timed(tmp_path, command: str, args: list[str], stop_at: str | None = None, e
             with lock:
                 lines.append(line.rstrip("\n"))
                 last[0] = time.monotonic()
-            if is_err and stop_at and re.search(stop_at, line):
-                proc.send_signal(signal.SIGTERM)
+            if is_err and stop_at and not signalled and re.search(stop_at, line):
+                signalled.append(line)
+                proc.send_signal(signal.SIGTERM)  # once: a second signal would stop it at once
 
     pumps = [threading.Thread(target=pump, args=(proc.stdout, False)),
              threading.Thread(target=pump, args=(proc.stderr, True))]
@@ -128,51 +120,79 @@ def timed(tmp_path, command: str, args: list[str], stop_at: str | None = None, e
     exited = time.monotonic()
     for p in pumps:
         p.join()
-    return rc, lines, exited - last[0]
+    return rc, lines, exited - last[0], record
 
 
-def check(tmp_path, command: str, rc: int, code: int, lines: list[str], gap: float, expected_last: str) -> None:
+def check(command: str, rc: int, lines: list[str], gap: float, record, code: int, expected: str) -> None:
     out = "\n".join(lines)
     assert rc == code, out
-    assert expected_last in out, out
+    assert expected in out, out
     assert gap < SLOW_DESTROY / 2, f"{command} exited {gap:.1f} s after its last line:\n{out}"
-    seen = destructions(tmp_path / f"{command}.destroyed")
-    on_main = [kind for kind, thread in seen if thread == "MainThread"]
+    on_main = [kind for kind, thread in destructions(record) if thread == "MainThread"]
     assert not on_main, f"iterators destroyed by the command's own thread: {on_main}"
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def demo_root(tmp_path_factory):
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
+                              num_classes=3)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, demo_root):
     """seg-train on 2 towers to its end (the last step evaluates: precise BN, evaluation), timed."""
-    tmp = tmp_path_factory.mktemp("exitprompt")
-    root = synthetic.generate(tmp / "demo", num_train=12, num_val=4, size=(40, 48), num_classes=3)
+    tmp, root = tmp_path_factory.mktemp("exitprompt"), demo_root
     cfg = write_config(tmp, root, num_steps=3, checkpoint_every=3, image_summary_every=0)
-    rc, lines, gap = timed(tmp, "train_main", ["--config", str(cfg), "--gpus", "2"])
-    return tmp, root, cfg, rc, lines, gap
+    return tmp, root, cfg, timed(tmp, "train_main", ["--config", str(cfg), "--gpus", "2"])
 
 
 def test_train_done_exits_promptly(trained):
-    tmp, _, _, rc, lines, gap = trained
-    check(tmp, "train_main", rc, 0, lines, gap, "done: step 3")
+    *_, (rc, lines, gap, record) = trained
+    check("seg-train", rc, lines, gap, record, 0, "done: step 3")
     # The model of the teardown was in force: the iterators of the last step's evaluation were released.
-    assert any(thread == "seg-train-release" for _, thread in destructions(tmp / "train_main.destroyed"))
+    assert any(thread == "seg-train-release" for _, thread in destructions(record))
 
 
 def test_eval_exits_promptly(trained):
-    tmp, _, cfg, *_ = trained
-    rc, lines, gap = timed(tmp, "eval_main", ["--config", str(cfg), "--gpus", "2", "--checkpoint", "run"])
-    check(tmp, "eval_main", rc, 0, lines, gap, "images, step 3: mIoU")
+    tmp, _, cfg, _ = trained
+    check("seg-eval", *timed(tmp, "eval_main", ["--config", str(cfg), "--gpus", "2", "--checkpoint", "run"]), 0,
+          "images, step 3: mIoU")
 
 
-@pytest.mark.parametrize("way_out", ["sigterm", "internal_error"])
-def test_train_stopped_mid_run_exits_promptly(tmp_path, trained, way_out):
-    """A stop mid-stream: the training iterator is still decoding ahead when it is released."""
-    _, root, _, *_ = trained
+def test_eval_stopped_by_a_bad_image_exits_promptly(trained):
+    """A user error mid-stream (an unreadable val image, the evaluation's second step): the iterator
+    raising it is still decoding ahead, and the exception's frames held it."""
+    tmp, _, cfg, _ = trained
+    bad = synthetic.generate(tmp / "bad", num_train=12, num_val=4, size=(40, 48), num_classes=3)
+    third = bad.joinpath("ImageSets", "Segmentation", "val.txt").read_text().split()[2]
+    (bad / "JPEGImages" / f"{third}.jpg").write_bytes(b"not a JPEG" * 20)
+    check("seg-eval", *timed(tmp, "eval_main", ["--config", str(cfg), "--gpus", "2", "--checkpoint", "run",
+                                                "--set", f"data.root={bad}"]), 2,
+          f"error: unreadable image ({bad}")
+
+
+def test_train_stopped_by_a_signal_exits_promptly(tmp_path, trained):
+    """SIGTERM mid-run: the step finishes, a checkpoint is written, the training iterator (decoding
+    ahead) is released."""
+    _, root, _, _ = trained
     cfg = write_config(tmp_path, root, num_steps=200, checkpoint_every=100, image_summary_every=0)
-    args = ["--config", str(cfg), "--gpus", "1"]  # one tower: cheaper, the same way out
-    if way_out == "sigterm":
-        rc, lines, gap = timed(tmp_path, "train_main", args, stop_at=r"step 2/200\b")
-        check(tmp_path, "train_main", rc, 128 + signal.SIGTERM, lines, gap, "interrupted by SIGTERM at step")
-    else:
-        rc, lines, gap = timed(tmp_path, "train_main", args, env_extra={"INJECT_ERROR_AT_STEP": "2"})
-        check(tmp_path, "train_main", rc, 1, lines, gap, "error: internal error (AttributeError)")
+    check("seg-train", *timed(tmp_path, "train_main", ["--config", str(cfg), "--gpus", "1"], stop_at=r"step 2/200\b"),
+          128 + signal.SIGTERM, "interrupted by SIGTERM at step")
+
+
+def test_precise_bn_decodes_only_the_batches_it_uses(tmp_path, demo_root):
+    """Nothing is decoded for nothing: the re-estimation's stream ends with its batches, so its teardown
+    has no work in flight (a stream cut after its prefetch decoded ahead of the batches it used)."""
+    from seg_train import replicas
+    from seg_train.data.reader import ImageReader
+    from seg_train.infer import precise_bn
+    from seg_train.state import TrainState
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(tmp_path, demo_root, data={"batch_size": 4, "cache": True})  # every decode through Python
+    state = TrainState(cfg, replicas.make_strategy(replicas.Devices(["/device:CPU:0"], "CPU", "test")))
+    reader = ImageReader(cfg.data, "train", cfg.seed)
+    decoded, decode = [], reader._decode_py
+    reader._decode_py = lambda index: (decoded.append(int(index)), decode(index))[1]
+    assert precise_bn.reestimate(state, reader, 3, progress=False)
+    assert len(decoded) == 3 * 4, decoded

@@ -78,7 +78,11 @@ class Feed:
             box, self._it = [self._it], None
             release(box)
 
-    __del__ = close
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown (module globals gone): nothing left to wait for
+            pass
 
     def __enter__(self):
         return self
