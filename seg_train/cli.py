@@ -22,6 +22,9 @@ import traceback
 
 from seg_train import exit_codes, preflight
 from seg_train.config import ConfigError
+# Imported before _end_process is registered, so that feed's exit hook (waiting for iterator releases)
+# runs after it: never in a command, which ends its process first (seg_train/data/feed.py).
+from seg_train.data import feed  # noqa: F401
 
 log = logging.getLogger("seg_train")
 

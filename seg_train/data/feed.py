@@ -23,8 +23,12 @@ exception raised by the iterator, which hold it as a local, are cleared before t
 
 from __future__ import annotations
 
+import atexit
 import threading
 import traceback
+
+_releasing: set[threading.Thread] = set()  # release threads not finished yet
+JOIN_TIMEOUT_S = 300  # at interpreter exit, per release still running (TensorFlow's wait is at most ~60 s)
 
 
 def release(box: list) -> None:
@@ -32,10 +36,29 @@ def release(box: list) -> None:
 
     The caller must hold no other reference to them (pass them inside the list, not as a local).
     """
-    try:
-        threading.Thread(target=box.clear, name="seg-train-release", daemon=True).start()
-    except RuntimeError:  # interpreter shutdown: no new threads; drop them here
+    def drop():
         box.clear()
+        _releasing.discard(threading.current_thread())
+
+    thread = threading.Thread(target=drop, name="seg-train-release", daemon=True)
+    try:
+        _releasing.add(thread)
+        thread.start()
+    except RuntimeError:  # interpreter shutdown: no new threads; drop them here
+        _releasing.discard(thread)
+        box.clear()
+
+
+@atexit.register
+def _join_releases() -> None:
+    """At the exit of a process that Python tears down (an in-process caller, e.g. the tests), waits for
+    the releases still running: Python ends a thread that asks for the GIL once its tear-down has begun,
+    and a release thread asks for it on its way out of TensorFlow's destructor, where being ended
+    aborts the process ("FATAL: exception not rethrown"). A command never waits here: registered when
+    seg_train/cli.py is imported, this hook runs after the command's own one (cli._end_process), which
+    ends the process first."""
+    for thread in list(_releasing):
+        thread.join(JOIN_TIMEOUT_S)
 
 
 def _clear_frames(exc: BaseException) -> None:
