@@ -7,10 +7,10 @@ iterator lives on. The destructor cancels that thread and joins it; the cancella
 TensorFlow marks the cancellation as done only after the wake-up call returns
 (tsl::CancellationManager::StartCancel), so a woken thread that runs first sees "not cancelled" and
 sleeps out the rest of its period (tensorflow::data::model::Model::OptimizeLoop). On idle cores the
-destroying thread nearly always gets there first; on busy ones the woken thread often does (seen:
-one iterator of a finished seg-train took 8-60 s to destroy beside two CPU-bound processes; a
-distributed iterator on N towers is N + 1 such iterators). The destructor also waits for decode calls
-in flight, which a stop mid-stream (an error, a signal) leaves behind.
+destroying thread nearly always gets there first; on busy ones the woken thread often does
+(docs/PERFORMANCE.md, "Last line to exit"; a distributed iterator on N towers is N + 1 such
+iterators). The destructor also waits for decode calls in flight, which a stop mid-stream (an error,
+a signal) leaves behind.
 
 So the last reference to the iterator is dropped on a thread of its own (`release`): the destructor
 cancels the pipeline's work at once and waits there, while the command goes on and ends (a command
