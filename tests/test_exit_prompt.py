@@ -162,7 +162,8 @@ def test_eval_exits_promptly(trained):
 
 def test_eval_stopped_by_a_bad_image_exits_promptly(trained):
     """A user error mid-stream (an unreadable val image, the evaluation's second step): the iterator
-    raising it is still decoding ahead, and the exception's frames held it."""
+    raising it is still decoding ahead, and the Feed owning it lives in the exception's frames until
+    the error is reported."""
     tmp, _, cfg, _ = trained
     bad = synthetic.generate(tmp / "bad", num_train=12, num_val=4, size=(40, 48), num_classes=3)
     third = bad.joinpath("ImageSets", "Segmentation", "val.txt").read_text().split()[2]
