@@ -23,6 +23,9 @@ import traceback
 
 from seg_train import exit_codes, preflight
 from seg_train.config import ConfigError, without_reprs
+# Imported before _end_process is registered, so that feed's exit hook (waiting for iterator releases)
+# runs after it: never in a command, which ends its process first (seg_train/data/feed.py).
+from seg_train.data import feed  # noqa: F401
 
 log = logging.getLogger("seg_train")
 
@@ -146,9 +149,10 @@ def _end_process() -> None:
     Why: once that tear-down has begun, Python ends any thread that asks for the GIL, and the
     objects still alive are destroyed. A tf.data iterator destroyed then with decode calls in flight
     (the reader decodes in Python, through tf.numpy_function) waits forever for calls whose threads
-    were ended: the process hung after printing its error (tests/test_exit_hang.py). seg-bench's
-    runners sit in a reference cycle, so their iterators lived until then; an error, Ctrl-C or a
-    stop mid-run in any command can leave one.
+    were ended: the process hung after printing its error (tests/test_exit_hang.py). The commands
+    now release their iterators on threads of their own (seg_train/data/feed.py): ending the process
+    here does not wait for them, where the tear-down would end such a thread on its way out of
+    TensorFlow's destructor, which aborts the process.
 
     Nothing a user needs is skipped. Registered as the command starts (before TensorFlow is
     imported), this hook runs after the exit hooks added later (TensorFlow's, the removal of

@@ -27,6 +27,7 @@ from seg_train.infer.metrics import format_table
 from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
 from seg_train.data import layouts
+from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader, class_names_of, prepare_data
 from seg_train.data.scan import class_weights_for_split, scan_for_training
 from seg_train.rundir import RunLock, check_resume_config, write_class_weights
@@ -265,7 +266,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
                             else "config", names, class_weights)
 
     # ---- data ---------------------------------------------------------------------------------------
-    batches = iter(dist_data)
+    batches = Feed(dist_data)  # released without waiting for TensorFlow's teardown (data/feed.py)
     summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
     summaries.config_text(start + 1, cfg, towers=n)  # the first step of this run segment
     profiler = StepProfiler(write_dir, cfg.train.profile_steps)
@@ -330,6 +331,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
               "train.learning_rate, or set train.on_nan: skip_step to skip such steps", file=sys.stderr)
         status = EXIT_NONFINITE
     finally:
+        batches.close()
         if bar is not None:
             bar.close()
         profiler.close()

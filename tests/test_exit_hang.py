@@ -8,10 +8,11 @@ printing its error line. seg-bench showed it: its runners keep their iterators i
 so they die only in the collection that shutdown runs. seg_train/cli.py now ends the process itself.
 
 A small driver slows the decode (as a slow disk would), so decode calls are always in flight when
-the error arrives. The user error comes from real input: a bad sample reached after the warm-up
-(exit 2); the internal error is raised by the driver right after a step (exit 1), as the
-AttributeError that first showed the hang was. Without the fix both runs time out; with it each
-takes ~10-15 s.
+the error arrives, and makes every iterator's destruction slow (tests/test_exit_prompt.py): seg-bench
+must close its runners on the way out without destroying their iterators on its own thread. The
+user error comes from real input: a bad sample reached after the warm-up (exit 2); the internal
+error is raised by the driver right after a step (exit 1), as the AttributeError that first showed
+the hang was. Without the fix both runs time out; with it each takes ~10-15 s.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import pytest
 import yaml
 
 from seg_train.data import synthetic
+from tests.test_exit_prompt import SLOW_DESTROY, SLOW_TEARDOWN, destructions
 
 HANG_TIMEOUT = 120  # a run takes ~10 s; far above that means it hung at exit
 BAD = "demo_00005"  # with seed 0 the training stream reaches it at step 3, after the warm-up's two steps
 
-DRIVER = r'''
+DRIVER = SLOW_TEARDOWN + r'''
 import sys, time
 from seg_train.bench import runner
 from seg_train.data import reader
@@ -86,7 +88,9 @@ def test_bench_error_mid_run_exits(bench_setup, tmp_path, kind, code, message):
     # (seg-bench's scratch summaries folder, autograph's generated modules).
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(scratch))
+    record = tmp_path / "destroyed"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(scratch), SLOW_DESTROY=str(SLOW_DESTROY),
+               DESTROY_RECORD=str(record))
     args = ["--config", str(tmp / "cfg.yaml"), "--set", f"data.root={data_root}", "--gpus", "2", "--steps", "4",
             "--windows", "1", "--warmup", "1", "--no-probes", "--no-peak", "--no-input-alone", "--bn-images", "0",
             "--eval-images", "0"]
@@ -103,6 +107,8 @@ def test_bench_error_mid_run_exits(bench_setup, tmp_path, kind, code, message):
     # Mid-run: the error comes after the warm-up, with the iterators alive and decoding.
     assert any(re.search(r"gpus=2: first step [0-9.]+s", line) for line in lines[:errors[0]]), r.stderr
     assert sorted(p.name for p in scratch.iterdir()) == [], "clean-up at exit skipped"
+    on_main = [kind for kind, thread in destructions(record) if thread == "MainThread"]
+    assert not on_main, f"iterators destroyed by seg-bench's own thread: {on_main}"
 
 
 PROMISES = r'''

@@ -48,6 +48,7 @@ import numpy as np
 from seg_train.bench.flops import compute_dtype, count_train_flops, measure_peak, utilisation
 from seg_train.bench.op_profile import profile_ops
 from seg_train.config import Config, ConfigError
+from seg_train.data.feed import Feed
 from seg_train.sysinfo import peak_rss_mb
 
 log = logging.getLogger("seg_train")
@@ -121,10 +122,11 @@ def input_throughput(reader, global_batch: int, steps: int, windows: int, warmup
     cores_busy: the process's CPU time (all threads, user + system) over the wall time of each timed
     window, median: how many cores the pipeline kept busy (1.0 at most for a pipeline held by the GIL).
     """
-    it = iter(reader.train_dataset(global_batch, 0, 1))
+    n = -(-len(reader) // global_batch) if reader.cfg.cache else 0
+    # The stream ends with the batches read: nothing is decoded for nothing.
+    it = Feed(reader.train_dataset(global_batch, 0, 1, end_step=n + warmup + windows * steps))
     first_pass = None
     if reader.cfg.cache:
-        n = -(-len(reader) // global_batch)
         t0 = time.perf_counter()
         for _ in range(n):
             next(it)
@@ -132,7 +134,7 @@ def input_throughput(reader, global_batch: int, steps: int, windows: int, warmup
     for _ in range(warmup):
         next(it)
     out = _timed_windows(it, steps, windows, global_batch)
-    del it
+    it.close()
     out["cache"] = reader.cfg.cache
     if first_pass is not None:
         out.update(first_pass_images_per_sec=first_pass, cache_mb=reader.cache_bytes() / 2**20)
@@ -172,13 +174,14 @@ def decode_floor(reader, global_batch: int, steps: int, windows: int, warmup: in
     if reader.cfg.cache:
         plain = ImageReader(dataclasses.replace(reader.cfg, cache=False), reader.split, reader.seed)
         plain.samples = reader.samples
-    ds = plain.train_order(global_batch, 0, 1).map(
+    used = (warmup + windows * steps) * global_batch  # the stream ends with the samples read
+    ds = plain.train_order(global_batch, 0, 1).take(used).map(
         lambda k, i: plain.decode(i), num_parallel_calls=plain.cfg.num_parallel_calls, deterministic=True)
-    it = iter(ds.prefetch(tf.data.AUTOTUNE))
+    it = Feed(ds.prefetch(tf.data.AUTOTUNE))
     for _ in range(warmup * global_batch):
         next(it)
     out = _timed_windows(it, steps * global_batch, windows, 1)
-    del it
+    it.close()
     return out
 
 
@@ -193,9 +196,8 @@ def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro
 
     def dataset_fn(ctx):
         ds = reader.train_dataset(global_batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                  ctx.num_input_pipelines, micro_batches=micro_batches)
-        per_step = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        batches = list(ds.take(num_distinct_steps * per_step))
+                                  ctx.num_input_pipelines, end_step=num_distinct_steps, micro_batches=micro_batches)
+        batches = list(Feed(ds))
         images = tf.stack([b[0] for b in batches])
         labels = tf.stack([b[1] for b in batches])
         return tf.data.Dataset.from_tensor_slices((images, labels)).repeat().prefetch(2)
@@ -255,7 +257,7 @@ class TrainRunner:
                 return reader.train_dataset(batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
                                             ctx.num_input_pipelines, micro_batches=k)
         self.dataset = self.state.distribute(dataset_fn)
-        self.batches = iter(self.dataset)
+        self.batches = Feed(self.dataset)
         self.scratch = tempfile.TemporaryDirectory(prefix="seg-bench-summaries-")
         self.summaries = Summaries(self.scratch.name, voc_colormap(), cfg.data.ignore_label, cfg.data.mean,
                                    cfg.data.std)
@@ -379,6 +381,8 @@ class TrainRunner:
                 "allreduce_pack_mb": self.cfg.train.allreduce_pack_mb}
 
     def close(self) -> None:
+        """Releases the runner's iterator (without waiting for it, data/feed.py), graphs and scratch folder."""
+        self.batches.close()
         self.summaries.flush()
         del self.steps, self.host, self.summaries, self.batches, self.dataset
         del self.train_step, self.evaluator, self.state, self.strategy
@@ -553,15 +557,21 @@ def _build_runners(variants: list[Variant], towers: list[int], all_devices, read
 
     cfg = variants[0].cfg
     runners = []
-    for v in variants:
-        vreader = reader if v.cfg.data == cfg.data else ImageReader(v.cfg.data, v.cfg.data.train_split, v.cfg.seed)
-        for n in towers:
-            name = f"gpus={n}" if len(variants) == 1 else f"{v.name} gpus={n}"
-            devices = replicas.Devices(all_devices.names[:n], all_devices.kind, "")
-            log.info("%s: building (%s input, %s loop, %s, jit_compile %s)", name, v.input, v.loop,
-                     v.cfg.train.precision, v.cfg.train.jit_compile)
-            runners.append((v.name, v.cfg, TrainRunner(name, v.cfg, devices, vreader, v.input, v.loop,
-                                                       class_weights)))
+    try:
+        for v in variants:
+            vreader = reader if v.cfg.data == cfg.data else ImageReader(v.cfg.data, v.cfg.data.train_split,
+                                                                         v.cfg.seed)
+            for n in towers:
+                name = f"gpus={n}" if len(variants) == 1 else f"{v.name} gpus={n}"
+                devices = replicas.Devices(all_devices.names[:n], all_devices.kind, "")
+                log.info("%s: building (%s input, %s loop, %s, jit_compile %s)", name, v.input, v.loop,
+                         v.cfg.train.precision, v.cfg.train.jit_compile)
+                runners.append((v.name, v.cfg, TrainRunner(name, v.cfg, devices, vreader, v.input, v.loop,
+                                                           class_weights)))
+    except BaseException:
+        for _, _, r in runners:
+            r.close()
+        raise
     return runners
 
 
@@ -809,16 +819,18 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     inp = _time_input_alone(reader, cfg.data.batch_size, steps, windows, warmup) if measure_input else None
     # ---- every runner alive at once: built, warmed up, timed interleaved, profiled, BN and eval -------
     runners = _build_runners(variants, towers, all_devices, reader, class_weights)
-    _time_interleaved(runners, steps, windows, warmup, pickup)
-    profiles = _profile_runners(runners) if profile else None
-    base_runners = [r for name, _, r in runners if name == variants[0].name]
-    cross = _cross_tower_profile(base_runners[-1], cfg, profiles)
-    extra = _time_bn_and_eval(cfg, reader, base_runners, bn_images, eval_images)
-    per_variant = [_variant_figures(v, v is variants[0], runners, extra, profiles, _count_flops(v.cfg, flop_counts),
-                                    peaks.get(compute_dtype(v.cfg.train.precision))) for v in variants]
-    first_warmup = runners[0][2].warmup_figures()
-    for _, _, r in runners:
-        r.close()
+    try:
+        _time_interleaved(runners, steps, windows, warmup, pickup)
+        profiles = _profile_runners(runners) if profile else None
+        base_runners = [r for name, _, r in runners if name == variants[0].name]
+        cross = _cross_tower_profile(base_runners[-1], cfg, profiles)
+        extra = _time_bn_and_eval(cfg, reader, base_runners, bn_images, eval_images)
+        per_variant = [_variant_figures(v, v is variants[0], runners, extra, profiles, _count_flops(v.cfg, flop_counts),
+                                        peaks.get(compute_dtype(v.cfg.train.precision))) for v in variants]
+        first_warmup = runners[0][2].warmup_figures()
+    finally:  # every way out (a runner sits in a reference cycle: it would live until a garbage collection)
+        for _, _, r in runners:
+            r.close()
     # ---- fresh seg-train processes, after every in-process runner is gone -----------------------------
     if probes and config_path:
         _fresh_process_probes(variants, per_variant, cfg, config_path, overrides)

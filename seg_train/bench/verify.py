@@ -47,6 +47,7 @@ import numpy as np
 
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
+from seg_train.data.feed import Feed
 
 log = logging.getLogger("seg_train")
 
@@ -137,7 +138,8 @@ def _probe(cfg: Config, devices, n: int, reader) -> dict:
         return reader.train_dataset(batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
                                     ctx.num_input_pipelines, end_step=1, micro_batches=k)
 
-    first = next(iter(state.distribute(dataset_fn)))
+    with Feed(state.distribute(dataset_fn)) as batches:
+        first = next(batches)
     # The moving statistics before the probe, to recover the batch statistics it used (module doc).
     bn_old = [np.asarray(v) for v in state.bn_variables]
     out = train_step.probe(first)

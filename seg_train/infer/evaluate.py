@@ -44,6 +44,7 @@ from seg_train.infer.examples import NUM_EXAMPLES, predict_examples
 from seg_train.infer.metrics import SegMetrics, compute_metrics
 from seg_train.infer.precise_bn import PreciseBN
 from seg_train.infer.serving import serving_module
+from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader
 from seg_train.towers import TowerPass
 
@@ -146,7 +147,7 @@ class Evaluator:
                  tf.fill([1, 32, 32], tf.constant(reader.cfg.ignore_label, tf.uint8)))  # all ignored
         total = tf.zeros([c * c], tf.int64)
         num_images = 0
-        samples = iter(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
+        samples = Feed(reader.eval_dataset(pad_to=1))  # unpadded: the inference modes pad each forward pass
         with progress_bar(len(reader), f"eval {reader.split}", enabled=progress) as bar:
             while True:
                 group = [(image, label) for image, label, _ in itertools.islice(samples, n)]

@@ -51,6 +51,7 @@ from seg_train.progress import progress_bar, shown
 from seg_train import models
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.data import layouts
+from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader, ensure_data
 from seg_train.towers import TowerPass
 
@@ -250,16 +251,15 @@ class PreciseBN:
         per_tower = batch // n_towers
 
         def dataset_fn(ctx: tf.distribute.InputContext):
-            ds = reader.train_dataset(per_tower * n_local, start, n_local, 0, 1)
-            # Exactly the batches used (the pipeline feeds each tower one batch per step): an endless
-            # stream would keep prefetching, and tearing that down cost seconds.
-            return ds.take(num_batches * n_local)
+            # The stream ends with the batches used (the pipeline feeds each tower one batch per step):
+            # nothing is decoded beyond them (a cut after the prefetch would decode some for nothing).
+            return reader.train_dataset(per_tower * n_local, start, n_local, 0, 1, end_step=start + num_batches)
 
         forward, layout = self._forward_fn(layers)
         bar = progress_bar(num_batches, "BN statistics", "batch") if shown(progress) else None
         acc, seen = [None] * len(layers), 0
         try:
-            for dist_batch in state.distribute(dataset_fn):
+            for dist_batch in Feed(state.distribute(dataset_fn)):
                 rows = forward(dist_batch).numpy().astype(np.float64)  # one host read per batch
                 seen += 1
                 _combine_rows(acc, rows, layout)
@@ -268,7 +268,7 @@ class PreciseBN:
         finally:
             if bar is not None:
                 bar.close()
-        if seen != num_batches:  # the stream is endless; fewer batches would mean a broken reader
+        if seen != num_batches:  # the stream ends after them; fewer would mean a broken reader
             raise RuntimeError(f"BN re-estimation read {seen} batches, expected {num_batches}")
 
         # Cross-replica context (eager, outside strategy.run): assigning a MirroredVariable here writes
