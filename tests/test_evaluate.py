@@ -143,7 +143,7 @@ def test_each_image_is_decoded_once_whatever_the_scales_and_flips(setup, tmp_pat
 
     monkeypatch.setattr(decode, "decode_image", counting)
     modes = tiny_config(tmp_path, eval={"flip": True, "scales": [0.5, 1.0, 1.5]}).eval
-    _, num_images = ev.evaluate(trainer.state, reader, NAMES, progress=False, eval_cfg=modes)
+    _, num_images = ev.Evaluator(trainer.state, modes).evaluate(reader, NAMES, progress=False)
     assert num_images == len(SIZES) and len(calls) == len(SIZES), len(calls)
 
 

@@ -196,5 +196,5 @@ def test_precise_bn_decodes_only_the_batches_it_uses(tmp_path, demo_root):
     reader = ImageReader(cfg.data, "train", cfg.seed)
     decoded, decode = [], reader._decode_py
     reader._decode_py = lambda index: (decoded.append(int(index)), decode(index))[1]
-    assert precise_bn.reestimate(state, reader, 3, progress=False)
+    assert precise_bn.PreciseBN(state).reestimate(reader, 3, progress=False)
     assert len(decoded) == 3 * 4, decoded
