@@ -233,6 +233,12 @@ def test_defaults_resolved_from_the_backbone():
     assert model(backbone="mit_b1", head="segformer").model.segformer_channels == 256
     assert model(backbone="mit_b2", head="segformer").model.segformer_channels == 768
     assert model(backbone="mit_b2", head="segformer", segformer_channels=64).model.segformer_channels == 64
+    # SegFormer's regularisation for the MiT and its head; nothing (null, as an older run's config) elsewhere.
+    seg = model(backbone="mit_b0", head="segformer").model
+    assert (seg.drop_path_rate, seg.head_dropout) == (0.1, 0.1)
+    assert (model(backbone="mit_b0").model.drop_path_rate, model(backbone="mit_b0").model.head_dropout) == (0.1, None)
+    assert (model(head="segformer").model.drop_path_rate, model(head="segformer").model.head_dropout) == (None, 0.1)
+    assert (model().model.drop_path_rate, model().model.head_dropout) == (None, None)
     mit = model(backbone="mit_b3", head="segformer").data
     assert (mit.mean, mit.std) == ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))  # keras-hub's converter
     old = model()  # an old config: the model it always built
@@ -263,6 +269,14 @@ def test_defaults_resolved_from_the_backbone():
      "'mit_b0' (its first stage's 8x8 spatial reduction at stride 4), got [64, 16]"),
     ({"model": {"segformer_channels": 0}},
      "error: out of range (model.segformer_channels): expected a positive number, got 0"),
+    ({"model": {"drop_path_rate": 0.1}},
+     "error: not available for this backbone (model.drop_path_rate): 0 (or no value) with model.backbone "
+     "'mobilenetv2': drop path skips the Mix Transformer's residual blocks (mit_b0..mit_b5), got 0.1"),
+    ({"model": {"backbone": "mit_b0", "head_dropout": 0.1}},
+     "error: not available for this head (model.head_dropout): 0 (or no value) with model.head 'deeplabv3plus': it "
+     "is the SegFormer head's dropout before its classifier, got 0.1"),
+    ({"model": {"backbone": "mit_b0", "drop_path_rate": 1.0}},
+     "error: out of range (model.drop_path_rate): expected a number in [0, 1), got 1.0"),
     ({"model": {"backbone": "mit_b6"}}, "error: invalid value (model.backbone): expected one of tiny, mobilenetv2, "),
 ])
 def test_config_errors_are_one_line_naming_the_key(sections, expected):
