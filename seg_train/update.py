@@ -94,20 +94,21 @@ def decoupled_decay(optimizer, variables) -> list[bool]:
 
 
 def fused_update(optimizer, t):
-    """`apply(var, slots, grad, lr, decayed)`: the fused TensorFlow ops making `optimizer`'s update of one variable.
+    """`apply(var, slots, grad, lr, decay_lr)`: the fused TensorFlow ops making `optimizer`'s update of one variable.
 
     The one place that picks the op per optimizer. `var` and `slots` are resource handles (slots as
     `slot_variables` orders them), `lr` the variable's own learning rate (its multiplier applied), `t`
     the 1-based update count (Adam's bias correction), computed once per update, not per variable;
-    `decayed` (AdamW only, `decoupled_decay`): the variable takes the decoupled weight decay. Each op is
-    held to Keras' own update by tests/test_optimizer_reference.py.
+    `decay_lr` (AdamW only): the rate of the variable's decoupled weight decay, which Keras and PyTorch
+    take to be its learning rate, or None for a variable not decayed (`decoupled_decay`). Each op is held
+    to Keras' own update by tests/test_optimizer_reference.py.
     """
     kind = _fused_kind(optimizer)
     if kind in ("adam", "adamw"):
         b1, b2 = optimizer.beta_1, optimizer.beta_2
         b1p, b2p = tf.pow(b1, t), tf.pow(b2, t)
 
-        def adam(var, slots, grad, lr, decayed=False):
+        def adam(var, slots, grad, lr, decay_lr=None):
             return tf.raw_ops.ResourceApplyAdam(
                 var=var, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=lr, beta1=b1, beta2=b2,
                 epsilon=optimizer.epsilon, grad=grad)
@@ -116,21 +117,21 @@ def fused_update(optimizer, t):
             return adam
         wd = optimizer.weight_decay
 
-        def adamw(var, slots, grad, lr, decayed=False):
-            if not decayed:
+        def adamw(var, slots, grad, lr, decay_lr=None):
+            if decay_lr is None:
                 return adam(var, slots, grad, lr)
             # Keras' AdamW (base_optimizer._apply_weight_decay): w -= w * wd * lr BEFORE the Adam step, with the
             # learning rate the variable's update uses (PyTorch's AdamW does the same with each param group's).
             w = tf.raw_ops.ReadVariableOp(resource=var, dtype=tf.float32)
-            decay = tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=w * wd)
+            decay = tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=decay_lr, delta=w * wd)
             with tf.control_dependencies([decay]):
                 return adam(var, slots, grad, lr)
 
         return adamw
     if kind == "momentum":
-        return lambda var, slots, grad, lr, decayed=False: tf.raw_ops.ResourceApplyKerasMomentum(
+        return lambda var, slots, grad, lr, decay_lr=None: tf.raw_ops.ResourceApplyKerasMomentum(
             var=var, accum=slots[0], lr=lr, grad=grad, momentum=optimizer.momentum)
-    return lambda var, slots, grad, lr, decayed=False: tf.raw_ops.ResourceApplyGradientDescent(
+    return lambda var, slots, grad, lr, decay_lr=None: tf.raw_ops.ResourceApplyGradientDescent(
         var=var, alpha=lr, delta=grad)
 
 
@@ -211,7 +212,7 @@ class Update:
         rates = {m: (lr * m if m != 1.0 else lr) for m in set(self._lr_mult)}
 
         def apply():
-            ops = [apply_one(h, slots, g, rates[mult], decayed)
+            ops = [apply_one(h, slots, g, rates[mult], rates[mult] if decayed else None)
                    for g, h, slots, mult, decayed in zip(grads, var_handles, slot_handles, self._lr_mult,
                                                          self._decoupled)]
             for pos, value in zip(self.state.bn_positions, bn):
