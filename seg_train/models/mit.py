@@ -8,6 +8,8 @@ A block is x + attention(LN(x)), then x + Mix-FFN(LN(x)):
   N * N / R^2 instead of N^2; per head softmax(q k^T / sqrt(d)) v, then a dense projection;
 - Mix-FFN: dense to 4x the width, a 3x3 depthwise conv (the position information; MiT has no position
   embedding), GELU, dense back.
+In training each residual branch is dropped per sample (stochastic depth, model.drop_path_rate: rising
+linearly over the blocks), its masks drawn from each sample's global counter (models/stochastic.py).
 
 Written here rather than taken from keras-hub (keras_hub.models.MiTBackbone, 0.32) because keras-hub's
 attention and Mix-FFN rebuild the 2-D map from the token count as H = W = sqrt(N): its model takes only
