@@ -183,25 +183,26 @@ def test_inference_is_the_model_without_stochastic_layers(tmp_path):
 
 # ---- a run interrupted and resumed ------------------------------------------------------------------------
 def test_resumed_segformer_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root):
-    """seg-train (2 towers, 2 micro-batches per step, AdamW with the head at 10x) on SegFormer with drop path
-    0.5 and dropout 0.3, 4 steps with checkpoints at 2 and 4; the run dir rewound to step 2 (as if killed
-    after that checkpoint) and the same command run again: its step-4 checkpoint is bitwise the first run's
-    (weights, slots, counters). Masks drawn per call, or from a generator whose state is not in the
-    checkpoint, would draw other masks for steps 3 and 4."""
+    """seg-train on 2 towers (AdamW with the head at 10x) on SegFormer with drop path 0.5 and dropout 0.3, 4 steps
+    with checkpoints at 2 and 4; the run dir rewound to step 2 (as if killed after that checkpoint) and the
+    same command run again: its step-4 checkpoint is bitwise the first run's (weights, slots, counters). Masks
+    drawn per call, or from a generator whose state is not in the checkpoint, would draw other masks for steps
+    3 and 4. (One micro-batch per step: a second one doubles the traced graph, and the micro-batch index in the
+    counter is test_sample_ids_are_the_readers_counters'.)"""
     raw = {"seed": 3, "run_dir": "run",
            "data": {"root": str(data_root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
                     "num_parallel_calls": 2, "val_split": "none"},
            "model": {"backbone": "mit_b0", "head": "segformer", "segformer_channels": 8, "drop_path_rate": 0.5,
                      "head_dropout": 0.3},
            "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
-                     "optimizer": "adamw", "learning_rate": 1e-3, "head_lr_multiplier": 10.0, "accumulate_steps": 2},
+                     "optimizer": "adamw", "learning_rate": 1e-3, "head_lr_multiplier": 10.0},
            "eval": {"bn_reestimate_batches": 0}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
 
     def train(run_dir):
         err = io.StringIO()
         with redirect_stderr(err):
-            rc = cli.train_main(["--config", str(tmp_path / "cfg.yaml"), "--gpus", "1", "--run-dir", str(run_dir)])
+            rc = cli.train_main(["--config", str(tmp_path / "cfg.yaml"), "--gpus", "2", "--run-dir", str(run_dir)])
         assert rc == 0, err.getvalue()
         return err.getvalue()
 
