@@ -170,6 +170,23 @@ def default_output_stride(backbone: str) -> int:
     return 32 if backbone in MIT_BACKBONES else 16
 
 
+# SegFormer's regularisation (the paper's, mmsegmentation's segformer_mit-b0 config and keras-hub's): drop path
+# 0.1 over the MiT's blocks and dropout 0.1 before the classifier. model.weight_decay's L2 default, and the
+# AdamW decay train.weight_decay defaults to (SegFormer's 0.01).
+SEGFORMER_DROP_PATH, SEGFORMER_DROPOUT = 0.1, 0.1
+L2_DEFAULT, ADAMW_DECAY_DEFAULT = 4e-5, 0.01
+
+
+def default_drop_path_rate(backbone: str) -> float:
+    """model.drop_path_rate when not given: SegFormer's 0.1 for the MiT backbones, else 0 (no blocks to drop)."""
+    return SEGFORMER_DROP_PATH if backbone in MIT_BACKBONES else 0.0
+
+
+def default_head_dropout(head: str) -> float:
+    """model.head_dropout when not given: SegFormer's 0.1 for its head, else 0."""
+    return SEGFORMER_DROPOUT if head == "segformer" else 0.0
+
+
 def default_segformer_channels(backbone: str) -> int:
     """model.segformer_channels when not given: the paper's C, 256 for B0/B1 and 768 for B2-B5 (also
     the width of keras-hub's SegFormer presets), 256 on other backbones."""
@@ -185,7 +202,9 @@ class ModelConfig:
     output_stride: Optional[int] = _c(None, choices=(8, 16, 32))
     sync_batchnorm: bool = _c(False)
     bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)")
-    weight_decay: float = _c(4e-5, check=_non_negative)
+    # The L2 term; None: 4e-5 with train.optimizer adam or sgd, 0 with adamw (resolve_defaults: AdamW decays
+    # the weights itself, train.weight_decay, and the two must not stack unasked).
+    weight_decay: Optional[float] = _c(None, check=_non_negative)
     backbone_weights: Optional[Path] = _c(None, path=True)
     aspp_channels: int = _c(256, check=_positive)
     decoder_channels: int = _c(256, check=_positive)
@@ -203,6 +222,10 @@ class ModelConfig:
     segformer_channels: Optional[int] = _c(None, check=_positive)
     # A keras-hub SegFormer preset directory: encoder and head (models/presets.py).
     init_weights: Optional[Path] = _c(None, path=True)
+    # Stochastic depth of the MiT blocks and the SegFormer head's dropout, drawn per sample (models/stochastic.py);
+    # None: SegFormer's 0.1 for the MiT backbones / the SegFormer head, else 0 (default_drop_path_rate, ...).
+    drop_path_rate: Optional[float] = _c(None, check=_fraction)
+    head_dropout: Optional[float] = _c(None, check=_fraction)
 
 
 # train.allreduce_pack_mb's default, chosen by measurement (docs/PERFORMANCE.md, "packing").
@@ -215,7 +238,7 @@ class TrainConfig:
     learning_rate: float = _c(1e-3, check=_positive)
     lr_power: float = _c(0.9, check=_non_negative)
     warmup_steps: int = _c(0, check=_non_negative)
-    optimizer: str = _c("adam", choices=("adam", "sgd"))
+    optimizer: str = _c("adam", choices=("adam", "sgd", "adamw"))
     momentum: float = _c(0.9, check=_fraction)
     checkpoint_every: int = _c(1000, check=_positive)
     keep_checkpoints: int = _c(3, check=_positive)
@@ -234,6 +257,10 @@ class TrainConfig:
     collective_timeout: float = _c(600.0, check=_positive)
     ema_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v < 1 else "a number in (0, 1)")
     backbone_lr_multiplier: float = _c(1.0, check=_positive)
+    # The head's variables (everything outside the backbone) learn at this multiple of the learning rate.
+    head_lr_multiplier: float = _c(1.0, check=_positive)
+    # AdamW's decoupled weight decay; None: 0.01 with train.optimizer adamw (SegFormer's), refused with the others.
+    weight_decay: Optional[float] = _c(None, check=_non_negative)
     profile_steps: Optional[tuple[int, int]] = _c(None, check=_step_range)
 
 
@@ -588,6 +615,7 @@ def resolve_defaults(cfg: Config) -> Config:
                           f"DeepLabV3+'s, got {cfg.model.decoder_stride}")
     cfg = _resolve_eval(cfg)
     cfg = _resolve_model(cfg)
+    cfg = _resolve_optimizer(cfg)
     mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
     if cfg.data.mean is None:
         cfg = replace(cfg, "data.mean", mean)
@@ -641,7 +669,8 @@ def _check_loss(cfg: Config) -> None:
 
 
 def _resolve_model(cfg: Config) -> Config:
-    """model.output_stride and model.segformer_channels from the backbone; the MiT and preset keys checked."""
+    """model.output_stride, model.segformer_channels, model.drop_path_rate and model.head_dropout from the
+    backbone and head; the MiT and preset keys checked."""
     m = cfg.model
     mit = m.backbone in MIT_BACKBONES
     if m.output_stride is None:
@@ -658,6 +687,19 @@ def _resolve_model(cfg: Config) -> Config:
     # config must stay what it was (rundir.check_resume_config).
     if m.segformer_channels is None and m.head == "segformer":
         cfg = replace(cfg, "model.segformer_channels", default_segformer_channels(m.backbone))
+    # Likewise the regularisation of SegFormer's recipe: filled for the MiT / the SegFormer head only.
+    if m.drop_path_rate is None and mit:
+        cfg = replace(cfg, "model.drop_path_rate", default_drop_path_rate(m.backbone))
+    elif m.drop_path_rate and not mit:
+        raise ConfigError("not available for this backbone", "model.drop_path_rate",
+                          f"0 (or no value) with model.backbone {m.backbone!r}: drop path skips the Mix Transformer's "
+                          f"residual blocks (mit_b0..mit_b5), got {m.drop_path_rate}")
+    if m.head_dropout is None and m.head == "segformer":
+        cfg = replace(cfg, "model.head_dropout", default_head_dropout(m.head))
+    elif m.head_dropout and m.head != "segformer":
+        raise ConfigError("not available for this head", "model.head_dropout",
+                          f"0 (or no value) with model.head {m.head!r}: it is the SegFormer head's dropout before "
+                          f"its classifier, got {m.head_dropout}")
     if mit and m.decoder_stride != 4:
         raise ConfigError("not available for this backbone", "model.decoder_stride",
                           f"expected 4 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer has "
@@ -677,6 +719,30 @@ def _resolve_model(cfg: Config) -> Config:
                                   f"expected at least {MIT_MIN_SIZE} pixels per side with model.backbone "
                                   f"{m.backbone!r} (its first stage's 8x8 spatial reduction at stride 4), "
                                   f"got {list(size)}")
+    return cfg
+
+
+def _resolve_optimizer(cfg: Config) -> Config:
+    """The two weight decays: model.weight_decay (an L2 term in the loss, Adam and SGD) and train.weight_decay
+    (AdamW's decoupled decay). Each defaults for its optimizer and the other is refused, so they never stack
+    unasked; an older run's resolved config (model.weight_decay 4e-5 or its own value) stays what it was."""
+    t, m = cfg.train, cfg.model
+    if t.optimizer == "adamw":
+        if m.weight_decay:
+            raise ConfigError("two weight decays", "model.weight_decay",
+                              f"0 (or no value) with train.optimizer adamw, which decays the weights itself "
+                              f"(train.weight_decay), got {m.weight_decay}")
+        if m.weight_decay is None:
+            cfg = replace(cfg, "model.weight_decay", 0.0)
+        if t.weight_decay is None:
+            cfg = replace(cfg, "train.weight_decay", ADAMW_DECAY_DEFAULT)
+        return cfg
+    if t.weight_decay is not None:
+        raise ConfigError("not available for this optimizer", "train.weight_decay",
+                          f"no value with train.optimizer {t.optimizer!r}: it is AdamW's decoupled decay (adamw); "
+                          f"the L2 term of adam and sgd is model.weight_decay, got {t.weight_decay}")
+    if m.weight_decay is None:
+        cfg = replace(cfg, "model.weight_decay", L2_DEFAULT)
     return cfg
 
 

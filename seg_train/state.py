@@ -13,7 +13,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from seg_train import models, towers
+from seg_train import losses, models, towers
 from seg_train.config import Config
 from seg_train.schedule import lr_at
 
@@ -33,7 +33,7 @@ class TrainState:
 
     Attributes:
       model: the Keras model (models.build).
-      optimizer: Keras' Adam or SGD, built (slots exist), or None.
+      optimizer: Keras' Adam, AdamW or SGD, built (slots exist), or None.
       step: updates made so far (int64 variable; the data position is a pure function of it).
       bn_stats_step: the step at which the BN moving statistics were last re-estimated (-1: never).
       loss_scale, good_steps: the dynamic loss scale of mixed_float16 and its counter.
@@ -75,6 +75,16 @@ class TrainState:
                 # per step.
                 if t.optimizer == "adam":
                     self.optimizer = keras.optimizers.Adam(learning_rate=t.learning_rate)
+                elif t.optimizer == "adamw":
+                    self.optimizer = keras.optimizers.AdamW(learning_rate=t.learning_rate, weight_decay=t.weight_decay)
+                    # Decoupled decay on the conv and dense kernels only, the set model.weight_decay's L2 term
+                    # uses: no decay on norms (LayerNorm, BN gamma/beta) and biases. The rule of timm and of
+                    # mmsegmentation's SegFormer configs (paramwise_cfg: decay_mult 0 for 'norm' and 'pos_block';
+                    # the MiT has no position embeddings). Kept in Keras' AdamW object, so Keras' own update on
+                    # it decays what seg-train's does (update.decoupled_decay reads it back).
+                    decayed = {id(v) for v in losses.decay_variables(self.model)}
+                    self.optimizer.exclude_from_weight_decay(
+                        var_list=[v for v in self.model.trainable_variables if id(v) not in decayed])
                 else:
                     self.optimizer = keras.optimizers.SGD(learning_rate=t.learning_rate, momentum=t.momentum)
                 # Build the slots now: a checkpoint restored into an unbuilt optimizer silently

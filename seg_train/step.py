@@ -6,13 +6,14 @@ One step is one optimizer update, in ONE tf.function over the strategy:
     tower pass (traced once for every tower, towers.py): for each of the K micro-batches
         (train.accumulate_steps) of its slice: forward pass (Keras' stateless_call: BN moving
         statistics come back as values, so nothing is assigned before the update is known to be
-        finite), loss sum and normaliser (losses.py), backward pass; gradients and new BN statistics
-        summed over the micro-batches
+        finite; dropout and drop path masks drawn per row from its global sample counter,
+        models/stochastic.py), loss sum and normaliser (losses.py), backward pass; gradients and new
+        BN statistics summed over the micro-batches
     ONE all-reduce (SUM) of flat packs (train.allreduce_pack_mb) holding: the gradients, the BN
         statistics / (K * towers), and a few scalars per tower in one-hot slots (loss sum,
         normaliser, squared gradient norm, finiteness, the stop request)
     update (update.py, also traced once for every tower): gradient = reduced sum / global normaliser
-        + weight decay (once), global norm, clipping (train.clip_global_norm); if finite (a verdict
+        + L2 weight decay (once), global norm, clipping (train.clip_global_norm); if finite (a verdict
         computed from reduced values, so identical on every tower), TensorFlow's fused update ops on
         Keras' slot variables, the averaged BN statistics and the EMA assigned
   then: step += 1, optimizer iterations += 1 if applied, dynamic loss scale (float16, update.py)
@@ -50,6 +51,7 @@ import tensorflow as tf
 
 from seg_train import collectives, losses
 from seg_train.config import ConfigError
+from seg_train.models import stochastic
 from seg_train.state import TrainState
 from seg_train.towers import TowerPass
 from seg_train.update import Reduced, Update, update_loss_scale
@@ -85,7 +87,7 @@ class ProbeResult(NamedTuple):
 
 class _Traced(NamedTuple):
     """The tower pass and the update traced for one per-tower input shape, and that shape's pixel scale."""
-    tower: object  # f(images, labels, loss_scale, tower_index, stop, want_preds) (towers.TowerPass.trace)
+    tower: object  # f(images, labels, loss_scale, tower_index, stop, want_preds, step) (towers.TowerPass.trace)
     update: object  # f(packs, lr, t, loss_scale, scale_back, want_details, apply_update) (update.Update.trace)
     pixel_scale: float
 
@@ -144,11 +146,12 @@ class TrainStep:
         self._probe_fn = tf.function(self._probe)
 
     # ---- the tower: forward and backward over the micro-batches --------------------------------------
-    def _micro(self, tv, st, images, labels, scale, want_preds):
+    def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids):
         """One micro-batch on this tower: (gradients of loss_sum * scale, new BN statistics, loss_sum,
-        normalizer, preds)."""
+        normalizer, preds). `sample_ids`: each row's global sample counter, from which the model's dropout
+        and drop path draw their masks (models/stochastic.py)."""
         cfg = self.cfg
-        with tf.GradientTape() as tape:
+        with tf.GradientTape() as tape, stochastic.per_sample(sample_ids, cfg.seed):
             tape.watch(tv)
             logits, new_state = self.state.model.stateless_call(tv, st, images, training=True)
             loss_sum, normalizer = losses.objective_sum(
@@ -165,20 +168,26 @@ class TrainStep:
                             lambda: tf.zeros(tf.shape(labels), tf.uint8))
         return grads, bn, loss_sum, normalizer, preds
 
-    def _tower(self, tv, st, images, labels, loss_scale, tower_index, stop, want_preds, unrolled: bool):
+    def _tower(self, tv, st, images, labels, loss_scale, tower_index, stop, want_preds, step, unrolled: bool):
         """One tower's share of the update: the flat packs to all-reduce, and its predictions.
 
-        images [K * b, h, w, 3], labels [K * b, h, w]: micro-batch m is rows m*b .. m*b+b-1.
+        images [K * b, h, w, 3], labels [K * b, h, w]: micro-batch m is rows m*b .. m*b+b-1. `step`: the
+        state's step counter (the data position), `tower_index` the tower's index in the whole group: row
+        i of micro-batch m is global sample (step*K + m)*N*b + tower_index*b + i, as the reader numbers it.
         """
         k, n = self.accumulate, self.num_replicas
         b = images.shape[0] // k
         shape_i, shape_l = [k, b] + images.shape[1:].as_list(), [k, b] + labels.shape[1:].as_list()
         images, labels = tf.reshape(images, shape_i), tf.reshape(labels, shape_l)
         scale = loss_scale / pixel_scale(b, shape_i[2], shape_i[3])
-        grads, bn, loss_sum, norm, preds = self._micro(tv, st, images[0], labels[0], scale, want_preds)
+
+        def ids(m):
+            return stochastic.sample_ids(step, m, tower_index, b, n, k)
+
+        grads, bn, loss_sum, norm, preds = self._micro(tv, st, images[0], labels[0], scale, want_preds, ids(0))
         if k > 1:
             def body(m, grads, bn, loss_sum, norm):
-                g, s, micro_loss, z, _ = self._micro(tv, st, images[m], labels[m], scale, None)
+                g, s, micro_loss, z, _ = self._micro(tv, st, images[m], labels[m], scale, None, ids(m))
                 return (m + 1, [a + x for a, x in zip(grads, g)], [a + x for a, x in zip(bn, s)],
                         loss_sum + micro_loss,
                         norm + z)
@@ -228,15 +237,17 @@ class TrainStep:
         shape = self._tower_shape(images)
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         tower = self._tower_pass.trace(tf.TensorSpec(shape, images.dtype), tf.TensorSpec(shape[:3], tf.uint8),
-                                       scalar(tf.float32), scalar(tf.int32), scalar(tf.bool), scalar(tf.bool))
+                                       scalar(tf.float32), scalar(tf.int32), scalar(tf.bool), scalar(tf.bool),
+                                       scalar(tf.int64))
         k = self.accumulate
         return _Traced(tower, self._update.trace(), pixel_scale(shape[0] // k, shape[1], shape[2]))
 
-    def _replica(self, traced: _Traced, images, labels, lr, t, loss_scale, stop, want_images, apply_update=True):
+    def _replica(self, traced: _Traced, images, labels, lr, t, loss_scale, stop, want_images, step,
+                 apply_update=True):
         """One tower's part of the step (replica context): (its update.Reduced, its predictions)."""
         shape = self._tower_shape(images)
         images, labels = tf.ensure_shape(images, shape), tf.ensure_shape(labels, shape[:3])
-        packs, preds = traced.tower(images, labels, loss_scale, collectives.replica_id(), stop, want_images)
+        packs, preds = traced.tower(images, labels, loss_scale, collectives.replica_id(), stop, want_images, step)
         packs = collectives.all_reduce_sum(packs)
         out = traced.update(packs, lr, t, loss_scale, tf.constant(traced.pixel_scale, tf.float32), want_images,
                             tf.constant(apply_update))
@@ -260,7 +271,7 @@ class TrainStep:
         loss_scale = tf.identity(st.loss_scale)
         out, preds = s.run(functools.partial(self._replica, traced),
                            (images, labels, tf.cast(lr, tf.float32), t, loss_scale,
-                            tf.convert_to_tensor(stop), tf.convert_to_tensor(want_images)))
+                            tf.convert_to_tensor(stop), tf.convert_to_tensor(want_images), tf.identity(st.step)))
         return self._finish_step(out, preds, loss_scale)
 
     def _finish_step(self, out: Reduced, preds, loss_scale_used) -> StepResult:
@@ -304,7 +315,7 @@ class TrainStep:
         t = tf.cast(st.optimizer.iterations + 1, tf.float32)
         out, _ = s.run(functools.partial(self._replica, traced, apply_update=False),
                        (images, labels, tf.constant(0.0), t, tf.identity(st.loss_scale), tf.constant(False),
-                        tf.constant(False)))
+                        tf.constant(False), tf.identity(st.step)))
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731
         return ProbeResult(loss=tf.math.divide_no_nan(first(out.loss_total), first(out.norm_total)),
                            gradients=[first(g) for g in out.gradients], bn_stats=[first(b) for b in out.bn_stats],

@@ -12,7 +12,8 @@ strategy.run Keras SUMs the towers' gradients itself (a second reduction), clips
 gradient (clipnorm / global_clipnorm), and builds ~25 graph ops per variable per tower, more graph
 than the towers' forward and backward passes. TensorFlow's ResourceApplyAdam /
 ResourceApplyKerasMomentum / ResourceApplyGradientDescent compute exactly Keras' Adam / SGD formulas,
-one op per variable, on Keras' own slot variables (so checkpoints keep Keras' layout).
+one op per variable, on Keras' own slot variables (so checkpoints keep Keras' layout); AdamW is Keras'
+decoupled decay (a gradient-descent op on the weight itself) then ResourceApplyAdam, two ops.
 `fused_update` is the one place that picks the op per optimizer.
 """
 
@@ -51,53 +52,87 @@ class Reduced(NamedTuple):
 
 
 def _fused_kind(optimizer) -> str:
-    """Which fused op makes `optimizer`'s update: "adam", "momentum" (SGD with momentum) or "sgd".
+    """Which fused op makes `optimizer`'s update: "adam", "adamw", "momentum" (SGD with momentum) or "sgd".
 
     Exact classes, not isinstance: keras.optimizers.AdamW subclasses Adam, and its decoupled weight
-    decay is not ResourceApplyAdam's update. A new optimizer gets its kind here, its slots in
+    decay is not ResourceApplyAdam's update alone. A new optimizer gets its kind here, its slots in
     `slot_variables` and its op in `fused_update`.
     """
     if type(optimizer) is keras.optimizers.Adam:
         return "adam"
+    if type(optimizer) is keras.optimizers.AdamW:
+        return "adamw"
     if type(optimizer) is keras.optimizers.SGD:
         return "momentum" if optimizer.momentum else "sgd"
-    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam or SGD")
+    raise ValueError(f"no fused update for {type(optimizer).__name__}: Adam, AdamW or SGD")
 
 
 def slot_variables(optimizer, variables) -> list:
     """Keras' own slot variables of each variable, in the order the fused op (`fused_update`) takes them.
 
-    Adam: [m, v]; SGD with momentum: [momentum]; plain SGD (momentum 0): [] (Keras keeps none).
+    Adam and AdamW: [m, v]; SGD with momentum: [momentum]; plain SGD (momentum 0): [] (Keras keeps none).
     The one place that reads Keras' private slot lists (Keras 3 has no public per-variable lookup);
     tests/test_trainer_slots.py holds the mapping to what Keras' own update writes.
     """
     index, kind = optimizer._get_variable_index, _fused_kind(optimizer)
-    if kind == "adam":
+    if kind in ("adam", "adamw"):
         return [[optimizer._momentums[index(v)], optimizer._velocities[index(v)]] for v in variables]
     if kind == "momentum":
         return [[optimizer.momentums[index(v)]] for v in variables]
     return [[] for _ in variables]
 
 
+def decoupled_decay(optimizer, variables) -> list[bool]:
+    """For each variable: whether `optimizer` decays it itself (AdamW's decoupled weight decay).
+
+    Read from Keras' AdamW object (its `exclude_from_weight_decay` list, set in state.py), so Keras' own
+    update on the same object decays the same variables; every variable False for the other optimizers.
+    """
+    if _fused_kind(optimizer) != "adamw":
+        return [False] * len(variables)
+    return [bool(optimizer._use_weight_decay(v)) for v in variables]
+
+
 def fused_update(optimizer, t):
-    """`apply(var, slots, grad, lr)`: the fused TensorFlow op making `optimizer`'s update of one variable.
+    """`apply(var, slots, grad, lr, decay_lr)`: the fused TensorFlow ops making `optimizer`'s update of one variable.
 
     The one place that picks the op per optimizer. `var` and `slots` are resource handles (slots as
-    `slot_variables` orders them), `t` the 1-based update count (Adam's bias correction), computed
-    once per update, not per variable. Each op is held to Keras' own update by
-    tests/test_optimizer_reference.py.
+    `slot_variables` orders them), `lr` the variable's own learning rate (its multiplier applied), `t`
+    the 1-based update count (Adam's bias correction), computed once per update, not per variable;
+    `decay_lr` (AdamW only): the rate of the variable's decoupled weight decay, which Keras and PyTorch
+    take to be its learning rate, or None for a variable not decayed (`decoupled_decay`). Each op is held
+    to Keras' own update by tests/test_optimizer_reference.py.
     """
     kind = _fused_kind(optimizer)
-    if kind == "adam":
+    if kind in ("adam", "adamw"):
         b1, b2 = optimizer.beta_1, optimizer.beta_2
         b1p, b2p = tf.pow(b1, t), tf.pow(b2, t)
-        return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyAdam(
-            var=var, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=lr, beta1=b1, beta2=b2,
-            epsilon=optimizer.epsilon, grad=grad)
+
+        def adam(var, slots, grad, lr, decay_lr=None):
+            return tf.raw_ops.ResourceApplyAdam(
+                var=var, m=slots[0], v=slots[1], beta1_power=b1p, beta2_power=b2p, lr=lr, beta1=b1, beta2=b2,
+                epsilon=optimizer.epsilon, grad=grad)
+
+        if kind == "adam":
+            return adam
+        wd = optimizer.weight_decay
+
+        def adamw(var, slots, grad, lr, decay_lr=None):
+            if decay_lr is None:
+                return adam(var, slots, grad, lr)
+            # Keras' AdamW (base_optimizer._apply_weight_decay): w -= w * wd * lr BEFORE the Adam step, with the
+            # learning rate the variable's update uses (PyTorch's AdamW does the same with each param group's).
+            w = tf.raw_ops.ReadVariableOp(resource=var, dtype=tf.float32)
+            decay = tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=decay_lr, delta=w * wd)
+            with tf.control_dependencies([decay]):
+                return adam(var, slots, grad, lr)
+
+        return adamw
     if kind == "momentum":
-        return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyKerasMomentum(
+        return lambda var, slots, grad, lr, decay_lr=None: tf.raw_ops.ResourceApplyKerasMomentum(
             var=var, accum=slots[0], lr=lr, grad=grad, momentum=optimizer.momentum)
-    return lambda var, slots, grad, lr: tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=lr, delta=grad)
+    return lambda var, slots, grad, lr, decay_lr=None: tf.raw_ops.ResourceApplyGradientDescent(
+        var=var, alpha=lr, delta=grad)
 
 
 class Update:
@@ -116,8 +151,11 @@ class Update:
         decay_ids = {id(v) for v in losses.decay_variables(state.model)}
         self._decay = [id(v) in decay_ids for v in state.variables]
         self.slots = slot_variables(state.optimizer, state.variables)
-        # train.backbone_lr_multiplier scales the learning rate (not the gradient: Adam would undo that).
-        self._lr_mult = [cfg.train.backbone_lr_multiplier if in_backbone else 1.0
+        self._decoupled = decoupled_decay(state.optimizer, state.variables)
+        # train.backbone_lr_multiplier and train.head_lr_multiplier scale the learning rate (not the gradient:
+        # Adam would undo that) of two disjoint sets, the backbone's variables and all others.
+        t = cfg.train
+        self._lr_mult = [t.backbone_lr_multiplier if in_backbone else t.head_lr_multiplier
                          for in_backbone in models.backbone_variable_mask(state.model)]
         self._function = shared(self._apply)
 
@@ -153,7 +191,7 @@ class Update:
         # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
         # when nothing counts, and then the loss gradient is 0, not a division by zero.
         to_mean = tf.math.divide_no_nan(scale_back / loss_scale, norm_total)
-        coeff = cfg.model.weight_decay
+        coeff = cfg.model.weight_decay or 0.0  # the L2 term (0 with AdamW: config.py)
         # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
         decayed = [read_handle(h, v) if d else tf.zeros(v.shape) for h, v, d in
                    zip(var_handles, variables, self._decay)]
@@ -174,8 +212,9 @@ class Update:
         rates = {m: (lr * m if m != 1.0 else lr) for m in set(self._lr_mult)}
 
         def apply():
-            ops = [apply_one(h, slots, g, rates[mult])
-                   for g, h, slots, mult in zip(grads, var_handles, slot_handles, self._lr_mult)]
+            ops = [apply_one(h, slots, g, rates[mult], rates[mult] if decayed else None)
+                   for g, h, slots, mult, decayed in zip(grads, var_handles, slot_handles, self._lr_mult,
+                                                         self._decoupled)]
             for pos, value in zip(self.state.bn_positions, bn):
                 ops.append(tf.raw_ops.AssignVariableOp(resource=state_handles[pos], value=value))
             if ema_handles:

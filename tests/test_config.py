@@ -167,19 +167,46 @@ def test_backbone_lr_multiplier_must_be_positive(tmp_path):
                                         ("loss.class_weights", "median_frequency"),
                                         ("loss.class_weights", [1.0, 2.0, 3.0]),
                                         ("loss.top_k_percent_pixels", 0.5), ("train.accumulate_steps", 2),
-                                        ("train.clip_global_norm", 1.0), ("train.ema_decay", 0.999)])
+                                        ("train.clip_global_norm", 1.0), ("train.ema_decay", 0.999),
+                                        ("train.head_lr_multiplier", 10.0), ("train.weight_decay", 0.01),
+                                        ("model.drop_path_rate", 0.1), ("model.head_dropout", 0.1)])
 def test_new_keys_change_what_a_checkpoint_means(tmp_path, key, value):
     from seg_train.rundir import check_resume_config
 
     cfg = C.load(write(tmp_path, BASE))
     old = cfg.to_dict()
     del old["loss"], old["model"]["freeze_batchnorm"], old["train"]["backbone_lr_multiplier"]  # an older run
-    for k in ("accumulate_steps", "clip_global_norm", "ema_decay"):
+    for k in ("accumulate_steps", "clip_global_norm", "ema_decay", "head_lr_multiplier", "weight_decay"):
         del old["train"][k]
+    del old["model"]["drop_path_rate"], old["model"]["head_dropout"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
     check_resume_config(cfg, tmp_path, allow_change=False)  # absent = the default: no change
     with pytest.raises(C.ConfigError, match=f"changed: {key}"):
         check_resume_config(C.replace(cfg, key, value), tmp_path, allow_change=False)
+
+
+def test_weight_decays_resolved_per_optimizer(tmp_path):
+    """model.weight_decay (the L2 term) and train.weight_decay (AdamW's decoupled decay) each default for its
+    optimizer and never stack unasked; an older run's resolved config (adam, 4e-5) resolves as it did."""
+    def resolved(**train):
+        cfg = C.load(write(tmp_path, {**BASE, "train": train}))
+        return cfg.model.weight_decay, cfg.train.weight_decay
+
+    assert resolved() == resolved(optimizer="sgd") == (4e-5, None)
+    assert resolved(optimizer="adamw") == (0.0, 0.01)  # SegFormer's decay, and no L2 beside it
+    assert resolved(optimizer="adamw", weight_decay=0.05) == (0.0, 0.05)
+    assert C.load(write(tmp_path, {**BASE, "model": {"weight_decay": 0}, "train": {"optimizer": "adamw"}})) \
+        .model.weight_decay == 0.0
+    assert C.load(write(tmp_path, {**BASE, "model": {"weight_decay": 1e-3}})).model.weight_decay == 1e-3
+    assert err(tmp_path, {**BASE, "model": {"weight_decay": 4e-5}, "train": {"optimizer": "adamw"}}) == (
+        "two weight decays (model.weight_decay): 0 (or no value) with train.optimizer adamw, which decays the "
+        "weights itself (train.weight_decay), got 4e-05")
+    assert err(tmp_path, {**BASE, "train": {"weight_decay": 0.01}}) == (
+        "not available for this optimizer (train.weight_decay): no value with train.optimizer 'adam': it is AdamW's "
+        "decoupled decay (adamw); the L2 term of adam and sgd is model.weight_decay, got 0.01")
+    assert err(tmp_path, {**BASE, "train": {"head_lr_multiplier": 0}}).startswith(
+        "out of range (train.head_lr_multiplier): expected a positive number")
+    assert C.load(write(tmp_path, BASE)).train.head_lr_multiplier == 1.0
 
 
 def test_profile_steps_two_integers_in_order(tmp_path):

@@ -118,6 +118,14 @@ WIRED = {
     # model built without the preset (random weights) cannot give.
     "model.init_weights":
         "tests/test_presets.py::test_segformer_preset_gives_keras_hubs_levels_and_logits_classifier_kept",
+    # TrainState from a config file: the MiT's DropPath layers at keras-hub's rate for each block, and the head's
+    # dropout; the masks they draw in the step are tests/test_segformer.py's 4-towers test (with vs without).
+    "model.drop_path_rate": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
+    "model.head_dropout": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
+    # Three TrainStep updates built from a config file (AdamW at decay 0.5, the head at 10x) held to Keras' AdamW:
+    # the default decay (0.01) or head multiplier (1) would move the weights elsewhere.
+    "train.weight_decay": "tests/test_optimizer_reference.py::test_weights_and_slots_match_keras",
+    "train.head_lr_multiplier": "tests/test_optimizer_reference.py::test_weights_and_slots_match_keras",
 }
 # data.* and eval.*: their tests and entries are in tests/test_config_wiring_data.py.
 WIRED.update(WIRED_DATA)

@@ -17,12 +17,13 @@ Cost: one tiny trace per trainer, 1 tower except the 4-tower pair.
 import logging
 import re
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from seg_train import config as config_lib
-from seg_train import replicas
+from seg_train import models, replicas
 from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
 from seg_train.summaries import Summaries
@@ -210,3 +211,95 @@ def test_nonfinite_gradient_at_the_floor_skip_step_warns_and_counts(floor_step, 
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 2 and warned[1].startswith("non-finite loss or gradient at step 2 on tower(s) [0]"), warned
     assert "update skipped (train.on_nan: skip_step; 2 skipped so far)" in warned[1]
+
+
+# ---- SegFormer (MiT-B0 + SegFormer head): LayerNorms and the attention's softmax in float32 -----------------
+SEG_IMAGES = np.random.default_rng(3).normal(size=(4, 32, 48, 3)).astype(np.float32)
+SEG_LABELS = np.random.default_rng(4).integers(0, 3, (4, 32, 48)).astype(np.uint8)
+SEG_LR = 1e-3
+# What "activations beyond float16" means below: the last stage's first block's query and key projections
+# scaled 1000x, so that its attention logits q.k / sqrt(d) reach ~2e5 (float16 ends at 65504), and the
+# last patch embedding's conv 300x, so that the squares whose mean is the next LayerNorm's variance reach
+# ~1e6. (At 32x48 the last stage is the only one whose attention has more than one key: the others'
+# spatial reduction leaves a 1x1 key map.)
+AMPLIFIED = {"stage4_block1_attn_q": 1000.0, "stage4_block1_attn_k": 1000.0, "stage4_embed_conv": 300.0}
+
+
+def _amplify(model) -> None:
+    backbone = models.backbone_of(model)
+    for name, factor in AMPLIFIED.items():
+        kernel = backbone.get_layer(name).kernel
+        kernel.assign(np.asarray(kernel) * factor)
+
+
+@pytest.fixture(scope="module")
+def segformer_steps(tmp_path_factory):
+    """precision -> (trainer, probe before the step, the step's output, weights after it): one AdamW step of
+    MiT-B0 + SegFormer (drop path and dropout at their defaults) from the same amplified weights."""
+    cache = {}
+
+    def get(precision):
+        if precision not in cache:
+            cfg = tiny_config(tmp_path_factory.mktemp(f"segformer_{precision}"),
+                              model={"backbone": "mit_b0", "head": "segformer", "segformer_channels": 16,
+                                     "weight_decay": None},
+                              data={"crop_size": [32, 48]},
+                              train={"precision": precision, "optimizer": "adamw", "learning_rate": SEG_LR})
+            trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:1], "CPU", ""))))
+            _amplify(trainer.state.model)
+            batch = next(iter(trainer.state.strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensors((SEG_IMAGES, SEG_LABELS)))))
+            probe = trainer.probe(batch)
+            out = trainer(batch, lr=SEG_LR)
+            cache[precision] = trainer, probe, out, [np.asarray(v) for v in trainer.state.variables], batch
+        return cache[precision]
+    return get
+
+
+def test_segformer_activations_beyond_float16(segformer_steps):
+    """The premise of the half-precision tests below, on the float32 model: attention logits and the squares
+    a LayerNorm averages are beyond float16's range (in float16 they would be inf, the softmax and the
+    normalisation NaN)."""
+    trainer = segformer_steps("float32")[0]
+    backbone = models.backbone_of(trainer.state.model)
+    probe = keras.Model(backbone.input, [backbone.get_layer(n).output for n in AMPLIFIED])
+    q, k, embedded = (t.numpy().astype(np.float64) for t in probe(SEG_IMAGES))
+
+    def heads(t):  # [b, h, w, 256] -> [b, 8, h*w, 32] (the last stage's 8 heads)
+        return t.reshape(t.shape[0], -1, 8, 32).transpose(0, 2, 1, 3)
+
+    logits = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(32)
+    assert np.abs(logits).max() > 65504
+    assert (embedded ** 2).max() > 65504 and embedded.var(-1).max() > 65504
+
+
+@pytest.mark.parametrize("precision, whole_tol", [("mixed_float16", 1e-2), ("mixed_bfloat16", 5e-2)])
+def test_segformer_half_precision_step_matches_float32(segformer_steps, precision, whole_tol):
+    """One AdamW step of SegFormer in mixed precision from weights whose activations overflow float16 (above):
+    applied (float16 at the initial loss scale, no overflow), finite, its gradient and the weights after it
+    within 1e-2 relative L2 of float32's (the gradient 5e-2 for bfloat16's 8-bit mantissa). Seen on this
+    machine's AVX-512 CPU: gradient 0.7% (float16) and 2.8% (bfloat16) from float32's, most of it from the
+    head's BN backward pass amplifying rounding (the tiny model's tests above say why); weights 6e-6 and
+    2e-5. Fails for the attention's logits or softmax, or a LayerNorm's moments, computed in float16 (NaN),
+    and for a gradient left multiplied by the loss scale."""
+    _, ref_probe, ref_out, ref_weights, _ = segformer_steps("float32")
+    trainer, probe, out, weights, _ = segformer_steps(precision)
+    assert bool(ref_out.applied) and bool(out.applied) and np.isfinite(float(out.loss))
+    if precision == "mixed_float16":
+        assert float(out.loss_scale_used) == 2.0 ** 15
+    assert all(np.isfinite(w).all() for w in weights)
+    grads = rel_l2(ref_probe.gradients, probe.gradients)
+    moved = rel_l2(ref_weights, weights)
+    assert grads < whole_tol, f"{precision}: gradient {grads:.3g} (relative L2) from float32's"
+    assert moved < 1e-2, f"{precision}: weights {moved:.3g} (relative L2) from float32's"
+    np.testing.assert_allclose(float(probe.loss), float(ref_probe.loss), rtol=2e-3)
+
+
+def test_segformer_float16_loss_scale_in_the_log_line(segformer_steps, tmp_path, caplog):
+    trainer, _, out, _, batch = segformer_steps("mixed_float16")
+    loop = _loop(trainer, tmp_path)
+    with caplog.at_level(logging.INFO, logger="seg_train"):
+        loop.finish((1, out, batch, SEG_LR, False))
+    assert loop.overflows == 0 and loop.skipped == 0
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(re.match(r"step 1/4 .* loss scale 32768 ", m) for m in msgs), msgs

@@ -1,12 +1,15 @@
 """The train step's update held to Keras' own optimizers and TensorFlow's ExponentialMovingAverage.
 
 seg-train applies its update with TensorFlow's fused kernels on Keras' slot variables, with a
-learning-rate multiplier for the backbone, weight decay folded into the gradient and an EMA of the
-weights. Here three steps of Adam and of SGD with momentum are replayed on an independent copy of
-the weights: the update's gradient comes from trainer.probe (nothing applied), and is applied by
-keras.optimizers.Adam / keras.optimizers.SGD(momentum=0.8) (a second Keras optimizer at lr * 0.1
-for the backbone variables); the copy's weights and Keras' slots must equal the trainer's after
-every step, on every tower. The EMA is replayed with tf.train.ExponentialMovingAverage.
+learning-rate multiplier for the backbone (and one for the head), weight decay folded into the
+gradient (Adam, SGD) or decoupled (AdamW) and an EMA of the weights. Here three steps of Adam, of SGD
+with momentum and of AdamW are replayed on an independent copy of the weights: the update's gradient
+comes from trainer.probe (nothing applied), and is applied by keras.optimizers.Adam /
+keras.optimizers.SGD(momentum=0.8) / keras.optimizers.AdamW (one Keras optimizer per learning-rate
+group: the backbone at lr * 0.1, the head at lr, or lr * 10 for AdamW, SegFormer's head multiplier;
+AdamW's exclusions given to Keras by name, `exclude_from_weight_decay(var_names=[bias, gamma, beta])`);
+the copy's weights and Keras' slots must equal the trainer's after every step, on every tower. The EMA
+is replayed with tf.train.ExponentialMovingAverage.
 
 Tolerances, per element: weights 2e-6 absolute (float32 rounding of weights of order 1); slots
 2e-4 relative plus 1e-6 of the slot's largest magnitude; the EMA 1e-7 absolute; probe's gradient
@@ -22,6 +25,11 @@ elements by over 20 times more (lr = 0.01, backbone lr = 0.001):
   replay cannot see it): probe's gradient is held to the plain tape's gradient of the mean
   cross-entropy plus 0.5 * coefficient * |kernel|^2; every kernel has elements whose decay term
   coefficient * w is over 20 times the tolerance.
+- AdamW (decay 0.5, lr 0.01, head lr 0.1): the decay applied after the Adam step instead of before
+  (Keras' order) moves each head weight by lr * wd * (its Adam step) more, ~5e-3; the decay at the base
+  rate instead of the variable's multiplied one, 0.09 * 0.5 * |w|; the decay on a norm or a bias (BN
+  gamma is 1: 0.05 per step at the head's rate); the head multiplier given to the backbone: backbone
+  steps 100x too large.
 - the EMA without its cap, or its t off by one: with ema_decay 0.3, TF's decay min(0.3, (1 + n) /
   (10 + n)) is 2/11 and 3/12 at steps 1 and 2 (capped) and 0.3 at step 3; step 1's average then
   differs by 0.07 to 0.12 of the step's move.
@@ -51,6 +59,8 @@ EMA_DECAY = 0.3
 MULT = 0.1
 MOMENTUM = 0.8  # not train.momentum's default 0.9
 WEIGHT_DECAY = 0.01
+ADAMW_DECAY = 0.5  # large, so that where and at which rate the decay is applied shows far above the tolerance
+HEAD_MULT = 10.0  # SegFormer's
 WEIGHT_ATOL = 2e-6
 SLOT_RTOL = 2e-4
 EMA_ATOL = 1e-7
@@ -64,7 +74,7 @@ def data_root(tmp_path_factory):
 
 
 def keras_slots(opt, var, adam: bool) -> list:
-    """Keras' own slot variables of `var` in optimizer `opt` (Adam: m and v; SGD: the momentum)."""
+    """Keras' own slot variables of `var` in optimizer `opt` (Adam, AdamW: m and v; SGD: the momentum)."""
     i = opt._get_variable_index(var)
     return [opt._momentums[i], opt._velocities[i]] if adam else [opt.momentums[i]]
 
@@ -94,19 +104,31 @@ def tape_gradient(trainer, images, labels):
 
 def replay(tmp_path, data_root, optimizer, towers):
     """STEPS train steps, each replayed with Keras' optimizer and TF's EMA; what both hold after each step."""
-    cfg = tiny_config(tmp_path, data_root=data_root, model={"weight_decay": WEIGHT_DECAY},
-                      train={"optimizer": optimizer, "momentum": MOMENTUM, "learning_rate": 0.01,
-                             "backbone_lr_multiplier": MULT, "ema_decay": EMA_DECAY})
-    adam = optimizer == "adam"
+    adamw = optimizer == "adamw"
+    head_mult = HEAD_MULT if adamw else 1.0
+    train = {"optimizer": optimizer, "momentum": MOMENTUM, "learning_rate": 0.01, "backbone_lr_multiplier": MULT,
+             "head_lr_multiplier": head_mult, "ema_decay": EMA_DECAY}
+    if adamw:
+        train["weight_decay"] = ADAMW_DECAY
+    # AdamW: model.weight_decay left out (it resolves to 0: no L2 term beside the decoupled decay).
+    cfg = tiny_config(tmp_path, data_root=data_root, model={"weight_decay": None if adamw else WEIGHT_DECAY},
+                      train=train)
+    assert cfg.model.weight_decay == (0.0 if adamw else WEIGHT_DECAY)
+    adam = optimizer in ("adam", "adamw")
     trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", ""))))
     it = train_batches(trainer.state, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
 
     variables = trainer.state.model.trainable_variables
     mask = models.backbone_variable_mask(trainer.state.model)
     assert 0 < sum(mask) < len(mask)  # both optimizers below have variables
-    copy = [keras.Variable(np.asarray(v), name=f"copy{i}") for i, v in enumerate(variables)]
+    # The copies carry the variables' names (kernel, bias, gamma, beta): Keras' AdamW excludes by name.
+    copy = [keras.Variable(np.asarray(v), name=v.name) for v in variables]
 
     def make(lr):
+        if adamw:
+            opt = keras.optimizers.AdamW(lr, weight_decay=ADAMW_DECAY)
+            opt.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+            return opt
         return keras.optimizers.Adam(lr) if adam else keras.optimizers.SGD(lr, momentum=MOMENTUM)
 
     groups = {}
@@ -115,6 +137,10 @@ def replay(tmp_path, data_root, optimizer, towers):
         members = [i for i, m in enumerate(mask) if m == backbone]
         opt.build([copy[i] for i in members])
         groups[backbone] = (opt, members)
+    if adamw:  # the rule Keras was given by name excludes some of each group, and decays the others
+        for opt, members in groups.values():
+            used = [opt._use_weight_decay(copy[i]) for i in members]
+            assert any(used) and not all(used)
 
     # TF's EMA: shadows are made from the copies' current values (the initial weights), then updated
     # after each step with num_updates = the number of updates applied so far, this one included.
@@ -137,7 +163,7 @@ def replay(tmp_path, data_root, optimizer, towers):
         out = trainer(batch)
         assert bool(out.applied), f"step {step + 1} not applied (a non-finite gradient after step {step})"
         for backbone, (opt, members) in groups.items():
-            opt.learning_rate = lr * MULT if backbone else lr
+            opt.learning_rate = lr * MULT if backbone else lr * head_mult
             opt.apply_gradients([(grads[i], copy[i]) for i in members])
         for e, v in zip(ema_copy, variables):
             e.assign(np.asarray(v))
@@ -159,6 +185,7 @@ def replay(tmp_path, data_root, optimizer, towers):
             "ref_ema": [tf_ema.average(e).numpy() for e in ema_copy],
             "paths": [v.path for v in variables], "mask": mask, "initial": initial,
         })
+    records[-1]["trainer"] = trainer
     return records
 
 
@@ -173,11 +200,18 @@ def sgd_1(tmp_path_factory, data_root):
 
 
 @pytest.fixture(scope="module")
-def adam_4(tmp_path_factory, data_root):
-    return replay(tmp_path_factory.mktemp("adam4"), data_root, "adam", 4)
+def adamw_1(tmp_path_factory, data_root):
+    return replay(tmp_path_factory.mktemp("adamw1"), data_root, "adamw", 1)
 
 
-CASES = ["adam_1", "sgd_1", "adam_4"]
+@pytest.fixture(scope="module")
+def adamw_4(tmp_path_factory, data_root):
+    return replay(tmp_path_factory.mktemp("adamw4"), data_root, "adamw", 4)
+
+
+# 4 towers with AdamW only: its update is Adam's fused op after the decay (plain Adam's op for the excluded
+# variables), so it holds Adam's 4-tower path too, for one trace fewer.
+CASES = ["adam_1", "sgd_1", "adamw_1", "adamw_4"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -226,3 +260,59 @@ def test_update_gradient_is_tape_gradient_plus_weight_decay(case, request):
             np.testing.assert_allclose(got, ref, rtol=1e-4, atol=GRAD_ATOL, err_msg=f"{path} step {step}")
     # Every kernel's decay term is far above the tolerance, so leaving it out fails.
     assert min(WEIGHT_DECAY * float(np.abs(k).max()) for k in records[0]["kernels"]) > 20 * GRAD_ATOL
+
+
+def _slots_by_variable(opt, variables) -> list:
+    return [[np.asarray(s) for s in keras_slots(opt, v, True)] for v in variables]
+
+
+def test_adamw_checkpoint_is_keras_adamws_and_restores_both_ways(adamw_1, tmp_path):
+    """Checkpoint layout: a Keras AdamW object. seg-train's checkpoint after three AdamW steps restores into a
+    keras.optimizers.AdamW built by hand on a fresh model (m and v of every variable equal seg-train's, the
+    update count 3); Keras' own AdamW then makes a step (apply_gradients) and its checkpoint restores into a
+    seg-train TrainState (its slots equal Keras'). Fails for slots kept anywhere else than Keras' object
+    (another object name or variable order would not restore, or restore into the wrong variables)."""
+    trainer = adamw_1[-1]["trainer"]
+    state = trainer.state
+    prefix = tf.train.Checkpoint(**state.checkpoint_objects()).write(str(tmp_path / "seg" / "ckpt"))
+    cfg = state.cfg
+    model = models.build(cfg.model, cfg.data.num_classes, seed=1)  # other initial weights
+    opt = keras.optimizers.AdamW(0.01, weight_decay=ADAMW_DECAY)
+    opt.build(model.trainable_variables)
+    tf.train.Checkpoint(model=model, optimizer=opt).read(prefix).expect_partial().assert_existing_objects_matched()
+    assert int(opt.iterations.numpy()) == STEPS
+    ours = _slots_by_variable(state.optimizer, state.model.trainable_variables)
+    for path, got, want in zip([v.path for v in model.trainable_variables],
+                               _slots_by_variable(opt, model.trainable_variables), ours):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w, err_msg=path)
+    assert max(float(np.abs(m).max()) for m, _ in ours) > 1e-3  # slots that moved
+
+    # Keras' AdamW steps on, and seg-train restores its slots.
+    rng = np.random.default_rng(0)
+    opt.apply_gradients([(rng.normal(size=v.shape).astype(np.float32), v) for v in model.trainable_variables])
+    keras_prefix = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "keras" / "ckpt"))
+    fresh = TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:1], "CPU", "")))
+    tf.train.Checkpoint(model=fresh.model, optimizer=fresh.optimizer).read(keras_prefix).expect_partial() \
+        .assert_existing_objects_matched()
+    assert int(fresh.optimizer.iterations.numpy()) == STEPS + 1
+    for got, want in zip(_slots_by_variable(fresh.optimizer, fresh.model.trainable_variables),
+                         _slots_by_variable(opt, model.trainable_variables)):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    for a, b in zip(fresh.model.weights, model.weights):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_adamw_exclusions_are_in_keras_object(adamw_1):
+    """seg-train's AdamW decays what Keras' AdamW object says it decays (update.decoupled_decay reads it),
+    which is the conv/dense kernels: every kernel decayed, every bias, BN gamma and beta not."""
+    from seg_train import update
+
+    state = adamw_1[-1]["trainer"].state
+    flags = update.decoupled_decay(state.optimizer, state.variables)
+    names = [v.name for v in state.variables]
+    assert {n for n, f in zip(names, flags) if f} == {"kernel", "depthwise_kernel", "pointwise_kernel"} & set(names)
+    assert {n for n, f in zip(names, flags) if not f} == set(names) - {"kernel", "depthwise_kernel",
+                                                                      "pointwise_kernel"}
+    assert {"bias", "gamma", "beta"} <= {n for n, f in zip(names, flags) if not f}

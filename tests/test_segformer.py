@@ -1,11 +1,13 @@
 """model.backbone: mit_b0..mit_b5 and model.head: segformer in seg-train's own machinery: parameter counts
-equal keras-hub's and the paper's for every size; train steps of MiT-B0 + SegFormer (synchronized BN) on
-2 towers equal 1 tower; evaluation (whole and slide) of non-square images equals an independent eager
-computation; seg-predict, the SavedModel and a TFLite file of builtins predict what the model predicts;
-the MiT backbone under DeepLabV3+ and LR-ASPP, the SegFormer head on another backbone; the config's checks.
+equal keras-hub's and the paper's for every size; train steps of MiT-B0 + SegFormer (synchronized BN, drop
+path and dropout on) on 4 towers equal 1 tower with Keras' own BN; evaluation (whole and slide) of
+non-square images equals an independent eager computation; seg-predict, the SavedModel and a TFLite file
+of builtins predict what the model predicts; the MiT backbone under DeepLabV3+ and LR-ASPP, the SegFormer
+head on another backbone; the config's checks.
 
 Wrong answers these catch: a MiT size with other depths or widths than the paper's (or keras-hub's), the
 SegFormer head's width not the paper's C; the head's BN left out of the BN layers the towers synchronise;
+drop path or dropout masks that depend on the tower a sample lands on;
 a model that only runs on square or fixed-size inputs; an op without a TFLite builtin; a key accepted
 where it means nothing (an output stride the MiT cannot have, the stride-2 decoder without stride-2
 features, a preset for a head that cannot hold it).
@@ -69,31 +71,66 @@ def _mit_config(tmp_path, **sections):
     return tiny_config(tmp_path, model=model, **sections)
 
 
-def test_two_towers_equal_one_tower_with_synchronized_bn(tmp_path):
-    """Two SGD steps of MiT-B0 + SegFormer at a non-square crop, synchronized BN in the head, through the
-    trainer's own step: 2 towers give the weights of 1 tower (the tower tests' reference, on this model)."""
-    cfg = _mit_config(tmp_path, data={"crop_size": [32, 48]}, model={"sync_batchnorm": True, "weight_decay": 0.05},
-                      train={"optimizer": "sgd", "learning_rate": 0.05})
+# The towers' comparison: high rates, so that most samples' masks differ from most others' (SegFormer's 0.1 and
+# 0.1 are the defaults); SGD (Adam's first step is lr * sign(g), which turns rounding in near-zero gradient
+# elements into O(lr) differences, tests/test_towers.py).
+DROP_PATH, HEAD_DROPOUT = 0.5, 0.3
+
+
+def _tower_config(tmp_path, sync: bool, drop_path=DROP_PATH, dropout=HEAD_DROPOUT):
+    return _mit_config(tmp_path, data={"crop_size": [32, 48]},
+                       model={"sync_batchnorm": sync, "fused_batchnorm": sync, "weight_decay": 0.05,
+                              "drop_path_rate": drop_path, "head_dropout": dropout},
+                       train={"optimizer": "sgd", "learning_rate": 0.05})
+
+
+@pytest.fixture(scope="module")
+def towers_1_and_4(tmp_path_factory):
+    """Two SGD steps of MiT-B0 + SegFormer at a non-square crop with drop path and dropout on, through the
+    trainer's own step: 4 towers with synchronized BN; 1 tower with Keras' own BatchNormalization (no
+    seg-train BN code); 1 tower without drop path and dropout."""
+    tmp = tmp_path_factory.mktemp("towers")
     rng = np.random.default_rng(0)
     images = rng.normal(size=(4, 32, 48, 3)).astype(np.float32)
     labels = rng.integers(0, 3, (4, 32, 48)).astype(np.uint8)
     labels[0, :20] = 255  # uneven ignored pixels across the towers
-    steps = [TrainStep(TrainState(cfg, strategy(n))) for n in (1, 2)]
-    initial = [w.numpy() for w in steps[0].state.model.trainable_weights]
-    assert [b.name for b in steps[0].state.bn_layers] == ["segformer_fuse_bn"]  # synchronised, re-estimated
-    outs = []
-    for step in steps:
+    out = {}
+    for name, towers, cfg in (("one", 1, _tower_config(tmp / "one", False)),
+                              ("four", 4, _tower_config(tmp / "four", True)),
+                              ("plain", 1, _tower_config(tmp / "plain", False, 0.0, 0.0))):
+        step = TrainStep(TrainState(cfg, strategy(towers)))
+        if name == "one":
+            out["initial"] = [w.numpy() for w in step.state.model.trainable_weights]
         batch = next(iter(step.state.strategy.experimental_distribute_dataset(
             tf.data.Dataset.from_tensors((images, labels)))))
-        outs.append([float(step(batch).loss) for _ in range(2)])
-    assert np.isfinite(outs[0]).all() and outs[0][1] != outs[0][0]
-    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5)
-    for a, b in zip(steps[0].state.model.weights, steps[1].state.model.weights):
+        out[name] = (step, [float(step(batch).loss) for _ in range(2)])
+    return out
+
+
+def test_four_towers_with_drop_path_and_synchronized_bn_equal_one_device(towers_1_and_4):
+    """4 towers (synchronized BN in the head, drop path in every MiT block, dropout before the classifier) give
+    the weights of 1 tower with Keras' own BN (the tower tests' reference, on this model, to float precision:
+    README). Fails for a mask drawn per call or from the tower's own row (a sample's mask then depends on
+    where it lands), for the head's BN not synchronised, and for stochastic layers that do nothing in the step
+    (the run without them must differ)."""
+    (one, losses_1), (four, losses_4) = towers_1_and_4["one"], towers_1_and_4["four"]
+    assert [b.name for b in one.state.bn_layers] == ["segformer_fuse_bn"]  # synchronised, re-estimated
+    assert np.isfinite(losses_1).all() and losses_1[1] != losses_1[0]
+    np.testing.assert_allclose(losses_1, losses_4, rtol=1e-5)
+    for a, b in zip(one.state.model.weights, four.state.model.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
-    moved = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(initial, steps[0].state.model.trainable_weights))
+    assert type(four.state.bn_layers[0]).__name__ == "SyncBatchNormalization"
+    assert type(one.state.bn_layers[0]) is keras.layers.BatchNormalization
+    moved = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(towers_1_and_4["initial"],
+                                                                   one.state.model.trainable_weights))
     assert moved > 1e-3
+    # The masks were drawn: without them the same steps end elsewhere (and the first loss differs).
+    plain, losses_0 = towers_1_and_4["plain"]
+    assert losses_0[0] != losses_1[0]
+    assert max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(plain.state.model.trainable_weights,
+                                                                          one.state.model.trainable_weights)) > 1e-2
     # The backbone/head split (train.backbone_lr_multiplier) puts the MiT in the backbone, the head out of it.
-    model = steps[0].state.model
+    model = one.state.model
     head = [v.path for v, in_backbone in zip(model.trainable_variables, models.backbone_variable_mask(model))
             if not in_backbone]
     assert head and all(p.startswith(("segformer_", "logits")) for p in head), head
@@ -196,6 +233,12 @@ def test_defaults_resolved_from_the_backbone():
     assert model(backbone="mit_b1", head="segformer").model.segformer_channels == 256
     assert model(backbone="mit_b2", head="segformer").model.segformer_channels == 768
     assert model(backbone="mit_b2", head="segformer", segformer_channels=64).model.segformer_channels == 64
+    # SegFormer's regularisation for the MiT and its head; nothing (null, as an older run's config) elsewhere.
+    seg = model(backbone="mit_b0", head="segformer").model
+    assert (seg.drop_path_rate, seg.head_dropout) == (0.1, 0.1)
+    assert (model(backbone="mit_b0").model.drop_path_rate, model(backbone="mit_b0").model.head_dropout) == (0.1, None)
+    assert (model(head="segformer").model.drop_path_rate, model(head="segformer").model.head_dropout) == (None, 0.1)
+    assert (model().model.drop_path_rate, model().model.head_dropout) == (None, None)
     mit = model(backbone="mit_b3", head="segformer").data
     assert (mit.mean, mit.std) == ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))  # keras-hub's converter
     old = model()  # an old config: the model it always built
@@ -226,6 +269,14 @@ def test_defaults_resolved_from_the_backbone():
      "'mit_b0' (its first stage's 8x8 spatial reduction at stride 4), got [64, 16]"),
     ({"model": {"segformer_channels": 0}},
      "error: out of range (model.segformer_channels): expected a positive number, got 0"),
+    ({"model": {"drop_path_rate": 0.1}},
+     "error: not available for this backbone (model.drop_path_rate): 0 (or no value) with model.backbone "
+     "'mobilenetv2': drop path skips the Mix Transformer's residual blocks (mit_b0..mit_b5), got 0.1"),
+    ({"model": {"backbone": "mit_b0", "head_dropout": 0.1}},
+     "error: not available for this head (model.head_dropout): 0 (or no value) with model.head 'deeplabv3plus': it "
+     "is the SegFormer head's dropout before its classifier, got 0.1"),
+    ({"model": {"backbone": "mit_b0", "drop_path_rate": 1.0}},
+     "error: out of range (model.drop_path_rate): expected a number in [0, 1), got 1.0"),
     ({"model": {"backbone": "mit_b6"}}, "error: invalid value (model.backbone): expected one of tiny, mobilenetv2, "),
 ])
 def test_config_errors_are_one_line_naming_the_key(sections, expected):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import keras
 
-from seg_train.config import ModelConfig, default_output_stride, default_segformer_channels
+from seg_train.config import (ModelConfig, default_drop_path_rate, default_head_dropout, default_output_stride,
+                               default_segformer_channels)
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 from seg_train.models.layer_choice import LayerChoice
@@ -22,8 +23,8 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     The seed fixes the initial weights, so every run with the same config starts from the same model;
     `cfg.init_weights` (a keras-hub SegFormer preset) then overwrites them. With `cfg.freeze_batchnorm`
     the backbone's BN layers are frozen (see `freeze_batchnorm`) before anything reads
-    `model.trainable_variables`. Keys a loaded config resolves (output_stride, segformer_channels) take
-    the backbone's defaults when null.
+    `model.trainable_variables`. Keys a loaded config resolves (output_stride, segformer_channels,
+    drop_path_rate, head_dropout) take the backbone's (and head's) defaults when null.
     """
     choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
                          fast_atrous=cfg.fast_atrous)
@@ -40,12 +41,14 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         low_strides = tuple(s for s in (4, 8, 16) if s < output_stride)
     else:
         low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
+    drop_path = default_drop_path_rate(cfg.backbone) if cfg.drop_path_rate is None else cfg.drop_path_rate
     backbone = build_backbone(cfg.backbone, output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
-                              low_strides)
+                              low_strides, drop_path)
     if cfg.head == "lraspp":
         model = lraspp(backbone, num_classes, choice, cfg.lraspp_channels, cfg.bn_momentum)
     elif cfg.head == "segformer":
-        model = segformer(backbone, num_classes, choice, channels, cfg.bn_momentum)
+        dropout = default_head_dropout(cfg.head) if cfg.head_dropout is None else cfg.head_dropout
+        model = segformer(backbone, num_classes, choice, channels, cfg.bn_momentum, dropout)
     else:
         fine = (cfg.fine_low_level_channels, cfg.fine_channels) if cfg.decoder_stride == 2 else None
         model = deeplabv3plus(backbone, num_classes, output_stride, choice, cfg.aspp_channels,

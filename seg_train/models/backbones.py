@@ -327,12 +327,14 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerCh
 
 
 def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: LayerChoice,
-                   weights: Path | None = None, low_strides: tuple[int, ...] = (4,)) -> keras.Model:
+                   weights: Path | None = None, low_strides: tuple[int, ...] = (4,),
+                   drop_path_rate: float = 0.0) -> keras.Model:
     """Builds the named backbone with the layer classes of `choice` (one dict maps names to builders).
 
     It returns the low-level features at each of `low_strides` (2, 4 or 8; 4, 8 or 16 for the MiT
     backbones), in that order, then the high-level ones. `weights`: model.backbone_weights (a Keras
-    ImageNet file, or a keras-hub MiT preset directory for mit_b0..mit_b5).
+    ImageNet file, or a keras-hub MiT preset directory for mit_b0..mit_b5). `drop_path_rate`: the MiT's
+    stochastic depth (models/mit.py; the other backbones have none).
     """
     if name == "tiny":
         if weights is not None:
@@ -345,7 +347,7 @@ def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: La
             raise ValueError(f"{name} has output stride 32, got {output_stride}")
         if weights is not None:
             check_mit_preset(name, weights)  # a wrong preset refused before the model is built
-        model = mix_transformer(name, low_strides)
+        model = mix_transformer(name, low_strides, drop_path_rate)
         if weights is not None:
             load_mit_preset(model, name, weights)
         return model

@@ -8,6 +8,8 @@ A block is x + attention(LN(x)), then x + Mix-FFN(LN(x)):
   N * N / R^2 instead of N^2; per head softmax(q k^T / sqrt(d)) v, then a dense projection;
 - Mix-FFN: dense to 4x the width, a 3x3 depthwise conv (the position information; MiT has no position
   embedding), GELU, dense back.
+In training each residual branch is dropped per sample (stochastic depth, model.drop_path_rate: rising
+linearly over the blocks), its masks drawn from each sample's global counter (models/stochastic.py).
 
 Written here rather than taken from keras-hub (keras_hub.models.MiTBackbone, 0.32) because keras-hub's
 attention and Mix-FFN rebuild the 2-D map from the token count as H = W = sqrt(N): its model takes only
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 from keras import layers
+
+from seg_train.models.stochastic import DropPath
 
 STRIDES = (4, 8, 16, 32)  # each stage's output stride
 _PATCH = ((7, 4), (3, 2), (3, 2), (3, 2))  # (patch size, stride) of each stage's embedding
@@ -133,8 +137,9 @@ def _conv_init():
     return keras.initializers.VarianceScaling(2.0, mode="fan_out", distribution="untruncated_normal")
 
 
-def _block(x, width: int, heads: int, sr_ratio: int, name: str):
-    """One transformer block on the map x [b, h, w, width]."""
+def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float = 0.0):
+    """One transformer block on the map x [b, h, w, width]; each residual branch dropped per sample with
+    probability `drop_path` in training (two independent draws, as timm's, mmsegmentation's and keras-hub's)."""
     y = _layer_norm(BLOCK_EPSILON, f"{name}_norm1")(x)
     q = _dense(width, f"{name}_attn_q")(y)
     kv = y
@@ -146,7 +151,8 @@ def _block(x, width: int, heads: int, sr_ratio: int, name: str):
     v = _dense(width, f"{name}_attn_v")(kv)
     y = EfficientAttention(heads, name=f"{name}_attn")(q, k, v)
     y = _dense(width, f"{name}_attn_proj")(y)
-    # Drop path (stochastic depth) would scale each residual branch per sample here.
+    if drop_path:
+        y = DropPath(drop_path, name=f"{name}_drop_path1")(y)
     x = layers.Add(name=f"{name}_add1")([x, y])
 
     y = _layer_norm(BLOCK_EPSILON, f"{name}_norm2")(x)
@@ -154,13 +160,24 @@ def _block(x, width: int, heads: int, sr_ratio: int, name: str):
     y = layers.DepthwiseConv2D(3, padding="same", depthwise_initializer=_conv_init(), name=f"{name}_ffn_dwconv")(y)
     y = Gelu(name=f"{name}_ffn_gelu")(y)
     y = _dense(width, f"{name}_ffn_fc2")(y)
+    if drop_path:
+        y = DropPath(drop_path, name=f"{name}_drop_path2")(y)
     return layers.Add(name=f"{name}_add2")([x, y])
 
 
-def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,)) -> keras.Model:
+def drop_path_rates(name: str, rate: float) -> list[float]:
+    """Each block's drop-path rate, the blocks of all stages in order: rising linearly from 0 at the first
+    block to `rate` at the last (the paper's; timm's, mmsegmentation's and keras-hub's linspace)."""
+    n = sum(VARIANTS[name].depths)
+    return [rate * i / (n - 1) for i in range(n)]
+
+
+def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,), drop_path_rate: float = 0.0) -> keras.Model:
     """MiT `name` (mit_b0..mit_b5): the features at each of `low_strides` (4, 8 or 16), in that order,
-    then the stride-32 features (the backbone interface of models/backbones.py)."""
+    then the stride-32 features (the backbone interface of models/backbones.py). `drop_path_rate`: the
+    last block's stochastic depth (`drop_path_rates`); blocks at rate 0 have no DropPath layer."""
     spec = VARIANTS[name]
+    rates = iter(drop_path_rates(name, drop_path_rate))
     inp = keras.Input((None, None, 3), name="image")
     x, found = inp, {}
     for i in range(4):
@@ -171,6 +188,6 @@ def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,)) -> keras.Mod
                           name=f"{s}_embed_conv")(x)
         x = _layer_norm(EPSILON, f"{s}_embed_norm")(x)
         for j in range(spec.depths[i]):
-            x = _block(x, spec.widths[i], spec.heads[i], spec.sr_ratios[i], f"{s}_block{j + 1}")
+            x = _block(x, spec.widths[i], spec.heads[i], spec.sr_ratios[i], f"{s}_block{j + 1}", next(rates))
         x = found[STRIDES[i]] = _layer_norm(EPSILON, f"{s}_norm")(x)
     return keras.Model(inp, [found[s] for s in low_strides] + [found[32]], name=name)

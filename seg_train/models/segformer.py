@@ -2,11 +2,13 @@
 
 Each feature level -> a dense projection to C channels -> upsampled bilinearly to the first (stride-4)
 level's size; the levels concatenated deepest first (the paper's and keras-hub's order, which the fuse
-conv's weights depend on) -> 1x1 conv (no bias) + BN + ReLU -> classifier (1x1 conv) -> upsampled to
-the input. Dense, resize, concatenation and 1x1 convs only: any input size, every op a TFLite builtin.
+conv's weights depend on) -> 1x1 conv (no bias) + BN + ReLU -> dropout -> classifier (1x1 conv) ->
+upsampled to the input. Dense, resize, concatenation and 1x1 convs only: any input size, every op a
+TFLite builtin.
 
-The dropout the paper puts before the classifier (0.1) is not applied: it comes with the training
-recipe, drawn per sample so that 1 tower computes what N towers do (Keras' Dropout draws per call).
+The dropout is the paper's (0.1 by default, model.head_dropout), of whole channels as PyTorch's Dropout2d
+in mmsegmentation's decode heads, and drawn per sample from the global sample counter so that 1 tower
+computes what N towers do (models/stochastic.py; Keras' Dropout draws per call). The identity at inference.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from keras import layers
 
 from seg_train.models.deeplabv3plus import ResizeLike
 from seg_train.models.layer_choice import LayerChoice
+from seg_train.models.stochastic import ChannelDropout
 
 
 def segformer(backbone: keras.Model, num_classes: int, choice: LayerChoice, channels: int = 256,
-              bn_momentum: float = 0.9) -> keras.Model:
+              bn_momentum: float = 0.9, dropout: float = 0.0) -> keras.Model:
     """Builds the SegFormer head on `backbone` (which returns its features shallowest first, the first at
-    stride 4). The BatchNormalization layer is of the class `choice` gives. Returns float32 logits at
-    the input's resolution."""
+    stride 4). The BatchNormalization layer is of the class `choice` gives; `dropout` the rate of the
+    channel dropout before the classifier (no layer at 0). Returns float32 logits at the input's resolution."""
     inp = keras.Input((None, None, 3), name="image")
     features = backbone(inp)
     first = features[0]
@@ -34,6 +37,8 @@ def segformer(backbone: keras.Model, num_classes: int, choice: LayerChoice, chan
     x = layers.Conv2D(channels, 1, use_bias=False, name="segformer_fuse_conv")(x)
     x = choice.batch_norm(bn_momentum, 1e-5, "segformer_fuse_bn")(x)
     x = layers.ReLU(name="segformer_fuse_relu")(x)
+    if dropout:
+        x = ChannelDropout(dropout, name="segformer_dropout")(x)
     x = layers.Conv2D(num_classes, 1, name="logits")(x)
     x = ResizeLike(name="logits_resize")(x, inp)
     # Softmax/cross-entropy in float32 even under a mixed-precision policy.

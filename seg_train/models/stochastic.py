@@ -1,0 +1,131 @@
+"""Dropout and stochastic depth drawn per SAMPLE from (seed, global sample counter, layer), not per call.
+
+The train step gives every row of a micro-batch its global sample counter k, the number the data stream
+draws that sample's augmentation from (data/reader.py, ImageReader.train_order): row i of micro-batch m
+on tower r at step s is k = (s*K + m)*B + r*b + i (K micro-batches of a global batch B, b rows per
+tower). While the step traces the model it holds those counters in `per_sample`; a stochastic layer
+draws row i's mask with TensorFlow's stateless RNG seeded by (k, a hash of the run's seed and the
+layer's name). So a sample gets the same masks whatever the tower count, the worker count, its row or
+its tower, and a resumed run draws what the uninterrupted one drew: the masks are a pure function of
+(seed, k, layer), like the data stream, and nothing about them is carried in a checkpoint.
+
+Why not keras.layers.Dropout (or keras-hub's DropPath): they draw from a SeedGenerator per CALL, so the
+mask of a sample depends on which tower it lands on, how many rows that tower has and how many calls
+came before (1 tower and N towers then differ, and a resumed run differs from the uninterrupted one
+unless the generator's state is checkpointed and every tower's call count is the same).
+
+Outside `per_sample` (evaluation, precise BN, prediction, export, a Keras call with training=True) and
+whenever `training` is false, the layers are the identity and add no op to the graph: inference is
+deterministic, and precise BN estimates the statistics of the network inference runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+
+import keras
+import tensorflow as tf
+from keras import layers
+
+# The counters of the pass being traced, per thread: with synchronized BN each tower traces its pass in its
+# own thread (towers.py), each with its own counters.
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def per_sample(sample_ids, seed: int):
+    """While a training-mode pass is traced inside this block, the stochastic layers draw row i's mask from
+    (seed, sample_ids[i], layer name). `sample_ids`: int64 [rows], its length static."""
+    previous = getattr(_local, "keys", None)
+    _local.keys = (tf.cast(sample_ids, tf.int64), int(seed))
+    try:
+        yield
+    finally:
+        _local.keys = previous
+
+
+def sample_ids(step, micro, tower, rows: int, towers: int, micro_batches: int):
+    """The global sample counter of each row of one micro-batch on one tower: int64 [rows].
+
+    k = (step * K + micro) * B + tower * rows + i with B = towers * rows, ImageReader.train_order's formula
+    (the tower index is the replica's index in the whole group, every worker's towers included).
+    """
+    step, micro, tower = (tf.cast(x, tf.int64) for x in (step, micro, tower))
+    first = (step * micro_batches + micro) * (towers * rows) + tower * rows
+    return first + tf.range(rows, dtype=tf.int64)
+
+
+def _salt(seed: int, name: str) -> int:
+    """A 63-bit number for (run seed, layer name): the second half of every stateless seed the layer uses."""
+    digest = hashlib.sha256(f"seg_train/{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _row_uniform(row_shape, name: str):
+    """U[0, 1) of shape [rows, *row_shape], row i drawn from (sample_ids[i], salt(seed, name)); None outside
+    `per_sample`."""
+    keys = getattr(_local, "keys", None)
+    if keys is None:
+        return None
+    ids, seed = keys
+    salt = tf.constant(_salt(seed, name), tf.int64)
+    return tf.stack([tf.random.stateless_uniform(row_shape, tf.stack([k, salt])) for k in tf.unstack(ids)])
+
+
+def _kept(x, rate: float, row_shape, name: str):
+    """x * mask / (1 - rate), mask drawn per row by `_row_uniform` (1 with probability 1 - rate); None
+    outside `per_sample`."""
+    u = _row_uniform(row_shape, name)
+    if u is None:
+        return None
+    keep = 1.0 - rate
+    # The rescaling keeps every activation's expectation what inference (no mask) computes.
+    scale = tf.cast(u < keep, tf.float32) / keep
+    return x * tf.cast(scale, x.dtype)
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class DropPath(layers.Layer):
+    """Stochastic depth (Huang et al. 2016; timm's DropPath): in training, each sample's residual branch is
+    dropped with probability `rate`, kept ones scaled by 1 / (1 - rate). Drawn per sample (module doc)."""
+
+    def __init__(self, rate: float, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = float(rate)
+
+    def call(self, x, training=None):
+        if not training or not self.rate:
+            return x
+        out = _kept(x, self.rate, [1] * (len(x.shape) - 1), self.name)
+        return x if out is None else out
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class ChannelDropout(layers.Layer):
+    """Dropout of whole channels per sample (PyTorch's Dropout2d, which mmsegmentation's decode heads and
+    SegFormer's put before the classifier): in training, each (sample, channel) of an NHWC map is zeroed
+    with probability `rate`, kept ones scaled by 1 / (1 - rate). Drawn per sample (module doc)."""
+
+    def __init__(self, rate: float, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = float(rate)
+
+    def call(self, x, training=None):
+        if not training or not self.rate:
+            return x
+        out = _kept(x, self.rate, [1, 1, x.shape[-1]], self.name)
+        return x if out is None else out
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate}
