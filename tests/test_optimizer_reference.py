@@ -40,10 +40,9 @@ import tensorflow as tf
 from seg_train import losses, models, replicas
 
 from seg_train.data import synthetic
-from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
-from tests.helpers import tiny_config, train_batches
+from tests.helpers import open_reader, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 STEPS = 3
@@ -99,7 +98,7 @@ def replay(tmp_path, data_root, optimizer, towers):
                              "backbone_lr_multiplier": MULT, "ema_decay": EMA_DECAY})
     adam = optimizer == "adam"
     trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", ""))))
-    it = train_batches(trainer.state, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
+    it = train_batches(trainer.state, open_reader(cfg, cfg.data.train_split))
 
     variables = trainer.state.model.trainable_variables
     mask = models.backbone_variable_mask(trainer.state.model)
