@@ -64,10 +64,9 @@ def main(args) -> int:
     from seg_train import models, sysinfo
 
     from seg_train.bench import runner as bench
-    from seg_train.data.reader import ImageReader, ensure_data
+    from seg_train.data.split import open_split
 
-    ensure_data(cfg)
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    reader = open_split(cfg, cfg.data.train_split).reader
     batch, k, windows = cfg.data.batch_size, args.steps, args.windows
 
     # ---- seg-train: the real step on one tower --------------------------------------------------

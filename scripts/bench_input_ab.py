@@ -34,10 +34,10 @@ def child(args) -> None:
     set_tf_env_defaults()  # the CPU allocator the commands run on (the environment's choice wins)
     import seg_train
     from seg_train import config as config_lib
-    from seg_train.data.reader import ImageReader
+    from seg_train.data.split import open_split
 
     cfg = config_lib.load(args.config, args.set)
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    reader = open_split(cfg, cfg.data.train_split).reader
     batch = cfg.data.batch_size
     it = iter(reader.train_dataset(batch, 0, 1))
     for _ in range(args.warmup):

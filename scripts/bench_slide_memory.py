@@ -76,7 +76,7 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
     devices = replicas.setup_devices(1)
     from seg_train import config as config_lib
     from seg_train.infer.evaluate import Evaluator
-    from seg_train.data.reader import ImageReader
+    from seg_train.data.split import open_split
     from seg_train.sysinfo import peak_rss_mb
     from seg_train.state import TrainState
 
@@ -93,7 +93,7 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
         state = TrainState(cfg, replicas.make_strategy(devices), optimizer=False)
         result = {"image": [h, w]}
         if case != "model":
-            reader = ImageReader(cfg.data, "val")
+            reader = open_split(cfg, "val").reader
             names = [f"c{i}" for i in range(NUM_CLASSES)]
             evaluator = Evaluator(state)
             evaluator.evaluate(reader, names, progress=False)  # traces

@@ -104,17 +104,19 @@ def breakdown(work: Path, root: Path) -> dict:
     import tensorflow as tf
 
     from seg_train import config as config_lib
-    from seg_train.data import scan_cache
-    from seg_train.data.reader import ImageReader, list_samples
+    from seg_train.data import layouts, scan_cache
+    from seg_train.data.scan import checker_digest
+    from seg_train.data.split import open_split
 
     cfg = config_lib.load(write_config(work, root, 1))
-    samples = list_samples(root, "train")
-    out = {"list_s": _best(lambda: list_samples(root, "train"))}
-    out["stat_s"] = _best(lambda: scan_cache.Entry.of(work / "scan-cache", samples, 5, 255))
-    entry = scan_cache.Entry.of(work / "scan-cache", samples, 5, 255)
+    samples = layouts.list_samples(cfg.data, "train")
+    out = {"list_s": _best(lambda: layouts.list_samples(cfg.data, "train"))}
+    checker = checker_digest()
+    out["stat_s"] = _best(lambda: scan_cache.Entry.of(work / "scan-cache", samples, 5, 255, checker=checker))
+    entry = scan_cache.Entry.of(work / "scan-cache", samples, 5, 255, checker=checker)
     out["entry_found"] = entry.load() is not None
     out["load_entry_s"] = _best(entry.load)
-    reader = ImageReader(cfg.data, "train", 0)
+    reader = open_split(cfg, "train").reader
     out["first_batch_s"] = _best(lambda: next(iter(reader.train_dataset(cfg.data.batch_size, end_step=1))))
     # The training order: sample indices of the stream (one argsort of n numbers per epoch), per sample;
     # and by the definition, a fresh permutation of all n samples per sample (what the stream used to do).

@@ -27,10 +27,10 @@ import numpy as np
 def child(args) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from seg_train import config as config_lib
-    from seg_train.data.reader import ImageReader
+    from seg_train.data.split import open_split
 
     cfg = config_lib.load(args.config, args.set)
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    reader = open_split(cfg, cfg.data.train_split).reader
     batch = cfg.data.batch_size
     images, labels = [], []
     for image, label in reader.train_dataset(batch, 0, 1).take(-(-args.samples // batch)):

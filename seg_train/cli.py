@@ -525,19 +525,18 @@ def check_data_main(args) -> int:
     cfg = config_lib.load(args.config, args.overrides, args.run_dir)
     import_tensorflow(args.debug)
     from seg_train.data.scan import format_report, scan_cached
-    from seg_train.data.reader import prepare_data
-    from seg_train.data.reader import ImageReader, class_names_of
+    from seg_train.data.split import open_split
     from seg_train.data import layouts
-    prepare_data(cfg)
-    names = class_names_of(cfg)  # a wrong classes.txt is a one-line user error (exit 2)
+    train = open_split(cfg, cfg.data.train_split)
+    names = train.class_names  # a wrong classes.txt is a one-line user error (exit 2)
     bad = lossy = 0
     for split in dict.fromkeys([cfg.data.train_split, cfg.data.val_split]):
-        if split == cfg.data.val_split and not layouts.split_exists(cfg.data, split):
+        opened = train if split == cfg.data.train_split else open_split(cfg, split, optional=True)
+        if opened is None:
             print(f"split {split}: not found ({layouts.split_location(cfg.data, split)}), skipped")
             continue
-        reader = ImageReader(cfg.data, split, cfg.seed)
         # Always decoded (refresh): the check is of the files as they are now; it renews the scan cache.
-        report = scan_cached(cfg, reader, f"split {split}", refresh=True)
+        report = scan_cached(cfg, opened.reader, f"split {split}", refresh=True)
         print(f"split {split}: " + format_report(report, names))
         bad += len(report.bad)
         lossy += report.lossy

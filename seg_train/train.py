@@ -28,7 +28,8 @@ from seg_train.data.label_images import voc_colormap
 from seg_train.profiling import StepProfiler
 from seg_train.data import layouts
 from seg_train.data.feed import Feed
-from seg_train.data.reader import ImageReader, class_names_of, prepare_data
+from seg_train.data.reader import ImageReader
+from seg_train.data.split import open_split, train_dataset_fn
 from seg_train.data.scan import class_weights_for_split, scan_for_training
 from seg_train.rundir import RunLock, check_resume_config, write_class_weights
 from seg_train.summaries import Summaries
@@ -118,12 +119,13 @@ class _StopSignals:
 
 
 def open_val(cfg: Config) -> ImageReader | None:
-    """The val split for evaluation during training, or None (with a warning) if there is none."""
-    if not layouts.split_exists(cfg.data, cfg.data.val_split):
+    """The val split's reader for evaluation during training, or None (with a warning) if there is none."""
+    val = open_split(cfg, cfg.data.val_split, optional=True)
+    if val is None:
         log.warning("no val split %r (%s): no evaluation during training", cfg.data.val_split,
                     layouts.split_location(cfg.data, cfg.data.val_split))
         return None
-    return ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
+    return val.reader
 
 
 def run_evaluation(cfg: Config, evaluator: evaluate.Evaluator, reader: ImageReader, names: list[str],
@@ -191,13 +193,14 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
 
 def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_config_change, stop) -> int:
     n = strategy.num_replicas_in_sync
-    reader = prepare_data(cfg)
+    train_split = open_split(cfg, cfg.data.train_split)
+    reader = train_split.reader
     val_reader = open_val(cfg)
     splits = [(reader, f"train ({cfg.data.train_split})")]
     if val_reader is not None:
         splits.append((val_reader, f"val ({cfg.data.val_split})"))
     train_report = scan_for_training(cfg, splits, strategy)[0]
-    names = class_names_of(cfg)
+    names = train_split.class_names
     class_weights = class_weights_for_split(cfg, reader, train_report, names)
     if cfg.train.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -236,12 +239,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
 
     batch = cfg.data.batch_size
     k_micro = cfg.train.accumulate_steps
-
-    def dataset_fn(ctx: tf.distribute.InputContext):
-        return reader.train_dataset(batch, start, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                    ctx.num_input_pipelines, end_step=cfg.train.num_steps, micro_batches=k_micro)
-
-    dist_data = state.distribute(dataset_fn)
+    dist_data = state.distribute(train_dataset_fn(reader, batch, start_step=start, end_step=cfg.train.num_steps,
+                                                  micro_batches=k_micro))
     # Trace the step now (the loop reuses this trace), so its cost is reported apart from the rest.
     t_trace = time.perf_counter()
     step_graph = train_step.concrete_function(dist_data.element_spec)

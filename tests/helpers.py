@@ -57,13 +57,22 @@ def random_batch(batch=4, size=32, num_classes=3, seed=0, ignore_rows=None):
 
 
 
+def open_reader(cfg: config_lib.Config, split: str, seed: int | None = None):
+    """`split`'s ImageReader through the front door (seg_train/data/split.py's open_split); `seed` in place of
+    cfg.seed where a test reads the stream of another seed."""
+    from seg_train.data.split import open_split
+
+    return open_split(cfg if seed is None else config_lib.replace(cfg, "seed", seed), split).reader
+
+
 def train_batches(state, reader):
     """The real reader's training stream from step 0 for a TrainState, distributed as train.py distributes it
-    (data.batch_size global images per micro-batch, train.accumulate_steps micro-batches)."""
+    (data.batch_size global images per micro-batch, train.accumulate_steps micro-batches), endless."""
+    from seg_train.data.split import train_dataset_fn
+
     cfg = state.cfg
-    k, b = cfg.train.accumulate_steps, cfg.data.batch_size
-    return iter(state.distribute(lambda ctx: reader.train_dataset(
-        b, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id, ctx.num_input_pipelines, micro_batches=k)))
+    return iter(state.distribute(train_dataset_fn(reader, cfg.data.batch_size, start_step=0, end_step=None,
+                                                  micro_batches=cfg.train.accumulate_steps)))
 
 # A numpy confusion matrix, the by-hand reference the evaluation's bincount path is checked against
 # (the package itself counts on the device, seg_train/infer/evaluate.py).

@@ -23,10 +23,9 @@ from seg_train.data import synthetic
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.models.backbones import WEIGHT_FILES
-from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
-from tests.helpers import random_batch, tiny_config
+from tests.helpers import open_reader, random_batch, tiny_config
 
 # backbone: (tf_keras constructor, its preprocess_input, the low-level (stride 4) layer, layers of the
 # no-top file past the backbone's high-level output)
@@ -286,7 +285,7 @@ def test_precise_bn_leaves_frozen_backbone_bn_alone(tmp_path):
     head = [b for b in _bn(trainer.state.model) if b not in frozen]
     for b in frozen:
         b.moving_mean.assign(np.full(b.moving_mean.shape, 0.25, np.float32))
-    assert precise_bn.PreciseBN(trainer.state).reestimate(ImageReader(cfg.data, "train", cfg.seed), 1, progress=False)
+    assert precise_bn.PreciseBN(trainer.state).reestimate(open_reader(cfg, "train"), 1, progress=False)
     for b in frozen:
         np.testing.assert_array_equal(b.moving_mean.numpy(), 0.25)
         np.testing.assert_array_equal(b.moving_variance.numpy(), 1.0)

@@ -18,10 +18,9 @@ from seg_train.infer import precise_bn
 
 from seg_train.data import synthetic
 from seg_train.infer.metrics import compute_metrics
-from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
-from tests.helpers import confusion_matrix, tiny_config, train_batches
+from tests.helpers import confusion_matrix, open_reader, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 NUM_CLASSES = 3
@@ -37,7 +36,7 @@ def make(tmp_path, data_root, towers, **sections):
     cfg = tiny_config(tmp_path, data_root, data={"batch_size": 8}, **sections)
     strategy = replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", "test"))
     trainer = TrainStep(TrainState(cfg, strategy))
-    return trainer, ImageReader(cfg.data, "train", cfg.seed)
+    return trainer, open_reader(cfg, "train")
 
 
 def global_batches(trainer, reader, num_batches):
@@ -191,7 +190,7 @@ def test_mixed_bfloat16_moments_in_float32(tmp_path, data_root):
 
 
 def val_miou(trainer, data_root):
-    reader = ImageReader(trainer.state.cfg.data, "val", trainer.state.cfg.seed)
+    reader = open_reader(trainer.state.cfg, "val")
     cm = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
     for image, label, _ in reader.eval_dataset(pad_to=16):
         pred = np.argmax(trainer.state.model(image, training=False).numpy(), -1)

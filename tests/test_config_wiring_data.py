@@ -3,10 +3,10 @@
 The wrong answer each test is for: a key read, validated and documented, then dropped (or replaced by its
 default) between the config and the code that should use it, while the only tests of that code call it
 directly with their own arguments. So every test here goes through a public door of the real program (the
-config loader, `ImageReader(cfg.data, split, seed)`, and the commands seg-train, seg-eval, seg-predict and
-seg-export run in-process through their `cli.*_main`), with a NON-default value of each key, and holds the
-result to a reference written out by hand from the literal values below (numpy on the decoded PNGs, a model
-called eagerly, TensorBoard's EventAccumulator), never to the config object the code read.
+config loader, the data's front door `open_split(cfg, split)`, and the commands seg-train, seg-eval,
+seg-predict and seg-export run in-process through their `cli.*_main`), with a NON-default value of each key,
+and holds the result to a reference written out by hand from the literal values below (numpy on the decoded
+PNGs, a model called eagerly, TensorBoard's EventAccumulator), never to the config object the code read.
 
 WIRED_DATA maps each key of the table's data.* and eval.* rows to the test that fails when the key is
 ignored (a pytest node id), or to "unobservable: <why>" (no key here needed it);
@@ -27,7 +27,7 @@ from PIL import Image
 from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.data.reader import ImageReader
-from tests.helpers import bilinear_resize
+from tests.helpers import bilinear_resize, open_reader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ HERE = "tests/test_config_wiring_data.py::"
 WIRED_DATA = {
     # Required (no default to fall back to): every test reads its files from it.
     "data.root": HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
-    # ImageReader(cfg.data) of Cityscapes / ADE20K / pairs trees against maps by hand (voc, the default,
+    # open_split(cfg) of Cityscapes / ADE20K / pairs trees against maps by hand (voc, the default,
     # would list other files or none).
     "data.layout": "tests/test_layouts.py::test_reader_labels_are_the_by_hand_mapping",
     "data.train_split": HERE + "test_step_1_tower_losses_are_the_losses_of_the_configured_batch_by_hand",
@@ -55,7 +55,7 @@ WIRED_DATA = {
     "data.class_names": HERE + "test_evaluation_during_training_reads_the_val_split_under_the_class_names",
     "data.synthetic": HERE + "test_synthetic_data_set_generated_where_the_config_says",
     "data.num_parallel_calls": HERE + "test_num_parallel_calls_reaches_the_tf_data_graph",
-    # Through the config (ImageReader(cfg.data)): the same stream as without it, cache bytes > 0, each file
+    # Through the config (open_split(cfg)): the same stream as without it, cache bytes > 0, each file
     # decoded once.
     "data.cache": "tests/test_reader.py::test_cache_gives_the_same_stream_and_decodes_once",
     "data.label_map": HERE + "test_label_options_map_the_raw_png_values_by_hand",
@@ -179,7 +179,7 @@ def test_train_crops_are_windows_of_the_file_normalised_by_hand(tmp_path, reader
     random scales in [0.5, 2], random flips, the tiny backbone's mean/std, padding with 255)."""
     root, files = reader_data
     cfg = reader_config(tmp_path, root, crop_size=[24, 40], random_scale=[1.0, 1.0], random_mirror=False)
-    reader = ImageReader(cfg.data, "fit", cfg.seed)
+    reader = open_reader(cfg, "fit")
     crops = [(im, lb) for images, labels in stream(reader, 4, 6) for im, lb in zip(images, labels)]
     seen = set()
     for k, (image, label) in enumerate(crops):
@@ -190,8 +190,7 @@ def test_train_crops_are_windows_of_the_file_normalised_by_hand(tmp_path, reader
         assert (label[:, 38:] == IGNORE).all() and np.abs(image[:, 38:]).max() < 1e-6  # padding: every file < 40 wide
     assert seen == set(range(len(files)))  # the stream read every file of the split
     # Without random_mirror: false, the same stream has mirrored crops (the check above is not vacuous).
-    mirrored = ImageReader(reader_config(tmp_path / "m", root, crop_size=[24, 40], random_scale=[1.0, 1.0]).data,
-                           "fit", cfg.seed)
+    mirrored = open_reader(reader_config(tmp_path / "m", root, crop_size=[24, 40], random_scale=[1.0, 1.0]), "fit")
     assert any(window_of(im, lb, files) is None for images, labels in stream(mirrored, 4, 2)
                for im, lb in zip(images, labels))
 
@@ -202,7 +201,7 @@ def test_random_scale_scales_the_file_content(tmp_path, reader_data):
     [0.5, 2]) or for a scale drawn outside the configured range."""
     root, files = reader_data
     cfg = reader_config(tmp_path, root, crop_size=[24, 24], random_scale=[2.0, 2.0], random_mirror=False)
-    reader = ImageReader(cfg.data, "fit", cfg.seed)
+    reader = open_reader(cfg, "fit")
     for images, labels in stream(reader, 4, 2):
         for image, label in zip(images, labels):
             assert window_of(image, label, files, scale=2) is not None
@@ -250,8 +249,8 @@ def test_photometric_runs_only_the_named_steps_within_their_amounts(tmp_path, re
     for steps that run although not named."""
     root, files = reader_data
     keys = dict(crop_size=[24, 32], random_scale=[1.0, 1.0], random_mirror=False)
-    plain = ImageReader(reader_config(tmp_path / "plain", root, **keys).data, "fit", 3)
-    jitter = ImageReader(reader_config(tmp_path / "jit", root, photometric={step: bound}, **keys).data, "fit", 3)
+    plain = open_reader(reader_config(tmp_path / "plain", root, **keys), "fit")
+    jitter = open_reader(reader_config(tmp_path / "jit", root, photometric={step: bound}, **keys), "fit")
     amounts = []
     for (a, la), (b, lb) in zip(stream(plain, 4, 8), stream(jitter, 4, 8)):
         np.testing.assert_array_equal(la, lb)
@@ -287,7 +286,7 @@ def test_label_options_map_the_raw_png_values_by_hand(tmp_path):
         raw = {"data": {"root": str(root), "train_split": "fit", "crop_size": [16, 20], "random_scale": [1.0, 1.0],
                         "random_mirror": False, "num_parallel_calls": 2, **keys}, "model": TINY_MODEL}
         cfg = load_config(tmp_path / f"c{n}", raw)[1]
-        reader = ImageReader(cfg.data, "fit", 0)
+        reader = open_reader(cfg, "fit")
         mapped = [np.vectorize(by_hand.get)(label).astype(np.uint8) for _, label in files]
         for i, want in enumerate(mapped):
             np.testing.assert_array_equal(reader.decode(i)[1].numpy(), want, err_msg=str(keys))
@@ -315,7 +314,7 @@ def test_num_parallel_calls_reaches_the_tf_data_graph(tmp_path, reader_data):
     parallel calls, as the dataset's serialised graph says. Fails for the key ignored (autotune, -1)."""
     root, _ = reader_data
     cfg = reader_config(tmp_path, root, crop_size=[24, 32], num_parallel_calls=3)
-    reader = ImageReader(cfg.data, "fit", 0)
+    reader = open_reader(cfg, "fit", seed=0)
     assert _parallel_calls(reader.train_dataset(4, 0, 1)) == [3]
     assert _parallel_calls(reader.eval_dataset()) == [3]
 
@@ -460,7 +459,7 @@ def test_step_1_tower_losses_are_the_losses_of_the_configured_batch_by_hand(trai
     from seg_train import models
 
     cfg, fit = trained["cfg"], trained["fit"]
-    (images, labels), = stream(ImageReader(cfg.data, "fit", 2), 4, 1)
+    (images, labels), = stream(open_reader(cfg, "fit"), 4, 1)
     for image, label in zip(images, labels):
         assert window_of(image, label, fit) is not None  # the crops the test expects (normalised by hand)
     model = models.build(cfg.model, 3, 2)  # the run's initial weights: built from the seed
@@ -483,7 +482,7 @@ def test_tensorboard_pictures_show_each_towers_rows_denormalised(trained):
     data.std undone), and tower_<i>/label draws the pixels of data.ignore_label (200) white. Fails for the
     summaries' mean/std or ignore label left at their defaults, or another per-tower batch."""
     cfg, fit = trained["cfg"], trained["fit"]
-    (images, labels), = stream(ImageReader(cfg.data, "fit", 2), 4, 1)
+    (images, labels), = stream(open_reader(cfg, "fit"), 4, 1)
     acc = events(trained["run"])
     for tower in (0, 1):
         shown, drawn = pictures(acc, f"tower_{tower}/image", 1), pictures(acc, f"tower_{tower}/label", 1)
@@ -652,7 +651,7 @@ def test_bn_reestimation_reads_the_configured_batches(served):
     loaded = tf.saved_model.load(str(out))  # held: its variables live as long as it does
     exported = {v.name: v.numpy() for v in loaded.signatures["serving_default"].variables}
     cfg = served["cfg"]
-    batches = ImageReader(cfg.data, "fit", 0).train_dataset(6, precise_bn.stream_start_step(6), 1).take(2)
+    batches = open_reader(cfg, "fit").train_dataset(6, precise_bn.stream_start_step(6), 1).take(2)
     kernel = served["model"].get_layer("tiny").get_layer("stem_conv").kernel.numpy()  # as saved: no training
     np.testing.assert_array_equal(exported["stem_conv/kernel:0"], kernel)
     features = [tf.nn.conv2d(images, kernel, strides=2, padding="SAME").numpy().reshape(-1, kernel.shape[-1])

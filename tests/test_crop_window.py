@@ -16,8 +16,8 @@ from PIL import Image
 
 from seg_train.data import reader as reader_mod
 from seg_train.data.label_images import save_index_png, voc_colormap
-from seg_train.data.reader import ImageReader, apply_photometric, photometric_draws
-from tests.helpers import bilinear_resize, tiny_config
+from seg_train.data.reader import apply_photometric, photometric_draws
+from tests.helpers import bilinear_resize, open_reader, tiny_config
 
 MEAN, STD = (123.675, 116.28, 103.53), (58.395, 57.12, 57.375)
 # numpy's bilinear_resize places samples in float64, TensorFlow in float32: on these small, noisy images
@@ -146,7 +146,7 @@ def source(tmp_path_factory):
 def reader_for(tmp_path, root, **data):
     cfg = tiny_config(tmp_path, data_root=root, data=dict({"num_classes": 5, "mean": list(MEAN), "std": list(STD)},
                                                           **data))
-    return ImageReader(cfg.data, "train", seed=3)
+    return open_reader(cfg, "train", seed=3)
 
 
 # Scales below, at and above 1 (1.0 with resizing configured: the kernel's no-op resize), and crops larger

@@ -16,9 +16,9 @@ from PIL import Image
 from seg_train.cli import user_error
 from seg_train.data import decode
 from seg_train.data.label_images import save_index_png, voc_colormap
-from seg_train.data.reader import ImageReader, class_names_of
+from seg_train.data.split import class_names_of
 from seg_train.data.scan import scan
-from tests.helpers import tiny_config
+from tests.helpers import open_reader, tiny_config
 
 
 def _texture(h, w, seed):
@@ -144,12 +144,12 @@ def test_missing_file_is_named_in_one_line_and_skip_gives_the_stand_in(tmp_path,
     _voc(root)
     (root / "JPEGImages" / "img1.jpg").unlink()
     cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [8, 8], "random_scale": [1.0, 1.0]})
-    line = _stream_error(ImageReader(cfg.data, "train"))
+    line = _stream_error(open_reader(cfg, "train"))
     assert line == f"image not found ({root}/JPEGImages/img1.jpg): expected a readable JPEG/PNG image", line
 
     skip = tiny_config(tmp_path, data_root=root, data={"crop_size": [8, 8], "random_scale": [1.0, 1.0],
                                                        "on_bad_sample": "skip"})
-    reader = ImageReader(skip.data, "train")
+    reader = open_reader(skip, "train")
     with caplog.at_level(logging.WARNING, "seg_train"):
         _, labels = _first_batch(reader)
     bad = reader.samples.index(next(s for s in reader.samples if s.id == "img1"))
@@ -182,7 +182,7 @@ def test_bad_label_in_the_stream_is_named(tmp_path, defect, message):
     else:
         Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(path)
     cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [8, 8], "random_scale": [1.0, 1.0]})
-    line = _stream_error(ImageReader(cfg.data, "train"))
+    line = _stream_error(open_reader(cfg, "train"))
     assert re.match(message.format(root=re.escape(str(root))), line), line
 
 
@@ -205,7 +205,7 @@ def test_a_file_only_pillow_reads_is_decoded_by_pillow_with_a_warning(tmp_path, 
     cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [20, 30], "random_scale": [1.0, 1.0],
                                                       "random_mirror": False, "mean": [0, 0, 0], "std": [1, 1, 1]})
     with caplog.at_level(logging.WARNING, "seg_train"):
-        image, _, _ = next(iter(ImageReader(cfg.data, "pairs.txt").eval_dataset(pad_to=1)))
+        image, _, _ = next(iter(open_reader(cfg, "pairs.txt").eval_dataset(pad_to=1)))
     np.testing.assert_array_equal(image.numpy()[0], rgb)
     assert caplog.text.count("decoded them with Pillow instead") == 1, caplog.text
 
@@ -229,7 +229,7 @@ def test_a_ram_root_reads_like_the_same_set_on_disk(tmp_path):
                                                                                              data_root=local, data=data)
     assert cfg_ram.data.root == ram
     assert class_names_of(cfg_ram) == ["background", "disc", "square"]
-    a, b = ImageReader(cfg_ram.data, "train", seed=2), ImageReader(cfg_local.data, "train", seed=2)
+    a, b = open_reader(cfg_ram, "train", seed=2), open_reader(cfg_local, "train", seed=2)
     assert a.samples[0].image == f"{ram}/JPEGImages/img0.jpg"
     for x, y in zip(_first_batch(a, 3), _first_batch(b, 3)):
         np.testing.assert_array_equal(x, y)
@@ -294,7 +294,7 @@ def test_cityscapes_on_ram_lists_like_on_disk_and_maps_labels_in_the_graph(tmp_p
         for s in layouts.list_samples(on_disk.data, "train")]
     assert layouts.split_exists(cfg.data, "val") and not layouts.split_exists(cfg.data, "nosuch")
 
-    reader = ImageReader(cfg.data, "train")
+    reader = open_reader(cfg, "train")
     with caplog.at_level(logging.WARNING, "seg_train"):
         for i, s in enumerate(reader.samples):
             image, label = (t.numpy() for t in reader.decode(i))
@@ -307,7 +307,7 @@ def test_cityscapes_on_ram_lists_like_on_disk_and_maps_labels_in_the_graph(tmp_p
         mapped("cityscapes", s.label.replace(ram, str(local))).ravel().tolist() for s in reader.samples)
     assert "decoded them with Pillow" not in caplog.text, caplog.text
 
-    line = _stream_error(ImageReader(cfg.data, "broken"))
+    line = _stream_error(open_reader(cfg, "broken"))
     assert line == (f"label values with no mapping ({ram}/gtFine/broken/aachen/aachen_000000_000019_gtFine_"
                     "labelIds.png): expected raw values the label map covers, got [40]"), line
 
@@ -321,7 +321,7 @@ def test_scan_cache_sees_a_changed_file_on_ram(tmp_path):
     ram = f"ram://{uuid.uuid4().hex}/voc"
     labels = _voc(ram, n=2, write=_ram_write)
     cfg = tiny_config(tmp_path, data_root=ram, data={"scan_cache_dir": str(tmp_path / "scans")})
-    reader = ImageReader(cfg.data, "train")
+    reader = open_reader(cfg, "train")
     first = scan_cached(cfg, reader, "train")
     assert first.cached is None and not first.bad
     assert scan_cached(cfg, reader, "train").cached is not None  # unchanged: read from the cache

@@ -28,7 +28,7 @@ import tensorflow as tf
 from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.data import records, synthetic
-from seg_train.data.reader import ImageReader
+from tests.helpers import open_reader
 from tests import test_lossy_labels as lossy
 from tests.test_layouts import trees, write_config as layout_config  # noqa: F401 - the session's layout trees
 from tests.test_robustness import DATA_CASES, _bad_roots, error_lines, write_config as voc_config
@@ -90,8 +90,8 @@ def build(base: Path, trees: dict) -> dict[str, Case]:  # noqa: F811
 
     # TFRecords: the project's writer's shard cut short (its index then stale: the shard is walked) ...
     out = base / "rec-truncated"
-    samples = [(s.id, s.image, s.label) for s in ImageReader(
-        config_lib.load(voc_config(base / "cfg" / "demo", demo)).data, "train").samples]
+    samples = [(s.id, s.image, s.label) for s in open_reader(
+        config_lib.load(voc_config(base / "cfg" / "demo", demo)), "train").samples]
     records.write_split(samples, str(out), "train", 2)
     shard = out / "train-00001-of-00002.tfrecord"
     shard.write_bytes(shard.read_bytes()[:-100])
@@ -169,7 +169,7 @@ def _route_lines(case: Case, route: str, capsys) -> tuple[list[str], str]:
         return [line for line in out.splitlines() if line.startswith("bad: ")] + error_lines(err), out + err
     if route == "stream":
         cfg = config_lib.load(case.config)
-        reader = ImageReader(cfg.data, case.split or cfg.data.train_split)
+        reader = open_reader(cfg, case.split or cfg.data.train_split, seed=0)
         with pytest.raises(tf.errors.OpError) as info:
             list(reader.eval_dataset().as_numpy_iterator())
         line = cli.user_error(info.value)

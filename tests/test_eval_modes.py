@@ -22,12 +22,11 @@ from seg_train.infer.export import run_export
 from seg_train.infer.serving import serving_module
 from seg_train.data.label_images import read_label, voc_colormap
 from seg_train.infer.predict import run_predict
-from seg_train.data.reader import ImageReader
 from seg_train.infer.load import load_evaluator
 from seg_train.summaries import Summaries
 from seg_train.train import run_evaluation
 from seg_train.state import TrainState
-from tests.helpers import tiny_config
+from tests.helpers import open_reader, tiny_config
 from tests.test_evaluate import DEVICES, NAMES, NUM_CLASSES, calibrate_bn, write_split
 
 # Not multiples of 32 nor of the slide strides; 5 images, so the last step on 4 towers is partial.
@@ -56,7 +55,7 @@ def setup(tmp_path_factory):
     root = write_split(tmp / "data", SIZES, seed=1)
     cfg = tiny_config(tmp, data_root=root, data={"num_classes": NUM_CLASSES}, eval={"bn_reestimate_batches": 0})
     trainer = TrainState(cfg, strategy(1))
-    reader = ImageReader(cfg.data, "val")
+    reader = open_reader(cfg, "val")
     calibrate_bn(cfg, trainer.model, reader, passes=10)
     four = TrainState(cfg, strategy(4))
     four.model.set_weights(trainer.model.get_weights())
@@ -203,13 +202,13 @@ def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
 
     # Evaluation during training and its eval/examples use the mode too.
     mode_evaluator, _, _ = load_evaluator(cfg, strategy(1), str(run_dir))
-    examples = mode_evaluator.predict_examples(ImageReader(pred_cfg.data, "val"))
+    examples = mode_evaluator.predict_examples(open_reader(pred_cfg, "val"))
     for (_, label, pred), path in zip(examples, written):
         np.testing.assert_array_equal(pred, read_label(path))
         np.testing.assert_array_equal(label, read_label(path))
     train_dir = tmp / "mode" / "train"
     summaries = Summaries(train_dir, voc_colormap(), 255, cfg.data.mean, cfg.data.std)
-    run_evaluation(pred_cfg, mode_evaluator, ImageReader(pred_cfg.data, "val"), NAMES, summaries, train_dir, 3,
+    run_evaluation(pred_cfg, mode_evaluator, open_reader(pred_cfg, "val"), NAMES, summaries, train_dir, 3,
                    False)
     assert json.loads((train_dir / "best" / "best.json").read_text())["miou"] == 1.0
 

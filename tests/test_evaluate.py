@@ -19,10 +19,9 @@ from seg_train.infer import evaluate as ev
 from seg_train.infer import metrics as metrics_lib
 from seg_train.config import ConfigError
 from seg_train.data.label_images import read_label, save_index_png, voc_colormap
-from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
-from tests.helpers import confusion_matrix, tiny_config
+from tests.helpers import confusion_matrix, open_reader, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 NUM_CLASSES = 4
@@ -74,7 +73,7 @@ def setup(tmp_path_factory):
     root = write_split(tmp / "data", SIZES)
     cfg = tiny_config(tmp, data_root=root, data={"num_classes": NUM_CLASSES})
     trainer = TrainStep(TrainState(cfg, strategy(1)))
-    reader = ImageReader(cfg.data, "val")
+    reader = open_reader(cfg, "val")
     calibrate_bn(cfg, trainer.state.model, reader)
     return cfg, trainer, reader
 
@@ -173,7 +172,7 @@ def test_run_eval_writes_the_record(setup, tmp_path, capsys):
     assert record["checkpoint"] == str(run_dir / "checkpoints" / "ckpt-7")
     assert record["bn_stats_reestimated"] is True  # saved with bn_stats_step == step
     assert list(record["per_class_iou"]) == NAMES
-    cm = reference(cfg, trainer.state.model, ImageReader(cfg.data, "val"))
+    cm = reference(cfg, trainer.state.model, open_reader(cfg, "val"))
     assert record["confusion_matrix"] == cm.tolist()
     assert record["miou"] == metrics_lib.compute_metrics(cm).miou
     out = capsys.readouterr().out
@@ -184,7 +183,7 @@ def test_run_eval_writes_the_record(setup, tmp_path, capsys):
 def test_keep_best_saves_only_improvements(setup, tmp_path):
     cfg, _, _ = setup
     trainer = TrainStep(TrainState(cfg, strategy(1)))
-    calibrate_bn(cfg, trainer.state.model, ImageReader(cfg.data, "val"), passes=2)  # weights unlike a fresh model's
+    calibrate_bn(cfg, trainer.state.model, open_reader(cfg, "val"), passes=2)  # weights unlike a fresh model's
     run_dir = tmp_path / "run"
 
     def m(miou_cm):

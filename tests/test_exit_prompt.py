@@ -186,14 +186,13 @@ def test_precise_bn_decodes_only_the_batches_it_uses(tmp_path, demo_root):
     """Nothing is decoded for nothing: the re-estimation's stream ends with its batches, so its teardown
     has no work in flight (a stream cut after its prefetch decoded ahead of the batches it used)."""
     from seg_train import replicas
-    from seg_train.data.reader import ImageReader
     from seg_train.infer import precise_bn
     from seg_train.state import TrainState
-    from tests.helpers import tiny_config
+    from tests.helpers import open_reader, tiny_config
 
     cfg = tiny_config(tmp_path, demo_root, data={"batch_size": 4, "cache": True})  # every decode through Python
     state = TrainState(cfg, replicas.make_strategy(replicas.Devices(["/device:CPU:0"], "CPU", "test")))
-    reader = ImageReader(cfg.data, "train", cfg.seed)
+    reader = open_reader(cfg, "train")
     decoded, decode = [], reader._decode_py
     reader._decode_py = lambda index: (decoded.append(int(index)), decode(index))[1]
     assert precise_bn.PreciseBN(state).reestimate(reader, 3, progress=False)

@@ -15,10 +15,9 @@ import tensorflow as tf
 from seg_train import losses, replicas
 
 from seg_train.data import synthetic
-from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
-from tests.helpers import random_batch, tiny_config, train_batches
+from tests.helpers import open_reader, random_batch, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
@@ -36,7 +35,7 @@ def data_root(tmp_path_factory):
 def run(cfg, towers, steps):
     """`steps` updates through the real reader stream, as train.py feeds them."""
     trainer = TrainStep(TrainState(cfg, strategy(towers)))
-    it = train_batches(trainer.state, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
+    it = train_batches(trainer.state, open_reader(cfg, cfg.data.train_split))
     outs = [trainer(next(it)) for _ in range(steps)]
     return trainer, outs
 

@@ -1,4 +1,5 @@
-"""Label maps (seg_train/data/labels.py): raw label values -> train ids, held to tables written out by hand.
+"""Label maps (seg_train/config.py label_ids, applied by seg_train/data/labels.py): raw label values -> train
+ids, held to tables written out by hand.
 
 Fails for: a wrong entry in the built-in Cityscapes table (e.g. parking trained as a class, or the ids
 shifted by one), ADE20K's zero not ignored or classes not shifted down, a raw value with no mapping
@@ -63,6 +64,15 @@ def test_ade20k_reduces_zero(tmp_path):
     names = layouts.ADE20K_CLASSES
     assert len(names) == 150 and len(set(names)) == 150
     assert names[:5] == ("wall", "building", "sky", "floor", "tree") and names[-1] == "flag"
+
+
+def test_layouts_class_names_are_as_many_as_the_configs_classes():
+    """The class counts (config.LAYOUT_LABELS, read when a config loads) and the class names (data/layouts.py,
+    read when a split opens) live apart: a layout's names must be as many as its classes, or the class names
+    fall back to class_i without a word."""
+    assert set(layouts.CLASS_NAMES) == set(config_lib.LAYOUT_LABELS) == {"cityscapes", "ade20k"}
+    for layout, names in layouts.CLASS_NAMES.items():
+        assert len(names) == config_lib.LAYOUT_LABELS[layout].num_classes, layout
 
 
 def test_user_maps_list_dict_reduce_zero_binary(tmp_path):

@@ -22,8 +22,9 @@ from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.config import ConfigError
 from seg_train.data import layouts
-from seg_train.data.reader import ImageReader, class_names_of
+from seg_train.data.split import class_names_of
 from seg_train.data.scan import class_weights_for_split
+from tests.helpers import open_reader
 from tests.test_label_map import CITYSCAPES_BY_HAND
 
 H, W = 48, 64
@@ -158,7 +159,7 @@ def test_each_layout_lists_its_files(tmp_path, trees):
 @pytest.mark.parametrize("layout", ["cityscapes", "ade20k", "pairs"])
 def test_reader_labels_are_the_by_hand_mapping(tmp_path, trees, layout):
     cfg = load(tmp_path, trees, layout)
-    reader = ImageReader(cfg.data, cfg.data.train_split)
+    reader = open_reader(cfg, cfg.data.train_split)
     assert reader.label_table is not None
     for i, s in enumerate(reader.samples):
         image, label = reader.decode(i)
@@ -174,7 +175,7 @@ def test_reader_labels_are_the_by_hand_mapping(tmp_path, trees, layout):
 
 def test_training_stream_evaluation_and_class_weights_see_train_ids(tmp_path, trees):
     cfg = load(tmp_path, trees, "cityscapes", crop_size=[H, W], random_scale=[1.0, 1.0], random_mirror=False)
-    reader = ImageReader(cfg.data, "train", seed=0)
+    reader = open_reader(cfg, "train")
     expected = [mapped("cityscapes", s.label) for s in reader.samples]
     # One epoch of 3 samples, whole images (the crop is the image): each is one of the mapped labels, once.
     (_, labels), = reader.train_dataset(3, 0, 1).take(1)

@@ -12,8 +12,7 @@ from seg_train import loop, replicas, train
 from seg_train.bench import runner as bench
 
 from seg_train.data import synthetic
-from seg_train.data.reader import ImageReader
-from tests.helpers import tiny_config
+from tests.helpers import open_reader, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +21,7 @@ def runner(tmp_path_factory):
     root = synthetic.generate(tmp / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3)
     cfg = tiny_config(tmp, root, train={"num_steps": 4, "learning_rate": 0.01, "summary_every": 1,
                                         "checkpoint_every": 2, "image_summary_every": 2})
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    reader = open_reader(cfg, cfg.data.train_split)
     r = bench.TrainRunner("gpus=1", cfg, replicas.Devices(["/device:CPU:0"], "CPU", ""), reader)
     yield r
     r.close()

@@ -16,7 +16,7 @@ from PIL import Image
 
 from seg_train import losses
 from seg_train.data.scan import class_weights_for_split, scan
-from seg_train.data.reader import Sample
+from seg_train.data.layouts import Sample
 from tests.helpers import tiny_config
 
 LN2, LN3 = np.log(2.0), np.log(3.0)

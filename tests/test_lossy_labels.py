@@ -27,7 +27,7 @@ from seg_train import cli
 from seg_train.cli import user_error
 from seg_train.data import decode, records
 from seg_train.data.label_images import LossyLabel, read_label
-from seg_train.data.reader import ImageReader
+from tests.helpers import open_reader
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_CLASSES = 20
@@ -170,7 +170,7 @@ def test_streams_refuse_jpeg_labels(sets, kind, cache, tmp_path):
     from seg_train import config as config_lib
 
     cfg = config_lib.load(write_config(tmp_path, kind, root, cache=cache))
-    reader = ImageReader(cfg.data, cfg.data.train_split)
+    reader = open_reader(cfg, cfg.data.train_split)
     with pytest.raises(tf.errors.OpError) as info:
         list(reader.train_dataset(4, 0, 1, end_step=1).as_numpy_iterator())  # one batch: the whole split
     assert user_error(info.value) in [MESSAGE.format(path=p) for p in bad]

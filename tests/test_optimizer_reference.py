@@ -48,10 +48,9 @@ import tensorflow as tf
 from seg_train import losses, models, replicas
 
 from seg_train.data import synthetic
-from seg_train.data.reader import ImageReader
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
-from tests.helpers import tiny_config, train_batches
+from tests.helpers import open_reader, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 STEPS = 3
@@ -116,7 +115,7 @@ def replay(tmp_path, data_root, optimizer, towers):
     assert cfg.model.weight_decay == (0.0 if adamw else WEIGHT_DECAY)
     adam = optimizer in ("adam", "adamw")
     trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:towers], "CPU", ""))))
-    it = train_batches(trainer.state, ImageReader(cfg.data, cfg.data.train_split, cfg.seed))
+    it = train_batches(trainer.state, open_reader(cfg, cfg.data.train_split))
 
     variables = trainer.state.model.trainable_variables
     mask = models.backbone_variable_mask(trainer.state.model)

@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 from seg_train.data import synthetic
-from seg_train.data.reader import ImageReader, apply_photometric, photometric_draws
-from tests.helpers import tiny_config
+from seg_train.data.reader import apply_photometric, photometric_draws
+from tests.helpers import open_reader, tiny_config
 
 MMSEG = {"brightness": 32, "contrast": 0.5, "saturation": 0.5, "hue": 18}
 
@@ -83,7 +83,7 @@ def reader_for(tmp_path, photometric, seed=7):
     # A crop larger than some scaled images: the padding is in the batches.
     cfg = tiny_config(tmp_path, data_root=root, data={"batch_size": 4, "crop_size": [44, 44],
                                                       "photometric": photometric})
-    return ImageReader(cfg.data, "train", seed=seed)
+    return open_reader(cfg, "train", seed=seed)
 
 
 def batches(reader, start, n, towers=1):

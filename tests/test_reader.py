@@ -6,8 +6,10 @@ import pytest
 from PIL import Image
 
 from seg_train.data.label_images import save_index_png, voc_colormap
-from seg_train.data.reader import BadSample, ImageReader, list_samples, load_sample
-from tests.helpers import tiny_config
+from seg_train.config import DataConfig
+from seg_train.data.layouts import list_samples
+from seg_train.data.reader import BadSample, load_sample
+from tests.helpers import open_reader, tiny_config
 
 
 def make_voc(root, labels, size=(20, 30)):
@@ -33,7 +35,7 @@ def test_palette_label_read_as_indices(tmp_path):
     root = make_voc(tmp_path / "voc", [label])
     assert Image.open(root / "SegmentationClass" / "img0.png").mode == "P"
     cfg = tiny_config(tmp_path, data_root=root)
-    reader = ImageReader(cfg.data, "train")
+    reader = open_reader(cfg, "train")
     image, decoded = reader.decode(0)
     np.testing.assert_array_equal(decoded.numpy(), label)  # not colours (128,0,0) nor luminance (38)
     assert image.shape == (20, 30, 3)
@@ -43,7 +45,7 @@ def test_crop_pads_label_with_ignore_and_is_a_pure_function_of_k(tmp_path):
     label = np.ones((20, 30), np.uint8)
     root = make_voc(tmp_path / "voc", [label])
     cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [40, 40], "random_scale": [1.0, 1.0]})
-    reader = ImageReader(cfg.data, "train", seed=3)
+    reader = open_reader(cfg, "train", seed=3)
     image, lbl = reader.decode(0)
     a_img, a_lbl = reader.augment(image, lbl, np.int64(7))
     b_img, b_lbl = reader.augment(image, lbl, np.int64(7))
@@ -59,11 +61,11 @@ def test_pair_list_split_and_errors(tmp_path):
     label = np.zeros((20, 30), np.uint8)
     root = make_voc(tmp_path / "voc", [label, label])
     (root / "pairs.txt").write_text("/JPEGImages/img1.jpg /SegmentationClass/img1.png\n")
-    samples = list_samples(root, "pairs.txt")
+    samples = list_samples(DataConfig(root=root), "pairs.txt")
     assert len(samples) == 1 and samples[0].image.endswith("img1.jpg")
     (root / "ImageSets" / "Segmentation" / "empty.txt").write_text("\n")
     with pytest.raises(ValueError, match="empty split"):
-        list_samples(root, "empty")
+        list_samples(DataConfig(root=root), "empty")
     bad = label.copy()
     bad[0, 0] = 7
     save_index_png(root / "SegmentationClass" / "img1.png", bad, voc_colormap())
@@ -91,10 +93,10 @@ def test_cache_gives_the_same_stream_and_decodes_once(tmp_path, monkeypatch):
     calls = []
     real = reader_mod.load_sample
     monkeypatch.setattr(reader_mod, "load_sample", lambda *a: calls.append(a[0]) or real(*a))
-    plain = list(ImageReader(plain_cfg.data, "train", seed=1).train_dataset(2, 0, 1).take(6))
+    plain = list(open_reader(plain_cfg, "train", seed=1).train_dataset(2, 0, 1).take(6))
     n_plain = len(calls)
     calls.clear()
-    cached_reader = ImageReader(cached_cfg.data, "train", seed=1)
+    cached_reader = open_reader(cached_cfg, "train", seed=1)
     cached = list(cached_reader.train_dataset(2, 0, 1).take(6))  # 12 samples: 4 passes over 3 images
     assert n_plain == 0  # TensorFlow decoded every sample: no fallback to load_sample
     assert sorted(calls) == sorted(set(calls)) and len(calls) == 3  # cached: each file once, however far ahead
@@ -114,7 +116,7 @@ def test_mirror_flips_image_and_label_together(tmp_path):
     Image.fromarray(image).save(root / "JPEGImages" / "img0.jpg")
     save_index_png(root / "SegmentationClass" / "img0.png", label, voc_colormap())
     cfg = tiny_config(tmp_path, data_root=root, data={"crop_size": [20, 30], "random_scale": [1.0, 1.0]})
-    reader = ImageReader(cfg.data, "train", seed=0)
+    reader = open_reader(cfg, "train")
     decoded = reader.decode(0)
     mirrored = []
     for k in range(8):
@@ -131,7 +133,7 @@ def test_train_order_is_the_definition_per_sample(tmp_path, replicas, pipelines,
     # a permutation per sample, and the counter formula of the module docstring, both by hand here.
     root = make_voc(tmp_path / "voc", [np.zeros((4, 4), np.uint8)] * 7)
     cfg = tiny_config(tmp_path, data_root=root)
-    reader = ImageReader(cfg.data, "train", seed=5)
+    reader = open_reader(cfg, "train", seed=5)
     B = 4  # noqa: N806 - the global batch
     b, r_local = B // replicas, replicas // pipelines
     for p in range(pipelines):
@@ -160,7 +162,7 @@ def test_split_list_lines_skip_comments_and_an_unreadable_file_is_one_error(tmp_
     path.write_text("# image label\n\n a/1.jpg  a/1.png \n  #x y\nb\n")
     assert files.split_lines(str(path)) == [(3, ["a/1.jpg", "a/1.png"], " a/1.jpg  a/1.png "), (5, ["b"], "b")]
     path.write_bytes(b"\xff\xfe a.jpg a.png\n")
-    for read in (files.split_lines, lambda p: list_samples(tmp_path, p)):
+    for read in (files.split_lines, lambda p: list_samples(DataConfig(root=tmp_path), p)):
         with pytest.raises(ConfigError) as e:
             read(str(path))
         assert (e.value.what, e.value.where) == ("cannot read split", str(path))

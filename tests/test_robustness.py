@@ -665,9 +665,10 @@ def test_resume_config_check_tolerates_keys_of_other_versions(tmp_path, demo_roo
 
 def test_scan_names_the_file_whatever_the_decoder_raises(monkeypatch, demo_root):
     from seg_train.data import scan
-    from seg_train.data.reader import list_samples
+    from seg_train.config import DataConfig
+    from seg_train.data.layouts import list_samples
 
-    samples = list_samples(demo_root, "val")
+    samples = list_samples(DataConfig(root=demo_root), "val")
     real = scan.load
 
     def flaky(sample, *rest):

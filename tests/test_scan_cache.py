@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from seg_train.data import scan_cache, synthetic
-from seg_train.data.reader import BadSample, ImageReader
-from seg_train.data.scan import class_weights_for_split, scan_cached, scan_split
-from tests.helpers import tiny_config
+from seg_train.data.reader import BadSample
+from seg_train.data.scan import _bad_positions, checker_digest, class_weights_for_split, scan_cached, scan_split
+from tests.helpers import open_reader, tiny_config
 
 
 class Opens:
@@ -99,7 +99,7 @@ def test_a_second_scan_decodes_nothing_and_gives_the_same_weights(tmp_path, data
     """Wrong answers: a resume decoding the split again; a cached result other than the scan's
     (pixel counts, hence the median frequency class weights); no word in the log of where it came from."""
     cfg = config(tmp_path, data)
-    fresh = scan_split(cfg, ImageReader(cfg.data, "train"), "train (train)")
+    fresh = scan_split(cfg, open_reader(cfg, "train"), "train (train)")
     assert opens.count() >= 12 and fresh.cached is None  # the probe sees the 6 images and 6 labels read
     hist, image_pixels = histogram_by_hand(data, "train", 3)
     assert fresh.histogram.tolist() == hist.tolist() and fresh.image_pixels.tolist() == image_pixels.tolist()
@@ -107,7 +107,7 @@ def test_a_second_scan_decodes_nothing_and_gives_the_same_weights(tmp_path, data
 
     caplog.set_level(logging.INFO, "seg_train")
     opens.count()  # the reads by hand above
-    reader = ImageReader(cfg.data, "train")
+    reader = open_reader(cfg, "train")
     cached = scan_split(cfg, reader, "train (train)")
     assert opens.count() == 0
     assert cached.cached == entry
@@ -164,13 +164,13 @@ def test_a_change_scans_again(tmp_path, data, opens, change):
     the label map (e.g. a label rewritten with a bad value keeping its size and mtime, trained on)."""
     edit, overrides, expect_bad = CHANGES[change]
     cfg = config(tmp_path, data)
-    scan_cached(cfg, ImageReader(cfg.data, "train"), "train")
+    scan_cached(cfg, open_reader(cfg, "train"), "train")
     opens.count()
-    assert scan_cached(cfg, ImageReader(cfg.data, "train"), "train").cached is not None and opens.count() == 0
+    assert scan_cached(cfg, open_reader(cfg, "train"), "train").cached is not None and opens.count() == 0
 
     cfg = config(tmp_path, data, **overrides)
     edit(data)
-    reader = ImageReader(cfg.data, "train")
+    reader = open_reader(cfg, "train")
     if change == "label table":  # what ImageReader holds for a label map
         reader.label_table = np.arange(256, dtype=np.uint8)
     report = scan_cached(cfg, reader, "train")
@@ -194,17 +194,17 @@ CORRUPT = {
 def test_a_corrupt_entry_is_ignored_and_replaced(tmp_path, data, opens, caplog, corruption):
     """Wrong answers: a crash on a damaged entry, or its contents used (wrong counts, a phantom bad sample)."""
     cfg = config(tmp_path, data)
-    fresh = scan_split(cfg, ImageReader(cfg.data, "train"), "train")
+    fresh = scan_split(cfg, open_reader(cfg, "train"), "train")
     [entry] = entries(tmp_path)
     CORRUPT[corruption](entry)
     opens.count()
     caplog.set_level(logging.INFO, "seg_train")
-    report = scan_split(cfg, ImageReader(cfg.data, "train"), "train")
+    report = scan_split(cfg, open_reader(cfg, "train"), "train")
     assert report.cached is None and opens.count() > 0
     assert f"ignoring a corrupt scan cache entry ({entry}): scanning again" in caplog.text or \
         f"ignoring an unreadable scan cache entry ({entry}" in caplog.text, caplog.text
     assert report.histogram.tolist() == fresh.histogram.tolist() and report.bad == []
-    again = scan_split(cfg, ImageReader(cfg.data, "train"), "train")  # the entry was written anew
+    again = scan_split(cfg, open_reader(cfg, "train"), "train")  # the entry was written anew
     assert again.cached == entry and opens.count() == 0
 
 
@@ -212,17 +212,17 @@ def test_an_unusable_cache_folder_is_a_warning(tmp_path, data, caplog):
     """Wrong answer: a run that fails because the cache cannot be read or written (a folder in the
     entry's place, a file in the folder's place)."""
     cfg = config(tmp_path, data)
-    scan_split(cfg, ImageReader(cfg.data, "train"), "train")
+    scan_split(cfg, open_reader(cfg, "train"), "train")
     [entry] = entries(tmp_path)
     entry.unlink()
     entry.mkdir()
     caplog.set_level(logging.INFO, "seg_train")
-    assert scan_split(cfg, ImageReader(cfg.data, "train"), "train").cached is None
+    assert scan_split(cfg, open_reader(cfg, "train"), "train").cached is None
     assert f"ignoring an unreadable scan cache entry ({entry}" in caplog.text
     assert f"cannot write the scan cache ({entry}" in caplog.text
     (tmp_path / "blocked").write_text("a file where the cache folder should be")
     cfg = config(tmp_path, data, scan_cache_dir=str(tmp_path / "blocked"))
-    report = scan_split(cfg, ImageReader(cfg.data, "train"), "train")
+    report = scan_split(cfg, open_reader(cfg, "train"), "train")
     assert report.cached is None and report.histogram.sum() == 6 * 24 * 32
 
 
@@ -238,7 +238,7 @@ def test_bad_samples_come_back_from_the_cache(tmp_path, data, opens, caplog, pol
     outcomes = []
     for _ in range(2):
         caplog.clear()
-        reader = ImageReader(cfg.data, "train")
+        reader = open_reader(cfg, "train")
         try:
             report = scan_split(cfg, reader, "train")
             outcomes.append(([r.getMessage() for r in caplog.records if r.levelno == logging.WARNING],
@@ -265,11 +265,11 @@ def test_files_changed_just_before_the_scan_are_not_cached(tmp_path, data, opens
     os.utime(data / "SegmentationClass" / "demo_00005.png")  # now
     cfg = config(tmp_path, data)
     caplog.set_level(logging.INFO, "seg_train")
-    scan_split(cfg, ImageReader(cfg.data, "train"), "train")
+    scan_split(cfg, open_reader(cfg, "train"), "train")
     assert "scan result not cached: some files changed less than 2s before the scan" in caplog.text
     assert entries(tmp_path) == []
     opens.count()
-    assert scan_split(cfg, ImageReader(cfg.data, "train"), "train").cached is None and opens.count() > 0
+    assert scan_split(cfg, open_reader(cfg, "train"), "train").cached is None and opens.count() > 0
 
 
 def test_where_the_cache_lives(tmp_path, monkeypatch, data, opens):
@@ -291,7 +291,7 @@ def test_where_the_cache_lives(tmp_path, monkeypatch, data, opens):
     off = config(tmp_path, data, scan_cache=False)
     assert scan_cache.folder_for(off.data) is None
     for _ in range(2):
-        assert scan_split(off, ImageReader(off.data, "train"), "train").cached is None and opens.count() >= 12
+        assert scan_split(off, open_reader(off, "train"), "train").cached is None and opens.count() >= 12
     assert not (tmp_path / "cache").exists() and not (tmp_path / "home").exists()
 
 
@@ -301,7 +301,7 @@ def test_check_data_scans_everything_and_refreshes(tmp_path, data, opens, capsys
     from seg_train import cli
 
     cfg = config(tmp_path, data)
-    scan_split(cfg, ImageReader(cfg.data, "train"), "train")
+    scan_split(cfg, open_reader(cfg, "train"), "train")
     [entry] = entries(tmp_path)
     before = entry.stat().st_mtime_ns
     opens.count()
@@ -314,7 +314,7 @@ def test_check_data_scans_everything_and_refreshes(tmp_path, data, opens, capsys
     assert opens.count() >= 16  # train and val: 8 images, 8 labels
     assert "split train: 6 samples, 0 bad" in capsys.readouterr().out
     assert entry.stat().st_mtime_ns > before  # the entry renewed
-    assert scan_cached(cfg, ImageReader(cfg.data, "train"), "train").cached == entry
+    assert scan_cached(cfg, open_reader(cfg, "train"), "train").cached == entry
 
 
 def test_concurrent_writers_and_readers_never_see_half_an_entry(tmp_path, data, caplog):
@@ -324,10 +324,9 @@ def test_concurrent_writers_and_readers_never_see_half_an_entry(tmp_path, data, 
         (data / "ImageSets" / "Segmentation" / "train.txt").open("a").write(f"missing_{i:04d}_{'x' * 80}\n")
     age(data)
     cfg = config(tmp_path, data, on_bad_sample="skip")
-    reader = ImageReader(cfg.data, "train")
+    reader = open_reader(cfg, "train")
     report = scan_cached(cfg, reader, "train")
-    entry = scan_cache.Entry.of(tmp_path / "cache", reader.samples, 3, 255)
-    from seg_train.data.scan import _bad_positions
+    entry = scan_cache.Entry.of(tmp_path / "cache", reader.samples, 3, 255, checker=checker_digest())
     bad = _bad_positions(reader.samples, report.bad)
     assert entry.path.stat().st_size > 50_000
     caplog.set_level(logging.INFO, "seg_train")

@@ -25,14 +25,13 @@ from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.data.label_images import read_label
-from seg_train.data.reader import ImageReader
 from seg_train.models.mit import VARIANTS
 from seg_train.infer import evaluate as ev
 from seg_train.infer.export import run_export
 from seg_train.infer.predict import run_predict
 from seg_train.state import TrainState
 from seg_train.step import TrainStep
-from tests.helpers import tiny_config
+from tests.helpers import open_reader, tiny_config
 from tests.test_eval_modes import eval_config, normalized, reference_scores
 from tests.test_evaluate import NAMES, NUM_CLASSES, calibrate_bn, write_split
 from tests.test_presets import _mit_kwargs
@@ -145,7 +144,7 @@ def evaluated(tmp_path_factory):
     root = write_split(tmp / "data", sizes, seed=1)
     cfg = _mit_config(tmp, data={"num_classes": NUM_CLASSES, "root": str(root)}, eval={"bn_reestimate_batches": 0})
     state = TrainState(cfg, tf.distribute.OneDeviceStrategy("/cpu:0"))
-    reader = ImageReader(cfg.data, "val")
+    reader = open_reader(cfg, "val")
     calibrate_bn(cfg, state.model, reader, passes=20)  # the head's BN statistics for these images
     run_dir = tmp / "run"
     state.step.assign(2)
@@ -330,7 +329,7 @@ def test_precise_bn_gives_the_heads_bn_the_population_statistics_of_its_input(tm
     root = synthetic.generate(tmp_path / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3, seed=0)
     cfg = _mit_config(tmp_path, data_root=root, data={"batch_size": 4})
     state = TrainState(cfg, strategy(1))
-    reader = ImageReader(cfg.data, "train", cfg.seed)
+    reader = open_reader(cfg, "train")
     assert precise_bn.PreciseBN(state).reestimate(reader, 2, progress=False) is True
     fuse = keras.Model(state.model.input, state.model.get_layer("segformer_fuse_conv").output)
     batches = global_batches(type("T", (), {"state": state})(), reader, 2)

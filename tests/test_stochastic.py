@@ -30,11 +30,10 @@ import yaml
 
 from seg_train import cli, models
 from seg_train.data import synthetic
-from seg_train.data.reader import ImageReader
 from seg_train.models import stochastic
 from seg_train.models.mit import drop_path_rates
 from seg_train.state import TrainState
-from tests.helpers import tiny_config
+from tests.helpers import open_reader, tiny_config
 from tests.test_presets import _mit_kwargs
 from tests.test_robustness import rewind
 from tests.test_towers import strategy
@@ -54,7 +53,7 @@ def test_sample_ids_are_the_readers_counters(data_root, towers, pipelines, micro
     from), for several towers, several workers (input pipelines) and micro-batches. Each pipeline's batches
     go to its towers in turn (distribute_datasets_from_function), tower p * (towers / pipelines) + j."""
     cfg = tiny_config(data_root.parent / "cfg", data_root)
-    reader = ImageReader(cfg.data, "train", seed=5)
+    reader = open_reader(cfg, "train", seed=5)
     rows, local, start = batch // towers, towers // pipelines, 3
     seen = set()
     for p in range(pipelines):

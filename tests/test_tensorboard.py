@@ -17,7 +17,8 @@ from seg_train import plots
 
 from seg_train.data import synthetic
 from seg_train.data.label_images import colorize, read_label, voc_colormap
-from seg_train.data.reader import list_samples
+from seg_train.config import DataConfig
+from seg_train.data.layouts import list_samples
 from seg_train.summaries import confusion_matrix_title
 
 CROP, TOWERS, PER_TOWER = 32, 2, 2
@@ -136,7 +137,7 @@ def test_confusion_matrix_picture_matches_the_evaluation(run):
 
 def test_eval_examples_are_the_same_val_images_each_time(run):
     acc = _acc(run["dir"])
-    samples = list_samples(run["root"], "val")
+    samples = list_samples(DataConfig(root=run["root"]), "val")
     shown = {step: _pngs(acc, "eval/examples", step) for step in (4, 5)}
     assert len(shown[4]) == len(shown[5]) == 4
     for k, sample in enumerate(samples[:4]):

@@ -169,15 +169,15 @@ def test_make_tfrecords_script(voc, tmp_path):
 # ---- reading them: data.format: tfrecord -----------------------------------------------------------
 
 def _readers(tmp_path, voc, out, split="train", **data):
-    from seg_train.data.reader import ImageReader
+    from tests.helpers import open_reader
     from tests.helpers import tiny_config
 
     recs = tiny_config(tmp_path / "recs", data_root=out, data={"format": "tfrecord", **data})
-    recs = ImageReader(recs.data, split, seed=3)
+    recs = open_reader(recs, split, seed=3)
     if split != "train":  # the folder has only a train split
         return None, recs
     files = tiny_config(tmp_path / "files", data_root=voc, data=data)
-    return ImageReader(files.data, split, seed=3), recs
+    return open_reader(files, split, seed=3), recs
 
 
 def test_the_stream_over_records_is_the_stream_over_the_files(voc, tmp_path):

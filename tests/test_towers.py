@@ -147,10 +147,10 @@ def test_bn_moving_stats_averaged_across_towers(tmp_path):
 @pytest.mark.parametrize("n", [2])
 def test_global_batches_independent_of_tower_count(tmp_path, n):
     from seg_train.data import synthetic
-    from seg_train.data.reader import ImageReader
+    from tests.helpers import open_reader
     root = synthetic.generate(tmp_path / "demo", num_train=10, num_val=2, size=(40, 48), num_classes=3)
     cfg = tiny_config(tmp_path, data_root=root, data={"batch_size": 4})
-    reader = ImageReader(cfg.data, "train", seed=7)
+    reader = open_reader(cfg, "train", seed=7)
     one = reader.train_dataset(4, start_step=3, num_replicas=1)
     many = reader.train_dataset(4, start_step=3, num_replicas=n)
     it1, itn = iter(one), iter(many)
@@ -199,7 +199,7 @@ def test_step_evaluation_and_precise_bn_trace_the_tower_pass_once_for_every_towe
     every tower (an N-fold graph), for synchronized BN traced once (no tower to reduce over), and for any of
     the three tracing the model its own way (no TowerPass built)."""
     from seg_train.data import synthetic
-    from seg_train.data.reader import ImageReader
+    from tests.helpers import open_reader
     from seg_train.infer.evaluate import Evaluator
 
     root = synthetic.generate(tmp_path / "demo", num_train=8, num_val=2, size=(40, 40), num_classes=3)
@@ -210,7 +210,7 @@ def test_step_evaluation_and_precise_bn_trace_the_tower_pass_once_for_every_towe
     trainer(next(iter(trainer.state.strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensors((images, labels))))))
     evaluator = Evaluator(trainer.state)
-    evaluator.evaluate(ImageReader(cfg.data, "val"), ["a", "b", "c"], progress=False)
-    assert evaluator.reestimate_bn(ImageReader(cfg.data, "train", cfg.seed), 1, progress=False)
+    evaluator.evaluate(open_reader(cfg, "val"), ["a", "b", "c"], progress=False)
+    assert evaluator.reestimate_bn(open_reader(cfg, "train"), 1, progress=False)
     per_training_pass = n if sync else 1
     assert [p.traces for p in counted_tower_passes] == [per_training_pass, 1, per_training_pass]

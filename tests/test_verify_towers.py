@@ -47,11 +47,11 @@ def test_rel_l2_by_hand():
 def probes(tmp_path_factory, demo_root):
     """The real probes of a correct build on 1 and 4 towers, at bn_momentum 0.99 (where the moving
     statistics hide a wrong batch statistic best); shared by the tests that judge them."""
-    from seg_train.data.reader import prepare_data
+    from seg_train.data.split import open_split
     cfg = tiny_config(tmp_path_factory.mktemp("probes"), demo_root,
                       model={"sync_batchnorm": False, "weight_decay": 1e-3, "bn_momentum": 0.99})
     cfg = verify.verify_config(cfg)
-    reader = prepare_data(cfg)
+    reader = open_split(cfg, cfg.data.train_split).reader
     return cfg, verify._probe(cfg, DEVICES, 1, reader), verify._probe(cfg, DEVICES, 4, reader)
 
 

@@ -6,12 +6,18 @@ import logging
 import os
 import re
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from seg_train.bench.runner import TrainRunner
+from typing import Protocol
 
 log = logging.getLogger("seg_train")
+
+
+class Runner(Protocol):
+    """What profile_ops drives (a bench.runner.TrainRunner): step() dispatches one training step, drain()
+    waits for the steps dispatched."""
+
+    def step(self): ...
+
+    def drain(self): ...
 
 
 CROSS_TOWER_DEFINITION = ("op time of the ops in the cross_tower name scope (collectives.all_reduce_sum: the "
@@ -25,7 +31,7 @@ def _is_cross_tower(op_name: str, op_type: str) -> bool:
                                                    "_CopyFromGpuToHost", "_CopyFromHostToGpu", "Copy")
 
 
-def profile_ops(runner: "TrainRunner", steps: int = 2, top: int = 12) -> dict | None:
+def profile_ops(runner: Runner, steps: int = 2, top: int = 12) -> dict | None:
     """Where a runner's step time goes: TensorFlow op time per op type over `steps` profiled steps.
 
     Uses tf.profiler and reads its XPlane file directly (no TensorBoard plugin needed). Op times are

@@ -164,16 +164,9 @@ def decode_floor(reader, global_batch: int, steps: int, windows: int, warmup: in
     reader uses Pillow) and nothing else, at data.num_parallel_calls; timed like input_throughput
     (windows of `steps` global batches' worth of samples). Always decodes the files (data.cache off).
     """
-    import dataclasses
-
     import tensorflow as tf
 
-    from seg_train.data.reader import ImageReader
-
-    plain = reader
-    if reader.cfg.cache:
-        plain = ImageReader(dataclasses.replace(reader.cfg, cache=False), reader.split, reader.seed)
-        plain.samples = reader.samples
+    plain = reader.uncached()
     used = (warmup + windows * steps) * global_batch  # the stream ends with the samples read
     ds = plain.train_order(global_batch, 0, 1).take(used).map(
         lambda k, i: plain.decode(i), num_parallel_calls=plain.cfg.num_parallel_calls, deterministic=True)
@@ -194,10 +187,13 @@ def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro
     """
     import tensorflow as tf
 
+    from seg_train.data.split import train_dataset_fn
+
+    distinct = train_dataset_fn(reader, global_batch, start_step=0, end_step=num_distinct_steps,
+                                micro_batches=micro_batches)
+
     def dataset_fn(ctx):
-        ds = reader.train_dataset(global_batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                  ctx.num_input_pipelines, end_step=num_distinct_steps, micro_batches=micro_batches)
-        batches = list(Feed(ds))
+        batches = list(Feed(distinct(ctx)))
         images = tf.stack([b[0] for b in batches])
         labels = tf.stack([b[1] for b in batches])
         return tf.data.Dataset.from_tensor_slices((images, labels)).repeat().prefetch(2)
@@ -230,6 +226,7 @@ class TrainRunner:
         from seg_train import replicas
         from seg_train.loop import HostSide, StepLoop
         from seg_train.data.label_images import voc_colormap
+        from seg_train.data.split import train_dataset_fn
         from seg_train.profiling import StepProfiler
         from seg_train.summaries import Summaries
         from seg_train.infer import modes
@@ -252,10 +249,8 @@ class TrainRunner:
         batch = self.batch
         if input_mode == "cached":
             dataset_fn = _cached_dataset_fn(reader, batch, 8, k)
-        else:
-            def dataset_fn(ctx):
-                return reader.train_dataset(batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                            ctx.num_input_pipelines, micro_batches=k)
+        else:  # endless: read until close() releases the Feed
+            dataset_fn = train_dataset_fn(reader, batch, start_step=0, end_step=None, micro_batches=k)
         self.dataset = self.state.distribute(dataset_fn)
         self.batches = Feed(self.dataset)
         self.scratch = tempfile.TemporaryDirectory(prefix="seg-bench-summaries-")
@@ -441,10 +436,9 @@ def interleave(runners: list, steps: int, windows: int, warmup: int, pickup: int
 
 def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int = 3) -> dict:
     """`seg-bench --input-only`: the reader's training stream alone (no model, no training)."""
-    from seg_train.data.reader import ImageReader, ensure_data
+    from seg_train.data.split import open_split
 
-    ensure_data(cfg)
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    reader = open_split(cfg, cfg.data.train_split).reader
     batch = cfg.data.batch_size
     log.info("timing the input pipeline alone (data.cache %s)", cfg.data.cache)
     inp = input_throughput(reader, batch, steps, windows, warmup)
@@ -553,14 +547,13 @@ def _time_input_alone(reader, batch: int, steps: int, windows: int, warmup: int)
 def _build_runners(variants: list[Variant], towers: list[int], all_devices, reader, class_weights) -> list[tuple]:
     """One TrainRunner per variant and tower count (each times its own build): (variant name, config, runner)."""
     from seg_train import replicas
-    from seg_train.data.reader import ImageReader
+    from seg_train.data.split import open_split
 
     cfg = variants[0].cfg
     runners = []
     try:
         for v in variants:
-            vreader = reader if v.cfg.data == cfg.data else ImageReader(v.cfg.data, v.cfg.data.train_split,
-                                                                         v.cfg.seed)
+            vreader = reader if v.cfg.data == cfg.data else open_split(v.cfg, v.cfg.data.train_split).reader
             for n in towers:
                 name = f"gpus={n}" if len(variants) == 1 else f"{v.name} gpus={n}"
                 devices = replicas.Devices(all_devices.names[:n], all_devices.kind, "")
@@ -604,23 +597,20 @@ def _cross_tower_profile(top_runner: TrainRunner, cfg: Config, profiles: dict | 
 def _time_bn_and_eval(cfg: Config, reader, base_runners: list[TrainRunner], bn_images: int,
                       eval_images: int) -> dict[int, dict]:
     """Precise BN re-estimation and evaluation timed on each tower count (base variant), by tower count."""
-    from seg_train.data import layouts
-    from seg_train.data.reader import ImageReader, class_names_of
+    from seg_train.data.split import open_split
 
     extra: dict[int, dict] = {}
-    val_reader = None
-    if eval_images and layouts.split_exists(cfg.data, cfg.data.val_split):
-        val_reader = ImageReader(cfg.data, cfg.data.val_split, cfg.seed)
-        val_reader.samples = val_reader.samples[:eval_images]
-    names = class_names_of(cfg)
+    val = open_split(cfg, cfg.data.val_split, optional=True) if eval_images else None
+    if val is not None:
+        val.reader.samples = val.samples[:eval_images]
     for r in base_runners:
         row = {}
         if bn_images:
             log.info("%s: precise BN on %d images", r.name, bn_images)
             row.update(measure_bn_reestimate(r, reader, bn_images))
-        if val_reader is not None:
-            log.info("%s: evaluating %d val images", r.name, len(val_reader))
-            row.update(measure_eval(r, val_reader, names))
+        if val is not None:
+            log.info("%s: evaluating %d val images", r.name, len(val))
+            row.update(measure_eval(r, val.reader, val.class_names))
         extra[r.num_towers] = row
     return extra
 
@@ -797,8 +787,8 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
       variant when comparing).
     """
     from seg_train.config import check_batch
-    from seg_train.data.reader import ImageReader, ensure_data
     from seg_train.data.scan import class_weights_for_split
+    from seg_train.data.split import open_split
 
     # ---- set-up: every variant's batch checked, the data, the class weights -------------------------
     variants = variants or [Variant("default", cfg, input_mode)]
@@ -806,8 +796,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     for v in variants:
         for n in towers:
             check_batch(v.cfg, n)
-    ensure_data(cfg)
-    reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
+    reader = open_split(cfg, cfg.data.train_split).reader
     class_weights = class_weights_for_split(cfg, reader)
     t0 = time.perf_counter()
     result = _setup_figures(cfg, reader, input_mode, all_devices, steps, windows, warmup, pickup)

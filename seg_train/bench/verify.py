@@ -120,6 +120,7 @@ def verify_config(cfg: Config) -> Config:
 def _probe(cfg: Config, devices, n: int, reader) -> dict:
     """One probe step of the real TrainStep on the first n devices; numpy results."""
     from seg_train import replicas
+    from seg_train.data.split import train_dataset_fn
     from seg_train.state import TrainState
     from seg_train.step import TrainStep
 
@@ -132,12 +133,8 @@ def _probe(cfg: Config, devices, n: int, reader) -> dict:
         weights = np.ones(cfg.data.num_classes, np.float32)
     state = TrainState(cfg, strategy)
     train_step = TrainStep(state, class_weights=weights)
-    batch, k = cfg.data.batch_size, t.accumulate_steps
-
-    def dataset_fn(ctx):
-        return reader.train_dataset(batch, 0, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
-                                    ctx.num_input_pipelines, end_step=1, micro_batches=k)
-
+    dataset_fn = train_dataset_fn(reader, cfg.data.batch_size, start_step=0, end_step=1,
+                                  micro_batches=t.accumulate_steps)
     with Feed(state.distribute(dataset_fn)) as batches:
         first = next(batches)
     # The moving statistics before the probe, to recover the batch statistics it used (module doc).
@@ -164,11 +161,11 @@ def run(cfg: Config, devices, towers: int) -> dict:
       devices: replicas.Devices with at least `towers` devices (the user's GPUs, or logical CPUs).
       towers: N, at least 2.
     """
-    from seg_train.data.reader import prepare_data
+    from seg_train.data.split import open_split
 
     check_towers(cfg, towers)
     cfg = verify_config(cfg)
-    reader = prepare_data(cfg)
+    reader = open_split(cfg, cfg.data.train_split).reader
     one = _probe(cfg, devices, 1, reader)
     many = _probe(cfg, devices, towers, reader)
     return judge(cfg, devices.kind, towers, one, many)

@@ -12,6 +12,8 @@ import posixpath
 
 import tensorflow as tf
 
+from seg_train.config import ConfigError, exception_text
+
 
 def join(root, *parts: str) -> str:
     """`root/part/...` as a string; a URL root keeps its `scheme://`."""
@@ -56,7 +58,6 @@ def read_text(path) -> str:
 def split_lines(path) -> list[tuple[int, list[str], str]]:
     """A split's list file as (line number, whitespace-separated fields, line), for each line that is
     neither blank nor a '#' comment. An unreadable or non-UTF-8 file is a ConfigError naming it."""
-    from seg_train.config import ConfigError, exception_text
     try:
         text = read_text(path)
     except (OSError, UnicodeDecodeError) as e:

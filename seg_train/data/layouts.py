@@ -1,13 +1,15 @@
-"""Where a data set's files are, as each one ships (data.layout): voc, cityscapes, ade20k, pairs.
+"""Where a data set's files are, as each one ships (data.layout): voc, cityscapes, ade20k, pairs; every
+layout's listing, and the class names of the layouts that know them.
 
-A layout turns (data config, split) into samples (an image path and a label path each), and, when it
-knows them, says what its labels mean: Cityscapes' labelIds -> the 19 train ids, ADE20K's 0 = "other"
-and classes 1..150, with their class names and class counts. labels.py turns those built-in maps into
-the lookup table load_sample applies.
+A layout turns (data config, split) into samples (an image path and a label path each, or a TFRecord
+record with data.format: tfrecord). What a layout's label values mean (Cityscapes' labelIds -> the 19
+train ids, ADE20K's 0 = "other" and classes 1..150) is config.LAYOUT_LABELS's, checked with the config;
+labels.py applies it. Every command lists a split through `list_samples` (by way of the front door,
+data/split.py) and asks `split_exists` before opening an optional one (the val split, the training
+split for precise BN).
 
-No TensorFlow is imported at module level: config.py reads the class counts here to check a config
-before TensorFlow starts. Every command lists a split through `list_samples` and asks
-`split_exists` before opening an optional one (the val split, the training split for precise BN).
+Every look at the data goes through tf.io.gfile (data/files.py), so data.root may be a URL (gs://...).
+Paths are strings: pathlib would mangle one.
 """
 
 from __future__ import annotations
@@ -15,27 +17,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import tensorflow as tf
+
 from seg_train.config import ConfigError, DataConfig
+from seg_train.data import files, records
 
 LAYOUTS = ("voc", "cityscapes", "ade20k", "pairs")
 
-# cityscapesScripts' helpers/labels.py, the official table: trainId of each labelId 0..33, None where
-# the table says 255 (not trained, not evaluated). A labelIds PNG holds nothing else (license plates,
-# id -1, are not drawn into it).
-CITYSCAPES_TRAIN_IDS = (
-    None, None, None, None, None, None, None,  # 0-6: unlabeled, ego vehicle, rectification border, out of roi,
-                                               # static, dynamic, ground
-    0, 1,                                      # 7 road, 8 sidewalk
-    None, None,                                # 9 parking, 10 rail track
-    2, 3, 4,                                   # 11 building, 12 wall, 13 fence
-    None, None, None,                          # 14 guard rail, 15 bridge, 16 tunnel
-    5,                                         # 17 pole
-    None,                                      # 18 polegroup
-    6, 7, 8, 9, 10, 11, 12, 13, 14, 15,        # 19 traffic light .. 28 bus
-    None, None,                                # 29 caravan, 30 trailer
-    16, 17, 18,                                # 31 train, 32 motorcycle, 33 bicycle
-)
 
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    image: str
+    label: str
+    # data.format: tfrecord: the record (records.RecordRef) holding both; image and label then name it.
+    record: object = None
+
+
+# ---- class names ---------------------------------------------------------------------------------------
 CITYSCAPES_CLASSES = ("road", "sidewalk", "building", "wall", "fence", "pole", "traffic light", "traffic sign",
                       "vegetation", "terrain", "sky", "person", "rider", "car", "truck", "bus", "train",
                       "motorcycle", "bicycle")
@@ -62,31 +61,17 @@ ADE20K_CLASSES = (
 )
 
 
-@dataclass(frozen=True)
-class Builtin:
-    """What a shipped data set's labels mean: its classes and how raw label values become them."""
-    num_classes: int
-    class_names: tuple[str, ...]
-    # raw value -> train id, None: ignore_label; raw values not listed have no mapping.
-    label_map: dict[int, int | None] | None = None
-    reduce_zero_label: bool = False
+CLASS_NAMES = {"cityscapes": CITYSCAPES_CLASSES, "ade20k": ADE20K_CLASSES}
 
 
-BUILTIN = {
-    "cityscapes": Builtin(19, CITYSCAPES_CLASSES, dict(enumerate(CITYSCAPES_TRAIN_IDS))),
-    "ade20k": Builtin(150, ADE20K_CLASSES, reduce_zero_label=True),
-}
-
-
-def builtin(layout: str) -> Builtin | None:
-    """The layout's own classes and label map, or None (voc, pairs: labels hold class indices)."""
-    return BUILTIN.get(layout)
+def own_class_names(layout: str) -> tuple[str, ...] | None:
+    """The class names of a layout that knows its classes (config.LAYOUT_LABELS), or None (voc, pairs)."""
+    return CLASS_NAMES.get(layout)
 
 
 # ---- listing ---------------------------------------------------------------------------------------------
-# Every look at the data goes through tf.io.gfile (data/files.py; imported in the functions, as TensorFlow
-# is, see list_samples), so data.root may be a URL (gs://...). Paths are strings: pathlib would mangle one.
 _CITYSCAPES_IMAGE, _CITYSCAPES_LABEL = "_leftImg8bit.png", "_gtFine_labelIds.png"
+_VOC_IMAGE_DIR, _VOC_LABEL_DIR, _VOC_SPLIT_DIR = "JPEGImages", "SegmentationClass", "ImageSets/Segmentation"
 
 
 def _sorted(paths) -> list[str]:
@@ -95,7 +80,6 @@ def _sorted(paths) -> list[str]:
 
 
 def _folder(path: str, expected: str) -> str:
-    from seg_train.data import files
     if not files.is_dir(path):
         raise ConfigError("folder not found", path, expected)
     return path
@@ -112,14 +96,11 @@ def _check_label(label: str, present: set[str], data: DataConfig, expected: str)
 
 def _check_file(path: str, data: DataConfig, what: str, expected: str) -> None:
     """As _check_label, for a file of a list (no folder to list: one look per file)."""
-    from seg_train.data import files
     if data.on_bad_sample == "error" and not files.is_file(path):
         raise ConfigError(f"{what} not found", path, expected)
 
 
 def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
-    import tensorflow as tf
-    from seg_train.data import files
     root = str(data.root)
     images = _folder(files.join(root, "leftImg8bit", split),
                      f"expected Cityscapes' leftImg8bit/{split}/<city>/*{_CITYSCAPES_IMAGE} under data.root "
@@ -152,8 +133,6 @@ def split_folder(data: DataConfig, split: str) -> str:
 
 
 def _ade20k(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
-    import tensorflow as tf
-    from seg_train.data import files
     root = str(data.root)
     split = split_folder(data, split)
     images = _folder(files.join(root, "images", split),
@@ -175,7 +154,6 @@ def _ade20k(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
 
 def _list_file(data: DataConfig, split: str) -> str:
     """A pairs split: a list file, relative to data.root (or as given: absolute, or from the current folder)."""
-    from seg_train.data import files
     for candidate in (files.join(data.root, split), split):
         if files.is_file(candidate):
             return candidate
@@ -183,7 +161,6 @@ def _list_file(data: DataConfig, split: str) -> str:
 
 
 def _pairs(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
-    from seg_train.data import files
     root = str(data.root)
     path = _list_file(data, split)
     if not files.is_file(path):
@@ -205,34 +182,63 @@ def _pairs(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
     return out
 
 
-_LISTERS = {"cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": _pairs}
+def _voc_split_file(root: str, split: str) -> str:
+    """The file listing a VOC split: ImageSets/Segmentation/<split>.txt, or `split` itself as a list file."""
+    voc = files.join(root, _VOC_SPLIT_DIR, f"{split}.txt")
+    if files.is_file(voc):
+        return voc
+    for candidate in (split, files.join(root, split)):
+        if files.is_file(candidate):
+            return candidate
+    return voc
 
 
-def list_samples(data: DataConfig, split: str) -> list:
-    """The samples of `split` in the configured layout (reader.Sample: id, image path, label path).
+def _voc(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
+    """A VOC split: one id per line (JPEGImages/<id>.jpg, SegmentationClass/<id>.png), or `image label` path
+    pairs (DrSleep-style list files), relative to the data root (a leading '/' is the root)."""
+    root = str(data.root)
+    path = _voc_split_file(root, split)
+    if not files.is_file(path):
+        raise ConfigError("split not found", f"{path}", f"expected a split file for split {split!r} "
+                          f"(ImageSets/Segmentation/{split}.txt under data.root, "
+                          "or a list file of 'image label' pairs)")
+    out = []
+    for lineno, parts, line in files.split_lines(path):
+        if len(parts) == 1:
+            sid = parts[0]
+            out.append((sid, files.join(root, _VOC_IMAGE_DIR, f"{sid}.jpg"),
+                        files.join(root, _VOC_LABEL_DIR, f"{sid}.png")))
+        elif len(parts) == 2:
+            image, label = (files.join(root, p.lstrip("/")) for p in parts)
+            out.append((files.stem(image), image, label))
+        else:
+            raise ConfigError("bad split line", f"{path}:{lineno}", f"expected an id or 'image label', got {line!r}")
+    if not out:
+        raise ConfigError("empty split", str(path), "expected at least one sample")
+    return out
+
+
+_LISTERS = {"voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": _pairs}
+
+
+def list_samples(data: DataConfig, split: str) -> list[Sample]:
+    """The samples of `split` in the configured layout (id, image path, label path; or the record).
 
     Raises:
-      ConfigError: a missing root, split folder or list file, an empty split, a malformed list line, or
-        (with data.on_bad_sample: error) a label file the layout expects next to an image that is not there.
+      ConfigError: a missing root, split file, folder or list file, an empty split, a malformed list line,
+        or (with data.on_bad_sample: error) a label file the layout expects next to an image that is not there.
     """
-    # The reader (and TensorFlow with it) is imported here, not at the top: config.py imports this module.
-    from seg_train.data import files, reader
-
     if data.format == "tfrecord":
         return _records(data, split)
     root = str(data.root)
     if not files.is_dir(root):
         raise ConfigError("data root not found", "data.root",
                           f"expected a {data.layout}-layout folder, got {root!r}")
-    if data.layout == "voc":
-        return reader.list_samples(root, split)
-    return [reader.Sample(sid, image, label) for sid, image, label in _LISTERS[data.layout](data, split)]
+    return [Sample(sid, image, label) for sid, image, label in _LISTERS[data.layout](data, split)]
 
 
-def _records(data: DataConfig, split: str) -> list:
+def _records(data: DataConfig, split: str) -> list[Sample]:
     """data.format: tfrecord: one sample per record of the split's shards (data/records.py)."""
-    from seg_train.data import reader, records
-
     pattern = records.split_pattern(str(data.root), split)
     try:
         found = records.load_records(pattern)
@@ -244,15 +250,12 @@ def _records(data: DataConfig, split: str) -> list:
     if not found:
         raise ConfigError("empty split", pattern, "at least one record")
     # The record stands for both files: errors name it by shard and id.
-    return [reader.Sample(sid, f"{ref.shard}[{sid}]", f"{ref.shard}[{sid}]", ref) for sid, ref in found]
+    return [Sample(sid, f"{ref.shard}[{sid}]", f"{ref.shard}[{sid}]", ref) for sid, ref in found]
 
 
 def split_location(data: DataConfig, split: str) -> str:
     """The file or folder that holds `split` (named when it is missing)."""
-    from seg_train.data import files
     if data.format == "tfrecord":
-        from seg_train.data import records
-
         return records.split_pattern(str(data.root), split)
     if data.layout == "cityscapes":
         return files.join(data.root, "leftImg8bit", split)
@@ -260,16 +263,12 @@ def split_location(data: DataConfig, split: str) -> str:
         return files.join(data.root, "images", split_folder(data, split))
     if data.layout == "pairs":
         return _list_file(data, split)
-    from seg_train.data.reader import split_file  # TensorFlow: see list_samples
-    return split_file(data.root, split)
+    return _voc_split_file(str(data.root), split)
 
 
 def split_exists(data: DataConfig, split: str) -> bool:
     """Whether `split` is there to be read (optional splits are skipped with a message when it is not)."""
-    from seg_train.data import files
     where = split_location(data, split)
     if data.format == "tfrecord":
-        from seg_train.data import records
-
         return bool(records.shard_paths(where))
     return files.is_dir(where) if data.layout in ("cityscapes", "ade20k") else files.is_file(where)

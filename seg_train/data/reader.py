@@ -23,105 +23,27 @@ Design (why it looks like this):
   `load_sample`, which the scan behind --check-data and the class weights and data.cache decode
   through, and in `_decode_files` (the same table, in the graph), so all of them see the same train ids.
 
-Also here, for every command that opens the configured data: `ensure_data` (generates the synthetic
-demo set when data.synthetic asks for it) and `class_names_of` (the class names, checked).
+A reader is made by the front door (data/split.py, `open_split`), which lists the split (layouts.py)
+and builds its label table; every command reads a split through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import posixpath
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 from PIL import UnidentifiedImageError
 
-from seg_train import preflight
-
-from seg_train.data import decode as decoders, files, labels, layouts, synthetic
-from seg_train.config import Config, ConfigError, DataConfig, exception_text
-from seg_train.data.label_images import LOSSY_EXPECTED, LOSSY_WHAT, LossyLabel, load_class_names
+from seg_train.config import DataConfig, exception_text
+from seg_train.data import decode as decoders, files, labels, records
+from seg_train.data.label_images import LOSSY_EXPECTED, LOSSY_WHAT, LossyLabel
+from seg_train.data.layouts import Sample
 
 log = logging.getLogger("seg_train")
-
-IMAGE_DIR, LABEL_DIR, SPLIT_DIR = "JPEGImages", "SegmentationClass", "ImageSets/Segmentation"
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    image: str
-    label: str
-    # data.format: tfrecord: the record (records.RecordRef) holding both; image and label then name it.
-    record: object = None
-
-
-def split_file(root, split: str) -> str:
-    """The file listing `split`: ImageSets/Segmentation/<split>.txt, or `split` itself as a list file."""
-    voc = files.join(root, SPLIT_DIR, f"{split}.txt")
-    if files.is_file(voc):
-        return voc
-    for candidate in (split, files.join(root, split)):
-        if files.is_file(candidate):
-            return candidate
-    return voc
-
-
-def list_samples(root, split: str) -> list[Sample]:
-    """Reads a split: one id per line (VOC), or `image label` path pairs (DrSleep-style list files).
-
-    Paths in pair lists are relative to the data root (a leading '/' is treated as the root).
-    """
-    root = str(root)
-    if not files.is_dir(root):
-        raise ConfigError("data root not found", "data.root", f"expected a VOC-layout folder, got {root!r}")
-    path = split_file(root, split)
-    if not files.is_file(path):
-        raise ConfigError("split not found", f"{path}", f"expected a split file for split {split!r} "
-                          f"(ImageSets/Segmentation/{split}.txt under data.root, "
-                          "or a list file of 'image label' pairs)")
-    samples = []
-    for lineno, parts, line in files.split_lines(path):
-        if len(parts) == 1:
-            sid = parts[0]
-            samples.append(Sample(sid, files.join(root, IMAGE_DIR, f"{sid}.jpg"),
-                                  files.join(root, LABEL_DIR, f"{sid}.png")))
-        elif len(parts) == 2:
-            img, lbl = (files.join(root, p.lstrip("/")) for p in parts)
-            samples.append(Sample(files.stem(img), img, lbl))
-        else:
-            raise ConfigError("bad split line", f"{path}:{lineno}", f"expected an id or 'image label', got {line!r}")
-    if not samples:
-        raise ConfigError("empty split", str(path), "expected at least one sample")
-    return samples
-
-
-def ensure_data(cfg: Config) -> None:
-    """Generates the synthetic demo data set at data.root if the config asks for it."""
-    if cfg.data.synthetic:
-        preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
-        try:
-            synthetic.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
-        except OSError as e:  # e.g. the disk filled up while writing
-            raise ConfigError("cannot generate the synthetic data set", str(cfg.data.root),
-                              f"a folder with room to write it ({e.strerror or e})") from None
-
-
-def class_names_of(cfg: Config) -> list[str]:
-    """data.class_names, else the layout's (same class count), else classes.txt in the data root, else class_i."""
-    names, own = cfg.data.class_names, layouts.builtin(cfg.data.layout)
-    if names is None and own is not None and own.num_classes == cfg.data.num_classes:
-        names = list(own.class_names)
-    path = files.join(cfg.data.root, "classes.txt")
-    try:
-        text = files.read_text(path) if names is None and files.is_file(path) else None
-        return load_class_names(cfg.data.root, cfg.data.num_classes, names, text)
-    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
-        where = "data.class_names" if cfg.data.class_names is not None else path
-        raise ConfigError("wrong class names", where, str(e)) from None
 
 
 class BadSample(ValueError):
@@ -137,8 +59,6 @@ class BadSample(ValueError):
 
 def record_contents(sample: Sample) -> tuple[bytes, bytes]:
     """(encoded image, encoded label) of a data.format: tfrecord sample; BadSample naming the record."""
-    from seg_train.data import records
-
     try:
         image, label, _ = records.parse_example(records.read_record(sample.record))
     except Exception as e:  # noqa: BLE001 - a damaged record: whatever protobuf or the file system raises
@@ -278,19 +198,21 @@ def _nearest_axis(out_index, in_size, out_size):
 
 
 class ImageReader:
-    """Reads one split of a data set (data.layout) into tf.data pipelines, labels mapped to train ids.
+    """Reads one split of a data set into tf.data pipelines, labels mapped to train ids. Made by the
+    front door (split.open_split), which lists the samples and builds the table.
 
     Args:
       cfg: the data section of the config.
       split: split name or list file.
       seed: the run's seed (data order and augmentation).
+      samples: the split's samples (layouts.list_samples).
+      label_table: raw label value -> train id (labels.label_table), or None: labels hold train ids as stored.
     """
 
-    def __init__(self, cfg: DataConfig, split: str, seed: int = 0):
+    def __init__(self, cfg: DataConfig, split: str, seed: int, samples: list[Sample], label_table):
         self.cfg, self.split, self.seed = cfg, split, seed
-        # raw label value -> train id (labels.py), or None: labels hold train ids as stored.
-        self.label_table = labels.label_table(cfg)
-        self.samples = layouts.list_samples(cfg, split)
+        self.label_table = label_table
+        self.samples = samples
         self._warned: set[str] = set()
         self._fell_back = False
         self._lock = threading.Lock()
@@ -302,6 +224,13 @@ class ImageReader:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def uncached(self) -> "ImageReader":
+        """This reader with data.cache off (the same samples and label table): it decodes the files every time."""
+        if self._cache is None:
+            return self
+        return ImageReader(dataclasses.replace(self.cfg, cache=False), self.split, self.seed, self.samples,
+                           self.label_table)
 
     # ---- decoding -------------------------------------------------------------------------------
     def _decode_py(self, index):
@@ -363,8 +292,6 @@ class ImageReader:
         A numpy_function: TensorFlow has no op that reads a byte range of a file. It holds the GIL only
         to start the read (tf.io.gfile's read releases it); parsing and decoding stay in the graph.
         """
-        from seg_train.data import records
-
         def read(i):
             return records.read_record(self.samples[int(i)].record)
 
@@ -710,10 +637,3 @@ class ImageReader:
         ds = tf.data.Dataset.range(len(self.samples)).shard(shard[1], shard[0])
         return ds.map(load, num_parallel_calls=self.cfg.num_parallel_calls, deterministic=True).prefetch(2)
 
-
-def prepare_data(cfg: Config) -> ImageReader:
-    """Generates the synthetic demo data if asked, and opens the training split."""
-    if cfg.data.synthetic and not (Path(cfg.data.root) / ".complete").exists():
-        log.info("generating the synthetic demo data set in %s", cfg.data.root)
-    ensure_data(cfg)
-    return ImageReader(cfg.data, cfg.data.train_split, cfg.seed)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from seg_train.config import exception_text
+
 IMAGE_KEY = "image/encoded"
 LABEL_KEY = "image/segmentation/class/encoded"
 INDEX_SUFFIX = ".index.json"
@@ -236,7 +238,6 @@ def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
     """
     from PIL import Image
 
-    from seg_train.config import exception_text
     from seg_train.data.label_images import LossyLabel, read_label
 
     gfile = _gfile()

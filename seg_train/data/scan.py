@@ -23,9 +23,10 @@ import numpy as np
 from seg_train import losses
 from seg_train.progress import progress_bar, shown
 from seg_train.config import Config, ConfigError, exception_text
-from seg_train.data import scan_cache
-from seg_train.data.label_images import is_lossy_message
-from seg_train.data.reader import BadSample, ImageReader, Sample, load
+from seg_train.data import decode, files, scan_cache
+from seg_train.data.label_images import is_lossy_message, read_label
+from seg_train.data.layouts import Sample
+from seg_train.data.reader import BadSample, ImageReader, load, load_sample
 
 log = logging.getLogger("seg_train")
 
@@ -64,6 +65,15 @@ def _check(sample: Sample, num_classes: int, ignore_label: int, label_table):
                         f"PNG label ({type(e).__name__}: {exception_text(e)})"), None
     counts = np.bincount(np.where(label == ignore_label, num_classes, label).ravel(), minlength=num_classes + 1)
     return sample, None, counts
+
+
+# The code that decides a sample's result: the scan cache keys its entries on its source (scan_cache.py).
+CHECKING_CODE = (_check, load_sample, read_label, decode.pillow_rgb, decode.pillow_label, files.read_bytes)
+
+
+def checker_digest() -> str:
+    """The digest of CHECKING_CODE, part of every scan cache entry's key."""
+    return scan_cache.code_digest(CHECKING_CODE)
 
 
 def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str = "data",
@@ -141,7 +151,7 @@ def scan_cached(cfg: Config, reader: ImageReader, what: str, shard: tuple[int, i
         return scan(samples, d.num_classes, d.ignore_label, what, label_table=reader.label_table)
     t0 = time.perf_counter()
     entry = scan_cache.Entry.of(folder, samples, d.num_classes, d.ignore_label, reader.label_table,
-                                shard)
+                                shard, checker=checker_digest())
     hit = None if refresh else entry.load()
     if hit is not None:
         bad, histogram, image_pixels = hit

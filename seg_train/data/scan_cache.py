@@ -38,6 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from seg_train import __version__
+from seg_train.config import is_url
+
 log = logging.getLogger("seg_train")
 
 FORMAT = 1
@@ -61,17 +64,14 @@ def folder_for(data_cfg) -> Path | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _checker_digest() -> str:
-    """A hash of the code that decides a sample's result, so a changed check invalidates old entries."""
-    from seg_train.data import label_images, reader, scan
+def code_digest(functions: tuple) -> str:
+    """A hash of the source of `functions`, the code that decides a sample's result (the scan's, given by
+    scan.checker_digest), so that a changed check invalidates old entries."""
     h = hashlib.sha256()
-    from seg_train.data import decode, files
-    for fn in (scan._check, reader.load_sample, label_images.read_label, decode.pillow_rgb, decode.pillow_label,
-               files.read_bytes):
+    for fn in functions:
         try:
             h.update(inspect.getsource(fn).encode())
         except (OSError, TypeError):  # no source shipped: the package version stands in for it
-            from seg_train import __version__
             h.update(f"{fn.__module__}.{fn.__qualname__} {__version__}".encode())
     return h.hexdigest()
 
@@ -86,7 +86,6 @@ def _versions() -> dict:
 
 def _stat(path: str) -> tuple[int, int, int, int]:
     """(size, mtime ns, ctime ns, inode) of a local file; (size, mtime ns, 0, 0) on a TensorFlow file system."""
-    from seg_train.config import is_url
     if not is_url(path):
         st = os.stat(path)
         return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
@@ -112,7 +111,9 @@ class Entry:
 
     @classmethod
     def of(cls, folder: Path, samples, num_classes: int, ignore_label: int, label_table=None,
-           shard: tuple[int, int] = (0, 1)) -> "Entry":
+           shard: tuple[int, int] = (0, 1), *, checker: str) -> "Entry":
+        """The entry of `samples` (a worker's `shard` of a split) under these settings. `checker`: the
+        digest of the checking code (scan.checker_digest)."""
         t0 = time.perf_counter()
         now_ns = time.time_ns()
         names, files = hashlib.sha256(), hashlib.sha256()
@@ -138,7 +139,7 @@ class Entry:
             table = f"{t.dtype.str} {t.shape} {hashlib.sha256(t.tobytes()).hexdigest()}"
         key = {"format": FORMAT, "files": files.hexdigest(), "num_samples": len(samples), "shard": list(shard),
                "num_classes": num_classes, "ignore_label": ignore_label, "label_table": table,
-               "checker": _checker_digest(), **_versions()}
+               "checker": checker, **_versions()}
         storable = now_ns - newest >= RECENT_SECONDS * 1e9
         return cls(Path(folder) / f"{names.hexdigest()[:32]}.json", key, len(samples), num_classes, storable,
                    time.perf_counter() - t0)

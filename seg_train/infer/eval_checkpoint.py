@@ -13,7 +13,7 @@ from seg_train.infer import modes
 from seg_train import preflight
 from seg_train.config import Config
 from seg_train.infer.metrics import format_table, metrics_to_json
-from seg_train.data.reader import ImageReader, class_names_of, ensure_data
+from seg_train.data.split import open_split
 from seg_train.infer.load import load_evaluator, run_dir_of
 from seg_train.rundir import write_json
 
@@ -36,10 +36,9 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
     # The JSON goes next to the checkpoint's run dir: check it can be written before the work.
     out_dir = run_dir_of(os.path.abspath(ckpt_lib.resolve(checkpoint))) / "eval"
     preflight.check_creatable_dir(out_dir, "eval output folder", "write access to the checkpoint's run dir")
-    ensure_data(cfg)
-    reader = ImageReader(cfg.data, split, cfg.seed)
-    names = class_names_of(cfg)
-    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
+    opened = open_split(cfg, split)
+    reader, names = opened.reader, opened.class_names
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
     if not reestimated:
         log.info("BN moving statistics as saved (not re-estimated for step %d; see eval.bn_reestimate_batches)",

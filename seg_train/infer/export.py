@@ -71,12 +71,12 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
     import tensorflow as tf
 
     from seg_train.infer import modes
-    from seg_train.data.reader import class_names_of
+    from seg_train.data.split import class_names_of
     from seg_train.infer.load import load_evaluator
 
     out = check_output(output, force)
     names = class_names_of(cfg)
-    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
     module = evaluator.serving_module(cfg.data.mean, cfg.data.std)
 

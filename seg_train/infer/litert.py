@@ -168,8 +168,9 @@ def eval_record_path(model_path: str | os.PathLike, split_tag: str) -> Path:
     return p.with_name(f"{p.stem}.eval-{split_tag}.json")
 
 
-def confusion(cfg: Config, model: TFLiteModel, split: str, progress: bool = True) -> tuple[np.ndarray, int]:
-    """int64 [C, C] (label, prediction) counts of `model` over `split`, and the number of images."""
+def confusion(cfg: Config, model: TFLiteModel, split, progress: bool = True) -> tuple[np.ndarray, int]:
+    """int64 [C, C] (label, prediction) counts of `model` over `split` (split.Split, opened), and the number
+    of images."""
     from seg_train.data import reader as reader_lib
     from seg_train.progress import progress_bar
 
@@ -177,13 +178,12 @@ def confusion(cfg: Config, model: TFLiteModel, split: str, progress: bool = True
     if model.num_classes is not None and model.num_classes != c:
         raise ConfigError("model and config disagree on the number of classes", str(model.path),
                           f"{c} classes (data.num_classes), the model gives {model.num_classes}")
-    reader = reader_lib.ImageReader(cfg.data, split, cfg.seed)
     cm = np.zeros(c * c, np.int64)
     n = 0
-    with progress_bar(len(reader), f"eval {split} (LiteRT)", enabled=progress) as bar:
-        for sample in reader.samples:
+    with progress_bar(len(split), f"eval {split.name} (LiteRT)", enabled=progress) as bar:
+        for sample in split.samples:
             try:
-                image, label = reader_lib.load(sample, c, ignore, reader.label_table)
+                image, label = reader_lib.load(sample, c, ignore, split.label_table)
             except reader_lib.BadSample as e:
                 if cfg.data.on_bad_sample == "skip":
                     log.warning("skipping %s", e)
@@ -204,12 +204,12 @@ def confusion(cfg: Config, model: TFLiteModel, split: str, progress: bool = True
 def evaluate_file(cfg: Config, model: TFLiteModel, split: str, progress: bool = True):
     """(the evaluation record of a .tflite file on `split`: metrics, size, latency; the SegMetrics; the
     class names). Nothing is written."""
-    from seg_train.data.reader import class_names_of, ensure_data
+    from seg_train.data.split import open_split
     from seg_train.infer.metrics import compute_metrics, metrics_to_json
 
-    ensure_data(cfg)
-    names = class_names_of(cfg)
-    cm, n = confusion(cfg, model, split, progress)
+    opened = open_split(cfg, split)
+    names = opened.class_names
+    cm, n = confusion(cfg, model, opened, progress)
     if not cm.any():
         raise ConfigError("no labelled pixels", f"split {split}",
                           f"expected pixels whose label is not data.ignore_label ({cfg.data.ignore_label})")

@@ -16,6 +16,7 @@ from seg_train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.infer import modes
+from seg_train.data.split import class_names_of
 from seg_train.infer.evaluate import Evaluator
 from seg_train.state import TrainState
 
@@ -37,18 +38,19 @@ def _mismatch(e: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def inference_class_weights(cfg: Config, prefix: str):
+def inference_class_weights(cfg: Config, prefix: str, class_names: list[str] | None = None):
     """The loss's class weights eval.logit_adjustment divides out (None when it is 0): the config's list,
     or for a named scheme (median_frequency, ...) the weights the run trained with, from
-    RUN_DIR/class_weights.json (rundir.write_class_weights), so no scan of the train split is needed."""
+    RUN_DIR/class_weights.json (rundir.write_class_weights), so no scan of the train split is needed.
+    `class_names`: the config's (split.class_names_of), when the caller has them."""
     if not cfg.eval.logit_adjustment:
         return None
     if isinstance(cfg.loss.class_weights, list):
         return cfg.loss.class_weights
-    from seg_train.data.reader import class_names_of
     from seg_train.rundir import read_class_weights
 
-    return read_class_weights(run_dir_of(prefix), class_names_of(cfg), cfg.loss.class_weights)
+    names = class_names if class_names is not None else class_names_of(cfg)
+    return read_class_weights(run_dir_of(prefix), names, cfg.loss.class_weights)
 
 
 def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
@@ -77,14 +79,17 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
     return state, prefix, step
 
 
-def load_evaluator(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
+def load_evaluator(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str,
+                   class_names: list[str] | None = None):
     """`load_state`, and the Evaluator of seg-eval, seg-predict and seg-export on it: cfg.eval's inference
-    modes and eval.logit_adjustment's offsets from the weights the run trained with.
+    modes and eval.logit_adjustment's offsets from the weights the run trained with (`class_names`: the
+    config's, when the caller has them; read from the config otherwise).
 
     Returns:
       (infer.evaluate.Evaluator, checkpoint prefix, the checkpoint's step); the state is evaluator.state.
     """
     # Resolved before the model is built: a missing or mismatched class_weights.json fails fast.
-    offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, os.path.abspath(ckpt_lib.resolve(checkpoint))))
+    prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
+    offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, prefix, class_names))
     state, prefix, step = load_state(cfg, strategy, checkpoint)
     return Evaluator(state, cfg.eval, score_offsets=offsets), prefix, step

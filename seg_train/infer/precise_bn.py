@@ -50,9 +50,8 @@ import tensorflow as tf
 from seg_train.progress import progress_bar, shown
 from seg_train import models
 from seg_train.config import Config, ConfigError, check_batch
-from seg_train.data import layouts
 from seg_train.data.feed import Feed
-from seg_train.data.reader import ImageReader, ensure_data
+from seg_train.data.split import open_split, train_dataset_fn
 from seg_train.towers import TowerPass
 
 log = logging.getLogger("seg_train")
@@ -246,15 +245,11 @@ class PreciseBN:
 
         # Every worker reads the same batches, dealt to its own towers with the training per-tower batch
         # size, so with several workers each computes the same statistics without exchanging them (on
-        # one machine this is simply the global batch split over the towers).
-        n_local = len(strategy.extended.worker_devices)
-        per_tower = batch // n_towers
-
-        def dataset_fn(ctx: tf.distribute.InputContext):
-            # The stream ends with the batches used (the pipeline feeds each tower one batch per step):
-            # nothing is decoded beyond them (a cut after the prefetch would decode some for nothing).
-            return reader.train_dataset(per_tower * n_local, start, n_local, 0, 1, end_step=start + num_batches)
-
+        # one machine this is simply the global batch split over the towers). The stream ends with the
+        # batches used (the pipeline feeds each tower one batch per step): nothing is decoded beyond them
+        # (a cut after the prefetch would decode some for nothing).
+        dataset_fn = train_dataset_fn(reader, batch, start_step=start, end_step=start + num_batches,
+                                      shard_over_workers=False)
         forward, layout = self._forward_fn(layers)
         bar = progress_bar(num_batches, "BN statistics", "batch") if shown(progress) else None
         acc, seen = [None] * len(layers), 0
@@ -300,13 +295,12 @@ class PreciseBN:
         """
         state = self.state
         if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
-            ensure_data(cfg)  # the re-estimation reads the training split
-            if not layouts.split_exists(cfg.data, cfg.data.train_split):
+            train = open_split(cfg, cfg.data.train_split, optional=True)  # the re-estimation reads it
+            if train is None:
                 # Predicting or exporting where the training data is not at hand: go on with the
                 # statistics as trained, and say so.
                 log.warning("BN statistics not re-estimated: training split %r not found under %s "
                             "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
                 return False
-            train_reader = ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-            self.reestimate(train_reader, cfg.eval.bn_reestimate_batches, progress=progress)
+            self.reestimate(train.reader, cfg.eval.bn_reestimate_batches, progress=progress)
         return int(state.bn_stats_step.numpy()) == int(state.step.numpy())

@@ -106,12 +106,16 @@ def frozen_function(fn):
 
 
 def calibration_samples(cfg: Config, count: int):
-    """`count` samples of the train split: the first of a permutation seeded by the run's seed."""
-    from seg_train.data import reader as reader_lib
+    """`count` samples of the train split: the first of a permutation seeded by the run's seed.
 
-    reader = reader_lib.ImageReader(cfg.data, cfg.data.train_split, cfg.seed)
-    order = np.random.default_rng(cfg.seed).permutation(len(reader.samples))[:count]
-    return reader, [reader.samples[i] for i in order]
+    Returns:
+      (the opened train split, split.Split; its samples chosen).
+    """
+    from seg_train.data.split import open_split
+
+    train = open_split(cfg, cfg.data.train_split)
+    order = np.random.default_rng(cfg.seed).permutation(len(train.samples))[:count]
+    return train, [train.samples[i] for i in order]
 
 
 def convert(frozen, quantize: str, representative=None) -> bytes:
@@ -187,7 +191,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
                       size=None, quantize: str = "none", calibration_images: int = 200, probabilities: bool = False,
                       check: bool = False, threads: int = 1, progress: bool = True) -> Path:
     """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
-    from seg_train.data.reader import class_names_of, ensure_data
+    from seg_train.data.split import class_names_of
     from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
     from seg_train.infer import modes
     from seg_train.infer.load import load_evaluator
@@ -202,16 +206,15 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         interpreter_class("seg-export --check")  # fail before the work, not after it
     height, width = input_size(cfg, size)
     names = class_names_of(cfg)
-    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
     frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
                                           probabilities, evaluator.score_offsets))
 
     calibration, representative = None, None
     if quantize == "int8":
-        ensure_data(cfg)
         from seg_train.data import reader as reader_lib
-        reader, samples = calibration_samples(cfg, calibration_images)
+        train, samples = calibration_samples(cfg, calibration_images)
         if len(samples) < calibration_images:
             log.warning("the train split has %d images: calibrating on all of them, not %d", len(samples),
                         calibration_images)
@@ -219,7 +222,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         def representative():
             with progress_bar(len(samples), "int8 calibration", enabled=progress) as bar:
                 for sample in samples:
-                    image, _ = reader_lib.load(sample, cfg.data.num_classes, cfg.data.ignore_label, reader.label_table)
+                    image, _ = reader_lib.load(sample, cfg.data.num_classes, cfg.data.ignore_label, train.label_table)
                     yield [to_input_size(image, height, width)[None]]
                     bar.update(1)
 

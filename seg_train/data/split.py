@@ -1,0 +1,138 @@
+"""The front door of the data: a split opened for a config (`open_split`), and the dataset_fn that deals
+its training stream to the towers (`train_dataset_fn`).
+
+Every command reads its data through here: training (its training and val splits), seg-bench and
+--verify-towers, --check-data, precise BN (the training split, also for seg-eval, seg-predict and
+seg-export), seg-eval (a checkpoint or a .tflite file), the int8 calibration of seg-export, and the
+scripts. Opening a split is, in this order: the synthetic demo set generated when data.synthetic asks
+for it and it is not complete; the label table built (labels.py); the samples listed in the configured
+layout (layouts.py); the reader made on them (reader.py). The class names (`class_names_of`) are read
+when first asked for: they belong to the config, not to a split, and seg-export needs them with no
+split at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from seg_train import preflight
+from seg_train.config import Config, ConfigError
+from seg_train.data import files, labels, layouts, synthetic
+from seg_train.data.label_images import load_class_names
+from seg_train.data.layouts import Sample
+from seg_train.data.reader import ImageReader
+
+log = logging.getLogger("seg_train")
+
+
+@dataclass
+class Split:
+    """One split of the configured data, opened (`open_split`)."""
+    cfg: Config
+    name: str  # the split's name or list file, as the config or --split gives it
+    reader: ImageReader
+
+    @property
+    def samples(self) -> list[Sample]:
+        """The split's samples (a scan with data.on_bad_sample: skip drops the bad ones from the reader)."""
+        return self.reader.samples
+
+    @property
+    def label_table(self):
+        """Raw label value -> train id (labels.label_table), or None: labels hold train ids as stored."""
+        return self.reader.label_table
+
+    @functools.cached_property
+    def class_names(self) -> list[str]:
+        """The config's class names (`class_names_of`), read once."""
+        return class_names_of(self.cfg)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+
+def open_split(cfg: Config, split: str, optional: bool = False) -> Split | None:
+    """Opens `split` of the configured data: THE way a command gets at a split.
+
+    Args:
+      cfg: the resolved config: its data section, and its seed (the data order and augmentation).
+      split: a split name or list file (data.train_split, data.val_split, seg-eval's --split).
+      optional: give None when the split is not there (layouts.split_exists) instead of raising: the val
+        split during training and --check-data, the training split for precise BN.
+    Raises:
+      ConfigError: a synthetic set that cannot be written, or what the layout's listing refuses (a missing
+        root, split or label, an empty split, a malformed list line).
+    """
+    _generate_synthetic(cfg)
+    d = cfg.data
+    if optional and not layouts.split_exists(d, split):
+        return None
+    table = labels.label_table(d)
+    return Split(cfg, split, ImageReader(d, split, cfg.seed, layouts.list_samples(d, split), table))
+
+
+def _generate_synthetic(cfg: Config) -> None:
+    """Generates the synthetic demo data set at data.root if the config asks for it (once: a complete set
+    is marked, and kept)."""
+    if not cfg.data.synthetic:
+        return
+    preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
+    if not (Path(cfg.data.root) / synthetic.COMPLETE_MARKER).exists():
+        log.info("generating the synthetic demo data set in %s", cfg.data.root)
+    try:
+        synthetic.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+    except OSError as e:  # e.g. the disk filled up while writing
+        raise ConfigError("cannot generate the synthetic data set", str(cfg.data.root),
+                          f"a folder with room to write it ({e.strerror or e})") from None
+
+
+def class_names_of(cfg: Config) -> list[str]:
+    """data.class_names, else the layout's (same class count), else classes.txt in the data root, else class_i."""
+    names, own = cfg.data.class_names, layouts.own_class_names(cfg.data.layout)
+    if names is None and own is not None and len(own) == cfg.data.num_classes:
+        names = list(own)
+    path = files.join(cfg.data.root, "classes.txt")
+    try:
+        text = files.read_text(path) if names is None and files.is_file(path) else None
+        return load_class_names(cfg.data.root, cfg.data.num_classes, names, text)
+    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
+        where = "data.class_names" if cfg.data.class_names is not None else path
+        raise ConfigError("wrong class names", where, str(e)) from None
+
+
+def train_dataset_fn(reader: ImageReader, global_batch: int, *, start_step: int, end_step: int | None,
+                     micro_batches: int = 1, shard_over_workers: bool = True):
+    """The `dataset_fn` of strategy.distribute_datasets_from_function (TrainState.distribute) for `reader`'s
+    training stream: THE way a training stream is dealt to towers, by training, seg-bench, --verify-towers
+    and precise BN.
+
+    Each input pipeline (one per worker) reads its own towers' slices of every global batch
+    (ImageReader.train_dataset with the context's pipeline id and count), so that N towers on W workers
+    train on the one stream that 1 tower reads. With `shard_over_workers` False every worker reads the
+    whole stream itself, dealt to its own towers with the per-tower batch of training (precise BN: each
+    worker then computes the same statistics, with nothing to exchange).
+
+    Iterate the distributed dataset through a data.feed.Feed, whose iterator is released without waiting
+    for TensorFlow's teardown.
+
+    Args:
+      reader: the split's reader (`open_split`).
+      global_batch: data.batch_size: the images of one micro-batch over all towers of all workers.
+      start_step: the stream's first step (a resumed run's step; precise BN's far-away window).
+      end_step: the step the stream ends before: where its use ends, so that nothing is decoded for
+        nothing and no decoding is left in flight when the stream is dropped. None only for a stream read
+        until its Feed is closed (seg-bench's timed runners).
+      micro_batches: train.accumulate_steps.
+    """
+    def dataset_fn(ctx):
+        if shard_over_workers:
+            return reader.train_dataset(global_batch, start_step, ctx.num_replicas_in_sync, ctx.input_pipeline_id,
+                                        ctx.num_input_pipelines, end_step=end_step, micro_batches=micro_batches)
+        local = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+        return reader.train_dataset(global_batch // ctx.num_replicas_in_sync * local, start_step, local, 0, 1,
+                                    end_step=end_step, micro_batches=micro_batches)
+
+    return dataset_fn
