@@ -335,3 +335,15 @@ def test_shipped_configs_load():
                                                                                               (512, 512), 16)
     assert (ade.data.train_split, ade.data.val_split) == ("training", "validation")
     assert ade.data.root == folder.parent / "data" / "ADEChallengeData2016"
+    # SegFormer's recipe (the paper's keys) on each layout, its encoder from a keras-hub MiT preset.
+    for name, layout, crop, batch in [("ade20k_segformer", "ade20k", (512, 512), 16),
+                                      ("cityscapes_segformer", "cityscapes", (1024, 1024), 8)]:
+        c = cfgs[name]
+        assert (c.data.layout, c.data.crop_size, c.data.batch_size, c.model.backbone, c.model.head) == \
+            (layout, crop, batch, "mit_b0", "segformer")
+        t = c.train
+        assert (t.optimizer, t.learning_rate, t.weight_decay, t.head_lr_multiplier, t.lr_power, t.warmup_steps,
+                t.num_steps) == ("adamw", 6e-5, 0.01, 10.0, 1.0, 1500, 160000)
+        assert (c.model.drop_path_rate, c.model.head_dropout, c.model.weight_decay) == (0.1, 0.1, 0.0)
+        assert c.model.backbone_weights.parent == folder.parent / "presets"
+    assert (cfgs["cityscapes_segformer"].eval.mode, cfgs["cityscapes_segformer"].eval.stride) == ("slide", (768, 768))
