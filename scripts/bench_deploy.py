@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """CamVid to TFLite: float32, float16 and int8 files of each recipe measured by seg-eval, written to docs/DEPLOY.md.
 
-    python scripts/bench_deploy.py [--models camvid,camvid_lraspp] [--run NAME=RUN_DIR ...]
+    python scripts/bench_deploy.py [--models camvid,camvid_lraspp,camvid_segformer] [--run NAME=RUN_DIR ...]
                                    [--threads 1,2] [--calibration-images 200] [--output docs/DEPLOY.md]
-                                   [--report-only]
+                                   [--keep] [--report-only]
 
 For each model NAME (configs/<name>.yaml), with the real commands a user runs:
   1. seg-train --config configs/<name>.yaml --gpus 1 --run-dir runs/deploy/<name>/run   (skipped when the run dir
@@ -15,8 +15,10 @@ For each model NAME (configs/<name>.yaml), with the real commands a user runs:
   4. seg-export --format tflite --quantize none|float16|int8 --output runs/deploy/NAME/Q.tflite
   5. seg-eval --model Q.tflite --split val|test --threads T --json              (LiteRT; mIoU, size, latency)
 Results go to runs/deploy/results.json, then docs/DEPLOY.md is rendered from scripts/templates/deploy.md
-(--report-only re-renders from that JSON). Latency is seg-eval's median LiteRT invoke() per test image,
-so run it on a quiet machine: a second process on the same cores slows every figure.
+(--report-only re-renders from that JSON; --keep keeps the models of an earlier results.json that this run
+does not measure, so one recipe can be added or measured again alone). Latency is seg-eval's median
+LiteRT invoke() per test image, so run it on a quiet machine: a second process on the same cores slows
+every figure.
 """
 
 from __future__ import annotations
@@ -155,6 +157,20 @@ def render(results: dict) -> str:
             .replace("{total_min}", f"{results['total_s'] / 60:.0f}"))
 
 
+def merged(old: dict, new: dict) -> dict:
+    """`new`'s models with those of `old` it did not measure (in old's order, new ones after); dates, commands
+    and time of both."""
+    if old.get("threads") != new["threads"]:
+        raise SystemExit(f"error: --keep with other thread counts (runs/deploy/results.json): "
+                         f"{old.get('threads')} there, {new['threads']} here")
+    names = {m["name"] for m in new["models"]}
+    by_name = {m["name"]: m for m in new["models"]}
+    models = [by_name.pop(m["name"]) if m["name"] in names else m for m in old["models"]] + list(by_name.values())
+    dates = old["date"] if old["date"] == new["date"] else f"{old['date']} and {new['date']}"
+    return {**new, "date": dates, "models": models, "log": old["log"] + new["log"],
+            "total_s": old["total_s"] + new["total_s"]}
+
+
 def verdict(fl: dict, i8: dict, threads: list[int]) -> str:
     """Whether int8 meets the targets: within 1.0 mIoU of float32 (val and test), 2x faster at each thread count."""
     gap = max(100 * (fl[s]["miou"] - i8[s]["miou"]) for s in ("val", "test"))
@@ -163,16 +179,19 @@ def verdict(fl: dict, i8: dict, threads: list[int]) -> str:
             f"speed {'met' if speed >= 2.0 else 'MISSED'} (slowest {speed:.2f}x)")
 
 
-TITLES = {"camvid": "DeepLabV3+ MobileNetV2", "camvid_lraspp": "LR-ASPP MobileNetV3-Large"}
+TITLES = {"camvid": "DeepLabV3+ MobileNetV2", "camvid_lraspp": "LR-ASPP MobileNetV3-Large",
+          "camvid_segformer": "SegFormer-B0"}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="camvid,camvid_lraspp")
+    p.add_argument("--models", default="camvid,camvid_lraspp,camvid_segformer")
     p.add_argument("--run", action="append", default=[], metavar="NAME=RUN_DIR")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--calibration-images", type=int, default=200)
     p.add_argument("--output", default=str(ROOT / "docs" / "DEPLOY.md"))
+    p.add_argument("--keep", action="store_true",
+                   help="keep the models of an earlier results.json that this run does not measure")
     p.add_argument("--report-only", action="store_true")
     a = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -186,6 +205,8 @@ def main(argv=None) -> int:
                   for n in a.models.split(",")]
         results = {"date": datetime.date.today().isoformat(), "threads": threads, "models": models, "log": log,
                    "total_s": time.time() - start, "cpu_count": os.cpu_count()}
+        if a.keep and results_path.is_file():
+            results = merged(json.loads(results_path.read_text()), results)
         results_path.write_text(json.dumps(results, indent=1) + "\n")
     results = json.loads(results_path.read_text())
     Path(a.output).write_text(render(results))

@@ -40,3 +40,18 @@ def test_report_rows_and_no_placeholder_left():
     assert "{" not in text.replace("{{", "")
     assert "| DeepLabV3+ MobileNetV2 | TFLite int8, seg-eval --model | 59.50 | 48.80 | 3.00 | 40.0 | 35.0 |" in text
     assert "| DeepLabV3+ MobileNetV2 | -0.50 | -1.20 | 2.50x | 1.71x | 4.00x | CAST x1, QUANTIZE x1 |" in text
+
+
+def test_keep_replaces_the_measured_models_and_keeps_the_others():
+    old = results()
+    old["models"].append({**old["models"][0], "name": "camvid_lraspp"})
+    new = results()
+    new["models"][0] = {**new["models"][0], "name": "camvid_lraspp", "step": 7}
+    new["models"].append({**new["models"][0], "name": "camvid_segformer"})
+    new.update(date="2026-11-26", log=["seg-export ..."], total_s=60)
+    got = bench_deploy.merged(old, new)
+    assert [m["name"] for m in got["models"]] == ["camvid", "camvid_lraspp", "camvid_segformer"]
+    assert got["models"][1]["step"] == 7 and "step" not in got["models"][0]
+    assert got["date"] == "2026-11-24 and 2026-11-26"
+    assert (got["log"], got["total_s"]) == (["seg-eval ...", "seg-export ..."], 660)
+    assert "| SegFormer-B0 | TFLite int8, seg-eval --model |" in bench_deploy.render(got)

@@ -208,6 +208,52 @@ def test_tflite_file_has_builtins_only_and_predicts_what_keras_predicts(evaluate
     assert len(np.unique(classes)) >= 2
 
 
+def test_int8_file_keeps_every_layer_norm_in_int8(evaluated):
+    """Full-integer quantization of MiT-B0 + SegFormer: no op but the input's CAST and QUANTIZE computes in
+    float32. Fails for Keras' own LayerNormalization, whose shift -mean * inv converts to a NEG op with no
+    int8 kernel (each LayerNorm then leaves int8 for a DEQUANTIZE, NEG, QUANTIZE)."""
+    from seg_train.infer.tflite_export import app_function, convert, describe, frozen_function
+
+    cfg, model = evaluated["cfg"], evaluated["state"].model
+    images = np.random.default_rng(6).integers(0, 256, (3, 1, 64, 96, 3), dtype=np.uint8)
+    content = convert(frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96)), "int8",
+                      lambda: ([image] for image in images))
+    ops, float_ops, _, _ = describe(content)
+    assert float_ops == {"CAST": 1, "QUANTIZE": 1}, float_ops
+    assert ops["MEAN"] >= 2 * 15  # the 15 LayerNorms of MiT-B0 (moments: two MEANs each) are in the file
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_layer_norm_is_keras_layer_normalization(policy):
+    """mit.LayerNorm (the shift as beta - mean * inv, for int8 files) against Keras' LayerNormalization with
+    the same gamma and beta: outputs, and the gradients of the input, gamma and beta. Under mixed_float16
+    the input is float16, as the model's layers give it (Keras' LayerNormalization does not autocast), and
+    its squares (|x| ~ 400) overflow float16: the moments must be in float32, as Keras'. Fails for a mean
+    left in, the variance over another axis, epsilon outside the root, gamma or beta dropped, moments in
+    float16."""
+    from seg_train.models.mit import LayerNorm
+
+    rng = np.random.default_rng(0)
+    x = tf.cast(rng.normal(5.0, 400.0, (2, 5, 7, 16)), "float16" if policy == "mixed_float16" else "float32")
+    gamma, beta = rng.normal(1.0, 0.5, 16), rng.normal(0.0, 0.5, 16)
+    weights = tf.constant(rng.normal(size=(2, 5, 7, 16)), tf.float32)
+    got = []
+    for layer in (LayerNorm(epsilon=1e-5, dtype=policy), keras.layers.LayerNormalization(epsilon=1e-5, dtype=policy)):
+        layer.build(x.shape)
+        layer.set_weights([gamma, beta])
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights)
+        got.append([y.numpy().astype(np.float32)] + [np.asarray(g, np.float32)
+                                                     for g in tape.gradient(loss, [x, *layer.weights])])
+    assert got[0][0].dtype == got[1][0].dtype
+    tol = 1e-5 if policy == "float32" else 2e-3
+    assert np.isfinite(got[0][0]).all()
+    for ours, keras_ in zip(*got):
+        np.testing.assert_allclose(ours, keras_, rtol=tol, atol=tol * np.abs(keras_).max())
+
+
 @pytest.mark.parametrize("head, backbone, features", [
     ("deeplabv3plus", "mit_b0", [(16, 24, 32), (2, 3, 256)]),   # stride 4 and 32
     ("lraspp", "mit_b0", [(8, 12, 64), (2, 3, 256)]),           # stride 8 and 32

@@ -255,13 +255,18 @@ def test_seg_predict_model_writes_the_files_class_maps(run):
 
 
 def test_check_prints_float_and_exported_side_by_side(run, capsys):
+    """With a logit adjustment, which both files carry: no warning that the float32 reference lacks it (it
+    once had no sidecar, so seg-eval's check read its adjustment as 0)."""
     out = run["tmp"] / "check" / "q.tflite"
     assert export_main(["--config", run["config"], "--checkpoint", str(run["tmp"] / "run"), "--format", "tflite",
                         "--quantize", "int8", "--calibration-images", "4", "--check", "--input-size", *map(str, SIZE),
-                        "--output", str(out)]) == 0
-    text = capsys.readouterr().out
+                        "--output", str(out), "--set", "loss.class_weights=[4.0, 1.0, 0.25]",
+                        "--set", "eval.logit_adjustment=1.0"]) == 0
+    captured = capsys.readouterr()
+    text = captured.out
     assert "float32 (not written)" in text and "q.tflite" in text and "exported - float32:" in text
     assert "check on val (6 images)" in text
+    assert "logit_adjustment" not in captured.err, captured.err
 
 
 @pytest.mark.parametrize("argv, line", [

@@ -260,7 +260,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
 def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: bool = True) -> list[dict]:
     """seg-export --check: the exported file and (if quantized) the float32 conversion of the same model,
     both evaluated in LiteRT on data.val_split; prints them side by side. Returns the records."""
-    from seg_train.infer.litert import TFLiteModel, evaluate_file
+    from seg_train.infer.litert import TFLiteModel, evaluate_file, read_sidecar, sidecar_path
+    from seg_train.rundir import write_json
 
     split = cfg.data.val_split
     rows = []
@@ -269,6 +270,9 @@ def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: 
         if frozen is not None:
             float_path = Path(tmp) / "float32.tflite"
             float_path.write_bytes(convert(frozen, "none"))
+            # The same function as the exported file's (its logit adjustment included): the same description.
+            write_json(sidecar_path(float_path), {**(read_sidecar(path) or {}), "quantization": "none",
+                                                  "calibration": None})
             files.append(("float32 (not written)", float_path))
         files.append((f"{path.name}", path))
         for label, file in files:

@@ -26,8 +26,8 @@ epsilon 1e-5 (the blocks' are 1e-6, the patch embeddings' and the reductions' 1e
 
 Mixed precision: Keras' LayerNormalization computes its moments in float32 for half-precision inputs
 (keras.ops.layer_normalization), and `EfficientAttention` computes its logits and softmax in float32
-(float16 logits overflow at |q.k| / sqrt(d) > 65504). Every LayerNorm is made by `_layer_norm`, the one
-place to change should int8 export need another formulation.
+(float16 logits overflow at |q.k| / sqrt(d) > 65504). Every LayerNorm is made by `_layer_norm`: a
+`LayerNorm`, Keras' function in an order whose int8 TFLite form stays in int8.
 
 Inputs need at least 29 pixels per side: the first stage's 8x8 reduction conv needs an 8x8 map at stride
 4 (config.py refuses smaller training and slide crops; evaluation pads to a multiple of 32).
@@ -121,8 +121,27 @@ class Gelu(layers.Layer):
         return keras.ops.gelu(x, approximate=True)
 
 
+@keras.saving.register_keras_serializable(package="seg_train")
+class LayerNorm(layers.LayerNormalization):
+    """Keras' LayerNormalization over the last axis, its shift computed as beta - mean * inv.
+
+    Keras computes x * inv + (-mean * inv + beta): the TFLite converter keeps that negation as a NEG op,
+    which has no int8 kernel, so every LayerNorm of an int8 file left int8 for it (a DEQUANTIZE, the NEG
+    in float32, a QUANTIZE). A SUB has an int8 kernel. The same variables (gamma, beta) and the same
+    function; the moments in float32 for half-precision inputs, as Keras'.
+    """
+
+    def call(self, inputs):
+        x = inputs
+        if x.dtype in (tf.float16, tf.bfloat16):
+            x = tf.cast(x, tf.float32)
+        mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+        inv = tf.math.rsqrt(variance + self.epsilon) * tf.cast(self.gamma, x.dtype)
+        return tf.cast(x * inv + (tf.cast(self.beta, x.dtype) - mean * inv), self.compute_dtype)
+
+
 def _layer_norm(epsilon: float, name: str) -> layers.LayerNormalization:
-    return layers.LayerNormalization(epsilon=epsilon, name=name)
+    return LayerNorm(epsilon=epsilon, name=name)
 
 
 # The original's initialisation (SegFormer's `_init_weights`, as timm's transformers): dense kernels
