@@ -118,7 +118,8 @@ def main(args) -> int:
     ema = {"use_ema": True, "ema_momentum": cfg.train.ema_decay} if cfg.train.ema_decay else {}
     model.compile(optimizer=keras.optimizers.AdamW(learning_rate=cfg.train.learning_rate,
                                                    weight_decay=cfg.train.weight_decay or 0.0, **ema),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=cfg.data.ignore_label))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=cfg.data.ignore_label),
+                  metrics=[])  # keras-hub's "auto" adds CategoricalAccuracy, which takes one-hot labels
     ds = open_split(cfg, cfg.data.train_split).reader.train_dataset(batch, 0, 1)
     rates, step_ms, cpu_ms, losses, first_epoch_s = [], [], [], [], []
 
