@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check seg_train scripts tests
 
 # docs/PERFORMANCE.md, then docs/DEPLOY.md (CamVid recipes exported to TFLite and measured by seg-eval;
-# trains both recipes first unless runs/deploy holds their final checkpoints).
+# trains each recipe (DeepLabV3+, LR-ASPP, SegFormer-B0) first unless runs/deploy holds its final checkpoint).
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py
 	$(BIN)/python scripts/bench_deploy.py
