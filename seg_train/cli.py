@@ -474,6 +474,9 @@ def export_main(argv=None) -> int:
                                  "(calibrated on training images)")
         parser.add_argument("--calibration-images", type=int, default=200, metavar="N",
                             help="tflite int8: training images to calibrate on (default 200)")
+        parser.add_argument("--float-ops", metavar="OPS",
+                            help="tflite int8: TFLite op kinds to keep in float32, comma-separated (e.g. "
+                                 "BATCH_MATMUL,SOFTMAX,GELU,RSQRT,SQUARED_DIFFERENCE for a SegFormer on XNNPACK)")
         parser.add_argument("--probabilities", action="store_true",
                             help="tflite: also output the softmax [1, H, W, C] beside the class map")
         parser.add_argument("--check", action="store_true",
@@ -491,9 +494,12 @@ def export_main(argv=None) -> int:
                 interpreter_class("seg-export --check")
             check_calibration_images(args.calibration_images)
             check_threads(args.threads)
+            from seg_train.infer.tflite_export import parse_float_ops
+            parse_float_ops(args.float_ops, args.quantize)
             return
         given = [flag for flag, value in (("--input-size", args.input_size), ("--quantize", args.quantize != "none"),
-                                          ("--probabilities", args.probabilities), ("--check", args.check))
+                                          ("--probabilities", args.probabilities), ("--check", args.check),
+                                          ("--float-ops", args.float_ops))
                  if value]
         if given:
             raise ConfigError(f"{given[0]} needs --format tflite", given[0],
@@ -503,10 +509,11 @@ def export_main(argv=None) -> int:
 
     def run(cfg, strategy, args):
         if args.format == "tflite":
-            from seg_train.infer.tflite_export import run_export_tflite
+            from seg_train.infer.tflite_export import parse_float_ops, run_export_tflite
             run_export_tflite(cfg, strategy, args.checkpoint, args.output, force=args.force, size=args.input_size,
                               quantize=args.quantize, calibration_images=args.calibration_images,
-                              probabilities=args.probabilities, check=args.check, threads=args.threads)
+                              probabilities=args.probabilities, check=args.check, threads=args.threads,
+                              float_ops=parse_float_ops(args.float_ops, args.quantize))
             return
         from seg_train.infer.export import run_export
         run_export(cfg, strategy, args.checkpoint, args.output, args.force)

@@ -55,3 +55,13 @@ def test_keep_replaces_the_measured_models_and_keeps_the_others():
     assert got["date"] == "2026-11-24 and 2026-11-26"
     assert (got["log"], got["total_s"]) == (["seg-eval ...", "seg-export ..."], 660)
     assert "| SegFormer-B0 | TFLite int8, seg-eval --model |" in bench_deploy.render(got)
+
+
+def test_float_ops_file_gets_its_own_rows():
+    r = results()
+    files = r["models"][0]["files"]
+    files["int8_float_ops"] = file_result(0.598, 0.497, 20.0, 10.0, 3_500_000, {"SOFTMAX": 8, "CAST": 1})
+    text = bench_deploy.render(r)
+    title = "| DeepLabV3+ MobileNetV2"
+    assert f"{title} | TFLite int8 --float-ops, seg-eval --model | 59.80 | 49.70 | 3.50 | 20.0 | 10.0 |" in text
+    assert f"{title}, --float-ops | -0.20 | -0.30 | 5.00x | 6.00x | 3.43x | SOFTMAX x8, CAST x1 |" in text

@@ -223,6 +223,43 @@ def test_int8_file_keeps_every_layer_norm_in_int8(evaluated):
     assert ops["MEAN"] >= 2 * 15  # the 15 LayerNorms of MiT-B0 (moments: two MEANs each) are in the file
 
 
+def test_int8_file_with_the_attention_and_layer_norm_ops_in_float(evaluated):
+    """--float-ops for a SegFormer (docs/DEPLOY.md): the op kinds XNNPACK declines in int8 stay in float32,
+    every one of them, and the rest stays int8; LiteRT then predicts what Keras predicts on the pixels
+    whose top two logits are clearly apart. Fails for a denylist that does not reach the converter."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    from seg_train.infer.tflite_export import app_function, convert, describe, frozen_function
+
+    cfg, model = evaluated["cfg"], evaluated["state"].model
+    images = np.random.default_rng(6).integers(0, 256, (3, 1, 64, 96, 3), dtype=np.uint8)
+    kept = ("BATCH_MATMUL", "SOFTMAX", "GELU", "RSQRT", "SQUARED_DIFFERENCE")
+    content = convert(frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96)), "int8",
+                      lambda: ([image] for image in images), kept)
+    ops, float_ops, _, _ = describe(content)
+    assert {op: float_ops.get(op) for op in kept} == {op: ops[op] for op in kept}
+    assert "FULLY_CONNECTED" not in float_ops and "CONV_2D" not in float_ops
+    interpreter = Interpreter(model_content=content)
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], images[0])
+    interpreter.invoke()
+    classes = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])[0]
+    x = (images[0].astype(np.float32) - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
+    logits = model(x, training=False).numpy()[0]
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 0.05 * np.ptp(logits)
+    assert clear.sum() > 1000 and (classes[clear] == logits.argmax(-1)[clear]).mean() > 0.99
+    # Fewer XNNPACK partitions than the full-integer file (each DELEGATE node is one).
+    full = convert(frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96)), "int8",
+                   lambda: ([image] for image in images))
+    partitions = []
+    for c in (content, full):
+        it = Interpreter(model_content=c)
+        it.allocate_tensors()
+        partitions.append([op["op_name"] for op in it._get_ops_details()].count("DELEGATE"))
+    assert partitions[0] < partitions[1], partitions
+
+
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_layer_norm_is_keras_layer_normalization(policy):
     """mit.LayerNorm (the shift as beta - mean * inv, for int8 files) against Keras' LayerNormalization with

@@ -15,6 +15,7 @@ from PIL import Image
 
 from seg_train import checkpoint as ckpt_lib
 from seg_train.cli import eval_main, export_main, predict_main
+from seg_train.config import ConfigError
 from seg_train.data import synthetic
 from seg_train.infer.metrics import compute_metrics
 from seg_train.infer.tflite_export import run_export_tflite
@@ -269,8 +270,31 @@ def test_check_prints_float_and_exported_side_by_side(run, capsys):
     assert "logit_adjustment" not in captured.err, captured.err
 
 
+def test_float_ops_keeps_the_named_ops_in_float32(run, tmp_path):
+    """seg-export --quantize int8 --float-ops CONV_2D: every CONV_2D of the file computes in float32 (the
+    sidecar counts them from the file itself) and the JSON names the request; without the flag none does.
+    Fails for a flag that does not reach the converter. A name the model does not have is one line and no
+    file."""
+    out = tmp_path / "f.tflite"
+    assert export_main(["--config", run["config"], "--checkpoint", str(run["tmp"] / "run"), "--format", "tflite",
+                        "--quantize", "int8", "--calibration-images", "4", "--input-size", *map(str, SIZE),
+                        "--float-ops", "CONV_2D", "--output", str(out)]) == 0
+    meta = json.loads(out.with_suffix(".json").read_text())
+    plain = json.loads(run["files"]["int8"].with_suffix(".json").read_text())
+    assert meta["float_ops_requested"] == ["CONV_2D"] and meta["ops"]["CONV_2D"] >= 2
+    assert meta["float32_ops"]["CONV_2D"] == meta["ops"]["CONV_2D"] and "CONV_2D" not in plain["float32_ops"]
+    with pytest.raises(ConfigError, match="not an op of this model"):
+        run_export_tflite(run["cfg"], run["state"].strategy, str(run["tmp"] / "run"), tmp_path / "g.tflite",
+                          size=SIZE, quantize="int8", calibration_images=2, progress=False, float_ops=("GELU",))
+    assert not (tmp_path / "g.tflite").exists()
+
+
 @pytest.mark.parametrize("argv, line", [
     (["--quantize", "int8", "--output", "x"], "error: --quantize needs --format tflite (--quantize): "),
+    (["--format", "tflite", "--output", "m.tflite", "--float-ops", "SOFTMAX"],
+     "error: --float-ops needs --quantize int8 (--float-ops): "),
+    (["--format", "tflite", "--quantize", "int8", "--output", "m.tflite", "--float-ops", "softmax"],
+     "error: invalid --float-ops (--float-ops): "),
     (["--format", "tflite", "--output", "x.pb"], "error: output is not a .tflite file (x.pb): "),
     (["--format", "tflite", "--output", "m.tflite", "--calibration-images", "0"],
      "error: invalid --calibration-images (--calibration-images): "),

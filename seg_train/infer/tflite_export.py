@@ -19,7 +19,12 @@ The file, and why it is built this way:
   training images (a seeded random subset of data.train_split, resized to H x W as an app resizes:
   litert.to_input_size). int8 kernels are preferred, with the float builtin kept only for an op that has
   no int8 kernel; the JSON beside the file lists every op that still computes in float32 (normally
-  only the input's CAST from uint8 and its QUANTIZE to int8).
+  only the input's CAST from uint8 and its QUANTIZE to int8). --float-ops keeps the named op kinds in
+  float32 in an int8 file, between QUANTIZE and DEQUANTIZE ops: for a model whose int8 file would leave
+  LiteRT's CPU delegate for them (XNNPACK declines a SegFormer's BATCH_MATMUL of two activations,
+  SOFTMAX, GELU, RSQRT and SQUARED_DIFFERENCE in int8, docs/DEPLOY.md). The converter offers this only
+  through its quantization debugger's denylist (tf.lite.experimental.QuantizationDebugger), which is
+  what `convert` uses then.
 - Beside FILE.tflite the export writes FILE.json: input and output tensors, mean/std, classes,
   quantization, calibration set, size in bytes, the op counts. Both are written to temporary names and
   renamed into place, so an interrupted export leaves no half file.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tempfile
 import warnings
 from collections import Counter
@@ -118,8 +124,27 @@ def calibration_samples(cfg: Config, count: int):
     return train, [train.samples[i] for i in order]
 
 
-def convert(frozen, quantize: str, representative=None) -> bytes:
-    """The .tflite bytes of a frozen concrete function (module doc for what each quantization does)."""
+FLOAT_OPS_PATTERN = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def parse_float_ops(text: str | None, quantize: str) -> tuple[str, ...]:
+    """--float-ops: comma-separated TFLite builtin op names (BATCH_MATMUL,SOFTMAX,...), only with int8."""
+    if not text:
+        return ()
+    if quantize != "int8":
+        raise ConfigError("--float-ops needs --quantize int8", "--float-ops",
+                          "--quantize int8 (only an int8 file has ops to keep in float32)")
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [n for n in names if not FLOAT_OPS_PATTERN.fullmatch(n)]
+    if bad or not names:
+        raise ConfigError("invalid --float-ops", "--float-ops",
+                          f"TFLite builtin op names in capitals, comma-separated (e.g. SOFTMAX,GELU), got {text!r}")
+    return names
+
+
+def convert(frozen, quantize: str, representative=None, float_ops: tuple[str, ...] = ()) -> bytes:
+    """The .tflite bytes of a frozen concrete function (module doc for what each quantization does);
+    `float_ops`: op kinds an int8 file keeps in float32 (--float-ops)."""
     import tensorflow as tf
 
     converter = tf.lite.TFLiteConverter.from_concrete_functions([frozen])
@@ -135,6 +160,13 @@ def convert(frozen, quantize: str, representative=None) -> bytes:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            if float_ops:
+                # The denylist is honoured only by the debugger's own conversion; its debug dataset is not
+                # read unless the debugger is run, which this does not do.
+                debugger = tf.lite.experimental.QuantizationDebugger(
+                    converter=converter, debug_dataset=representative,
+                    debug_options=tf.lite.experimental.QuantizationDebugOptions(denylisted_ops=list(float_ops)))
+                return debugger.get_nondebug_quantized_model()
             return converter.convert()
     except Exception as e:  # noqa: BLE001 - the converter raises ConverterError and plain Exceptions alike
         lines = [line for line in map(without_reprs, str(e).splitlines()) if line]
@@ -189,7 +221,8 @@ def check_calibration_images(count: int) -> None:
 
 def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike, *, force: bool = False,
                       size=None, quantize: str = "none", calibration_images: int = 200, probabilities: bool = False,
-                      check: bool = False, threads: int = 1, progress: bool = True) -> Path:
+                      check: bool = False, threads: int = 1, progress: bool = True,
+                      float_ops: tuple[str, ...] = ()) -> Path:
     """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
     from seg_train.data.split import class_names_of
     from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
@@ -201,6 +234,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     if quantize not in QUANTIZATIONS:
         raise ConfigError("invalid --quantize", "--quantize", f"one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     check_calibration_images(calibration_images)
+    if float_ops and quantize != "int8":
+        parse_float_ops(",".join(float_ops), quantize)  # the one-line error
     out = check_output_file(output, force)
     if check:
         interpreter_class("seg-export --check")  # fail before the work, not after it
@@ -230,8 +265,12 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
                        "selection": "the first images of a permutation of the split seeded by the run's seed",
                        "resize": RESIZE, "ids": [s.id for s in samples]}
     log.info("converting step %d to TFLite (%s, input %dx%d)", step, quantize, height, width)
-    content = convert(frozen, quantize, representative)
-    ops, float_ops, inputs, outputs = describe(content)
+    content = convert(frozen, quantize, representative, tuple(float_ops))
+    ops, floating, inputs, outputs = describe(content)
+    absent = [op for op in float_ops if op not in ops]
+    if absent:
+        raise ConfigError("not an op of this model", "--float-ops",
+                          f"op names of the converted file ({', '.join(ops)}), got {', '.join(absent)}")
     meta = {
         "format": "tflite", "checkpoint": prefix, "step": step, "quantization": quantize,
         "input": {**inputs[0], "color": "RGB", "range": "0..255",
@@ -239,7 +278,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         "outputs": outputs, "input_size": [height, width],
         "mean": list(cfg.data.mean), "std": list(cfg.data.std),
         "num_classes": cfg.data.num_classes, "class_names": names, "calibration": calibration,
-        "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": float_ops,
+        "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": floating,
+        "float_ops_requested": list(float_ops),
         "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
         "logit_adjustment": cfg.eval.logit_adjustment,
         "score_offsets": modes.offsets_by_class(evaluator.score_offsets, names),
@@ -248,7 +288,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     write_atomic(out, lambda tmp: tmp.write_bytes(content))
     write_json(sidecar_path(out), meta)
     where = "" if quantize != "int8" else \
-        f"; float32 ops: {', '.join(f'{k} x{v}' for k, v in float_ops.items()) or 'none'}"
+        f"; float32 ops: {', '.join(f'{k} x{v}' for k, v in floating.items()) or 'none'}"
     print(f"exported step {step} ({prefix}) to {out}: {quantize}, {len(content) / 1e6:.2f} MB, "
           f"image uint8 [1, {height}, {width}, 3] -> classes uint8 [1, {height}, {width}]{where}; "
           f"wrote {sidecar_path(out)}")
