@@ -86,19 +86,21 @@ def _kept(x, rate: float, row_shape, name: str):
     return x * tf.cast(scale, x.dtype)
 
 
-@keras.saving.register_keras_serializable(package="seg_train")
-class DropPath(layers.Layer):
-    """Stochastic depth (Huang et al. 2016; timm's DropPath): in training, each sample's residual branch is
-    dropped with probability `rate`, kept ones scaled by 1 / (1 - rate). Drawn per sample (module doc)."""
+class _PerSampleDrop(layers.Layer):
+    """What DropPath and ChannelDropout share: in training, a mask per sample (the rows of `_row_shape`),
+    kept entries scaled by 1 / (1 - rate); the identity at inference or rate 0."""
 
     def __init__(self, rate: float, **kwargs):
         super().__init__(**kwargs)
         self.rate = float(rate)
 
+    def _row_shape(self, x) -> list:
+        raise NotImplementedError
+
     def call(self, x, training=None):
         if not training or not self.rate:
             return x
-        out = _kept(x, self.rate, [1] * (len(x.shape) - 1), self.name)
+        out = _kept(x, self.rate, self._row_shape(x), self.name)
         return x if out is None else out
 
     def compute_output_shape(self, input_shape):
@@ -109,23 +111,19 @@ class DropPath(layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
-class ChannelDropout(layers.Layer):
+class DropPath(_PerSampleDrop):
+    """Stochastic depth (Huang et al. 2016; timm's DropPath): in training, each sample's residual branch is
+    dropped with probability `rate`, kept ones scaled by 1 / (1 - rate). Drawn per sample (module doc)."""
+
+    def _row_shape(self, x) -> list:
+        return [1] * (len(x.shape) - 1)
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class ChannelDropout(_PerSampleDrop):
     """Dropout of whole channels per sample (PyTorch's Dropout2d, which mmsegmentation's decode heads and
     SegFormer's put before the classifier): in training, each (sample, channel) of an NHWC map is zeroed
     with probability `rate`, kept ones scaled by 1 / (1 - rate). Drawn per sample (module doc)."""
 
-    def __init__(self, rate: float, **kwargs):
-        super().__init__(**kwargs)
-        self.rate = float(rate)
-
-    def call(self, x, training=None):
-        if not training or not self.rate:
-            return x
-        out = _kept(x, self.rate, [1, 1, x.shape[-1]], self.name)
-        return x if out is None else out
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-    def get_config(self):
-        return {**super().get_config(), "rate": self.rate}
+    def _row_shape(self, x) -> list:
+        return [1, 1, x.shape[-1]]
