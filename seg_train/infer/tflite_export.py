@@ -131,15 +131,19 @@ def parse_float_ops(text: str | None, quantize: str) -> tuple[str, ...]:
     """--float-ops: comma-separated TFLite builtin op names (BATCH_MATMUL,SOFTMAX,...), only with int8."""
     if not text:
         return ()
-    if quantize != "int8":
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    check_float_ops(names or ("",), quantize, text)
+    return names
+
+
+def check_float_ops(names: tuple[str, ...], quantize: str, given: str | None = None) -> None:
+    """The op names of --float-ops (`given`: as typed): only with int8, each a name in capitals."""
+    if names and quantize != "int8":
         raise ConfigError("--float-ops needs --quantize int8", "--float-ops",
                           "--quantize int8 (only an int8 file has ops to keep in float32)")
-    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    bad = [n for n in names if not FLOAT_OPS_PATTERN.fullmatch(n)]
-    if bad or not names:
-        raise ConfigError("invalid --float-ops", "--float-ops",
-                          f"TFLite builtin op names in capitals, comma-separated (e.g. SOFTMAX,GELU), got {text!r}")
-    return names
+    if any(not FLOAT_OPS_PATTERN.fullmatch(n) for n in names):
+        raise ConfigError("invalid --float-ops", "--float-ops", "TFLite builtin op names in capitals, "
+                          f"comma-separated (e.g. SOFTMAX,GELU), got {given or ','.join(names)!r}")
 
 
 def convert(frozen, quantize: str, representative=None, float_ops: tuple[str, ...] = ()) -> bytes:
@@ -234,8 +238,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     if quantize not in QUANTIZATIONS:
         raise ConfigError("invalid --quantize", "--quantize", f"one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     check_calibration_images(calibration_images)
-    if float_ops and quantize != "int8":
-        parse_float_ops(",".join(float_ops), quantize)  # the one-line error
+    check_float_ops(float_ops, quantize)
     out = check_output_file(output, force)
     if check:
         interpreter_class("seg-export --check")  # fail before the work, not after it
