@@ -90,11 +90,11 @@ def measure(name: str, run_dir: Path, threads: list[int], calibration: int, log:
     r["files"] = {}
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
-    variants = [(q, q, []) for q in QUANTIZATIONS]
+    variants = [(q, LABEL[q], q, []) for q in QUANTIZATIONS]  # (key, file name, --quantize, more flags)
     if name in FLOAT_OPS:
-        variants.append(("int8_float_ops", "int8", ["--float-ops", FLOAT_OPS[name]]))
-    for q, quantize, extra in variants:
-        path = folder / f"{LABEL[q].replace(' --', '_').replace('-', '_')}.tflite"
+        variants.append(("int8_float_ops", "int8_float_ops", "int8", ["--float-ops", FLOAT_OPS[name]]))
+    for q, stem, quantize, extra in variants:
+        path = folder / f"{stem}.tflite"
         start = time.time()
         command([str(BIN / "seg-export"), "--config", str(config), "--checkpoint", ckpt, "--format", "tflite",
                  "--quantize", quantize, "--calibration-images", str(calibration), "--output", str(path), "--force",

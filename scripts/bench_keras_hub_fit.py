@@ -100,9 +100,10 @@ def main(args) -> int:
     from seg_train.data.split import open_split
 
     batch, k, windows = cfg.data.batch_size, args.steps, args.windows
-    runners = []  # (name, config, TrainRunner)
+    runners, readers = [], []  # (name, config, TrainRunner); each runner's reader
     for name, c in [("seg-train", cfg)] + recipes:
         reader = open_split(c, c.data.train_split).reader
+        readers.append(reader)
         log.info("%s: building %s + %s at %s", name, c.model.backbone, c.model.head, list(c.data.crop_size))
         runners.append((name, c, bench.TrainRunner(name, c, devices, reader, "reader",
                                                    class_weights=class_weights_for_split(c, reader))))
@@ -120,7 +121,7 @@ def main(args) -> int:
                                                    weight_decay=cfg.train.weight_decay or 0.0, **ema),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=cfg.data.ignore_label),
                   metrics=[])  # keras-hub's "auto" adds CategoricalAccuracy, which takes one-hot labels
-    ds = open_split(cfg, cfg.data.train_split).reader.train_dataset(batch, 0, 1)
+    ds = readers[0].train_dataset(batch, 0, 1)  # the seg-train side's reader: the same samples and crops
     rates, step_ms, cpu_ms, losses, first_epoch_s = [], [], [], [], []
 
     class Interleave(keras.callbacks.Callback):
