@@ -2,12 +2,15 @@
 their own distribution code), so 1-tower and N-tower runs can be compared in one process; the CPU
 allocator the commands use (cli.TF_ENV_DEFAULTS), so the in-process tests run as the commands do; and
 point the scan cache (seg_train/data/scan_cache.py) at a folder of this session, never the user's
-home (the seg-train processes the tests start inherit it)."""
+home (the seg-train processes the tests start inherit it). `demo_root`: a small synthetic data set, one per
+test module that asks for it."""
 
 import atexit
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from seg_train.cli import set_tf_env_defaults  # noqa: E402
@@ -19,3 +22,12 @@ atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 from seg_train import replicas  # noqa: E402
 
 replicas.setup_devices(4)
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    """The demo data set (data/synthetic.py) of 12 train and 4 val images of 40x48, 3 classes."""
+    from seg_train.data import synthetic
+
+    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
+                              num_classes=3)

@@ -134,12 +134,6 @@ def check(command: str, rc: int, lines: list[str], gap: float, record, code: int
 
 
 @pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
-                              num_classes=3)
-
-
-@pytest.fixture(scope="module")
 def trained(tmp_path_factory, demo_root):
     """seg-train on 2 towers to its end (the last step evaluates: precise BN, evaluation), timed."""
     tmp, root = tmp_path_factory.mktemp("exitprompt"), demo_root

@@ -40,7 +40,6 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train.data import synthetic
 
 STEPS = 6
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d [DIWEC] ")
@@ -188,12 +187,6 @@ def truncate(path: Path, fraction=0.5) -> None:
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
-                              num_classes=3)
-
-
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, demo_root):
     """An uninterrupted deterministic 2-tower run of STEPS steps (checkpoints 2, 4, 6)."""

@@ -10,10 +10,8 @@ import textwrap
 import threading
 import time
 
-import pytest
 import tensorflow as tf
 
-from seg_train.data import synthetic
 from tests.test_train_cli import write_config
 
 # A TensorFlow call that runs far longer than the test waits: the main thread sits inside it, where
@@ -62,12 +60,6 @@ def test_second_signal_stops_inside_a_tensorflow_call(tmp_path):
     assert ("error: interrupted again (SIGTERM after SIGINT): stopped at once, no checkpoint for the step in "
             "progress; rerun the same command to resume from the newest checkpoint") in err, err
     assert "Traceback" not in err, err
-
-
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
-                              num_classes=3)
 
 
 def test_sigterm_then_sigint_through_the_command(tmp_path, demo_root):

@@ -11,7 +11,6 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from seg_train.data import synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,12 +19,6 @@ def run(args, cwd, timeout=600):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "seg_train.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
-                              num_classes=3)
 
 
 def write_config(tmp_path, root, **train):
