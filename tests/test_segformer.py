@@ -208,36 +208,46 @@ def test_tflite_file_has_builtins_only_and_predicts_what_keras_predicts(evaluate
     assert len(np.unique(classes)) >= 2
 
 
-def test_int8_file_keeps_every_layer_norm_in_int8(evaluated):
-    """Full-integer quantization of MiT-B0 + SegFormer: no op but the input's CAST and QUANTIZE computes in
-    float32. Fails for Keras' own LayerNormalization, whose shift -mean * inv converts to a NEG op with no
-    int8 kernel (each LayerNorm then leaves int8 for a DEQUANTIZE, NEG, QUANTIZE)."""
-    from seg_train.infer.tflite_export import app_function, convert, describe, frozen_function
+FLOAT_KINDS = ("BATCH_MATMUL", "SOFTMAX", "GELU", "RSQRT", "SQUARED_DIFFERENCE")
+
+
+@pytest.fixture(scope="module")
+def int8_files(evaluated):
+    """MiT-B0 + SegFormer at 64x96 as a full-integer int8 file and as one with FLOAT_KINDS in float32
+    (--float-ops), calibrated on the same three random images."""
+    from seg_train.infer.tflite_export import app_function, convert, frozen_function
 
     cfg, model = evaluated["cfg"], evaluated["state"].model
     images = np.random.default_rng(6).integers(0, 256, (3, 1, 64, 96, 3), dtype=np.uint8)
-    content = convert(frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96)), "int8",
-                      lambda: ([image] for image in images))
-    ops, float_ops, _, _ = describe(content)
+    frozen = frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96))
+    return {"images": images,
+            "full": convert(frozen, "int8", lambda: ([image] for image in images)),
+            "float_ops": convert(frozen, "int8", lambda: ([image] for image in images), FLOAT_KINDS)}
+
+
+def test_int8_file_keeps_every_layer_norm_in_int8(int8_files):
+    """Full-integer quantization of MiT-B0 + SegFormer: no op but the input's CAST and QUANTIZE computes in
+    float32. Fails for Keras' own LayerNormalization, whose shift -mean * inv converts to a NEG op with no
+    int8 kernel (each LayerNorm then leaves int8 for a DEQUANTIZE, NEG, QUANTIZE)."""
+    from seg_train.infer.tflite_export import describe
+
+    ops, float_ops, _, _ = describe(int8_files["full"])
     assert float_ops == {"CAST": 1, "QUANTIZE": 1}, float_ops
     assert ops["MEAN"] >= 2 * 15  # the 15 LayerNorms of MiT-B0 (moments: two MEANs each) are in the file
 
 
-def test_int8_file_with_the_attention_and_layer_norm_ops_in_float(evaluated):
+def test_int8_file_with_the_attention_and_layer_norm_ops_in_float(evaluated, int8_files):
     """--float-ops for a SegFormer (docs/DEPLOY.md): the op kinds XNNPACK declines in int8 stay in float32,
     every one of them, and the rest stays int8; LiteRT then predicts what Keras predicts on the pixels
     whose top two logits are clearly apart. Fails for a denylist that does not reach the converter."""
     from ai_edge_litert.interpreter import Interpreter
 
-    from seg_train.infer.tflite_export import app_function, convert, describe, frozen_function
+    from seg_train.infer.tflite_export import describe
 
     cfg, model = evaluated["cfg"], evaluated["state"].model
-    images = np.random.default_rng(6).integers(0, 256, (3, 1, 64, 96, 3), dtype=np.uint8)
-    kept = ("BATCH_MATMUL", "SOFTMAX", "GELU", "RSQRT", "SQUARED_DIFFERENCE")
-    content = convert(frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96)), "int8",
-                      lambda: ([image] for image in images), kept)
+    images, content = int8_files["images"], int8_files["float_ops"]
     ops, float_ops, _, _ = describe(content)
-    assert {op: float_ops.get(op) for op in kept} == {op: ops[op] for op in kept}
+    assert {op: float_ops.get(op) for op in FLOAT_KINDS} == {op: ops[op] for op in FLOAT_KINDS}
     assert "FULLY_CONNECTED" not in float_ops and "CONV_2D" not in float_ops
     interpreter = Interpreter(model_content=content)
     interpreter.allocate_tensors()
@@ -250,10 +260,8 @@ def test_int8_file_with_the_attention_and_layer_norm_ops_in_float(evaluated):
     clear = top2[..., 1] - top2[..., 0] > 0.05 * np.ptp(logits)
     assert clear.sum() > 1000 and (classes[clear] == logits.argmax(-1)[clear]).mean() > 0.99
     # Fewer XNNPACK partitions than the full-integer file (each DELEGATE node is one).
-    full = convert(frozen_function(app_function(model, cfg.data.mean, cfg.data.std, 64, 96)), "int8",
-                   lambda: ([image] for image in images))
     partitions = []
-    for c in (content, full):
+    for c in (content, int8_files["full"]):
         it = Interpreter(model_content=c)
         it.allocate_tensors()
         partitions.append([op["op_name"] for op in it._get_ops_details()].count("DELEGATE"))
