@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.test_train_cli import demo_root, run, write_config  # noqa: F401  (fixture)
+from tests.test_train_cli import run, write_config
 
 
 def free_ports(n):
@@ -66,7 +66,7 @@ def tensors(prefix):
             if k.endswith("VARIABLE_VALUE") and k.startswith(("model/", "optimizer/")) and "iterations" not in k}
 
 
-def test_two_workers_match_one_process_and_resume(tmp_path, demo_root):  # noqa: F811
+def test_two_workers_match_one_process_and_resume(tmp_path, demo_root):
     single, multi = tmp_path / "single", tmp_path / "multi"
     single.mkdir(), multi.mkdir()
     for d in (single, multi):
@@ -106,7 +106,7 @@ def test_two_workers_match_one_process_and_resume(tmp_path, demo_root):  # noqa:
     assert max(float(np.abs(c[k] - b[k]).max()) for k in weights) > 1e-3
 
 
-def test_dead_worker_stops_the_other(tmp_path, demo_root):  # noqa: F811
+def test_dead_worker_stops_the_other(tmp_path, demo_root):
     write_config(tmp_path, demo_root, num_steps=100000, summary_every=1, image_summary_every=0)
     procs = start_workers(tmp_path / "cfg.yaml", tmp_path, ["--set", "eval.bn_reestimate_batches=0",
                                                              "--set", "train.collective_timeout=60"])
@@ -134,7 +134,7 @@ def test_dead_worker_stops_the_other(tmp_path, demo_root):  # noqa: F811
 
 
 @pytest.mark.parametrize("policy", ["error", "skip"])
-def test_a_bad_sample_found_by_one_worker_reaches_every_worker(tmp_path, demo_root, policy):  # noqa: F811
+def test_a_bad_sample_found_by_one_worker_reaches_every_worker(tmp_path, demo_root, policy):
     """A bad image in worker 1's share of the scan. Wrong answers: worker 1 raising alone while the chief
     waits in a collective (a hang until the timeout, exit 4), the chief training on it, the workers
     dropping different samples, or the chief's log not naming the problem."""
