@@ -56,12 +56,13 @@ def main(args) -> int:
     log = cli.log
     cfg = config_lib.load(args.config, args.overrides)
     cli.import_tensorflow(args.debug)
-    from seg_train import replicas
+    from seg_train.dist import replicas
     with cli.quiet_stderr(args.debug):
         devices = replicas.setup_devices(1)
     import keras
 
-    from seg_train import models, sysinfo
+    from seg_train import models
+    from seg_train.util import sysinfo
 
     from seg_train.bench import runner as bench
     from seg_train.data.split import open_split

@@ -89,12 +89,12 @@ def main(args) -> int:
         recipes = [("recipe", config_lib.load(args.config, args.overrides)),
                    ("recipe-vs", config_lib.load(args.recipe_vs, args.overrides))]
     cli.import_tensorflow(args.debug)
-    from seg_train import replicas
+    from seg_train.dist import replicas
     with cli.quiet_stderr(args.debug):
         devices = replicas.setup_devices(1)
     import keras
 
-    from seg_train import sysinfo
+    from seg_train.util import sysinfo
     from seg_train.bench import runner as bench
     from seg_train.data.scan import class_weights_for_split
     from seg_train.data.split import open_split

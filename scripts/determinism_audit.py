@@ -1,8 +1,8 @@
-"""Which ops of seg-train's traced train step have no deterministic GPU kernel (seg_train/determinism.py).
+"""Which ops of seg-train's traced train step have no deterministic GPU kernel (seg_train/train/determinism.py).
 
 Traces the real step (TrainStep on logical CPU towers, one train_step on a small synthetic batch, then
 the concrete function of the step with its whole function library) and prints the ops of
-seg_train.determinism.TABLE found in it. No GPU is needed: the graph is the same, only kernels differ.
+seg_train.train.determinism.TABLE found in it. No GPU is needed: the graph is the same, only kernels differ.
 
   python scripts/determinism_audit.py --config configs/voc.yaml [--set model.freeze_batchnorm=true]
   python scripts/determinism_audit.py --matrix      # tiny, mobilenetv2, resnet50 x fast_atrous x sync BN
@@ -48,9 +48,10 @@ def audit(cfg, towers: int, devices, show_all: bool) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    from seg_train import determinism, replicas
-    from seg_train.state import TrainState
-    from seg_train.step import TrainStep
+    from seg_train.train import determinism
+    from seg_train.dist import replicas
+    from seg_train.train.state import TrainState
+    from seg_train.train.step import TrainStep
 
     strategy = replicas.strategy_for(cfg.train, devices, towers)
     train_step = TrainStep(TrainState(cfg, strategy))
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         cfg = config_lib.replace(cfg, "data.batch_size", args.towers * max(1, cfg.data.batch_size // args.towers))
         configs = [(args.config + "".join(f" {o}" for o in args.overrides), cfg)]
 
-    from seg_train import replicas
+    from seg_train.dist import replicas
     devices = replicas.setup_devices(args.towers)
     import tensorflow as tf
     if not args.no_determinism:

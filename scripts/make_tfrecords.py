@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         cfg = config_lib.load(args.config, args.overrides)
         from seg_train.data import records
         from seg_train.data import layouts
-        from seg_train.progress import progress_bar
+        from seg_train.util.progress import progress_bar
 
         if cfg.data.format == "tfrecord":
             raise ConfigError("already TFRecords", "data.format", "a config that reads image and label files")

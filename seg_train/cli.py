@@ -21,7 +21,7 @@ import sys
 import tempfile
 import traceback
 
-from seg_train import exit_codes, preflight
+from seg_train.util import exit_codes, preflight
 from seg_train.config import ConfigError, without_reprs
 # Imported before _end_process is registered, so that feed's exit hook (waiting for iterator releases)
 # runs after it: never in a command, which ends its process first (seg_train/data/feed.py).
@@ -271,7 +271,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _setup(args, run_dir_flag=None, checks=None):
-    """Loads the config (no TF), runs `checks(cfg)` (seg_train.preflight, no TF), imports TF quietly,
+    """Loads the config (no TF), runs `checks(cfg)` (seg_train.util.preflight, no TF), imports TF quietly,
     picks devices and builds the strategy."""
     from seg_train import config as config_lib
     setup_logging(args.debug)
@@ -283,7 +283,7 @@ def _setup(args, run_dir_flag=None, checks=None):
     if checks is not None:
         checks(cfg)
     import_tensorflow(args.debug)
-    from seg_train import replicas
+    from seg_train.dist import replicas
     if getattr(args, "workers", None):
         replicas.set_cluster(args.workers, args.worker_index)
     t = cfg.train
@@ -324,7 +324,7 @@ def train_main(argv=None) -> int:
         if args.init_from:
             _precheck_checkpoint(args.init_from)
         cfg, strategy = _setup(args, args.run_dir, checks=preflight.for_training)
-        from seg_train.train import train
+        from seg_train.train.train import train
         return train(cfg, strategy, init_from=args.init_from, allow_config_change=args.allow_config_change)
 
     return run_guarded(main, args, end_process=argv is None)
@@ -662,7 +662,7 @@ def bench_main(argv=None) -> int:
                                   f"expected an integer >= 0, got {getattr(args, name)}")
         preflight.for_evaluation(cfg)
         import_tensorflow(args.debug)
-        from seg_train import replicas
+        from seg_train.dist import replicas
         from seg_train.bench import runner as bench
         with quiet_stderr(args.debug):
             # The logical devices are configured once, for the largest tower count, before TF starts.
@@ -719,7 +719,7 @@ def verify_towers_main(args) -> int:
     check_towers(cfg, towers[0])
     preflight.for_evaluation(cfg)
     import_tensorflow(args.debug)
-    from seg_train import replicas
+    from seg_train.dist import replicas
     from seg_train.bench import verify
     with quiet_stderr(args.debug):
         devices = replicas.setup_devices(towers[0])

@@ -15,7 +15,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from seg_train import losses, models, replicas
+from seg_train.train import losses
+from seg_train import models
+from seg_train.dist import replicas
 
 from seg_train.infer import precise_bn
 
@@ -23,8 +25,8 @@ from seg_train.data import synthetic
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.models.backbones import WEIGHT_FILES
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, random_batch, tiny_config
 
 # backbone: (tf_keras constructor, its preprocess_input, the low-level (stride 4) layer, layers of the

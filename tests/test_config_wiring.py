@@ -41,12 +41,13 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train import cli, models, replicas
+from seg_train import cli, models
+from seg_train.dist import replicas
 from seg_train import config as config_lib
 from seg_train.data import synthetic
 from seg_train.models.sync_bn import SyncBatchNormalization
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 from tests.test_config_wiring_data import WIRED_DATA
 from tests.test_loss_terms import dice_numpy, lovasz_numpy, softmax64
@@ -359,11 +360,11 @@ def test_run_clipped_flag_is_the_norm_above_the_bound(run):
 def test_run_profile_of_the_asked_step_traced_with_op_determinism(run):
     """train.profile_steps [2, 2]: one trace, of step 2. train.deterministic: op determinism was on when
     the step was traced, so TensorFlow built the cross-entropy as a log-softmax and a gather instead of
-    its fused kernel (seg_train/determinism.py): LogSoftmax ops ran in the profiled step (none without)."""
+    its fused kernel (seg_train/train/determinism.py): LogSoftmax ops ran in the profiled step (none without)."""
     profiles = list((run["dir"] / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(profiles) == 1, profiles
     data = profiles[0].read_bytes()
-    assert b"step_num" in data  # the step marker of seg_train/profiling.py
+    assert b"step_num" in data  # the step marker of seg_train/train/profiling.py
     assert "profiling steps 2..2 (train.profile_steps)" in run["log"]
     assert b"LogSoftmax" in data
 

@@ -5,10 +5,10 @@ the run, and is what a checkpoint loaded for evaluation/prediction/export holds.
 import numpy as np
 import tensorflow as tf
 
-from seg_train import replicas
+from seg_train.dist import replicas
 from seg_train.infer.load import load_state
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]

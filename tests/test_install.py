@@ -1,4 +1,4 @@
-"""What an installed seg-train does before any work: --version, and the pre-flight checks (seg_train.preflight)
+"""What an installed seg-train does before any work: --version, and the pre-flight checks (seg_train.util.preflight)
 for a bad install or an unwritable place, through the real console scripts. No training here (scripts/check_wheel.sh
 trains from a built wheel)."""
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import seg_train
-from seg_train import preflight
+from seg_train.util import preflight
 from seg_train.config import ConfigError
 from tests.helpers import tiny_config
 

@@ -7,7 +7,8 @@ import time
 import keras
 import pytest
 
-from seg_train import loop, replicas, train
+from seg_train.train import loop, train
+from seg_train.dist import replicas
 
 from seg_train.bench import runner as bench
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import losses, replicas
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train import losses
+from seg_train.dist import replicas
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import tiny_config
 
 C = 4

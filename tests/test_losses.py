@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train import losses
+from seg_train.train import losses
 from seg_train.data.scan import class_weights_for_split, scan
 from seg_train.data.layouts import Sample
 from tests.helpers import tiny_config

@@ -23,13 +23,14 @@ import pytest
 import tensorflow as tf
 
 from seg_train import config as config_lib
-from seg_train import models, replicas
+from seg_train import models
+from seg_train.dist import replicas
 from seg_train.data.label_images import voc_colormap
-from seg_train.profiling import StepProfiler
-from seg_train.summaries import Summaries
-from seg_train.loop import HostSide, NonFiniteError
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.profiling import StepProfiler
+from seg_train.train.summaries import Summaries
+from seg_train.train.loop import HostSide, NonFiniteError
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]

@@ -24,7 +24,7 @@ from seg_train.models.backbones import WEIGHT_FILES
 from seg_train.models.fused_bn import FusedBatchNormalization
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.infer.load import load_state
-from seg_train import replicas
+from seg_train.dist import replicas
 from tests.helpers import bilinear_resize
 from tests.test_backbone_weights import _perturb, _read_h5, _short, _weighted_layers
 

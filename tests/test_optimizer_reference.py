@@ -45,11 +45,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import losses, models, replicas
+from seg_train.train import losses
+from seg_train import models
+from seg_train.dist import replicas
 
 from seg_train.data import synthetic
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
@@ -306,7 +308,7 @@ def test_adamw_checkpoint_is_keras_adamws_and_restores_both_ways(adamw_1, tmp_pa
 def test_adamw_exclusions_are_in_keras_object(adamw_1):
     """seg-train's AdamW decays what Keras' AdamW object says it decays (update.decoupled_decay reads it),
     which is the conv/dense kernels: every kernel decayed, every bias, BN gamma and beta not."""
-    from seg_train import update
+    from seg_train.train import update
 
     state = adamw_1[-1]["trainer"].state
     flags = update.decoupled_decay(state.optimizer, state.variables)

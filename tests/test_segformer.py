@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train import checkpoint as ckpt_lib
+from seg_train.train import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
@@ -29,8 +29,8 @@ from seg_train.models.mit import VARIANTS
 from seg_train.infer import evaluate as ev
 from seg_train.infer.export import run_export
 from seg_train.infer.predict import run_predict
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, tiny_config
 from tests.test_eval_modes import eval_config, normalized, reference_scores
 from tests.test_evaluate import NAMES, NUM_CLASSES, calibrate_bn, write_split

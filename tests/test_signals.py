@@ -19,7 +19,7 @@ from tests.test_train_cli import write_config
 SLOW_CALL = textwrap.dedent("""
     import sys, time
     import tensorflow as tf
-    from seg_train.train import _StopSignals
+    from seg_train.train.train import _StopSignals
 
     @tf.function
     def slow(n):

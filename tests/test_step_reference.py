@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import replicas
+from seg_train.dist import replicas
 
 from seg_train.data import synthetic
-from seg_train.loop import HostSide, NonFiniteError
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.loop import HostSide, NonFiniteError
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, random_batch, tiny_config, train_batches
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]

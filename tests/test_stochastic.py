@@ -32,7 +32,7 @@ from seg_train import cli, models
 from seg_train.data import synthetic
 from seg_train.models import stochastic
 from seg_train.models.mit import drop_path_rates
-from seg_train.state import TrainState
+from seg_train.train.state import TrainState
 from tests.helpers import open_reader, tiny_config
 from tests.test_presets import _mit_kwargs
 from tests.test_robustness import rewind

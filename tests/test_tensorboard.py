@@ -13,13 +13,13 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train import plots
+from seg_train.train import plots
 
 from seg_train.data import synthetic
 from seg_train.data.label_images import colorize, read_label, voc_colormap
 from seg_train.config import DataConfig
 from seg_train.data.layouts import list_samples
-from seg_train.summaries import confusion_matrix_title
+from seg_train.train.summaries import confusion_matrix_title
 
 CROP, TOWERS, PER_TOWER = 32, 2, 2
 PALETTE = voc_colormap()
@@ -206,7 +206,7 @@ def test_confusion_matrix_fits_a_screen_at_21_classes():
 
 
 def test_tower_scalars_one_run_per_tower_any_tag(tmp_path):
-    from seg_train.summaries import Summaries
+    from seg_train.train.summaries import Summaries
     s = Summaries(tmp_path, PALETTE, 255, (0, 0, 0), (1, 1, 1))
     s.tower_scalars(7, "gradients/norm/tower", [0.5, 1.5, 2.5])
     s.flush()

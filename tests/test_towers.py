@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train import losses, models, replicas, towers
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train import losses, towers
+from seg_train import models
+from seg_train.dist import replicas
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 
-from seg_train.update import slot_variables
+from seg_train.train.update import slot_variables
 
 SHAPES = [(3, 2), (4,), (2, 2, 2)]
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from seg_train import cli, replicas
+from seg_train import cli
+from seg_train.dist import replicas
 
 from seg_train.data import synthetic
 

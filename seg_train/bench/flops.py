@@ -133,7 +133,8 @@ def count_train_flops(cfg: Config, batch: int) -> dict:
     import keras
     import tensorflow as tf
 
-    from seg_train import losses, models
+    from seg_train.train import losses
+    from seg_train import models
 
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("float32")

@@ -49,7 +49,7 @@ from seg_train.bench.flops import compute_dtype, count_train_flops, measure_peak
 from seg_train.bench.op_profile import profile_ops
 from seg_train.config import Config, ConfigError
 from seg_train.data.feed import Feed
-from seg_train.sysinfo import peak_rss_mb
+from seg_train.util.sysinfo import peak_rss_mb
 
 log = logging.getLogger("seg_train")
 
@@ -223,16 +223,16 @@ class TrainRunner:
                  class_weights=None):
         import tempfile
 
-        from seg_train import replicas
-        from seg_train.loop import HostSide, StepLoop
+        from seg_train.dist import replicas
+        from seg_train.train.loop import HostSide, StepLoop
         from seg_train.data.label_images import voc_colormap
         from seg_train.data.split import train_dataset_fn
-        from seg_train.profiling import StepProfiler
-        from seg_train.summaries import Summaries
+        from seg_train.train.profiling import StepProfiler
+        from seg_train.train.summaries import Summaries
         from seg_train.infer import modes
         from seg_train.infer.evaluate import Evaluator
-        from seg_train.state import TrainState
-        from seg_train.step import TrainStep
+        from seg_train.train.state import TrainState
+        from seg_train.train.step import TrainStep
 
         self.name, self.cfg, self.input_mode, self.loop = name, cfg, input_mode, loop
         self.num_towers = len(devices.names)
@@ -323,7 +323,7 @@ class TrainRunner:
         within 10% of the steady state (the median step of the timed windows), and when that was, in
         seconds from this process's launch and from this runner's build. With fewer warm-up steps
         than that, warmup_steps_to_steady is the warm-up's length and `reached` is false."""
-        from seg_train.loop import step_times, warmup
+        from seg_train.train.loop import step_times, warmup
 
         ends = self.warmup_finished
         times = step_times(ends)  # steps 2, 3, ...
@@ -546,7 +546,7 @@ def _time_input_alone(reader, batch: int, steps: int, windows: int, warmup: int)
 
 def _build_runners(variants: list[Variant], towers: list[int], all_devices, reader, class_weights) -> list[tuple]:
     """One TrainRunner per variant and tower count (each times its own build): (variant name, config, runner)."""
-    from seg_train import replicas
+    from seg_train.dist import replicas
     from seg_train.data.split import open_split
 
     cfg = variants[0].cfg

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 
-from seg_train.exit_codes import USER_ERROR as EXIT_INPUT_ERROR
+from seg_train.util.exit_codes import USER_ERROR as EXIT_INPUT_ERROR
 
 
 class PrepError(Exception):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from seg_train import losses
-from seg_train.progress import progress_bar, shown
+from seg_train.train import losses
+from seg_train.util.progress import progress_bar, shown
 from seg_train.config import Config, ConfigError, exception_text
 from seg_train.data import decode, files, scan_cache
 from seg_train.data.label_images import is_lossy_message, read_label

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from seg_train import preflight
+from seg_train.util import preflight
 from seg_train.config import Config, ConfigError
 from seg_train.data import files, labels, layouts, synthetic
 from seg_train.data.label_images import load_class_names

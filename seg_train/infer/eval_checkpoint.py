@@ -8,14 +8,14 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train import checkpoint as ckpt_lib
+from seg_train.train import checkpoint as ckpt_lib
 from seg_train.infer import modes
-from seg_train import preflight
+from seg_train.util import preflight
 from seg_train.config import Config
 from seg_train.infer.metrics import format_table, metrics_to_json
 from seg_train.data.split import open_split
 from seg_train.infer.load import load_evaluator, run_dir_of
-from seg_train.rundir import write_json
+from seg_train.train.rundir import write_json
 
 log = logging.getLogger("seg_train")
 

@@ -37,7 +37,7 @@ import itertools
 
 import tensorflow as tf
 
-from seg_train.progress import progress_bar
+from seg_train.util.progress import progress_bar
 from seg_train.infer import modes
 from seg_train.config import Config, ConfigError
 from seg_train.infer.examples import NUM_EXAMPLES, predict_examples
@@ -46,7 +46,7 @@ from seg_train.infer.precise_bn import PreciseBN
 from seg_train.infer.serving import serving_module
 from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader
-from seg_train.towers import TowerPass
+from seg_train.train.towers import TowerPass
 
 
 # ---- the evaluation itself ----------------------------------------------------------------------

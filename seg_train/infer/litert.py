@@ -172,7 +172,7 @@ def confusion(cfg: Config, model: TFLiteModel, split, progress: bool = True) -> 
     """int64 [C, C] (label, prediction) counts of `model` over `split` (split.Split, opened), and the number
     of images."""
     from seg_train.data import reader as reader_lib
-    from seg_train.progress import progress_bar
+    from seg_train.util.progress import progress_bar
 
     c, ignore = cfg.data.num_classes, cfg.data.ignore_label
     if model.num_classes is not None and model.num_classes != c:
@@ -232,8 +232,8 @@ def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, thre
     """seg-eval --model FILE.tflite: evaluates the file in LiteRT, prints the table, writes FILE.eval-<split>.json."""
     from seg_train.infer.eval_checkpoint import _split_tag
     from seg_train.infer.metrics import format_table
-    from seg_train.preflight import check_creatable_dir
-    from seg_train.rundir import write_json
+    from seg_train.util.preflight import check_creatable_dir
+    from seg_train.train.rundir import write_json
 
     split = split or cfg.data.val_split
     model = TFLiteModel(model_path, threads)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from seg_train import collectives
+from seg_train.dist import collectives
 from seg_train.models.fused_bn import FusedBatchNormalization
 
 # TEST HOOK, never set outside tests: True makes every tower normalise with its OWN moments (the

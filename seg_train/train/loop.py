@@ -18,13 +18,13 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from seg_train.state import LOSS_SCALE_FLOOR
-from seg_train.sysinfo import seconds_since_launch
+from seg_train.train.state import LOSS_SCALE_FLOOR
+from seg_train.util.sysinfo import seconds_since_launch
 
 if TYPE_CHECKING:
     from seg_train.config import Config
-    from seg_train.state import TrainState
-    from seg_train.summaries import Summaries
+    from seg_train.train.state import TrainState
+    from seg_train.train.summaries import Summaries
 
 log = logging.getLogger("seg_train")
 

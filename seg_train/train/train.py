@@ -14,28 +14,29 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train import checkpoint as ckpt_lib
-from seg_train import exit_codes
-from seg_train.progress import progress_bar, shown
+from seg_train.train import checkpoint as ckpt_lib
+from seg_train.util import exit_codes
+from seg_train.util.progress import progress_bar, shown
 from seg_train import config as config_lib
-from seg_train import determinism, replicas
+from seg_train.train import determinism
+from seg_train.dist import replicas
 from seg_train.infer import evaluate
 from seg_train.infer import modes
 from seg_train.config import Config, ConfigError, check_batch
-from seg_train.loop import HostSide, NonFiniteError, StepLoop
+from seg_train.train.loop import HostSide, NonFiniteError, StepLoop
 from seg_train.infer.metrics import format_table
 from seg_train.data.label_images import voc_colormap
-from seg_train.profiling import StepProfiler
+from seg_train.train.profiling import StepProfiler
 from seg_train.data import layouts
 from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader
 from seg_train.data.split import open_split, train_dataset_fn
 from seg_train.data.scan import class_weights_for_split, scan_for_training
-from seg_train.rundir import RunLock, check_resume_config, write_class_weights
-from seg_train.summaries import Summaries
-from seg_train.sysinfo import peak_rss_mb
-from seg_train.state import TrainState
-from seg_train.step import TrainStep
+from seg_train.train.rundir import RunLock, check_resume_config, write_class_weights
+from seg_train.train.summaries import Summaries
+from seg_train.util.sysinfo import peak_rss_mb
+from seg_train.train.state import TrainState
+from seg_train.train.step import TrainStep
 
 log = logging.getLogger("seg_train")
 
@@ -224,7 +225,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if write_dir != run_dir:
         ckpt = ckpt_lib.Checkpointer(write_dir / "checkpoints", 1, **state.checkpoint_objects())
     if init_from and not restored:
-        from seg_train.init_from import load_weights
+        from seg_train.train.init_from import load_weights
         loaded, skipped = load_weights(state.model, init_from)
         log.info("initialised %d weights from %s; skipped %d with other shapes%s", loaded, init_from, len(skipped),
                  (": " + ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")) if skipped else "")

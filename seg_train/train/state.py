@@ -13,9 +13,10 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from seg_train import losses, models, towers
+from seg_train.train import losses, towers
+from seg_train import models
 from seg_train.config import Config
-from seg_train.schedule import lr_at
+from seg_train.train.schedule import lr_at
 
 # train.precision mixed_float16: the dynamic loss scale starts at LOSS_SCALE_INITIAL and is never
 # halved below LOSS_SCALE_FLOOR (TensorFlow's LossScaleOptimizer's floor): a gradient that is still

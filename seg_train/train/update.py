@@ -24,9 +24,11 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from seg_train import collectives, losses, models
-from seg_train.state import LOSS_SCALE_FLOOR
-from seg_train.towers import handles, read_handle, shared
+from seg_train.dist import collectives
+from seg_train.train import losses
+from seg_train import models
+from seg_train.train.state import LOSS_SCALE_FLOOR
+from seg_train.train.towers import handles, read_handle, shared
 
 # Per-tower scalars carried in one-hot slots of the all-reduce (step.py's tower pass): "finite" is the
 # loss and gradient's, "bn_finite" the new BN statistics'.

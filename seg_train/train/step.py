@@ -49,12 +49,13 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from seg_train import collectives, losses
+from seg_train.dist import collectives
+from seg_train.train import losses
 from seg_train.config import ConfigError
 from seg_train.models import stochastic
-from seg_train.state import TrainState
-from seg_train.towers import TowerPass
-from seg_train.update import Reduced, Update, update_loss_scale
+from seg_train.train.state import TrainState
+from seg_train.train.towers import TowerPass
+from seg_train.train.update import Reduced, Update, update_loss_scale
 
 
 class StepResult(NamedTuple):
