@@ -153,6 +153,16 @@ def test_rope_table_is_keras_hubs():
     np.testing.assert_allclose(ours[1], sin, atol=1e-6)
 
 
+@pytest.mark.parametrize("antialias", [False, True])
+def test_position_resize_is_keras_hubs(antialias):
+    """DINOv2's resize at non-square grids too, against keras-hub's own function (which takes a fixed size)."""
+    from keras_hub.src.models.dinov2.dinov2_layers import DINOV2Embedding
+    pos = np.random.default_rng(4).normal(0, 1, (1, 1 + 37 * 37, 8)).astype("float32")
+    for gh, gw in ((3, 5), (5, 3), (40, 24), (37, 37)):
+        want = DINOV2Embedding._interpolate_position_embeddings(pos, 14, (518, 518), (gh * 14, gw * 14), antialias)
+        np.testing.assert_allclose(vit.resize_positions(tf.constant(pos), gh, gw, antialias), want, atol=1e-5)
+
+
 def test_parameter_counts_equal_keras_hubs_tiny():
     """keras-hub's count less its mask token (pretraining only) and DINOv2's resized position copy."""
     for spec in (V3, V3_GATED, V2, V2_REG):
