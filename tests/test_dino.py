@@ -273,3 +273,21 @@ def test_drop_path_zero_and_inference_are_the_plain_model():
         assert np.max(np.abs(np.asarray(dropped(image, training=True)) - np.asarray(want))) > 1e-3
     v2 = dino_encoder(V2, layers=(1,), drop_path_rate=0.2)
     assert sum("drop_path" in layer.name for layer in v2.layers) == 2  # DINOv2: the same rate everywhere
+
+
+def test_real_size_preset_loads_by_name(tmp_path):
+    """A preset of a released size (dinov3_vits16's config, random weights) loads into dino_encoder by name
+    with the default layers and gives keras-hub's last block; the gated small-plus refuses it."""
+    spec = VARIANTS["dinov3_vits16"]
+    hub = _hub(spec, (32, 32), norm=True)
+    _randomize(hub)
+    hub.save_to_preset(str(tmp_path / "preset"))
+    ours = dino_encoder("dinov3_vits16")
+    assert vit.default_layers(spec.depth) == (3, 6, 9, 12)
+    load_dino_preset(ours, tmp_path / "preset")
+    image = _image(32, 32)
+    theirs = _hub_maps(hub, spec, image)
+    for i, got in zip((3, 6, 9, 12), ours(image)):
+        _close(got, theirs[i])
+    with pytest.raises(ConfigError, match="use_gated_mlp True \\(got False\\)"):
+        check_dino_preset(tmp_path / "preset", "dinov3_vits16plus")
