@@ -1,0 +1,385 @@
+"""DINOv3 and DINOv2 ViT encoders (Simeoni et al. 2025; Oquab et al. 2023) for any input size.
+
+A plain ViT: a stride-p patch embedding, a CLS token, register tokens (Darcet et al. 2024) and L blocks
+x + LS1 * attention(LN(x)), then x + LS2 * MLP(LN(x)) (LS: layer scale, a learned per-channel factor).
+The two families differ in where positions enter:
+- DINOv3 (patch 16): rotary embeddings (RoPE) on the patch tokens' queries and keys in every block,
+  from the patch centres in [-1, 1] of the actual grid (H/p x W/p), theta 100; CLS and registers
+  unrotated. LayerNorm epsilon 1e-5; the "plus" sizes use a gated (SiLU) MLP.
+- DINOv2 (patch 14): a learned position embedding for a 37x37 grid (518-pixel inputs) added after the
+  CLS token, resized bicubically to the actual grid in every call (the reference's resize,
+  antialiased for the register presets); registers inserted after the addition. Epsilon 1e-6; giant
+  uses SwiGLU.
+The output is the patch tokens of the chosen blocks as [b, H/p, W/p, C] maps (CLS and registers dropped).
+
+Written here rather than taken from keras-hub (DINOV3Backbone, DINOV2Backbone, 0.32) because keras-hub
+computes the rotary table and the resized position embedding for the one input shape it was built for
+(DINOv3 does not build with (None, None, 3); DINOv2 takes only that square size). seg-train traces
+evaluation once for unknown H and W, so here both are computed from the map's dynamic shape. Variables,
+layout and arithmetic follow keras-hub's, so its presets load (models/presets_vit.py) and give its outputs
+(tests/test_dino.py); keras-hub's mask token (masked-image pretraining only) and DINOv2's resized copy of
+the position embedding (derived) are not variables here.
+
+Mixed precision: LayerNorms compute their moments in float32 (mit.LayerNorm), the attention applies
+RoPE and computes its logits and softmax in float32, the position resize runs in float32. Drop path is
+per sample (models/stochastic.py): DINOv3's rate rises linearly over the blocks, DINOv2's is the same
+in every block (as keras-hub's).
+
+Inputs must be a multiple of the patch size: a known size that is not is refused (ValueError); with an
+unknown size the stride-p conv would drop the remainder, so callers pad (evaluation does).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import keras
+import tensorflow as tf
+from keras import layers
+
+from seg_train.models.mit import LayerNorm
+from seg_train.models.stochastic import DropPath
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One DINO size, in keras-hub's config terms (the field names of its config.json, models/presets_vit.py)."""
+
+    family: str          # "dinov3" or "dinov2"
+    patch: int
+    width: int           # hidden_dim
+    depth: int           # num_layers
+    heads: int
+    mlp: int             # intermediate_dim (DINOv2's SwiGLU uses 2/3 of it, rounded up to 8)
+    registers: int = 0
+    gated: bool = False  # DINOv3: gated MLP (use_gated_mlp); DINOv2: SwiGLU (use_swiglu_ffn)
+    activation: str = "gelu"  # DINOv3's MLP activation (hidden_activation); DINOv2's is GELU
+    key_bias: bool = True     # DINOv3's key projection bias (use_key_bias)
+    layer_scale: float = 1.0  # layer_scale_init_value
+    rope_theta: float = 100.0  # DINOv3
+    pos_grid: int = 37        # DINOv2: the position embedding's grid (position_embedding_shape / patch)
+    antialias: bool = False   # DINOv2: antialias_in_interpolation (True in the register presets)
+
+    @property
+    def epsilon(self) -> float:
+        return 1e-5 if self.family == "dinov3" else 1e-6
+
+
+def _v3(width, depth, heads, mlp, gated=False):
+    return Variant("dinov3", 16, width, depth, heads, mlp, registers=4, gated=gated,
+                   activation="silu" if gated else "gelu", key_bias=False)
+
+
+def _v2(width, depth, heads, mlp, gated=False, registers=0):
+    return Variant("dinov2", 14, width, depth, heads, mlp, registers=registers, gated=gated,
+                   antialias=registers > 0)
+
+
+# The released sizes (keras-hub's presets: dinov3_vit_{small, small_plus, base, large, huge_plus}_lvd1689m,
+# dinov2_{small, base, large, giant} and dinov2_with_registers_*: the *_reg entries).
+VARIANTS = {
+    "dinov3_vits16": _v3(384, 12, 6, 1536),
+    "dinov3_vits16plus": _v3(384, 12, 6, 1536, gated=True),
+    "dinov3_vitb16": _v3(768, 12, 12, 3072),
+    "dinov3_vitl16": _v3(1024, 24, 16, 4096),
+    "dinov3_vith16plus": _v3(1280, 32, 20, 5120, gated=True),
+    "dinov2_vits14": _v2(384, 12, 6, 1536),
+    "dinov2_vitb14": _v2(768, 12, 12, 3072),
+    "dinov2_vitl14": _v2(1024, 24, 16, 4096),
+    "dinov2_vitg14": _v2(1536, 40, 24, 6144, gated=True),
+}
+VARIANTS.update({f"{n}_reg": replace(v, registers=4, antialias=True)
+                 for n, v in list(VARIANTS.items()) if v.family == "dinov2"})
+
+
+def swiglu_width(mlp: int) -> int:
+    """DINOv2's SwiGLU hidden width: 2/3 of intermediate_dim rounded up to a multiple of 8 (keras-hub's)."""
+    return (int(mlp * 2 / 3) + 7) // 8 * 8
+
+
+def default_layers(depth: int) -> tuple[int, ...]:
+    """Four blocks evenly spaced, the last one included (1-based: 3, 6, 9, 12 of 12); fewer when depth < 4."""
+    return tuple(sorted({max(1, depth * k // 4) for k in range(1, 5)}))
+
+
+def rope_tables(grid_h, grid_w, head_dim: int, theta: float):
+    """DINOv3's rotary (cos, sin) [grid_h * grid_w, head_dim] in float32, the patches in row-major order.
+
+    Each patch centre ((i + 0.5) / grid_h, (j + 0.5) / grid_w) mapped to [-1, 1]; head_dim / 4
+    frequencies theta^-(4k / head_dim); the angles 2 pi * coordinate * frequency, the row coordinate's
+    then the column's (head_dim / 2), repeated once (rotate-half pairs dimension d with d + head_dim / 2).
+    """
+    inv_freq = 1.0 / theta ** tf.range(0.0, 1.0, 4.0 / head_dim, dtype=tf.float32)
+    gh, gw = tf.cast(grid_h, tf.float32), tf.cast(grid_w, tf.float32)
+    ch = (tf.cast(tf.range(grid_h), tf.float32) + 0.5) / gh
+    cw = (tf.cast(tf.range(grid_w), tf.float32) + 0.5) / gw
+    coords = tf.stack([tf.repeat(ch[:, None], grid_w, axis=1), tf.repeat(cw[None, :], grid_h, axis=0)], axis=-1)
+    coords = 2.0 * tf.reshape(coords, [-1, 2]) - 1.0                      # [N, 2]: (row, column)
+    angles = 2 * math.pi * coords[:, :, None] * inv_freq[None, None, :]   # [N, 2, head_dim / 4]
+    angles = tf.reshape(angles, [-1, head_dim // 2])
+    angles = tf.tile(angles, [1, 2])
+    return tf.cos(angles), tf.sin(angles)
+
+
+def resize_positions(pos, grid_h, grid_w, antialias: bool):
+    """DINOv2's position embedding [1, 1 + G*G, C] for a grid_h x grid_w patch grid: the CLS entry kept,
+    the G x G grid resized bicubically in float32 (keras.ops.image.resize's TensorFlow call, whose front
+    end refuses a dynamic size)."""
+    c = pos.shape[-1]
+    g = int(round((pos.shape[1] - 1) ** 0.5))
+    grid = tf.reshape(tf.cast(pos[:, 1:], tf.float32), [1, g, g, c])
+    grid = tf.image.resize(grid, (grid_h, grid_w), method="bicubic", antialias=antialias)
+    return tf.concat([tf.cast(pos[:, :1], tf.float32), tf.reshape(grid, [1, -1, c])], axis=1)
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class PatchGrid(layers.Layer):
+    """The identity on the image, refusing a known height or width that is not a multiple of the patch."""
+
+    def __init__(self, patch: int, **kwargs):
+        super().__init__(**kwargs)
+        self.patch = patch
+
+    def call(self, x):
+        h, w = x.shape[1], x.shape[2]
+        if (h is not None and h % self.patch) or (w is not None and w % self.patch):
+            raise ValueError(f"input {h}x{w} for a patch-{self.patch} ViT: expected height and width that are "
+                             f"multiples of {self.patch} (pad or crop to one)")
+        return x
+
+    def compute_output_shape(self, shape):
+        return shape
+
+    def get_config(self):
+        return {**super().get_config(), "patch": self.patch}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class Tokens(layers.Layer):
+    """The patch map [b, gh, gw, C] -> the token sequence [b, 1 + R + gh * gw, C]: CLS, R registers, patches.
+
+    DINOv2 (`pos_grid` > 0): the position embedding (CLS entry, then the grid resized to gh x gw) is added
+    to CLS and the patches before the registers go in, as the reference does.
+    """
+
+    def __init__(self, registers: int, pos_grid: int = 0, antialias: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.registers, self.pos_grid, self.antialias = registers, pos_grid, antialias
+
+    def build(self, shape):
+        c = shape[-1]
+        init = keras.initializers.TruncatedNormal(stddev=0.02)
+        self.cls_token = self.add_weight(shape=(1, 1, c), initializer=init, name="cls_token")
+        self.register_tokens = self.add_weight(shape=(1, self.registers, c), initializer=init,
+                                               name="register_tokens") if self.registers else None
+        self.position_embeddings = self.add_weight(shape=(1, 1 + self.pos_grid ** 2, c), initializer=init,
+                                                   name="position_embeddings") if self.pos_grid else None
+
+    def call(self, x):
+        shape = tf.shape(x)
+        b, c = shape[0], x.shape[-1]
+        patches = tf.reshape(x, [b, -1, c])
+        cls = tf.tile(tf.cast(self.cls_token, x.dtype), [b, 1, 1])
+        tokens = tf.concat([cls, patches], axis=1)
+        if self.pos_grid:
+            pos = resize_positions(self.position_embeddings, shape[1], shape[2], self.antialias)
+            tokens = tokens + tf.cast(pos, x.dtype)
+        if self.registers:
+            reg = tf.tile(tf.cast(self.register_tokens, x.dtype), [b, 1, 1])
+            tokens = tf.concat([tokens[:, :1], reg, tokens[:, 1:]], axis=1)
+        return tokens
+
+    def compute_output_shape(self, shape):
+        return (shape[0], None, shape[-1])
+
+    def get_config(self):
+        return {**super().get_config(), "registers": self.registers, "pos_grid": self.pos_grid,
+                "antialias": self.antialias}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class RopeTables(layers.Layer):
+    """The patch map [b, gh, gw, C] -> DINOv3's rotary (cos, sin), each [gh * gw, head_dim] (`rope_tables`)."""
+
+    def __init__(self, head_dim: int, theta: float, **kwargs):
+        super().__init__(**kwargs)
+        self.head_dim, self.theta = head_dim, theta
+
+    def call(self, x):
+        shape = tf.shape(x)
+        return rope_tables(shape[1], shape[2], self.head_dim, self.theta)
+
+    def compute_output_shape(self, shape):
+        return (None, self.head_dim), (None, self.head_dim)
+
+    def get_config(self):
+        return {**super().get_config(), "head_dim": self.head_dim, "theta": self.theta}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class Attention(layers.Layer):
+    """Multi-head softmax(q k^T / sqrt(d)) v over a token sequence [b, T, C]; with (cos, sin) the tokens after
+    the first `prefix` get rotary embeddings on q and k (rotate-half form). RoPE, logits and softmax in
+    float32; no weights (the projections are the Dense layers around it)."""
+
+    def __init__(self, heads: int, prefix: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.prefix = heads, prefix
+
+    def call(self, q, k, v, cos=None, sin=None):
+        c = q.shape[-1]
+        d = c // self.heads
+        shape = tf.shape(q)
+
+        def split(t):  # [b, T, C] -> [b, heads, T, d]
+            return tf.transpose(tf.reshape(t, [shape[0], -1, self.heads, d]), [0, 2, 1, 3])
+
+        q, k = split(tf.cast(q, tf.float32)), split(tf.cast(k, tf.float32))
+        if cos is not None:
+            q, k = (self._rotate(t, tf.cast(cos, tf.float32), tf.cast(sin, tf.float32)) for t in (q, k))
+        logits = tf.matmul(q, k, transpose_b=True) * (d ** -0.5)
+        weights = tf.nn.softmax(logits, axis=-1)
+        out = tf.matmul(tf.cast(weights, v.dtype), split(v))
+        return tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [shape[0], -1, c])
+
+    def _rotate(self, t, cos, sin):
+        head, patches = t[:, :, :self.prefix], t[:, :, self.prefix:]
+        half = t.shape[-1] // 2
+        rotated = tf.concat([-patches[..., half:], patches[..., :half]], axis=-1)
+        return tf.concat([head, patches * cos + rotated * sin], axis=2)
+
+    def compute_output_shape(self, q_shape, *_):
+        return q_shape
+
+    def get_config(self):
+        return {**super().get_config(), "heads": self.heads, "prefix": self.prefix}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class LayerScale(layers.Layer):
+    """x * gamma, a learned per-channel factor on a residual branch (Touvron et al. 2021)."""
+
+    def __init__(self, init: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.init = init
+
+    def build(self, shape):
+        self.gamma = self.add_weight(shape=(shape[-1],), initializer=keras.initializers.Constant(self.init),
+                                     name="gamma")
+
+    def call(self, x):
+        return x * tf.cast(self.gamma, x.dtype)
+
+    def compute_output_shape(self, shape):
+        return shape
+
+    def get_config(self):
+        return {**super().get_config(), "init": self.init}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class SwiGLU(layers.Layer):
+    """silu(a) * b of the two halves of the last axis (DINOv2's SwiGLU between its two projections)."""
+
+    def call(self, x):
+        a, b = tf.split(x, 2, axis=-1)
+        return tf.nn.silu(a) * b
+
+    def compute_output_shape(self, shape):
+        return (*shape[:-1], shape[-1] // 2)
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class PatchMap(layers.Layer):
+    """Tokens [b, 1 + R + N, C] -> the patch tokens as a map [b, gh, gw, C] shaped like the patch map given."""
+
+    def __init__(self, prefix: int, **kwargs):
+        super().__init__(**kwargs)
+        self.prefix = prefix
+
+    def call(self, tokens, grid):
+        shape = tf.shape(grid)
+        return tf.reshape(tokens[:, self.prefix:], [shape[0], shape[1], shape[2], tokens.shape[-1]])
+
+    def compute_output_shape(self, tokens_shape, grid_shape):
+        return (*grid_shape[:3], tokens_shape[-1])
+
+    def get_config(self):
+        return {**super().get_config(), "prefix": self.prefix}
+
+
+def _dense(units: int, name: str, use_bias: bool = True, activation=None) -> layers.Dense:
+    return layers.Dense(units, use_bias=use_bias, activation=activation, name=name,
+                        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
+
+
+def _mlp(x, spec: Variant, name: str):
+    c = spec.width
+    if spec.family == "dinov2" and spec.gated:
+        x = _dense(2 * swiglu_width(spec.mlp), f"{name}_mlp_in")(x)
+        return _dense(c, f"{name}_mlp_out")(SwiGLU(name=f"{name}_mlp_swiglu")(x))
+    if spec.gated:
+        gate = _dense(spec.mlp, f"{name}_mlp_gate", activation=spec.activation)(x)
+        up = _dense(spec.mlp, f"{name}_mlp_up")(x)
+        return _dense(c, f"{name}_mlp_down")(layers.Multiply(name=f"{name}_mlp_mul")([gate, up]))
+    x = _dense(spec.mlp, f"{name}_mlp_up", activation=spec.activation)(x)
+    return _dense(c, f"{name}_mlp_down")(x)
+
+
+def _block(x, rope, spec: Variant, name: str, drop_path: float):
+    """One block on the tokens x [b, T, C]; each residual branch dropped per sample with `drop_path`."""
+    y = LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm1")(x)
+    q = _dense(spec.width, f"{name}_attn_q")(y)
+    k = _dense(spec.width, f"{name}_attn_k", use_bias=spec.key_bias)(y)
+    v = _dense(spec.width, f"{name}_attn_v")(y)
+    y = Attention(spec.heads, 1 + spec.registers, name=f"{name}_attn")(q, k, v, *rope)
+    y = _dense(spec.width, f"{name}_attn_out")(y)
+    y = LayerScale(spec.layer_scale, name=f"{name}_ls1")(y)
+    if drop_path:
+        y = DropPath(drop_path, name=f"{name}_drop_path1")(y)
+    x = layers.Add(name=f"{name}_add1")([x, y])
+
+    y = LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm2")(x)
+    y = _mlp(y, spec, name)
+    y = LayerScale(spec.layer_scale, name=f"{name}_ls2")(y)
+    if drop_path:
+        y = DropPath(drop_path, name=f"{name}_drop_path2")(y)
+    return layers.Add(name=f"{name}_add2")([x, y])
+
+
+def drop_path_rates(spec: Variant, rate: float) -> list[float]:
+    """Each block's drop-path rate: DINOv3 linearly from 0 to `rate`, DINOv2 `rate` everywhere (keras-hub's)."""
+    if spec.family == "dinov2" or spec.depth == 1:
+        return [rate] * spec.depth
+    return [rate * i / (spec.depth - 1) for i in range(spec.depth)]
+
+
+def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: float = 0.0,
+                 norm: bool = True) -> keras.Model:
+    """The DINO encoder `name` (a VARIANTS key, or a Variant) on images of any size (multiples of the patch):
+    one [b, H/p, W/p, C] map per block of `layers` (1-based, keras-hub's stage numbers; default
+    `default_layers`), in that order. `norm`: the final LayerNorm applied to each map (as DINOv2's and
+    DINOv3's own segmentation heads take them; keras-hub's apply_layernorm). Blocks after the last one
+    asked for are not built."""
+    spec = VARIANTS[name] if isinstance(name, str) else name
+    label = name if isinstance(name, str) else f"{spec.family}_custom"
+    chosen = tuple(layers or default_layers(spec.depth))
+    if not all(1 <= i <= spec.depth for i in chosen):
+        raise ValueError(f"dino_encoder {label}: layers {chosen}: expected block numbers 1..{spec.depth}")
+    inp = keras.Input((None, None, 3), name="image")
+    x = PatchGrid(spec.patch, name="patch_check")(inp)
+    grid = keras.layers.Conv2D(spec.width, spec.patch, strides=spec.patch, name="patch_embed",
+                               kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))(x)
+    v2 = spec.family == "dinov2"
+    x = Tokens(spec.registers, spec.pos_grid if v2 else 0, spec.antialias, name="tokens")(grid)
+    rope = () if v2 else RopeTables(spec.width // spec.heads, spec.rope_theta, name="rope")(grid)
+    final = LayerNorm(epsilon=spec.epsilon, name="norm") if norm else None
+    found = {}
+    for i, rate in enumerate(drop_path_rates(spec, drop_path_rate), start=1):
+        x = _block(x, rope, spec, f"block{i}", rate)
+        if i in chosen:
+            found[i] = PatchMap(1 + spec.registers, name=f"map{i}")(final(x) if final else x, grid)
+        if i == max(chosen):
+            break
+    return keras.Model(inp, [found[i] for i in chosen], name=label)
