@@ -15,7 +15,7 @@ separate virtual environment, never imported by seg-train and never one of its d
     /path/to/tfm/bin/python scripts/bench_model_garden_input.py --records 'DATA/tfrecords/train-*.tfrecord'
         [--steps 3] [--windows 4] [--warmup 2] [--json]
 
-The records are those scripts/make_tfrecords.py writes (image/encoded, image/height, image/width and
+The records are those seg-prepare tfrecords writes (image/encoded, image/height, image/width and
 image/segmentation/class/encoded, a single-channel PNG of class indices: the features Model Garden's
 segmentation Decoder reads); scripts/make_cityscapes_like.py OUT --tfrecords writes a Cityscapes-scale
 set with them. Timing: `--warmup` batches untimed, then `--windows` windows of `--steps` batches;

@@ -49,6 +49,9 @@ if '/site-packages/' not in seg_train.__file__:
 step "seg-train --version"
 "$BIN/seg-train" --version
 
+step "seg-prepare --help (its converters import from the wheel)"
+"$BIN/seg-prepare" --help >/dev/null
+
 step "seg-train: 3 steps on 2 towers from an empty folder"
 "$BIN/seg-train" --config demo.yaml --gpus 2 --set train.num_steps=3 --set train.summary_every=1 \
     --set train.image_summary_every=3 --set eval.bn_reestimate_batches=2

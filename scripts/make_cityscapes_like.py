@@ -13,7 +13,7 @@ Cityscapes recipe's augmentation (769x769 crops, random scale 0.5-2.0, mirror, g
 
     seg-bench --config OUT/bench.yaml --input-only --steps 3 --windows 4 --warmup 2
 
-With --tfrecords also OUT/tfrecords/train-*.tfrecord (scripts/make_tfrecords.py: image/encoded,
+With --tfrecords also OUT/tfrecords/train-*.tfrecord (seg-prepare tfrecords: image/encoded,
 image/segmentation/class/encoded, image/height, image/width), the records TF Model Garden's
 segmentation parser reads (scripts/bench_model_garden_input.py). The same arguments give the same
 files (seeded); nothing of seg-train's training reads this set.
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--quality", type=int, default=90, help="JPEG quality (default 90)")
     p.add_argument("--size", type=int, nargs=2, default=(1024, 2048), metavar=("HEIGHT", "WIDTH"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tfrecords", action="store_true", help="also write OUT/tfrecords (scripts/make_tfrecords.py)")
+    p.add_argument("--tfrecords", action="store_true", help="also write OUT/tfrecords (seg-prepare tfrecords)")
     args = p.parse_args(argv)
     from seg_train.data.synthetic import render_scene
 
@@ -73,9 +73,9 @@ def main(argv=None) -> int:
     (out / "ImageSets" / "Segmentation" / "train.txt").write_text("".join(f"{s}\n" for s in ids))
     (out / "bench.yaml").write_text(CONFIG.format(root=out, num_classes=NUM_CLASSES))
     if args.tfrecords:
-        script = Path(__file__).resolve().parent / "make_tfrecords.py"
-        subprocess.run([sys.executable, str(script), "--config", str(out / "bench.yaml"), "--split", "train",
-                        "--output", str(out / "tfrecords")], check=True)
+        seg_prepare = "import sys; from seg_train.cli import prepare_main; sys.exit(prepare_main())"
+        subprocess.run([sys.executable, "-c", seg_prepare, "tfrecords", "--config", str(out / "bench.yaml"),
+                        "--split", "train", "--output", str(out / "tfrecords")], check=True)
     print(out)
     return 0
 

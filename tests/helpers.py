@@ -124,3 +124,13 @@ def confusion_matrix(labels, preds, num_classes: int, ignore_label: int | None =
     # Encode each (gt, pred) pair as one flat index so a single bincount counts them all.
     counts = np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes)
     return counts.reshape(num_classes, num_classes).astype(np.int64, copy=False)
+
+
+def seg_prepare() -> list[str]:
+    """The installed seg-prepare console script next to this Python, else its entry point through -c."""
+    import sys
+
+    script = Path(sys.executable).with_name("seg-prepare")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from seg_train.cli import prepare_main as m; sys.exit(m())"]

@@ -7,7 +7,7 @@ writer damages them, each through every route a user meets it by:
 - `check`: seg-train --check-data, its `bad:` lines and its last line;
 - `stream`: the training stream with no scan before it (how seg-eval reads a split), TensorFlow's decode
   falling back to Pillow, the line seg-train would print for the error it raises;
-- `convert`: scripts/make_tfrecords.py on the folder.
+- `convert`: seg-prepare tfrecords on the folder (in process).
 
 Fails for a line with `object at 0x` anywhere in what the user reads (Pillow's "cannot identify image file
 <_io.BytesIO object at 0x...>" for bytes it decodes from memory), a shard named by the split's glob
@@ -17,7 +17,6 @@ instead of its file, and a line that does not name the file the case broke.
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +44,7 @@ class Case:
     routes: tuple[str, ...]
     split: str | None = None  # the split the stream route reads (None: data.train_split)
     prefix: str | None = None  # the train route's line starts with it (test_robustness's expectations)
-    convert: Path | None = None  # the folder make_tfrecords converts
+    convert: Path | None = None  # the folder seg-prepare tfrecords converts
 
 
 def _shard_record(path: Path, i: int) -> str:
@@ -175,15 +174,10 @@ def _route_lines(case: Case, route: str, capsys) -> tuple[list[str], str]:
         line = cli.user_error(info.value)
         assert line is not None, f"not a user error: {info.value.message[:500]}"
         return [f"error: {line}"], capsys.readouterr().err + line
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import make_tfrecords
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
     cfg = case.config.parent / "convert.yaml"
     cfg.write_text(f"data:\n  root: {case.convert}\n  num_classes: 3\n")
-    assert make_tfrecords.main(["--config", str(cfg), "--split", "train", "--output",
-                                str(case.config.parent / "converted")]) == 2
+    assert cli.prepare_main(["tfrecords", "--config", str(cfg), "--split", "train", "--output",
+                             str(case.config.parent / "converted")]) == 2
     out, err = capsys.readouterr()
     return err.strip().splitlines(), out + err
 

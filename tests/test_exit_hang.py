@@ -5,7 +5,7 @@ iterator still alive (an error mid-run, Ctrl-C), the iterator was destroyed duri
 shutdown: its destructor waits for the decode calls in flight, and Python ends any thread that asks
 for the GIL once shutdown has begun, so those calls never finished and the process hung after
 printing its error line. seg-bench showed it: its runners keep their iterators in a reference cycle,
-so they die only in the collection that shutdown runs. seg_train/cli.py now ends the process itself.
+so they die only in the collection that shutdown runs. seg_train/cli/process.py ends the process itself.
 
 A small driver slows the decode (as a slow disk would), so decode calls are always in flight when
 the error arrives, and makes every iterator's destruction slow (tests/test_exit_prompt.py): seg-bench

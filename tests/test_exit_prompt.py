@@ -61,7 +61,7 @@ def _slow_teardown():
         cls.__init__ = __init__
 
 
-_import_tensorflow = cli.import_tensorflow
+_import_tensorflow = cli.process.import_tensorflow
 
 
 def import_tensorflow(debug):
@@ -70,7 +70,7 @@ def import_tensorflow(debug):
     return tf
 
 
-cli.import_tensorflow = import_tensorflow
+cli.process.import_tensorflow = import_tensorflow
 '''
 
 DRIVER = SLOW_TEARDOWN + r'''

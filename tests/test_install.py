@@ -20,7 +20,7 @@ from seg_train.config import ConfigError
 from tests.helpers import tiny_config
 
 COMMANDS = {"seg-train": "train_main", "seg-eval": "eval_main", "seg-predict": "predict_main",
-            "seg-export": "export_main", "seg-bench": "bench_main"}
+            "seg-export": "export_main", "seg-bench": "bench_main", "seg-prepare": "prepare_main"}
 
 
 def command(name):

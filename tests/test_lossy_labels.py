@@ -7,14 +7,13 @@ The labels are made so that JPEG damages them (numpy counts the changed pixels) 
 value stays a valid class: no other check (range, label map) can catch them, only the JPEG check.
 
 Fails for: a JPEG label decoded and trained on by any path (the pre-training scan and --check-data,
-the training stream's TensorFlow decode, data.cache, the evaluation stream, make_tfrecords), a
+the training stream's TensorFlow decode, data.cache, the evaluation stream, seg-prepare tfrecords), a
 message that does not say JPEG / lossy / convert to PNG or does not name the file, --check-data or
 the skip log not counting them, and a skip that does not leave a run that trains.
 """
 
 import io
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -199,7 +198,7 @@ def test_skip_drops_jpeg_labels_and_trains(sets, kind, tmp_path, capsys):
 
 def test_decoders_refuse_jpeg_bytes_whatever_the_name(sets, tmp_path):
     """Each decoder on its own: Pillow's read_label (a path or bytes), TensorFlow's in-graph decode_label,
-    and make_tfrecords' writer; a colour JPEG label is called a JPEG, not a colour label; a JPEG image
+    and seg-prepare tfrecords' writer; a colour JPEG label is called a JPEG, not a colour label; a JPEG image
     (not a label) is still an image."""
     root, (bad,) = sets["voc"]
     with pytest.raises(LossyLabel, match=re.escape(MESSAGE.format(path=bad))):
@@ -218,14 +217,10 @@ def test_decoders_refuse_jpeg_bytes_whatever_the_name(sets, tmp_path):
         records.encode_sample(str(root / "JPEGImages" / "s1.jpg"), bad, "s1")
 
 
-def test_make_tfrecords_refuses_a_jpeg_label_in_one_line(sets, tmp_path, capsys):
+def test_prepare_tfrecords_refuses_a_jpeg_label_in_one_line(sets, tmp_path, capsys):
     root, (bad,) = sets["voc"]
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import make_tfrecords
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data:\n  root: {root}\n  num_classes: {NUM_CLASSES}\n")
-    assert make_tfrecords.main(["--config", str(cfg), "--split", "train", "--output", str(tmp_path / "out")]) == 2
+    assert cli.prepare_main(["tfrecords", "--config", str(cfg), "--split", "train", "--output",
+                             str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {MESSAGE.format(path=bad)}"

@@ -1,4 +1,4 @@
-"""TFRecord shards: scripts/make_tfrecords.py's writer, the record index, and reading records by offset.
+"""TFRecord shards: seg-prepare tfrecords' writer, the record index, and reading records by offset.
 
 Outside references: TensorFlow's own TFRecordDataset (the records in file order), Pillow (the label
 indices), and shards written by hand with tf.io.TFRecordWriter under Model Garden's feature names
@@ -8,7 +8,6 @@ indices), and shards written by hand with tf.io.TFRecordWriter under Model Garde
 import io
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +17,7 @@ from PIL import Image
 
 from seg_train.data import records
 from seg_train.data.label_images import read_label, save_index_png, voc_colormap
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from tests.helpers import seg_prepare
 
 def _voc(root: Path, n: int = 5, size=(24, 32)) -> Path:
     """A tiny VOC folder with palette labels (values 0..2 and 255) and JPEG images of varied sizes."""
@@ -150,18 +147,18 @@ def test_a_sample_that_cannot_be_converted_is_named(voc, tmp_path):
         records.encode_sample(str(voc / "JPEGImages" / "s00.jpg"), str(small), "x")
 
 
-def test_make_tfrecords_script(voc, tmp_path):
+def test_seg_prepare_tfrecords(voc, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data:\n  root: {voc}\n  num_classes: 3\n")
     out = tmp_path / "rec"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tfrecords.py"), "--config", str(cfg),
+    proc = subprocess.run([*seg_prepare(), "tfrecords", "--config", str(cfg),
                            "--split", "train", "--output", str(out), "--shards", "2"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "wrote 5 records of split 'train' in 2 shard(s)" in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == ["train-00000-of-00002.tfrecord", "train-00001-of-00002.tfrecord",
                                                      "train.index.json"]
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tfrecords.py"), "--config", str(cfg),
+    proc = subprocess.run([*seg_prepare(), "tfrecords", "--config", str(cfg),
                            "--split", "nope", "--output", str(out)], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and len(proc.stderr.strip().splitlines()) == 1
 
@@ -233,8 +230,8 @@ from tests.test_layouts import SPLITS, mapped, trees, write_config  # noqa: E402
 
 
 def test_cityscapes_as_tfrecords_trains_and_evaluates(tmp_path, trees):  # noqa: F811
-    """The Cityscapes tree converted by the script, read with data.format: tfrecord: its own label map
-    applies to the records' raw labelIds; seg-train and seg-eval count every val pixel under its train id."""
+    """The Cityscapes tree converted by seg-prepare tfrecords, read with data.format: tfrecord: its own label
+    map applies to the records' raw labelIds; seg-train and seg-eval count every val pixel under its train id."""
     import json
 
     from seg_train import cli
@@ -244,7 +241,7 @@ def test_cityscapes_as_tfrecords_trains_and_evaluates(tmp_path, trees):  # noqa:
     files_cfg = write_config(tmp_path, trees, "cityscapes")
     out = tmp_path / "records"
     for split in SPLITS["cityscapes"]:
-        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tfrecords.py"), "--config",
+        proc = subprocess.run([*seg_prepare(), "tfrecords", "--config",
                                str(files_cfg), "--split", split, "--output", str(out)], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
     (tmp_path / "rec").mkdir()

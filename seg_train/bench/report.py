@@ -51,3 +51,19 @@ def format_report(r: dict) -> str:
     lines.append(f"input wait = {r['input_wait_definition']}")
     lines.append(f"peak resident memory: {r['peak_rss_mb']:.0f} MiB ({r['peak_rss_scope']})")
     return "\n".join(lines)
+
+
+def format_input_only(result: dict) -> str:
+    """The report of seg-bench --input-only (runner.run_input_only's result)."""
+    inp, floor = result["input"], result["decode_floor"]
+    cache = (f"; first pass {inp['first_pass_images_per_sec']:.1f} images/s, cache {inp['cache_mb']:.0f} MiB"
+             if result["cache"] else "")
+    return (f"input pipeline alone: {inp['images_per_sec']:.1f} images/s, {inp['cores_busy']:.2f} cores busy "
+            f"(global batch {result['global_batch']}, data.cache {result['cache']}{cache})\n"
+            f"                    {'images/s':>9} {'cores busy':>11} {'CPU ms/sample':>14}\n"
+            f"input pipeline    {inp['images_per_sec']:9.1f} {inp['cores_busy']:11.2f} "
+            f"{inp['cpu_ms_per_sample']:14.1f}\n"
+            f"decode only       {floor['images_per_sec']:9.1f} {floor['cores_busy']:11.2f} "
+            f"{floor['cpu_ms_per_sample']:14.1f}\n"
+            f"CPU per sample: {result['cpu_per_sample_vs_floor']:.2f}x the decode-only floor (the same "
+            "samples, decoded by the reader's decoders, no augmentation)")

@@ -14,7 +14,7 @@ a signal) leaves behind.
 
 So the last reference to the iterator is dropped on a thread of its own (`release`): the destructor
 cancels the pipeline's work at once and waits there, while the command goes on and ends (a command
-ends its process with os._exit, seg_train/cli.py, which does not wait for that thread). The iterator
+ends its process with os._exit, seg_train/cli/process.py, which does not wait for that thread). The iterator
 is released when its stream is exhausted, on `close()`, or when the Feed itself is dropped (any way
 out, an exception included): the Feed is the only owner of the iterator, and the frames of an
 exception raised by the iterator, which hold it as a local, are cleared before the exception leaves
@@ -55,7 +55,7 @@ def _join_releases() -> None:
     the releases still running: Python ends a thread that asks for the GIL once its tear-down has begun,
     and a release thread asks for it on its way out of TensorFlow's destructor, where being ended
     aborts the process ("FATAL: exception not rethrown"). A command never waits here: registered when
-    seg_train/cli.py is imported, this hook runs after the command's own one (cli._end_process), which
+    seg_train/cli/process.py is imported, this hook runs after the command's own one (_end_process), which
     ends the process first."""
     for thread in list(_releasing):
         thread.join(JOIN_TIMEOUT_S)

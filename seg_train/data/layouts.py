@@ -244,7 +244,7 @@ def _records(data: DataConfig, split: str) -> list[Sample]:
         found = records.load_records(pattern)
     except FileNotFoundError:
         raise ConfigError("split not found", pattern, f"TFRecord shards of split {split!r} "
-                          "(scripts/make_tfrecords.py writes <split>-NNNNN-of-MMMMM.tfrecord)") from None
+                          "(seg-prepare tfrecords writes <split>-NNNNN-of-MMMMM.tfrecord)") from None
     except records.ShardError as e:  # the framing of a shard: truncated, or not a TFRecord file
         raise ConfigError("unreadable TFRecord shard", e.shard, e.problem) from None
     if not found:

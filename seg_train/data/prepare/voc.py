@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Prepare PASCAL VOC 2012 (optionally with the SBD augmentation) for seg-train.
 
 Usage:
-    python scripts/prepare_voc.py --voc VOCdevkit/VOC2012 --output data/voc
-    python scripts/prepare_voc.py --voc VOCdevkit/VOC2012 \
+    seg-prepare voc --voc VOCdevkit/VOC2012 --output data/voc
+    seg-prepare voc --voc VOCdevkit/VOC2012 \
         --sbd benchmark_RELEASE/dataset --output data/voc
 
 Writes the VOC layout to OUT: JPEGImages/<id>.jpg, SegmentationClass/<id>.png
@@ -25,19 +24,15 @@ Errors are reported as one line on stderr, exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-# seg_train from this checkout, installed or not (numpy/Pillow only: no TensorFlow starts).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from seg_train.data.label_images import save_index_png, voc_colormap  # noqa: E402
-from seg_train.data.prepare import PrepError, run_main, wrote  # noqa: E402
+from seg_train.data.label_images import save_index_png, voc_colormap
+from seg_train.data.prepare import PrepError
 
 VOC_CLASSES = (
     "background aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog horse "
@@ -191,33 +186,3 @@ def prepare(voc: Path, out: Path, sbd: Path | None, mode: str) -> dict[str, int]
         (out / "ImageSets" / "Segmentation" / f"{name}.txt").write_text("".join(f"{i}\n" for i in split_ids))
     (out / "classes.txt").write_text("".join(f"{n}\n" for n in VOC_CLASSES))
     return {name: len(split_ids) for name, split_ids in splits.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--voc", type=Path, required=True, help="the VOCdevkit/VOC2012 folder")
-    parser.add_argument("--sbd", type=Path, help="SBD benchmark_RELEASE/dataset folder (adds train_aug)")
-    parser.add_argument("--output", type=Path, required=True, help="output folder")
-    parser.add_argument(
-        "--mode",
-        choices=("hardlink", "copy", "symlink"),
-        default="hardlink",
-        help="how to place unchanged files (default: hardlink, falling back to copy)",
-    )
-    args = parser.parse_args(argv)
-
-    def work() -> str:
-        if not args.voc.is_dir():
-            raise PrepError("no such folder", args.voc, "the VOCdevkit/VOC2012 folder of the VOC2012 trainval release")
-        if args.sbd is not None and not args.sbd.is_dir():
-            raise PrepError("no such folder", args.sbd, "the benchmark_RELEASE/dataset folder of SBD")
-        return wrote(args.output, prepare(args.voc, args.output, args.sbd, args.mode))
-
-    return run_main(work)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,23 +1,33 @@
-"""Run the data-preparation scripts on tiny fabricated inputs (numpy/Pillow only)."""
+"""Run seg-prepare voc|camvid|folder (the installed console script) on tiny fabricated inputs (numpy/Pillow
+only), and check `seg-prepare --help` lists every converter."""
 
 import json
 import os
+import re
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.helpers import seg_prepare
+
 VOC_PALETTE = np.zeros((256, 3), dtype=np.uint8)
 VOC_PALETTE[1], VOC_PALETTE[15], VOC_PALETTE[255] = (128, 0, 0), (192, 128, 128), (224, 224, 192)
 
 
-def run(script, *args, env=None):
-    """Run scripts/<script> with the current interpreter."""
-    cmd = [sys.executable, str(SCRIPTS / script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+def run(command, *args, env=None):
+    """Run `seg-prepare COMMAND ARGS`."""
+    return subprocess.run([*seg_prepare(), command, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_help_lists_every_converter():
+    result = subprocess.run([*seg_prepare(), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for command in ("voc", "camvid", "folder", "tfrecords"):
+        assert re.search(rf"^    {command}\b", result.stdout, re.M), result.stdout
+    result = subprocess.run(seg_prepare(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "COMMAND" in result.stderr
 
 
 def assert_one_line_error(result, *fragments):
@@ -49,7 +59,7 @@ def split(root, name):
     return (root / "ImageSets" / "Segmentation" / f"{name}.txt").read_text().split()
 
 
-# --- prepare_voc -------------------------------------------------------------------------------
+# --- voc ---------------------------------------------------------------------------------------
 
 VOC_IDS = {"train": ["2007_000001", "2007_000002"], "val": ["2007_000003"]}
 
@@ -74,7 +84,7 @@ def make_voc(root):
 def test_prepare_voc(tmp_path):
     labels = make_voc(tmp_path / "VOC2012")
     out = tmp_path / "out"
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--output", out)
+    result = run("voc", "--voc", tmp_path / "VOC2012", "--output", out)
     assert result.returncode == 0, result.stderr
     assert split(out, "train") == VOC_IDS["train"] and split(out, "val") == VOC_IDS["val"]
     assert len(split(out, "trainval")) == 3
@@ -90,7 +100,7 @@ def test_prepare_voc(tmp_path):
 
 def test_prepare_voc_copy_mode(tmp_path):
     make_voc(tmp_path / "VOC2012")
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--output", tmp_path / "out", "--mode", "copy")
+    result = run("voc", "--voc", tmp_path / "VOC2012", "--output", tmp_path / "out", "--mode", "copy")
     assert result.returncode == 0, result.stderr
     src = tmp_path / "VOC2012/SegmentationClass/2007_000001.png"
     dst = tmp_path / "out/SegmentationClass/2007_000001.png"
@@ -100,7 +110,7 @@ def test_prepare_voc_copy_mode(tmp_path):
 def test_prepare_voc_missing_folder(tmp_path):
     make_voc(tmp_path / "VOC2012")
     (tmp_path / "VOC2012/SegmentationClass").rename(tmp_path / "VOC2012/elsewhere")
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--output", tmp_path / "out")
+    result = run("voc", "--voc", tmp_path / "VOC2012", "--output", tmp_path / "out")
     assert_one_line_error(result, "SegmentationClass")
     assert not (tmp_path / "out").exists()
 
@@ -108,7 +118,7 @@ def test_prepare_voc_missing_folder(tmp_path):
 def test_prepare_voc_rejects_colour_label(tmp_path):
     make_voc(tmp_path / "VOC2012")
     write_rgb(tmp_path / "VOC2012/SegmentationClass/2007_000002.png")
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--output", tmp_path / "out")
+    result = run("voc", "--voc", tmp_path / "VOC2012", "--output", tmp_path / "out")
     assert_one_line_error(result, "2007_000002.png", "RGB")
 
 
@@ -154,7 +164,7 @@ def test_prepare_voc_sbd_missing_scipy(tmp_path):
     make_sbd(tmp_path / "sbd")
     env = dict(os.environ, PYTHONPATH=str(missing_scipy(tmp_path / "stub")))
     args = ["--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", tmp_path / "out"]
-    result = run("prepare_voc.py", *args, env=env)
+    result = run("voc", *args, env=env)
     assert_one_line_error(result, "scipy", "pip install scipy")
     assert not (tmp_path / "out").exists()  # checked before anything is written
 
@@ -163,7 +173,7 @@ def test_prepare_voc_sbd_train_aug(tmp_path):
     labels = make_voc(tmp_path / "VOC2012")
     masks = make_sbd(tmp_path / "sbd")
     out = tmp_path / "out"
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", out)
+    result = run("voc", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd", "--output", out)
     assert result.returncode == 0, result.stderr
     # (SBD train + SBD val + VOC train) - VOC val
     assert split(out, "train_aug") == ["2007_000001", "2007_000002", "2008_000010", "2008_000011"]
@@ -184,13 +194,13 @@ def test_prepare_voc_sbd_unreadable_mat(tmp_path):
     make_voc(tmp_path / "VOC2012")
     make_sbd(tmp_path / "sbd")
     (tmp_path / "sbd/cls/2008_000010.mat").write_bytes(b"MATLAB 5.0 MAT-file, truncated")
-    result = run("prepare_voc.py", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd",
+    result = run("voc", "--voc", tmp_path / "VOC2012", "--sbd", tmp_path / "sbd",
                  "--output", tmp_path / "out")
     assert_one_line_error(result, "unreadable SBD mask", "2008_000010.mat",
                           "a MATLAB file with a GTcls.Segmentation array")
 
 
-# --- prepare_camvid ----------------------------------------------------------------------------
+# --- camvid ------------------------------------------------------------------------------------
 
 
 def make_camvid(root):
@@ -211,7 +221,7 @@ def make_camvid(root):
 def test_prepare_camvid(tmp_path):
     labels = make_camvid(tmp_path / "CamVid")
     out = tmp_path / "out"
-    result = run("prepare_camvid.py", "--segnet", tmp_path / "CamVid", "--output", out)
+    result = run("camvid", "--segnet", tmp_path / "CamVid", "--output", out)
     assert result.returncode == 0, result.stderr
     assert split(out, "train") == ["0001TP_00", "0001TP_01"]
     assert split(out, "val") == ["0001TP_10", "0001TP_11"]
@@ -229,7 +239,7 @@ def test_prepare_camvid(tmp_path):
 def test_prepare_camvid_resize(tmp_path):
     make_camvid(tmp_path / "CamVid")
     out = tmp_path / "out"
-    result = run("prepare_camvid.py", "--segnet", tmp_path / "CamVid", "--output", out, "--size", 4, 3)
+    result = run("camvid", "--segnet", tmp_path / "CamVid", "--output", out, "--size", 4, 3)
     assert result.returncode == 0, result.stderr
     with Image.open(out / "JPEGImages/0001TP_00.jpg") as img:
         assert img.size == (4, 3)
@@ -241,18 +251,18 @@ def test_prepare_camvid_resize(tmp_path):
 def test_prepare_camvid_bad_label_value(tmp_path):
     make_camvid(tmp_path / "CamVid")
     Image.fromarray(np.full((6, 8), 20, dtype=np.uint8)).save(tmp_path / "CamVid/valannot/0001TP_10.png")
-    result = run("prepare_camvid.py", "--segnet", tmp_path / "CamVid", "--output", tmp_path / "out")
+    result = run("camvid", "--segnet", tmp_path / "CamVid", "--output", tmp_path / "out")
     assert_one_line_error(result, "0001TP_10.png", "0..11")
 
 
 def test_prepare_camvid_missing_annotations(tmp_path):
     make_camvid(tmp_path / "CamVid")
     (tmp_path / "CamVid/testannot/0001TP_21.png").unlink()
-    result = run("prepare_camvid.py", "--segnet", tmp_path / "CamVid", "--output", tmp_path / "out")
+    result = run("camvid", "--segnet", tmp_path / "CamVid", "--output", tmp_path / "out")
     assert_one_line_error(result, "missing label", "0001TP_21.png")
 
 
-# --- prepare_folder ----------------------------------------------------------------------------
+# --- folder ------------------------------------------------------------------------------------
 
 
 def make_folder(root, rgb_labels=False):
@@ -287,7 +297,7 @@ def test_prepare_folder_index_labels(tmp_path):
     expected = make_folder(tmp_path)
     out = tmp_path / "out"
     inputs = ["--images", tmp_path / "images", "--labels", tmp_path / "labels", "--val-fraction", 0.4]
-    result = run("prepare_folder.py", *inputs, "--output", out)
+    result = run("folder", *inputs, "--output", out)
     assert result.returncode == 0, result.stderr
     assert "no_label" in result.stderr and "no_image" in result.stderr  # unmatched files reported
     train, val = split(out, "train"), split(out, "val")
@@ -298,7 +308,7 @@ def test_prepare_folder_index_labels(tmp_path):
             assert img.format == "JPEG" and img.mode == "RGB"
         assert np.array_equal(read_indices(out / "SegmentationClass" / f"{stem}.png"), label)
     # Same seed, same split; the split does not depend on the output folder.
-    again = run("prepare_folder.py", *inputs, "--output", tmp_path / "out2")
+    again = run("folder", *inputs, "--output", tmp_path / "out2")
     assert again.returncode == 0 and split(tmp_path / "out2", "val") == val
 
 
@@ -308,7 +318,7 @@ def test_prepare_folder_colour_map(tmp_path):
     (tmp_path / "map.json").write_text(json.dumps({"0,0,0": 0, "128,0,0": 1, "0,128,0": 2, "255,255,255": 255}))
     out = tmp_path / "out"
     result = run(
-        "prepare_folder.py", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
+        "folder", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
         "--output", out, "--colour-map", tmp_path / "map.json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -319,7 +329,7 @@ def test_prepare_folder_colour_map(tmp_path):
 
     (tmp_path / "map.txt").write_text("# R G B index\n0 0 0 0\n128 0 0 1\n0 128 0 2\n128 128 0 3\n255 255 255 255\n")
     result = run(
-        "prepare_folder.py", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
+        "folder", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
         "--output", tmp_path / "out2", "--colour-map", tmp_path / "map.txt",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -333,7 +343,7 @@ def test_prepare_folder_rgb_without_colour_map(tmp_path):
     (tmp_path / "images/no_label.jpg").unlink()  # so that the only stderr line is the error
     (tmp_path / "labels/no_image.png").unlink()
     result = run(
-        "prepare_folder.py", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
+        "folder", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
         "--output", tmp_path / "out",
     )  # fmt: skip
     assert_one_line_error(result, "colour (RGB) label image", "--colour-map")
@@ -351,7 +361,7 @@ def test_prepare_folder_refuses_a_jpeg_label(tmp_path):
         im.convert("L").save(tmp_path / "labels/c.jpg", quality=95)
     label.unlink()
     result = run(
-        "prepare_folder.py", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
+        "folder", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
         "--output", tmp_path / "out",
     )  # fmt: skip
     assert_one_line_error(result, f"error: lossy JPEG label ({tmp_path / 'labels/c.jpg'}): ",
@@ -364,7 +374,7 @@ def test_prepare_folder_no_pairs(tmp_path):
     write_rgb(tmp_path / "images/x.jpg")
     write_palette_label(tmp_path / "labels/y.png", np.zeros((6, 8)))
     result = run(
-        "prepare_folder.py", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
+        "folder", "--images", tmp_path / "images", "--labels", tmp_path / "labels",
         "--output", tmp_path / "out",
     )  # fmt: skip
     assert_one_line_error(result, "no image/label pairs")

@@ -1,0 +1,367 @@
+"""The commands' process plumbing: logging, quiet start-up, TensorFlow's environment, the error boundary.
+
+The only place (with the command modules beside it) that reads argv and sets up logging. The
+environment is used here too (TF_CPP_MIN_LOG_LEVEL and the CPU allocator set before TensorFlow
+starts, TF_CONFIG to tell a lost peer from a bug) and in replicas.py (TF_CONFIG: the multi-worker cluster).
+
+User errors print one line `error: <what> (<where>): <expected>` on stderr and exit 2; `--debug`
+shows the traceback instead. Run as a command (argv None), every entry point ends the process itself,
+skipping the interpreter's final tear-down (see `_end_process`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import logging
+import os
+import re
+import signal
+import sys
+import tempfile
+import traceback
+
+from seg_train.util import exit_codes, preflight
+from seg_train.config import ConfigError, without_reprs
+# Imported before _end_process is registered, so that feed's exit hook (waiting for iterator releases)
+# runs after it: never in a command, which ends its process first (seg_train/data/feed.py).
+from seg_train.data import feed  # noqa: F401
+
+log = logging.getLogger("seg_train")
+
+EXIT_USER_ERROR, EXIT_INTERNAL, EXIT_PEER_FAILED = exit_codes.USER_ERROR, exit_codes.INTERNAL, exit_codes.PEER_FAILED
+
+
+class _TqdmSafeHandler(logging.StreamHandler):
+    """Writes log lines through tqdm when a bar is on screen, so they don't tear it."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # pragma: no cover - logging must never raise
+            super().emit(record)
+
+
+def setup_logging(debug: bool) -> None:
+    handler = _TqdmSafeHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s", "%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.DEBUG if debug else logging.INFO)
+    log.propagate = False
+
+
+@contextlib.contextmanager
+def quiet_stderr(debug: bool):
+    """Keeps TensorFlow's C++ start-up noise (CUDA probes, oneDNN banners) off the user's screen.
+
+    TF_CPP_MIN_LOG_LEVEL does not silence the lines printed before absl logging starts, so fd 2 is
+    pointed at a temporary file while TensorFlow loads and picks devices; --debug shows them.
+    """
+    if debug:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+# TensorFlow's CPU device allocates through the C library's malloc unless told otherwise. glibc's malloc
+# gives every freed block above its mmap threshold (at most 32 MB: a real batch's activations and their
+# gradients are larger) back to the kernel, so every step maps, page-faults and zeroes them again.
+# Measured on a 2-core AVX2 machine (docs/ACCURACY.md, "CPU allocator"): a third of the CamVid
+# recipe's train-step CPU time was kernel time, and the step ran 1.7x faster with TensorFlow's own
+# pooling BFC allocator (the one it uses for GPU memory), asked for here by TensorFlow's own variable.
+# The numbers are the same bit for bit (an allocator does not change what ops compute). A value the
+# user set wins (TF_CPU_ALLOCATOR_USE_BFC=false turns it off; TensorFlow caps the pool at
+# TF_CPU_BFC_MEM_LIMIT_IN_MB, 64 GB unless set). On GPUs it is the host-side allocator only.
+TF_ENV_DEFAULTS = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def set_tf_env_defaults() -> None:
+    """TensorFlow settings read from the environment (TF_ENV_DEFAULTS), unless the user set them."""
+    for key, value in TF_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def import_tensorflow(debug: bool):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if debug else "2")
+    set_tf_env_defaults()
+    with quiet_stderr(debug):
+        import tensorflow as tf  # noqa: F401
+        import keras  # noqa: F401
+    if not debug:
+        import absl.logging
+        absl.logging.set_verbosity(absl.logging.ERROR)
+        tf.get_logger().setLevel(logging.ERROR)
+        import warnings
+        warnings.filterwarnings("ignore", module="keras")
+    return tf
+
+
+def user_error(e: BaseException) -> str | None:
+    """The one-line message for an exception caused by user input, or None for a bug."""
+    if isinstance(e, ConfigError):
+        return str(e)
+    # Only once the reader is loaded can `e` be one of its BadSamples; importing it here would start
+    # TensorFlow (and its start-up noise) just to report an error raised before it was needed.
+    reader = sys.modules.get("seg_train.data.reader")
+    if reader is not None and isinstance(e, reader.BadSample):
+        return str(e)
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(e, tf.errors.OpError):
+        # A BadSample raised inside tf.data's numpy_function arrives wrapped in an OpError.
+        m = re.search(r"BadSample: (.*?)(?:\n|$)", e.message)
+        if m:
+            return m.group(1).strip()
+    return None
+
+
+def peer_failure(e: BaseException) -> str | None:
+    """A short description if `e` is a multi-worker collective that lost its peers, else None."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or os.environ.get("TF_CONFIG") is None:
+        return None
+    if isinstance(e, (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.AbortedError,
+                      tf.errors.CancelledError)):
+        text = " ".join(e.message.split())
+        m = re.search(r"(The following tasks are unhealthy[^:]*: ?\S*|[Cc]ollective ops is aborted[^.]*|"
+                      r"[Dd]eadline [Ee]xceeded[^.]*)", text)
+        return (m.group(1) if m else text[:200]).strip()
+    return None
+
+
+_exit_code: int | None = None  # what the command returned, for _end_process
+_hooked = False
+
+
+def _end_process() -> None:
+    """An exit hook: ends the process with the command's exit code before the interpreter's tear-down.
+
+    That tear-down ends threads asking for the GIL and destroys live tf.data iterators, which then wait
+    forever for decode calls on those threads (tests/test_exit_hang.py). Registered before TensorFlow is
+    imported, it runs after every later exit hook; outputs are complete and stdout/stderr flushed here.
+    """
+    if _exit_code is None:  # the command did not return (e.g. a SystemExit escaped it): Python's own exit
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(_exit_code)
+
+
+def run_guarded(main, args, end_process: bool = False) -> int:
+    """Runs main(args) and turns user errors into `error: ...` lines and exit code 2.
+
+    end_process: this call is the whole process (a console script, argv None), so the process ends
+    right after Python's exit hooks, with the returned code (`_end_process`); an in-process caller
+    (argv given, e.g. the tests) just gets the code.
+    """
+    global _exit_code, _hooked
+    if end_process and not _hooked:
+        atexit.register(_end_process)  # before TensorFlow is imported: runs after TensorFlow's own hooks
+        _hooked = True
+    _exit_code = None
+    code = _run_guarded(main, args)
+    if end_process:
+        _exit_code = code
+    return code
+
+
+def _run_guarded(main, args) -> int:
+    try:
+        return main(args)
+    except KeyboardInterrupt:
+        print("error: interrupted (keyboard): no checkpoint written for the step in progress", file=sys.stderr)
+        return exit_codes.signalled(signal.SIGINT)
+    except Exception as e:  # noqa: BLE001 - the boundary where every error becomes an exit code
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        peer = peer_failure(e)
+        if peer is not None:
+            print(f"error: a peer worker stopped or cannot be reached ({peer}): the group stops; restart every "
+                  "worker with the same command to resume from the newest checkpoint", file=sys.stderr)
+            return EXIT_PEER_FAILED
+        msg = user_error(e)
+        if msg is not None:
+            print(f"error: {msg}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        if not getattr(args, "debug", False):
+            lines = [line for line in map(without_reprs, str(e).splitlines()) if line]
+            print(f"error: internal error ({type(e).__name__}): {lines[-1] if lines else ''} "
+                  "-- rerun with --debug for the traceback", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def version_text(debug: bool = False) -> str:
+    """seg-train's version, then TensorFlow's and Keras' (and TensorBoard's), one per line.
+
+    Read from the installed packages' metadata: importing TensorFlow just to print its version takes
+    seconds. TensorFlow is imported (quietly) only if its distribution is not found under its usual
+    name.
+    """
+    from importlib import metadata
+
+    import seg_train
+
+    def installed(dist: str, module: str | None = None) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+        if module is None:
+            return "not installed"
+        try:
+            with quiet_stderr(debug):
+                return __import__(module).__version__
+        except Exception:  # noqa: BLE001 - a version line must never fail
+            return "not installed"
+
+    return "\n".join([f"seg-train {seg_train.__version__}",
+                      f"TensorFlow {installed('tensorflow', 'tensorflow')}",
+                      f"Keras {installed('keras', 'keras')}",
+                      f"TensorBoard {installed('tensorboard')}"])
+
+
+class _VersionAction(argparse.Action):
+    """--version: the versions, exit 0 (before the required arguments are checked)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit(0)
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the seg-train, TensorFlow, Keras and TensorBoard versions and exit")
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    add_version(parser)
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (dotted, YAML-typed; repeatable), e.g. --set train.num_steps=100")
+    parser.add_argument("--gpus", type=int, default=1, help="number of towers (GPUs; logical CPU devices if none)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and TensorFlow's own logs")
+
+
+def setup(args, run_dir_flag=None, checks=None):
+    """Loads the config (no TF), runs `checks(cfg)` (seg_train.util.preflight, no TF), imports TF quietly,
+    picks devices and builds the strategy."""
+    from seg_train import config as config_lib
+    setup_logging(args.debug)
+    cfg = config_lib.load(args.config, args.overrides, run_dir_flag)
+    if args.gpus < 1:
+        raise ConfigError("invalid --gpus", "--gpus", f"expected a positive number of towers, got {args.gpus}")
+    if getattr(args, "worker_index", None) is not None and not getattr(args, "workers", None):
+        raise ConfigError("--worker-index without --workers", "--worker-index", "also --workers HOST:PORT,...")
+    if checks is not None:
+        checks(cfg)
+    import_tensorflow(args.debug)
+    from seg_train.dist import replicas
+    if getattr(args, "workers", None):
+        replicas.set_cluster(args.workers, args.worker_index)
+    t = cfg.train
+    if getattr(args, "multiworker_ok", False) and replicas.cluster_from_env() is not None:
+        with quiet_stderr(args.debug):
+            strategy, message = replicas.make_multiworker_strategy(args.gpus, t.allreduce, t.allreduce_pack_mb,
+                                                                   t.collective_timeout, t.allreduce_num_packs)
+        log.info("%s", message)
+        return cfg, strategy
+    with quiet_stderr(args.debug):
+        devices = replicas.setup_devices(args.gpus)
+        strategy = replicas.strategy_for(t, devices)
+    log.info("%s", devices.message)
+    return cfg, strategy
+
+
+def add_checkpoint_arg(parser: argparse.ArgumentParser, model_flag: bool = False) -> None:
+    help_ = "a run dir (newest checkpoint), its checkpoints/ or best/ folder, or a checkpoint prefix"
+    if not model_flag:
+        parser.add_argument("--checkpoint", required=True, metavar="CKPT_OR_RUN_DIR", help=help_)
+        return
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help=help_)
+    which.add_argument("--model", metavar="FILE.tflite",
+                       help="a .tflite file (seg-export --format tflite), run in LiteRT's interpreter "
+                            "(needs pip install 'seg-train[tflite]')")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="LiteRT interpreter threads with --model (default 1)")
+
+
+def precheck_checkpoint(path: str) -> None:
+    """Fails fast, before TensorFlow's slow import, on a checkpoint path that does not exist at all."""
+    from pathlib import Path
+    if not Path(path).exists() and not Path(path + ".index").is_file():
+        raise ConfigError("checkpoint not found", path,
+                          "expected a run dir, a checkpoints/ folder or a checkpoint prefix")
+
+
+def precheck_model(args) -> None:
+    """--model: the file exists and LiteRT is installed, before TensorFlow's slow import."""
+    from pathlib import Path
+    from seg_train.infer.litert import check_threads, interpreter_class
+    if not Path(args.model).is_file():
+        raise ConfigError("model file not found", args.model, "a .tflite file (seg-export --format tflite)")
+    check_threads(args.threads)
+    interpreter_class("--model")
+
+
+def checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fast, run, run_model=None) -> int:
+    """seg-eval, seg-predict and seg-export: a config, towers and CKPT_OR_RUN_DIR.
+
+    Args:
+      add_arguments: adds the command's own arguments to the parser.
+      fail_fast: checks the command's arguments before TensorFlow's slow start (then the checkpoint
+        path is checked the same way).
+      run: run(cfg, strategy, args), the command itself.
+      run_model: run_model(cfg, args) for --model FILE.tflite (None: the command has no --model).
+        LiteRT runs the file; no towers are set up.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_common(parser)
+    add_checkpoint_arg(parser, model_flag=run_model is not None)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+
+    def main(args):
+        fail_fast(args)
+        if getattr(args, "model", None) is not None:
+            precheck_model(args)
+            from seg_train import config as config_lib
+            setup_logging(args.debug)
+            cfg = config_lib.load(args.config, args.overrides)
+            preflight.for_evaluation(cfg)
+            import_tensorflow(args.debug)  # the reader lists and opens files through tf.io.gfile
+            run_model(cfg, args)
+            return 0
+        precheck_checkpoint(args.checkpoint)
+        cfg, strategy = setup(args, checks=preflight.for_evaluation)
+        run(cfg, strategy, args)
+        return 0
+
+    return run_guarded(main, args, end_process=argv is None)
+
+
+def print_json(record: dict) -> None:
+    """--json: the record as one line, the last of stdout."""
+    import json
+    sys.stdout.flush()
+    print(json.dumps(record), flush=True)
+
+
+
+# The model families every command trains, evaluates, predicts with or exports (model.head / model.backbone).
+MODEL_FAMILIES = "DeepLabV3+, LR-ASPP or SegFormer (MiT)"
