@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """seg-train's train step vs a plain Keras `model.fit` on the same model, data, batch and device.
 
-    python scripts/baseline_keras_fit_speed.py --config FILE [--set KEY=VALUE ...] [--steps K]
+    python benchmarks/baseline_keras_fit_speed.py --config FILE [--set KEY=VALUE ...] [--steps K]
         [--windows W] [--warmup N] [--json]
 
 The baseline is what a Keras user would write: the same DeepLabV3+ (`seg_train.models.build`, the
