@@ -23,20 +23,25 @@ mutants: $(STAMP)
 	nice -n 10 $(BIN)/python scripts/mutants.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check seg_train scripts tests
+	$(BIN)/ruff check seg_train scripts benchmarks tests
+
+# The drivers are in benchmarks/. CamVid (VOC layout) is read from CAMVID_ROOT, absolute or relative to the
+# repository (default data/camvid, which `make clean` removes): e.g. `make bench-accuracy CAMVID_ROOT=DIR`.
+CAMVID_ROOT ?= data/camvid
+export CAMVID_ROOT
 
 # docs/PERFORMANCE.md, then docs/DEPLOY.md (CamVid recipes exported to TFLite and measured by seg-eval;
 # trains each recipe (DeepLabV3+, LR-ASPP, SegFormer-B0) first unless runs/deploy holds its final checkpoint).
 bench: $(STAMP)
-	$(BIN)/python scripts/bench.py
-	$(BIN)/python scripts/bench_deploy.py
+	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/bench_deploy.py
 
 bench-deploy: $(STAMP)
-	$(BIN)/python scripts/bench_deploy.py
+	$(BIN)/python benchmarks/bench_deploy.py
 
 # CamVid accuracy at the recipe's step budget (2000 steps of batch 8), seg-train vs Keras model.fit.
 bench-accuracy: $(STAMP)
-	$(BIN)/python scripts/bench_accuracy.py
+	$(BIN)/python benchmarks/bench_accuracy.py
 
 clean:
 	rm -rf $(VENV) runs data build *.egg-info

@@ -1,10 +1,10 @@
-"""scripts/bench_deploy.py's report: int8 verdicts against the issue's targets, checked on numbers worked by hand."""
+"""benchmarks/bench_deploy.py's report: int8 verdicts against the issue's targets, checked on numbers worked by hand."""
 
 import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_deploy", ROOT / "scripts" / "bench_deploy.py")
+spec = importlib.util.spec_from_file_location("bench_deploy", ROOT / "benchmarks" / "bench_deploy.py")
 bench_deploy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_deploy)
 

@@ -1,4 +1,4 @@
-"""scripts/bench.py's report (docs/PERFORMANCE.md) rendered from made-up results: the template gives
+"""benchmarks/bench.py's report (docs/PERFORMANCE.md) rendered from made-up results: the template gives
 exactly the expected text, and every conditional remark is chosen by the figures. No benchmark runs."""
 
 import copy
@@ -12,7 +12,7 @@ GOLDEN = Path(__file__).with_name("expected") / "performance_report.md"
 
 
 def load_bench_script():
-    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "scripts" / "bench.py")
+    spec = importlib.util.spec_from_file_location("bench_script", ROOT / "benchmarks" / "bench.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -125,7 +125,7 @@ def fake_results():
                                        prof=P_BF16 if "bfloat16" in n else (None if "atrous" in n else P_BASE))]}
                      for i, (n, s, c) in enumerate(zip(names, speed, cpu))],
     }
-    keras = {"_command": ".venv/bin/python scripts/baseline_keras_fit_speed.py --config c.yaml",
+    keras = {"_command": ".venv/bin/python benchmarks/baseline_keras_fit_speed.py --config c.yaml",
              "_loadavg_1min_before_after": [1.0, 1.8], "speedup_seg_train_vs_keras_fit": 2.667,
              "cpu_speedup_seg_train_vs_keras_fit": 2.738, "speedup_window_range": [1.91, 3.83],
              "seg_train_images_per_sec": 8.17, "keras_fit_images_per_sec": 3.06, "seg_train_step_time_ms": 983.0,
@@ -138,7 +138,7 @@ def fake_results():
     accuracy = [{"precision": "float32", "miou": 0.8911, "pixel_accuracy": 0.974, "step": 300, "_command": "a f32"},
                 {"precision": "mixed_bfloat16", "miou": 0.8933, "pixel_accuracy": None, "step": 300,
                  "_command": "a bf16"}]
-    slide = {"_command": ".venv/bin/python scripts/bench_slide_memory.py", "_loadavg_1min_before_after": [1.0, 1.0],
+    slide = {"_command": ".venv/bin/python benchmarks/bench_slide_memory.py", "_loadavg_1min_before_after": [1.0, 1.0],
              "backbone": "mobilenetv2", "num_classes": 19, "crop": [512, 1024], "stride": [341, 683],
              "cases": {"model": {"image": [1024, 2048], "peak_rss_mb": 685.0, "above_model_mb": 0.0, "windows": 0},
                        "whole": {"image": [1024, 2048], "peak_rss_mb": 1535.0, "above_model_mb": 850.0, "windows": 1},

@@ -3,27 +3,29 @@
 Fails for a comment or doc that still names a file after it was renamed or removed (it happened:
 comments cited an accumulation test file and a schedule test file that did not exist).
 A citation is a path under one of the repository's own folders (seg_train/, tests/, scripts/,
-docs/, configs/), or a module path relative to seg_train/ (models/sync_bn.py), ending in a file
-suffix the repository has; and, in the Markdown docs and in comments, a bare module name
-(collectives.py), which must be a module of seg_train/, scripts/ or tests/.
+benchmarks/, docs/, configs/), or a module path relative to seg_train/ (models/sync_bn.py), ending in
+a file suffix the repository has; and, in the Markdown docs and in comments, a bare module name
+(collectives.py), which must be a module of seg_train/, scripts/, benchmarks/ or tests/. A path given at
+a commit (abc1234:scripts/x.py, what `git show` takes) names a file of the history, not of the tree.
 """
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CITED = re.compile(r"(?<![\w/.-])((?:seg_train|tests|scripts|docs|configs|models|\.ci)/"
+CITED = re.compile(r"(?<![\w/.-])((?:seg_train|tests|scripts|benchmarks|docs|configs|models|\.ci)/"
                    r"[\w./-]*\.(?:py|md|yaml|sh|json|png))")
 BARE = re.compile(r"(?<![\w/.-])([a-z_]\w*\.py)\b")
 # Paths that name what a run or a command WRITES, not repository files.
 NOT_REPO = ("docs/PERFORMANCE.md.new",)
+AT_COMMIT = re.compile(r"(?<![\w])[0-9a-f]{7,40}:$")
 
 
 def sources():
     yield ROOT / "README.md"
     yield ROOT / "DEVELOPING.md"
-    for folder, pattern in (("docs", "*.md"), ("seg_train", "*.py"), ("scripts", "*"), ("tests", "*.py"),
-                            ("configs", "*.yaml"), (".ci", "*")):
+    for folder, pattern in (("docs", "*.md"), ("seg_train", "*.py"), ("scripts", "*"), ("benchmarks", "*"),
+                            ("tests", "*.py"), ("configs", "*.yaml"), (".ci", "*")):
         yield from (p for p in (ROOT / folder).rglob(pattern) if p.is_file() and p.suffix in (".py", ".md", ".yaml",
                                                                                            ".sh", ""))
     yield ROOT / "Makefile"
@@ -35,7 +37,8 @@ def exists(cited: str) -> bool:
 
 
 def test_every_cited_repository_path_exists():
-    modules = {p.name for folder in ("seg_train", "scripts", "tests") for p in (ROOT / folder).rglob("*.py")}
+    modules = {p.name for folder in ("seg_train", "scripts", "benchmarks", "tests")
+               for p in (ROOT / folder).rglob("*.py")}
     missing = []
     checked = 0
     for path in sources():
@@ -45,9 +48,9 @@ def test_every_cited_repository_path_exists():
                 checked += 1
                 if name not in modules:
                     missing.append(f"{path.relative_to(ROOT)}:{number}: {name}")
-            for cited in CITED.findall(line):
-                cited = cited.rstrip(".")
-                if cited in NOT_REPO:
+            for match in CITED.finditer(line):
+                cited = match.group(1).rstrip(".")
+                if cited in NOT_REPO or AT_COMMIT.search(line[:match.start()]):
                     continue
                 checked += 1
                 if not exists(cited):

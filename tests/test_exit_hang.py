@@ -33,7 +33,7 @@ BAD = "demo_00005"  # with seed 0 the training stream reaches it at step 3, afte
 
 DRIVER = SLOW_TEARDOWN + r'''
 import sys, time
-from seg_train.bench import runner
+from seg_train.bench import train_runner
 from seg_train.data import reader
 
 decode = reader.ImageReader._decode_uncached
@@ -46,7 +46,7 @@ def slow_decode(self, index):
 
 reader.ImageReader._decode_uncached = slow_decode
 if sys.argv.pop(1) == "internal":
-    step, calls = runner.TrainRunner.step, []
+    step, calls = train_runner.TrainRunner.step, []
 
     def failing_step(self):
         out = step(self)
@@ -55,7 +55,7 @@ if sys.argv.pop(1) == "internal":
             raise AttributeError("'TrainRunner' object has no attribute 'injected_for_the_test'")
         return out
 
-    runner.TrainRunner.step = failing_step
+    train_runner.TrainRunner.step = failing_step
 from seg_train.cli import bench_main
 sys.exit(bench_main())
 '''

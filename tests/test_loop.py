@@ -10,7 +10,7 @@ import pytest
 from seg_train.train import loop, train
 from seg_train.dist import replicas
 
-from seg_train.bench import runner as bench
+from seg_train.bench import train_runner
 
 from seg_train.data import synthetic
 from tests.helpers import open_reader, tiny_config
@@ -23,7 +23,7 @@ def runner(tmp_path_factory):
     cfg = tiny_config(tmp, root, train={"num_steps": 4, "learning_rate": 0.01, "summary_every": 1,
                                         "checkpoint_every": 2, "image_summary_every": 2})
     reader = open_reader(cfg, cfg.data.train_split)
-    r = bench.TrainRunner("gpus=1", cfg, replicas.Devices(["/device:CPU:0"], "CPU", ""), reader)
+    r = train_runner.TrainRunner("gpus=1", cfg, replicas.Devices(["/device:CPU:0"], "CPU", ""), reader)
     yield r
     r.close()
 
@@ -106,8 +106,8 @@ def test_seg_bench_runs_the_same_loop_and_host_work_as_seg_train(runner, monkeyp
 def test_warmup_by_hand():
     times = [5.0, 2.0, 1.2, 1.05, 1.0, 0.98, 1.02, 1.0]
     # steady = median of the second half (1.0, 0.98, 1.02, 1.0) = 1.0; 1.2 > 1.1, 1.05 <= 1.1
-    assert loop.warmup(times) == 3
-    assert loop.warmup(times, steady=1.1) == 2  # 1.2 <= 1.21
-    assert loop.warmup(times, steady=1.0, tolerance=0.2) == 2
-    assert loop.warmup([3.0, 3.0, 3.0], steady=1.0) == 3  # never steady
-    assert loop.warmup([]) == 0
+    assert train_runner.warmup(times) == 3
+    assert train_runner.warmup(times, steady=1.1) == 2  # 1.2 <= 1.21
+    assert train_runner.warmup(times, steady=1.0, tolerance=0.2) == 2
+    assert train_runner.warmup([3.0, 3.0, 3.0], steady=1.0) == 3  # never steady
+    assert train_runner.warmup([]) == 0

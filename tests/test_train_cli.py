@@ -1,5 +1,6 @@
 """seg-train end to end through the real command: train, TensorBoard tags, resume, errors."""
 
+import json
 import os
 import re
 import subprocess
@@ -58,8 +59,14 @@ def test_train_tags_and_resume(tmp_path, demo_root):
     assert r.returncode == 0, r.stderr
     assert "logical CPU devices" in r.stderr
     assert re.search(r"step 4/4  loss [0-9.]+  gnorm [0-9.e+-]+  lr ", r.stderr), r.stderr  # the log line
-    assert re.search(r"first step done [0-9.]+s after launch: tracing [0-9.]+s", r.stderr), r.stderr
+    first = re.search(r"first step done ([0-9.]+)s after launch: tracing ([0-9.]+)s", r.stderr)
+    assert first, r.stderr
     run_dir = tmp_path / "run"
+    # The same first step, machine-readable (what seg-bench's probes read), with the run's peak memory.
+    record = json.loads((run_dir / "first_step.json").read_text())
+    assert record["step"] == 1 and record["first_step_s"] > record["tracing_s"] > 0, record
+    assert (f"{record['first_step_s']:.1f}", f"{record['tracing_s']:.1f}") == first.groups(), (record, first)
+    assert record["peak_rss_mb"] > 0, record
     assert (run_dir / "config.yaml").is_file()
     assert tf.train.latest_checkpoint(str(run_dir / "checkpoints")).endswith("ckpt-4")
     scalars, images, acc = event_tags(run_dir)

@@ -29,26 +29,25 @@ What is measured, and how (docs/PERFORMANCE.md quotes these definitions):
 All runners (one per tower count, and per variant with `--compare`) are built and warmed up first,
 then timed in interleaved windows (A B C, C B A, ...), so their ratios hold even when other
 processes load the machine unevenly during the run.
+
+By job: input.py times the input pipeline alone, train_runner.py the train step in seg-train's own
+loop (TrainRunner, interleave), probes.py seg-train in a fresh process, machine.py what the machine is;
+this module builds the runners of every variant and tower count and runs the phases (run, run_input_only).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import platform
-import re
-import sys
-import statistics
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from seg_train.bench.flops import compute_dtype, count_train_flops, measure_peak, utilisation
+from seg_train.bench.input import DECODE_FLOOR_DEFINITION, decode_floor, input_throughput
+from seg_train.bench.machine import machine_info
 from seg_train.bench.op_profile import profile_ops
+from seg_train.bench.probes import cli_probe
+from seg_train.bench.train_runner import TrainRunner, interleave, measure_bn_reestimate, measure_eval
 from seg_train.config import Config, ConfigError
-from seg_train.data.feed import Feed
 from seg_train.util.sysinfo import peak_rss_mb
 
 log = logging.getLogger("seg_train")
@@ -56,10 +55,6 @@ log = logging.getLogger("seg_train")
 EFFICIENCY_DEFINITION = ("images/s at N towers / images/s at 1 tower, same global batch "
                          "(each tower gets global_batch / N images); 1.0 = no loss from splitting")
 WAIT_DEFINITION = "time blocked in next(iterator) / total time of the timed steps (median window)"
-DECODE_FLOOR_DEFINITION = ("the same samples in the same order, image and label decoded by the reader's own "
-                           "decoders and nothing else (no augmentation, no batching), at data.num_parallel_calls, "
-                           "timed in windows of as many samples; cpu_ms_per_sample = this process's CPU time "
-                           "(all threads) over a window / its samples, median window")
 
 
 @dataclass(frozen=True)
@@ -86,354 +81,7 @@ def parse_towers(text: str) -> list[int]:
     return towers
 
 
-def machine_info() -> dict:
-    """CPU model, core counts, TensorFlow/Keras versions."""
-    import keras
-    import tensorflow as tf
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("unknown", platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        usable = os.cpu_count()
-    return {"cpu": model, "logical_cpus": os.cpu_count(), "usable_cpus": usable,
-            "isa": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"}),
-            "tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version()}
-
-
-def _median(xs):
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-# ---- input pipeline alone ---------------------------------------------------------------------------
-def input_throughput(reader, global_batch: int, steps: int, windows: int, warmup: int) -> dict:
-    """images/s of the real reader's training stream (global batches), iterated without training.
-
-    With data.cache on, one full pass over the data comes first (its rate is reported as
-    first_pass_images_per_sec), so the timed windows read decoded images from the cache.
-    cores_busy: the process's CPU time (all threads, user + system) over the wall time of each timed
-    window, median: how many cores the pipeline kept busy (1.0 at most for a pipeline held by the GIL).
-    """
-    n = -(-len(reader) // global_batch) if reader.cfg.cache else 0
-    # The stream ends with the batches read: nothing is decoded for nothing.
-    it = Feed(reader.train_dataset(global_batch, 0, 1, end_step=n + warmup + windows * steps))
-    first_pass = None
-    if reader.cfg.cache:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            next(it)
-        first_pass = n * global_batch / (time.perf_counter() - t0)
-    for _ in range(warmup):
-        next(it)
-    out = _timed_windows(it, steps, windows, global_batch)
-    it.close()
-    out["cache"] = reader.cfg.cache
-    if first_pass is not None:
-        out.update(first_pass_images_per_sec=first_pass, cache_mb=reader.cache_bytes() / 2**20)
-    return out
-
-
-def _timed_windows(it, steps: int, windows: int, per_item: int) -> dict:
-    """Times `windows` windows of `steps` next(it) calls, each giving `per_item` samples: images/s, cores
-    busy and CPU milliseconds per sample (this process's CPU time, all threads, over the window's
-    samples), the median window of each and the windows themselves."""
-    rates, busy, cpu = [], [], []
-    for _ in range(windows):
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            next(it)
-        wall, used = time.perf_counter() - t0, time.process_time() - c0
-        rates.append(steps * per_item / wall)
-        busy.append(used / wall)
-        cpu.append(1000.0 * used / (steps * per_item))
-    return {"images_per_sec": _median(rates), "window_images_per_sec": rates, "cores_busy": _median(busy),
-            "window_cores_busy": busy, "cpu_ms_per_sample": _median(cpu), "window_cpu_ms_per_sample": cpu}
-
-
-def decode_floor(reader, global_batch: int, steps: int, windows: int, warmup: int) -> dict:
-    """The decode-only floor of the training stream: the same samples in the same order, each image and
-    label decoded by the reader's own decoders (`ImageReader.decode`: TensorFlow's, Pillow where the
-    reader uses Pillow) and nothing else, at data.num_parallel_calls; timed like input_throughput
-    (windows of `steps` global batches' worth of samples). Always decodes the files (data.cache off).
-    """
-    import tensorflow as tf
-
-    plain = reader.uncached()
-    used = (warmup + windows * steps) * global_batch  # the stream ends with the samples read
-    ds = plain.train_order(global_batch, 0, 1).take(used).map(
-        lambda k, i: plain.decode(i), num_parallel_calls=plain.cfg.num_parallel_calls, deterministic=True)
-    it = Feed(ds.prefetch(tf.data.AUTOTUNE))
-    for _ in range(warmup * global_batch):
-        next(it)
-    out = _timed_windows(it, steps * global_batch, windows, 1)
-    it.close()
-    return out
-
-
-# ---- training -----------------------------------------------------------------------------------------
-def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro_batches: int = 1):
-    """A dataset_fn serving the first `num_distinct_steps` steps' batches from memory, repeated.
-
-    The batches are those the real reader would give (same per-replica split), decoded and augmented
-    once up front, so training from it measures the step without any input-pipeline cost.
-    """
-    import tensorflow as tf
-
-    from seg_train.data.split import train_dataset_fn
-
-    distinct = train_dataset_fn(reader, global_batch, start_step=0, end_step=num_distinct_steps,
-                                micro_batches=micro_batches)
-
-    def dataset_fn(ctx):
-        batches = list(Feed(distinct(ctx)))
-        images = tf.stack([b[0] for b in batches])
-        labels = tf.stack([b[1] for b in batches])
-        return tf.data.Dataset.from_tensor_slices((images, labels)).repeat().prefetch(2)
-
-    return dataset_fn
-
-
-class TrainRunner:
-    """seg-train's real train step on some towers, run by seg-train's own loop; timed in windows.
-
-    The steps go through loop.StepLoop with seg-train's per-step host work (`loop.HostSide`: scalar summaries
-    every train.summary_every steps, image summaries, the log line, the non-finite checks), written
-    to a throw-away folder, so the images/s measured here is what seg-train delivers.
-
-    Args:
-      name: label of this runner (e.g. "gpus=4" or "train.precision=mixed_bfloat16").
-      cfg: resolved config (data.batch_size is the GLOBAL batch of one micro-batch).
-      devices: replicas.Devices for this runner's towers.
-      reader: the training ImageReader.
-      input_mode: "reader" (the real pipeline) or "cached" (the same batches from memory).
-      loop: "overlapped" (train.py's loop: step k's outputs are read after step k+1 is dispatched)
-        or "blocking" (the host reads every step's outputs before dispatching the next one).
-      class_weights: loss.class_weights as computed for training (median_frequency needs the scan).
-    """
-
-    def __init__(self, name: str, cfg: Config, devices, reader, input_mode: str = "reader", loop: str = "overlapped",
-                 class_weights=None):
-        import tempfile
-
-        from seg_train.dist import replicas
-        from seg_train.train.loop import HostSide, StepLoop
-        from seg_train.data.label_images import voc_colormap
-        from seg_train.data.split import train_dataset_fn
-        from seg_train.train.profiling import StepProfiler
-        from seg_train.train.summaries import Summaries
-        from seg_train.infer import modes
-        from seg_train.infer.evaluate import Evaluator
-        from seg_train.train.state import TrainState
-        from seg_train.train.step import TrainStep
-
-        self.name, self.cfg, self.input_mode, self.loop = name, cfg, input_mode, loop
-        self.num_towers = len(devices.names)
-        self.batch = cfg.data.batch_size
-        k = cfg.train.accumulate_steps
-        self.images_per_step = self.batch * k
-        self.strategy = replicas.strategy_for(cfg.train, devices)
-        self.build_start = t0 = time.perf_counter()
-        self.state = TrainState(cfg, self.strategy)
-        self.train_step = TrainStep(self.state, class_weights=class_weights)
-        # measure_eval's evaluation and measure_bn_reestimate's precise BN, as train.py evaluates
-        self.evaluator = Evaluator(self.state, cfg.eval, score_offsets=modes.score_offsets(cfg.eval, class_weights))
-        self.build_s = time.perf_counter() - t0
-        batch = self.batch
-        if input_mode == "cached":
-            dataset_fn = _cached_dataset_fn(reader, batch, 8, k)
-        else:  # endless: read until close() releases the Feed
-            dataset_fn = train_dataset_fn(reader, batch, start_step=0, end_step=None, micro_batches=k)
-        self.dataset = self.state.distribute(dataset_fn)
-        self.batches = Feed(self.dataset)
-        self.scratch = tempfile.TemporaryDirectory(prefix="seg-bench-summaries-")
-        self.summaries = Summaries(self.scratch.name, voc_colormap(), cfg.data.ignore_label, cfg.data.mean,
-                                   cfg.data.std)
-        self.host = HostSide(cfg, self.state, self.summaries, None, self.num_towers,
-                          StepProfiler(self.scratch.name, None), log_level=logging.DEBUG)
-        self.steps = StepLoop(self.train_step, self.batches, 0, self, cfg.train.image_summary_every)
-        self.first_step_s = None
-        self.first_step = {}
-        self.rates, self.waits, self.step_ms, self.losses = [], [], [], []
-        self.cpu_ms, self.cores = [], []
-
-    # The host side StepLoop calls: train.py's, plus the loss for the summary.
-    def before_step(self, step: int) -> None:
-        self.host.before_step(step)
-
-    def finish(self, pending, ended=None) -> bool:
-        stop = self.host.finish(pending, ended)
-        self.losses.append(self.host.last_loss)
-        return stop
-
-    def step(self) -> tuple[float, float]:
-        """One training step as train.py runs it; returns (seconds blocked in next(), total seconds)."""
-        t0 = time.perf_counter()
-        self.steps.dispatch()
-        if self.loop == "blocking":
-            self.steps.drain()
-        return self.steps.last_input_wait, time.perf_counter() - t0
-
-    def drain(self) -> float:
-        """Waits for the last dispatched step (end of a timed window); returns the seconds it took."""
-        t0 = time.perf_counter()
-        self.steps.drain()
-        return time.perf_counter() - t0
-
-    def warmup(self, steps: int) -> None:
-        """Untimed steps: the first traces the step; the rest let tf.data's autotuning settle.
-
-        The first step is split where TensorFlow lets it be: tracing (Python building the graph:
-        get_concrete_function), then the first call, which is graph optimisation (Grappler, placement,
-        function instantiation per device) plus the first execution; a second call gives the
-        execution time alone, so graph_optimization_s ~ first call - second call.
-        """
-        t0 = time.perf_counter()
-        self.train_step.concrete_function(self.dataset.element_spec)
-        trace = time.perf_counter() - t0
-        self.host.trace_s, self.host.loop_start = trace, time.perf_counter()
-        t1 = time.perf_counter()
-        self.step()
-        self.drain()
-        first_call = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        self.step()
-        self.drain()
-        second = time.perf_counter() - t2
-        self.first_step_s = self.build_s + trace + first_call
-        self.first_step = {"build_s": self.build_s, "tracing_s": trace, "first_call_s": first_call,
-                           "graph_optimization_s": max(first_call - second, 0.0), "first_execution_s": second,
-                           "note": "in this process, after other runners were built (see process_first_step for a "
-                                   "fresh process)"}
-        for _ in range(max(steps - 2, 0)):
-            self.step()
-        self.drain()
-        # Only the warm-up's steps follow each other without another runner's window in between.
-        self.warmup_finished = list(self.steps.finished)
-
-    def warmup_figures(self) -> dict:
-        """The warm-up as the loop saw it (after the timed windows): the steps until the step time is
-        within 10% of the steady state (the median step of the timed windows), and when that was, in
-        seconds from this process's launch and from this runner's build. With fewer warm-up steps
-        than that, warmup_steps_to_steady is the warm-up's length and `reached` is false."""
-        from seg_train.train.loop import step_times, warmup
-
-        ends = self.warmup_finished
-        times = step_times(ends)  # steps 2, 3, ...
-        steady = _median(self.step_ms) / 1e3
-        n = 1 + warmup(times, steady)  # the first step (tracing, graph optimisation) is never steady
-        reached = n - 1 < len(times)
-        n = min(n, len(ends))
-        return {"warmup_steps_to_steady": n, "warmup_reached_steady": reached,
-                "launch_to_steady_s": ends[n - 1][2], "build_to_steady_s": ends[n - 1][1] - self.build_start,
-                "warmup_step_ms": [round(1e3 * t, 1) for t in times]}
-
-    def window(self, steps: int, reentry: int = 0) -> None:
-        """`reentry` untimed steps (after another runner had the CPU), then `steps` timed steps."""
-        for _ in range(reentry):
-            self.step()
-        self.drain()
-        wait = total = 0.0
-        cpu0 = time.process_time()
-        for _ in range(steps):
-            w, t = self.step()
-            wait, total = wait + w, total + t
-        total += self.drain()
-        cpu = time.process_time() - cpu0
-        self.rates.append(steps * self.images_per_step / total)
-        self.waits.append(wait / total)
-        self.step_ms.append(1000.0 * total / steps)
-        self.cpu_ms.append(1000.0 * cpu / steps)
-        self.cores.append(cpu / total)
-
-    def summary(self) -> dict:
-        rate = _median(self.rates)
-        if not all(np.isfinite(self.losses)):
-            log.warning("%s: non-finite loss while benchmarking", self.name)
-        return {"gpus": self.num_towers, "images_per_sec": rate, "images_per_sec_per_tower": rate / self.num_towers,
-                "images_per_step": self.images_per_step, "accumulate_steps": self.cfg.train.accumulate_steps,
-                "step_time_ms": _median(self.step_ms), "input_wait_fraction": _median(self.waits),
-                "cpu_ms_per_step": _median(self.cpu_ms), "cores_busy": _median(self.cores),
-                "window_images_per_sec": list(self.rates), "window_input_wait_fraction": list(self.waits),
-                "first_step_s": self.first_step_s, "first_step_in_process": self.first_step,
-                "last_loss": self.losses[-1] if self.losses else None, **self.graph_counts()}
-
-    def graph_counts(self) -> dict:
-        """What crosses the towers per step, read from the traced step: tensors all-reduced (gradient
-        packs, or one per gradient with packing off) and graph ops in the cross-tower scope."""
-        graph = self.train_step.concrete_function(self.dataset.element_spec).graph
-        cross = [op for op in graph.get_operations() if "cross_tower" in op.name]
-        reduce_ops = [op for op in cross if op.type in ("AddN", "CollectiveReduceV2", "CollectiveReduceV3",
-                                                        "NcclAllReduce")]
-        return {"allreduce_ops_per_step": len(reduce_ops), "cross_tower_graph_ops": len(cross),
-                "allreduce_pack_mb": self.cfg.train.allreduce_pack_mb}
-
-    def close(self) -> None:
-        """Releases the runner's iterator (without waiting for it, data/feed.py), graphs and scratch folder."""
-        self.batches.close()
-        self.summaries.flush()
-        del self.steps, self.host, self.summaries, self.batches, self.dataset
-        del self.train_step, self.evaluator, self.state, self.strategy
-        gc.collect()
-        self.scratch.cleanup()
-
-
-def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
-    """Precise-BN re-estimation from `images` training images on this runner's towers: the first run
-    (which traces) and a second one (trace cached), in seconds."""
-    state = runner.state
-    batches = max(images // runner.batch, 1)
-    saved = [np.asarray(v) for v in state.non_trainable] + [int(state.bn_stats_step.numpy())]
-    times = []
-    for _ in range(2):
-        state.bn_stats_step.assign(-7)  # forces the re-estimation (it is skipped when already done)
-        t0 = time.perf_counter()
-        runner.evaluator.reestimate_bn(reader, batches, progress=False)
-        times.append(time.perf_counter() - t0)
-    for v, x in zip(state.non_trainable, saved[:-1]):  # the runner goes on training from its own statistics
-        v.assign(x)
-    state.bn_stats_step.assign(saved[-1])
-    return {"bn_reestimate_s": times[0], "bn_reestimate_repeat_s": times[1],
-            "bn_reestimate_images": batches * runner.batch}
-
-
-def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
-    """Full-resolution evaluation of `val_reader`'s images on this runner's towers: a first pass (which
-    traces), then a timed pass; images/s of the timed pass."""
-    t0 = time.perf_counter()
-    runner.evaluator.evaluate(val_reader, names, progress=False)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _, count = runner.evaluator.evaluate(val_reader, names, progress=False)
-    seconds = time.perf_counter() - t0
-    return {"eval_images_per_sec": count / seconds, "eval_images": count, "eval_first_pass_s": first}
-
-
-def interleave(runners: list, steps: int, windows: int, warmup: int, pickup: int = 1) -> None:
-    """Warms every runner up, then times their windows in turn: A B C, C B A, A B C, ...
-
-    Interleaving makes the ratios between runners robust to load that changes during the run (other
-    processes on the machine); with several runners each window starts with `pickup` untimed steps,
-    so a runner need not pay for picking up after another (caches, its input buffer).
-    """
-    for r in runners:
-        log.info("%s: warming up (%d steps, the first one traces)", r.name, warmup)
-        r.warmup(warmup)
-        log.info("%s: first step %.1fs", r.name, r.first_step_s)
-    reentry = pickup if len(runners) > 1 else 0
-    for w in range(windows):
-        for r in (runners if w % 2 == 0 else runners[::-1]):
-            r.window(steps, reentry)
-            log.debug("%s: window %d: %.2f images/s", r.name, w, r.rates[-1])
-
-
+# ---- seg-bench --input-only ----------------------------------------------------------------------------
 def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int = 3) -> dict:
     """`seg-bench --input-only`: the reader's training stream alone (no model, no training)."""
     from seg_train.data.split import open_split
@@ -456,39 +104,6 @@ def run_input_only(cfg: Config, steps: int = 10, windows: int = 3, warmup: int =
             "num_parallel_calls": cfg.data.num_parallel_calls, "cache": cfg.data.cache,
             "steps_per_window": steps, "windows": windows, "warmup_steps": warmup,
             "machine": machine_info(), "peak_rss_mb": peak_rss_mb()}
-
-
-_FIRST_STEP_LINE = re.compile(r"first step done ([\d.]+)s after launch: tracing ([\d.]+)s, graph optimisation and "
-                              r"first execution ([\d.]+)s")
-_PEAK_LINE = re.compile(r"peak resident memory (\d+) MiB")
-
-
-def cli_probe(config_path: str, overrides: list[str], towers: int, steps: int = 1, timeout: float = 3600) -> dict:
-    """Runs seg-train itself for `steps` steps in a fresh process (no evaluation, a scratch run dir) and
-    reads its own report of the first step (seconds from process launch, tracing, first call) and
-    of its peak resident memory: what a user launching seg-train meets."""
-    import shutil
-    import subprocess
-    import tempfile
-
-    run_dir = tempfile.mkdtemp(prefix="seg-bench-probe-")
-    sets = list(overrides) + [f"train.num_steps={steps}", "data.val_split=__seg_bench_no_val__",
-                              "train.image_summary_every=0", f"train.summary_every={steps}",
-                              f"train.checkpoint_every={steps}"]
-    cmd = [sys.executable, "-m", "seg_train.cli", "--config", str(config_path), "--gpus", str(towers),
-           "--run-dir", run_dir] + [x for o in sets for x in ("--set", o)]
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    first, peak = _FIRST_STEP_LINE.search(proc.stderr), _PEAK_LINE.search(proc.stderr)
-    if proc.returncode != 0 or not first:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"seg-train probe ({' '.join(cmd)}) failed with exit {proc.returncode}: {tail}")
-    return {"first_step_s": float(first.group(1)), "tracing_s": float(first.group(2)),
-            "first_call_s": float(first.group(3)), "peak_rss_mb": float(peak.group(1)) if peak else None,
-            "process_wall_s": time.time() - t0, "steps": steps}
 
 
 # ---- the benchmark's phases, in the order run() calls them -----------------------------------------

@@ -120,7 +120,7 @@ TABLE: dict[str, Entry] = {
         alternative="tf.nn.max_pool (its gradient runs on cuDNN's deterministic max pooling)"),
     # TensorFlow's XLA lowering of these refuses under op determinism whatever the device ("GPU
     # MaxPool gradient ops do not yet have a deterministic XLA implementation" was raised by a
-    # ResNet-50 step with train.jit_compile on logical CPU towers, scripts/determinism_audit.py).
+    # ResNet-50 step with train.jit_compile on logical CPU towers).
     "MaxPoolGrad": Entry(
         used_by="the gradient of max pooling (ResNet's stem) in an XLA-compiled tower",
         reason="TensorFlow's XLA lowering has no deterministic select-and-scatter for it",

@@ -1,4 +1,4 @@
-"""The step loop shared by seg-train (train.py) and seg-bench (bench.runner.TrainRunner).
+"""The step loop shared by seg-train (train.py) and seg-bench (bench.train_runner.TrainRunner).
 
 The host never waits for a step before dispatching the next one: step k's outputs (losses,
 finiteness, norms) are read after step k+1 has been dispatched, so a device is never idle between
@@ -8,16 +8,20 @@ or a stop, the caller drains the loop: it waits for the pending step and does it
 
 Because seg-bench times this same loop, with the same per-step host work (`HostSide`:
 summaries, log lines, non-finite checks), its images/s is what seg-train delivers.
+
+The first step's cost goes to the log and, machine-readable, to RUN_DIR/first_step.json
+(rundir.FIRST_STEP_FILE), which seg-bench's fresh-process probes read.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from seg_train.train.rundir import write_json
 from seg_train.train.state import LOSS_SCALE_FLOOR
 from seg_train.util.sysinfo import seconds_since_launch
 
@@ -29,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("seg_train")
 
 WAITED_S = 0.01  # a read of a step's output that takes longer waited for the step to end (not a busy host)
-STEADY_TOLERANCE = 0.10  # a step is "steady" when its time is within 10% of the steady-state step time
 
 
 class StepLoop:
@@ -102,39 +105,19 @@ class StepLoop:
         return self.host.finish(pending[:5], ended=end)
 
 
-def step_times(finished: list) -> list[float]:
-    """Seconds of each step in StepLoop.finished but the first (end of the step before to its own end;
-    the first has no start in this clock)."""
-    ends = [t for _, t, _ in finished]
-    return [b - a for a, b in zip(ends, ends[1:])]
-
-
-def warmup(step_times: list[float], steady: float | None = None, tolerance: float = STEADY_TOLERANCE) -> int:
-    """The number of steps before the first one whose time is within `tolerance` of the steady state.
-
-    steady defaults to the median of the second half of step_times (a run long enough to settle).
-    Returns len(step_times) if no step gets there.
-    """
-    if not step_times:
-        return 0
-    if steady is None:
-        steady = statistics.median(step_times[len(step_times) // 2:])
-    for i, t in enumerate(step_times):
-        if t <= steady * (1.0 + tolerance):
-            return i
-    return len(step_times)
-
-
 class NonFiniteError(RuntimeError):
     """A non-finite loss, gradient or BN statistics update (train.on_nan: stop)."""
 
 
 class HostSide:
     """The host side of each step, seg-train's and seg-bench's: reads its outputs, logs, writes summaries,
-    decides on non-finite steps (StepLoop calls `finish` one step late, and `before_step`)."""
+    decides on non-finite steps (StepLoop calls `finish` one step late, and `before_step`).
+
+    first_step_path: where the first step's record goes (RUN_DIR/first_step.json; None: nowhere);
+    `first_step_record` holds it once the first step has ended."""
 
     def __init__(self, cfg: Config, state: TrainState, summaries: Summaries, bar, num_towers: int, profiler,
-                 trace_s: float = 0.0, log_level: int = logging.INFO):
+                 trace_s: float = 0.0, log_level: int = logging.INFO, first_step_path: Path | None = None):
         self.cfg, self.state, self.summaries, self.bar, self.profiler = cfg, state, summaries, bar, profiler
         self.log_level = log_level  # of the per-step lines (seg-bench does the same work, but quietly)
         self.trace_s, self.loop_start = trace_s, time.perf_counter()
@@ -146,6 +129,8 @@ class HostSide:
         self.images_per_sec = float("nan")
         self.last_loss = float("nan")
         self.micro = cfg.data.batch_size // num_towers  # rows of micro-batch 0 in each tower's slice
+        self.first_step_path = first_step_path
+        self.first_step_record: dict | None = None
 
     def restart_clock(self) -> None:
         self.window_start, self.window_steps = time.perf_counter(), 0
@@ -199,8 +184,13 @@ class HostSide:
             # graph) before the loop, then graph optimisation + the first execution in the first call.
             now = time.perf_counter()
             ended = now if ended is None else ended
+            record = {"step": step, "first_step_s": seconds_since_launch() - (now - ended), "tracing_s": self.trace_s,
+                      "first_call_s": ended - self.loop_start}
             log.log(self.log_level, "first step done %.1fs after launch: tracing %.1fs, graph optimisation and first "
-                    "execution %.1fs", seconds_since_launch() - (now - ended), self.trace_s, ended - self.loop_start)
+                    "execution %.1fs", record["first_step_s"], record["tracing_s"], record["first_call_s"])
+            self.first_step_record = record
+            if self.first_step_path is not None:
+                write_json(self.first_step_path, record)
             self.restart_clock()
             self.first = False
         else:

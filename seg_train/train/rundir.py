@@ -65,6 +65,9 @@ def write_json(path: Path, obj) -> None:
 
 
 CLASS_WEIGHTS_FILE = "class_weights.json"
+# RUN_DIR/first_step.json: when the run segment's first step ended, seconds from launch (loop.HostSide),
+# and the run's peak resident memory once it is done (train.py); seg-bench's probes read it.
+FIRST_STEP_FILE = "first_step.json"
 
 
 def write_class_weights(run_dir: Path, source: str, names, weights) -> None:

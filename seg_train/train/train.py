@@ -32,7 +32,7 @@ from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader
 from seg_train.data.split import open_split, train_dataset_fn
 from seg_train.data.scan import class_weights_for_split, scan_for_training
-from seg_train.train.rundir import RunLock, check_resume_config, write_class_weights
+from seg_train.train.rundir import FIRST_STEP_FILE, RunLock, check_resume_config, write_class_weights, write_json
 from seg_train.train.summaries import Summaries
 from seg_train.util.sysinfo import peak_rss_mb
 from seg_train.train.state import TrainState
@@ -280,7 +280,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     # stop the loop is drained (waits for the step itself).
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
-    loop = HostSide(cfg, state, summaries, bar, n, profiler, trace_s)
+    loop = HostSide(cfg, state, summaries, bar, n, profiler, trace_s, first_step_path=write_dir / FIRST_STEP_FILE)
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     state_finite = tf.function(lambda: tf.reduce_all(
         [tf.reduce_all(tf.math.is_finite(v)) for v in state.model.weights + state.optimizer.variables
@@ -341,7 +341,10 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     log.debug("steps %d..%d ended at (s after launch): %s", start + 1, steps.step,
               " ".join(f"{since:.2f}" for _, _, since in steps.finished))
     if status == EXIT_OK:
-        log.info("peak resident memory %.0f MiB", peak_rss_mb())
+        peak = peak_rss_mb()
+        log.info("peak resident memory %.0f MiB", peak)
+        if loop.first_step_record is not None:  # the first step's record, with the whole run's peak memory
+            write_json(write_dir / FIRST_STEP_FILE, dict(loop.first_step_record, peak_rss_mb=peak))
         log.info("done: step %d, loss %.4f; checkpoints in %s", t_cfg.num_steps, loop.last_loss,
                  run_dir / "checkpoints")
         log.info("view with: tensorboard --logdir %s", run_dir)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """`make bench`: runs the standard benchmarks one after the other and writes docs/PERFORMANCE.md.
 
-    python scripts/bench.py [--only towers,variants,keras,input,accuracy,gradients,accumulation,slide]
+    python benchmarks/bench.py [--only towers,variants,keras,input,accuracy,gradients,accumulation,slide]
                             [--output docs/PERFORMANCE.md]
-                            [--data ../shared/data/camvid] [--steps K] [--windows W] [--dry-run]
+                            [--data DIR] [--steps K] [--windows W] [--dry-run]
                             [--report-only] [--smoke]
 
 Every figure comes from one of the commands below, run by this script in one go, so all ratios are
@@ -15,7 +15,7 @@ from the same run (and each command times its own comparison interleaved in one 
                       --compare model.fused_batchnorm=false
                                                         reader vs cached, bf16 vs fp32, XLA vs not,
                                                         seg-train's dilated conv and BN vs Keras' own
-  keras     scripts/baseline_keras_fit_speed.py         seg-train step vs plain Keras model.fit
+  keras     benchmarks/baseline_keras_fit_speed.py         seg-train step vs plain Keras model.fit
   input     seg-bench --input-only --set data.cache=true  the reader alone with the decoding cache
                                                         (towers has it without)
   accuracy  seg-train (configs/demo.yaml) in float32 and in mixed_bfloat16, 1 tower, both at once; the final
@@ -27,7 +27,7 @@ from the same run (and each command times its own comparison interleaved in one 
   accumulation seg-bench --gpus 1 --compare train.accumulate_steps=4
                                                         4 micro-batches of 2 vs one batch of 8: images/s and
                                                         each set-up's peak memory in a fresh process
-  slide     scripts/bench_slide_memory.py               peak memory of whole-image vs sliding-window
+  slide     benchmarks/bench_slide_memory.py               peak memory of whole-image vs sliding-window
                                                         evaluation of a synthetic 2048x1024 (and 4096x2048) image
 
 The towers run also times, per tower count: the first step from process launch in fresh seg-train
@@ -36,11 +36,11 @@ images, evaluation images/s, and at 4 towers the share of op time spent on cross
 
 The speed benchmarks use a medium config written to runs/bench/camvid-medium.yaml (shown in the
 report): DeepLabV3+ on MobileNetV2, output stride 16, crop 128x128, global batch 8, CamVid
-(../shared/data/camvid, 240x180 JPEGs, 11 classes); without CamVid, a synthetic demo set of the same
+(CAMVID_ROOT, default data/camvid, 240x180 JPEGs, 11 classes); without CamVid, a synthetic demo set of the same
 image size is generated instead and the report says so. JSON results go to runs/bench/*.json.
 With --only, the selected benchmarks run and print, and the report is NOT rewritten.
 
-The report is scripts/templates/performance.md filled with the results (render_report): its prose
+The report is benchmarks/templates/performance.md filled with the results (render_report): its prose
 lives there, this file computes the figures and picks the remarks that apply.
 """
 
@@ -80,7 +80,7 @@ TARGETS = {
 
 
 def medium_config(data_root: str, num_classes: int, synthetic: bool) -> str:
-    return f"""# Medium benchmark config (written by scripts/bench.py): representative, fits the time budget.
+    return f"""# Medium benchmark config (written by benchmarks/bench.py): representative, fits the time budget.
 seed: 0
 run_dir: medium-run          # not used by the benchmarks (they write no checkpoints)
 data:
@@ -165,7 +165,7 @@ def run_accuracy(log_lines: list[str], out_dir: Path = OUT, num_steps: int | Non
 
 
 # ---- the report ----------------------------------------------------------------------------------------
-TEMPLATE = ROOT / "scripts" / "templates" / "performance.md"
+TEMPLATE = ROOT / "benchmarks" / "templates" / "performance.md"
 
 
 def pct(x):
@@ -394,7 +394,7 @@ def write_report(path: Path, r: dict, config_text: str, data_note: str, run_log:
 
 
 def smoke_config() -> str:
-    return """# Smoke-test config for scripts/bench.py --smoke (checks the script, measures nothing useful).
+    return """# Smoke-test config for benchmarks/bench.py --smoke (checks the script, measures nothing useful).
 seed: 0
 run_dir: smoke-run
 data:
@@ -415,7 +415,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Run the standard benchmarks and write docs/PERFORMANCE.md.")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)} (the report is not rewritten)")
     p.add_argument("--output", help="the report (default docs/PERFORMANCE.md; with --smoke runs/bench/smoke.md)")
-    p.add_argument("--data", default="../shared/data/camvid", help="VOC-layout data for the speed benchmarks")
+    p.add_argument("--data", default=os.environ.get("CAMVID_ROOT", "data/camvid"),
+                   help="VOC-layout data for the speed benchmarks, relative to the repository "
+                        "(default: the environment's CAMVID_ROOT, else data/camvid)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per window (default 3)")
     p.add_argument("--windows", type=int, default=4, help="timed windows per runner (default 4)")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
@@ -468,7 +470,7 @@ def main(argv=None) -> int:
         "variants": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--profile", "--compare", "input=cached",
                      "--compare", "train.precision=mixed_bfloat16", "--compare", "train.jit_compile=true",
                      "--compare", "model.fast_atrous=false", "--compare", "model.fused_batchnorm=false"],
-        "keras": [str(BIN / "python"), "scripts/baseline_keras_fit_speed.py", *common],
+        "keras": [str(BIN / "python"), "benchmarks/baseline_keras_fit_speed.py", *common],
         # The reader alone, 1 worker thread per core as it runs by default, with and without data.cache.
         "input": [seg_bench, *common, "--input-only", "--set", "data.cache=true"],
         "gradients": [seg_bench, *common, "--gpus", "4", "--no-input-alone", "--no-peak", "--no-probes",
@@ -476,7 +478,7 @@ def main(argv=None) -> int:
                       "--compare", "loop=blocking"],
         "accumulation": [seg_bench, *common, "--gpus", "1", "--no-input-alone", "--no-peak", "--bn-images", "0",
                          "--eval-images", "0", "--compare", "train.accumulate_steps=4"],
-        "slide": [str(BIN / "python"), "scripts/bench_slide_memory.py"],
+        "slide": [str(BIN / "python"), "benchmarks/bench_slide_memory.py"],
     }
     if args.dry_run:
         for name in SECTIONS:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """CamVid to TFLite: float32, float16 and int8 files of each recipe measured by seg-eval, written to docs/DEPLOY.md.
 
-    python scripts/bench_deploy.py [--models camvid,camvid_lraspp,camvid_segformer] [--run NAME=RUN_DIR ...]
+    python benchmarks/bench_deploy.py [--models camvid,camvid_lraspp,camvid_segformer] [--run NAME=RUN_DIR ...]
                                    [--threads 1,2] [--calibration-images 200] [--output docs/DEPLOY.md]
                                    [--keep] [--report-only]
 
@@ -14,7 +14,7 @@ For each model NAME (configs/<name>.yaml), with the real commands a user runs:
                                                                                 (the checkpoint, one pass)
   4. seg-export --format tflite --quantize none|float16|int8 --output runs/deploy/NAME/Q.tflite
   5. seg-eval --model Q.tflite --split val|test --threads T --json              (LiteRT; mIoU, size, latency)
-Results go to runs/deploy/results.json, then docs/DEPLOY.md is rendered from scripts/templates/deploy.md
+Results go to runs/deploy/results.json, then docs/DEPLOY.md is rendered from benchmarks/templates/deploy.md
 (--report-only re-renders from that JSON; --keep keeps the models of an earlier results.json that this run
 does not measure, so one recipe can be added or measured again alone). Latency is seg-eval's median
 LiteRT invoke() per test image, so run it on a quiet machine: a second process on the same cores slows
@@ -35,8 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "deploy"
-TEMPLATE = ROOT / "scripts" / "templates" / "deploy.md"
+TEMPLATE = ROOT / "benchmarks" / "templates" / "deploy.md"
 BIN = Path(sys.executable).parent
+# The CamVid root (VOC layout), absolute or relative to the repository: the environment's CAMVID_ROOT.
+DATA = ["--set", "data.root=" + os.environ.get("CAMVID_ROOT", "data/camvid")]
 QUANTIZATIONS = ("none", "float16", "int8")
 LABEL = {"none": "float32", "float16": "float16", "int8": "int8", "int8_float_ops": "int8 --float-ops"}
 # A fourth file for the models whose int8 file leaves XNNPACK for some op kinds (docs/DEPLOY.md): int8 with
@@ -77,14 +79,14 @@ def measure(name: str, run_dir: Path, threads: list[int], calibration: int, log:
     r = {"name": name, "config": f"configs/{name}.yaml", "run_dir": str(run_dir), "step": step}
     if not has_checkpoint(run_dir, step):
         start = time.time()
-        command([str(BIN / "seg-train"), "--config", str(config), "--gpus", "1", "--run-dir", str(run_dir)], log)
+        command([str(BIN / "seg-train"), "--config", str(config), "--gpus", "1", "--run-dir", str(run_dir), *DATA], log)
         r["train_s"] = round(time.time() - start)
     ckpt = str(run_dir / "checkpoints" / f"ckpt-{step}")
     one_pass = ["--set", "eval.flip=false", "--set", "eval.scales=[1.0]"]
     for split in ("val", "test"):
         for mode, extra in (("modes", []), ("one_pass", one_pass)):
             rec = last_json(command([str(BIN / "seg-eval"), "--config", str(config), "--checkpoint", ckpt,
-                                     "--split", split, "--json", *extra], log))
+                                     "--split", split, "--json", *DATA, *extra], log))
             r[f"checkpoint_{mode}_{split}"] = {"miou": rec["miou"], "per_class_iou": rec["per_class_iou"],
                                                "inference": rec.get("inference")}
     r["files"] = {}
@@ -98,14 +100,14 @@ def measure(name: str, run_dir: Path, threads: list[int], calibration: int, log:
         start = time.time()
         command([str(BIN / "seg-export"), "--config", str(config), "--checkpoint", ckpt, "--format", "tflite",
                  "--quantize", quantize, "--calibration-images", str(calibration), "--output", str(path), "--force",
-                 *extra], log)
+                 *DATA, *extra], log)
         f = {"export_s": round(time.time() - start), "size_bytes": path.stat().st_size,
              "sidecar": json.loads(path.with_suffix(".json").read_text())}
         for split in ("val", "test"):
             # mIoU once per split (it does not depend on the threads); latency from the test split's runs.
             for t in threads if split == "test" else [max(threads)]:
                 rec = last_json(command([str(BIN / "seg-eval"), "--config", str(config), "--model", str(path),
-                                         "--split", split, "--threads", str(t), "--json"], log))
+                                         "--split", split, "--threads", str(t), "--json", *DATA], log))
                 f.setdefault(split, {"miou": rec["miou"], "per_class_iou": rec["per_class_iou"]})
                 if split == "test":
                     f.setdefault("latency_ms", {})[str(t)] = rec["latency_ms"]

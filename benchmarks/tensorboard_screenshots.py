@@ -1,6 +1,6 @@
 """Screenshots of TensorBoard over a short demo run, as a user sees it, for the README (docs/*.png).
 
-    python scripts/tensorboard_screenshots.py [--steps 60] [--out docs] [--run-dir runs/tensorboard-demo/demo]
+    python benchmarks/tensorboard_screenshots.py [--steps 60] [--out docs] [--run-dir runs/tensorboard-demo/demo]
 
 What it needs (none of it is a seg-train dependency; not part of `make test`):
     apt-get install -y chromium                        # Debian's Chromium, driven headless

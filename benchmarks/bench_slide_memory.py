@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak memory of whole-image vs sliding-window evaluation (eval.mode) on one large synthetic image.
 
-    python scripts/bench_slide_memory.py [--backbone mobilenetv2] [--size 2048x1024] [--crop 512x1024]
+    python benchmarks/bench_slide_memory.py [--backbone mobilenetv2] [--size 2048x1024] [--crop 512x1024]
                                          [--stride 341x683] [--large 4096x2048] [--output FILE.json]
 
 Each case runs in its own process (so each peak is its own), through the real evaluation

@@ -15,7 +15,7 @@ What it does (all under RUN = runs/bench-accuracy/<date-time>/):
    resolution with the config's evaluation options (BN statistics re-estimated as
    eval.bn_reestimate_batches says, EMA weights if train.ema_decay is set, eval.flip/eval.scales if
    set): RUN/seg-train/eval/{val,test}-step<K>.json.
-3. The baseline, scripts/baseline_keras_fit_accuracy.py (independent of seg_train: plain Keras model.fit,
+3. The baseline, benchmarks/baseline_keras_fit_accuracy.py (independent of seg_train: plain Keras model.fit,
    DeepLabV3+-lite on keras.applications.MobileNetV2 from scratch, batch 8), for the same number of
    steps (its --max-steps; its wall-clock --minutes is set far above that, as a safety stop only),
    evaluated by itself on the val split with the same metric (confusion matrix over every non-ignored
@@ -28,9 +28,9 @@ What it does (all under RUN = runs/bench-accuracy/<date-time>/):
    bench-accuracy markers (--update-doc to force/skip).
 
 Usage:
-    .venv/bin/python scripts/bench_accuracy.py                    # the full benchmark (2000 steps per side)
-    .venv/bin/python scripts/bench_accuracy.py --steps 100        # a short check (docs not updated)
-    .venv/bin/python scripts/bench_accuracy.py --steps 300 --skip-baseline --set train.learning_rate=2e-3
+    .venv/bin/python benchmarks/bench_accuracy.py                    # the full benchmark (2000 steps per side)
+    .venv/bin/python benchmarks/bench_accuracy.py --steps 100        # a short check (docs not updated)
+    .venv/bin/python benchmarks/bench_accuracy.py --steps 300 --skip-baseline --set train.learning_rate=2e-3
 
 Exit codes: 0 done, 1 a step failed (its log is named), 2 bad arguments, 130 interrupted.
 """
@@ -53,7 +53,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the repo's .venv/bin when run as `make bench-accuracy`
-DOC_BEGIN = "<!-- bench-accuracy:begin (written by scripts/bench_accuracy.py; do not edit by hand) -->"
+# The CamVid root (VOC layout), absolute or relative to the repository: the environment's CAMVID_ROOT.
+CAMVID_ROOT = os.environ.get("CAMVID_ROOT", "data/camvid")
+DOC_BEGIN = "<!-- bench-accuracy:begin (written by benchmarks/bench_accuracy.py; do not edit by hand) -->"
 DOC_END = "<!-- bench-accuracy:end -->"
 STEP_BUDGET = 2000    # steps of ...
 BUDGET_BATCH = 8      # ... global batch 8: the figure counts at most 16000 training images
@@ -196,7 +198,7 @@ class Child:
 # ---- seg-train ---------------------------------------------------------------------------------------
 def seg_train_cmd(args, run_dir: Path, extra: list[str]) -> list[str]:
     cmd = [tool("seg-train"), "--config", args.config, "--gpus", str(args.gpus), "--run-dir", rel(run_dir)]
-    for o in args.overrides + extra:
+    for o in [f"data.root={CAMVID_ROOT}"] + args.overrides + extra:
         cmd += ["--set", o]
     return cmd
 
@@ -292,7 +294,7 @@ def recipe_of(cfg: dict) -> dict:
 def run_baseline(args, out: Path, data: dict, num_steps: int, echo: bool) -> dict:
     print(f"== baseline (Keras model.fit): {num_steps} steps ==", flush=True)
     bdir = out / "baseline"
-    cmd = [sys.executable, str(REPO / "scripts" / "baseline_keras_fit_accuracy.py"), "--data", rel(data["root"]),
+    cmd = [sys.executable, str(REPO / "benchmarks" / "baseline_keras_fit_accuracy.py"), "--data", rel(data["root"]),
            "--num-classes", str(data["num_classes"]), "--ignore-label", str(data["ignore_label"]),
            "--train-split", data["train_split"], "--val-split", data["val_split"],
            "--batch-size", str(BUDGET_BATCH), "--max-steps", str(num_steps),
@@ -443,7 +445,7 @@ def main(argv=None) -> int:
     from seg_train import config as config_lib  # no TensorFlow: config only
 
     try:
-        cfg = config_lib.load(args.config, [o for o in args.overrides])
+        cfg = config_lib.load(args.config, [f"data.root={CAMVID_ROOT}"] + args.overrides)
     except config_lib.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -451,7 +453,7 @@ def main(argv=None) -> int:
             "train_split": cfg.data.train_split, "val_split": cfg.data.val_split}
     if not Path(cfg.data.root).is_dir():
         print(f"error: data root not found ({cfg.data.root}): expected CamVid in VOC layout "
-              "(see docs/ACCURACY.md, 'Data')", file=sys.stderr)
+              "(set CAMVID_ROOT; see docs/ACCURACY.md, 'Data')", file=sys.stderr)
         return 2
     steps = args.steps or cfg.train.num_steps
     images = steps * cfg.data.batch_size * cfg.train.accumulate_steps
@@ -469,7 +471,8 @@ def main(argv=None) -> int:
         "over_budget": over_budget, "step_budget": STEP_BUDGET, "budget_batch": BUDGET_BATCH,
         "cpus": os.cpu_count(), "loadavg_start": loadavg(), "config": rel(args.config),
         "overrides": args.overrides, "out": rel(out),
-        "command": quote([sys.executable, "scripts/bench_accuracy.py"] + (argv if argv is not None else sys.argv[1:])),
+        "command": quote([sys.executable, "benchmarks/bench_accuracy.py"]
+                         + (argv if argv is not None else sys.argv[1:])),
     }
     echo = not args.quiet
     print(f"bench-accuracy: {steps} steps per side, results in {rel(out)}", flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """seg-train's train step vs a plain Keras `model.fit` on the same model, data, batch and device.
 
-    python scripts/baseline_keras_fit_speed.py --config FILE [--set KEY=VALUE ...] [--steps K]
+    python benchmarks/baseline_keras_fit_speed.py --config FILE [--set KEY=VALUE ...] [--steps K]
         [--windows W] [--warmup N] [--json]
 
 The baseline is what a Keras user would write: the same DeepLabV3+ (`seg_train.models.build`, the
@@ -15,7 +15,7 @@ Crossentropy(from_logits=True, ignore_class=ignore_label))` with Keras' defaults
 (jit_compile="auto", which Keras resolves to False on a CPU-only machine; it is reported), and
 `model.fit(ds, steps_per_epoch=K + 1, epochs=W + 1)` on one device (no strategy).
 
-seg-train's side is `seg_train.bench.runner.TrainRunner` on one tower (the real `Trainer.train_step` fed by
+seg-train's side is `seg_train.bench.train_runner.TrainRunner` on one tower (the real `Trainer.train_step` fed by
 the real reader through MirroredStrategy, as `seg-train --gpus 1` runs it).
 
 The two are timed interleaved in one process, so a change in machine load hits both: Keras' epoch 0
@@ -64,14 +64,15 @@ def main(args) -> int:
     from seg_train import models
     from seg_train.util import sysinfo
 
-    from seg_train.bench import runner as bench
+    from seg_train.bench.machine import machine_info
+    from seg_train.bench.train_runner import TrainRunner
     from seg_train.data.split import open_split
 
     reader = open_split(cfg, cfg.data.train_split).reader
     batch, k, windows = cfg.data.batch_size, args.steps, args.windows
 
     # ---- seg-train: the real step on one tower --------------------------------------------------
-    seg = bench.TrainRunner("seg-train", cfg, devices, reader, "reader")
+    seg = TrainRunner("seg-train", cfg, devices, reader, "reader")
     log.info("seg-train: warming up (%d steps, the first one traces)", args.warmup)
     seg.warmup(args.warmup)
     log.info("seg-train: first step %.1fs", seg.first_step_s)
@@ -148,7 +149,7 @@ def main(args) -> int:
                         "(plain keras.layers.Conv2D and BatchNormalization)"),
         "seg_train_fast_atrous": cfg.model.fast_atrous, "seg_train_fused_batchnorm": cfg.model.fused_batchnorm,
         "keras_last_loss": keras_losses[-1] if keras_losses else None, "seg_train_last_loss": s["last_loss"],
-        "machine": bench.machine_info(),
+        "machine": machine_info(),
         "peak_rss_mb": sysinfo.peak_rss_mb(),
     }
     if args.json:

@@ -23,7 +23,7 @@ the same model on the published configurations it is checked against (tf_cnn_ben
 DGX-1, Horovod's 512-GPU benchmark) and prints the efficiency they imply. See docs/SCALING.md.
 
 Usage:
-    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python scripts/scaling_model.py [--published]
+    TF_CPP_MIN_LOG_LEVEL=2 .venv/bin/python benchmarks/scaling_model.py [--published]
 """
 
 from __future__ import annotations

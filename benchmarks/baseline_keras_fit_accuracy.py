@@ -25,7 +25,7 @@ from K training batches (population statistics of each BN input over those batch
 separates "bad weights" from "stale BN statistics".
 
 Usage:
-    python scripts/baseline_keras_fit_accuracy.py --data ../shared/data/camvid --minutes 30 \
+    python benchmarks/baseline_keras_fit_accuracy.py --data data/camvid --minutes 30 \
         --out runs/bench-accuracy/baseline
 
 Writes OUT/result.json (figures, per-class IoU, confusion matrices, steps, timings), OUT/log.csv
