@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint mutants bench bench-deploy bench-accuracy clean
+.PHONY: demo test lint docs mutants bench bench-deploy bench-accuracy clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ mutants: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check seg_train scripts tests
+
+# docs/CONFIG.md, rendered from the config's dataclasses (tests/test_config_docs.py checks it is current).
+docs: $(STAMP)
+	$(BIN)/python -m seg_train.config.docs > docs/CONFIG.md.tmp && mv docs/CONFIG.md.tmp docs/CONFIG.md
 
 # docs/PERFORMANCE.md, then docs/DEPLOY.md (CamVid recipes exported to TFLite and measured by seg-eval;
 # trains each recipe (DeepLabV3+, LR-ASPP, SegFormer-B0) first unless runs/deploy holds its final checkpoint).
