@@ -22,4 +22,3 @@ BACKBONE_NORMALIZATION = {
     # keras-hub's SegFormer and MiT presets: ImageNet's mean and std (its image converter's 0.485.../0.229...).
     **{name: ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)) for name in MIT_BACKBONES},
 }
-

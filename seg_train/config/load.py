@@ -39,7 +39,6 @@ def _local_path(value, key: str, base_dir: Path, url_ok: bool):
     return Path(os.path.normpath(base_dir / Path(value).expanduser()))
 
 
-
 def _plural(tp) -> str:
     """float -> 'numbers' (for 'a list of numbers')."""
     return re.sub(r"^an? ", "", _type_name(tp)) + "s"
@@ -264,7 +263,6 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
     return resolve_defaults(cfg)
 
 
-
 def without_weight_files(cfg: Config) -> Config:
     """`cfg` with model.backbone_weights and model.init_weights null: for building a model whose every
     weight a checkpoint is about to restore (resume, inference, --init-from's source), so the files a run
@@ -283,7 +281,6 @@ def dump(cfg: Config, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     os.replace(tmp, path)
-
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -18,7 +18,6 @@ def default_output_stride(backbone: str) -> int:
     return 32 if backbone in MIT_BACKBONES else 16
 
 
-
 # SegFormer's regularisation (the paper's, mmsegmentation's segformer_mit-b0 config and keras-hub's): drop path
 # 0.1 over the MiT's blocks and dropout 0.1 before the classifier. model.weight_decay's L2 default, and the
 # AdamW decay train.weight_decay defaults to (SegFormer's 0.01).
@@ -210,7 +209,6 @@ def _resolve_eval(cfg: Config) -> Config:
     return cfg
 
 
-
 def check_batch(cfg: Config, num_towers: int) -> None:
     """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`.
 
@@ -220,5 +218,3 @@ def check_batch(cfg: Config, num_towers: int) -> None:
     if cfg.data.batch_size % num_towers:
         raise ConfigError("batch does not divide across towers", "data.batch_size",
                           f"expected a multiple of the {num_towers} towers, got {cfg.data.batch_size}")
-
-

@@ -54,7 +54,7 @@ def _step_range(v):
     return None if 1 <= a <= b else "[a, b] with 1 <= a <= b"
 
 
-# data.photometric's keys and the largest value each may take (README's config table gives the meaning).
+# data.photometric's keys and the largest value each may take (the field's doc gives the meaning).
 PHOTOMETRIC_KEYS = {"brightness": 255.0, "contrast": 1.0, "saturation": 1.0, "hue": 90.0}
 
 
@@ -71,7 +71,6 @@ def _label_value(v):
     return None if 0 <= v <= 255 else "an integer in [0, 255]"
 
 
-
 @dataclass(frozen=True)
 class DataConfig:
     # A Path, or the str of a URL (gs://, s3://, ...): the reader reads it through tf.io.gfile.
@@ -80,7 +79,7 @@ class DataConfig:
                         "(gs://, s3://, hdfs://) read through tf.io.gfile",
                     default_doc="required; with data.synthetic: data/<config name> in the current folder")
     layout: str = _c("voc", choices=("voc", "cityscapes", "ade20k", "pairs"),
-                     doc="how the files are laid out (README, Your data); pairs: list files of `image label` paths")
+                     doc="how the files are laid out (README.md, Your data); pairs: list files of `image label` paths")
     # Required unless the layout knows its classes (LAYOUT_LABELS); resolve_defaults fills it.
     num_classes: Optional[int] = _c(None, check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]",
                                     doc="number of classes, 2..255 (cityscapes and ade20k: another value needs "
@@ -284,7 +283,6 @@ def _loss_terms(v):
     return None
 
 
-
 @dataclass(frozen=True)
 class LossConfig:
     class_weights: Optional[typing.Union[list[float], str]] = _c(
@@ -387,4 +385,3 @@ def replace(cfg: Config, dotted: str, value) -> Config:
         return dataclasses.replace(cfg, **{parts[0]: value})
     section = getattr(cfg, parts[0])
     return dataclasses.replace(cfg, **{parts[0]: dataclasses.replace(section, **{parts[1]: value})})
-

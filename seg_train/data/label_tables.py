@@ -126,5 +126,3 @@ def label_ids(data) -> Optional[list[int]]:
                           f"expected every class 0..{data.num_classes - 1} to have a raw value mapped to it, "
                           f"none maps to {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return ids
-
-

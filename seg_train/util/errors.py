@@ -33,4 +33,3 @@ def exception_text(e: BaseException) -> str:
         if line:
             return line
     return type(e).__name__
-
