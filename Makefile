@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint mutants bench bench-deploy bench-accuracy clean
+.PHONY: demo test lint docs mutants bench bench-deploy bench-accuracy clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 # repository (default data/camvid, which `make clean` removes): e.g. `make bench-accuracy CAMVID_ROOT=DIR`.
 CAMVID_ROOT ?= data/camvid
 export CAMVID_ROOT
+
+# docs/CONFIG.md, rendered from the config's dataclasses (tests/test_config_docs.py checks it is current).
+docs: $(STAMP)
+	$(BIN)/python -m seg_train.config.docs > docs/CONFIG.md.tmp && mv docs/CONFIG.md.tmp docs/CONFIG.md
 
 # docs/PERFORMANCE.md, then docs/DEPLOY.md (CamVid recipes exported to TFLite and measured by seg-eval;
 # trains each recipe (DeepLabV3+, LR-ASPP, SegFormer-B0) first unless runs/deploy holds its final checkpoint).

@@ -24,6 +24,7 @@ from seg_train.infer import precise_bn
 from seg_train.data import synthetic
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
+from seg_train.config.backbones import BACKBONE_NORMALIZATION
 from seg_train.models.backbones import WEIGHT_FILES
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
@@ -151,7 +152,7 @@ def test_low_level_features_equal_keras2_model_output(loaded):
 @pytest.mark.parametrize("name", ["mobilenetv2", "resnet50", "resnet101"])
 def test_default_normalisation_is_keras_preprocess_input(name):
     x = np.random.default_rng(0).uniform(0, 255, (2, 5, 7, 3)).astype(np.float32)
-    mean, std = config_lib.BACKBONE_NORMALIZATION[name]
+    mean, std = BACKBONE_NORMALIZATION[name]
     ours = (x - np.array(mean, np.float32)) / np.array(std, np.float32)
     if name == "mobilenetv2":  # 'tf' mode: [-1, 1]
         np.testing.assert_allclose(ours, tf_keras.applications.mobilenet_v2.preprocess_input(x.copy()),

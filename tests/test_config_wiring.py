@@ -1,12 +1,12 @@
-"""Every key of README's configuration table reaches the code that uses it (issue 36, item 6).
+"""Every config key reaches the code that uses it (issue 36, item 6).
 
 A key can be read, validated and documented, then dropped between the config and the code: the schedule's
 own tests call lr_at(step, base, total, power, warmup) with their own numbers, so a run that never passed
 train.lr_power on would still pass them. Each key here is held THROUGH what a user runs (the seg-train
 command, TrainState/TrainStep built from a config file, the strategy the commands build) to an outside
 reference, and each test fails when its key is replaced by its default. WIRED below maps every key of
-the table to the test that does that, or to the reason it cannot be observed on this machine;
-test_every_documented_key_is_wired keeps the map complete as README grows.
+the config to the test that does that, or to the reason it cannot be observed on this machine;
+test_every_documented_key_is_wired keeps the map complete as keys are added.
 
 The tests of this file:
 - one real run of the seg-train command (`run`, 2 towers, 6 steps, a dozen non-default keys), read back
@@ -44,6 +44,7 @@ from PIL import Image
 from seg_train import cli, models
 from seg_train.dist import replicas
 from seg_train import config as config_lib
+from seg_train.config.schema import leaf_fields
 from seg_train.data import synthetic
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.train.state import TrainState
@@ -54,7 +55,7 @@ from tests.test_loss_terms import dice_numpy, lovasz_numpy, softmax64
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# ---- WIRED: every key of README's configuration table -> its wiring test, or why it cannot be observed --------
+# ---- WIRED: every config key (the dataclasses' leaf keys) -> its wiring test, or why it cannot be observed --------
 # "key": "test_name" (a test of this file), "tests/<file>.py::<test_name>" (a test of another file; it builds its
 # config through the config file or the command too), or "unobservable: <reason>". Each named test fails when
 # the key is replaced by its default (scripts/mutants.yaml holds the mutants that show it).
@@ -132,22 +133,16 @@ WIRED.update(WIRED_DATA)
 
 
 def documented_keys() -> list[str]:
-    """Every key of README's configuration table (a row may name several: `a`, `b`)."""
-    text = (ROOT / "README.md").read_text()
-    table = text.split("\n## Config\n", 1)[1].split("\n#", 1)[0]
-    keys = []
-    for line in table.splitlines():
-        if line.startswith("| `"):
-            keys += re.findall(r"`([a-z_.]+)`", line.split("|")[1])
-    return keys
+    """Every key a user can write, read from the config's dataclasses (docs/CONFIG.md is rendered from them)."""
+    return list(leaf_fields())
 
 
 def test_every_documented_key_is_wired():
     keys = documented_keys()
     assert {"seed", "train.lr_power", "loss.ohem_min_kept", "model.fast_atrous", "data.root"} <= set(keys)
     missing = [k for k in keys if k not in WIRED]
-    assert not missing, f"keys of README's config table with neither a wiring test nor a reason in WIRED: {missing}"
-    assert not set(WIRED) - set(keys), f"WIRED names keys README does not document: {set(WIRED) - set(keys)}"
+    assert not missing, f"config keys with neither a wiring test nor a reason in WIRED: {missing}"
+    assert not set(WIRED) - set(keys), f"WIRED names keys the config does not have: {set(WIRED) - set(keys)}"
     here = Path(__file__).read_text()
     for key, entry in WIRED.items():
         if entry.startswith("unobservable: "):

@@ -1,4 +1,4 @@
-"""Every data.* and eval.* key of README's config table reaches the code that uses it (issue 36, item 6).
+"""Every data.* and eval.* config key reaches the code that uses it (issue 36, item 6).
 
 The wrong answer each test is for: a key read, validated and documented, then dropped (or replaced by its
 default) between the config and the code that should use it, while the only tests of that code call it
@@ -8,7 +8,7 @@ seg-predict and seg-export run in-process through their `cli.*_main`), with a NO
 and holds the result to a reference written out by hand from the literal values below (numpy on the decoded
 PNGs, a model called eagerly, TensorBoard's EventAccumulator), never to the config object the code read.
 
-WIRED_DATA maps each key of the table's data.* and eval.* rows to the test that fails when the key is
+WIRED_DATA maps each data.* and eval.* key to the test that fails when the key is
 ignored (a pytest node id), or to "unobservable: <why>" (no key here needed it);
 tests/test_config_wiring.py merges it into its WIRED map, whose `test_every_documented_key_is_wired` keeps it
 complete and true.

@@ -1,4 +1,4 @@
-"""The package's import graph: no circle anywhere in seg_train/, and config.py on the ground floor.
+"""The package's import graph: no circle anywhere in seg_train/, and config/ on the ground floor.
 
 The graph is read from the source (ast), every import counted wherever it stands: at module level, inside
 a function (a function-local import that closes a circle is the circle itself, put off until the call),
@@ -12,12 +12,15 @@ while a module that takes a name from it does, and that is an arrow.
 Fails for: a circle such as the one config.py, data/labels.py, data/layouts.py, data/reader.py,
 data/files.py and preflight.py made (config.py checking label maps through data/, whose modules import
 config.py), two modules importing each other inside functions (data/scan.py and data/scan_cache.py did),
-and config.py importing anything of seg_train.
+and config/ importing anything of seg_train other than the pure tables it reads (seg_train/data/label_tables.py,
+seg_train/util/errors.py, which import no TensorFlow and nothing of config/).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,11 +114,30 @@ def test_no_circle_in_the_package_imports():
     assert not found, "import circles: " + " | ".join(describe(edges, c) for c in found)
 
 
+# What config/ may import outside itself: pure tables, no TensorFlow.
+CONFIG_MAY_IMPORT = {"seg_train.data.label_tables", "seg_train.util.errors"}
+
+
 def test_config_is_the_ground_floor():
-    """config.py imports nothing of seg_train (so no data module): every other module may import it."""
+    """config/ imports of seg_train only the pure table modules, and they import nothing else of seg_train
+    (so no data module, no config/ in a circle): every other module may import the config."""
     edges = graph(PACKAGE)
-    assert edges["seg_train.config"] == []
+    inside = {name for name in edges if name == "seg_train.config" or name.startswith("seg_train.config.")}
+    outside = {b for name in inside for b, _, _ in edges[name]} - inside
+    assert outside == CONFIG_MAY_IMPORT, f"config/ imports {sorted(outside - CONFIG_MAY_IMPORT)}"
+    for table in sorted(CONFIG_MAY_IMPORT):
+        assert {b for b, _, _ in edges[table]} <= CONFIG_MAY_IMPORT, f"{table} imports {edges[table]}"
     assert any(b == "seg_train.config" for b, _, _ in edges["seg_train.data.labels"])  # the walk sees imports
+
+
+def test_config_imports_no_tensorflow():
+    """Importing the config (and with it the tables) starts no TensorFlow: a command refuses a config before
+    TensorFlow's slow start."""
+    code = ("import sys, seg_train.config, seg_train.config.docs\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PACKAGE.parent).stdout
+    assert out.strip() == "[]", out
 
 
 # Each case: the files of a small package pkg/ with one circle, and the modules on it.

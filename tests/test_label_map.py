@@ -1,4 +1,4 @@
-"""Label maps (seg_train/config.py label_ids, applied by seg_train/data/labels.py): raw label values -> train
+"""Label maps (seg_train/data/label_tables.py label_ids, applied by seg_train/data/labels.py): raw label values -> train
 ids, held to tables written out by hand.
 
 Fails for: a wrong entry in the built-in Cityscapes table (e.g. parking trained as a class, or the ids
@@ -16,7 +16,7 @@ from PIL import Image
 from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.config import ConfigError
-from seg_train.data import labels, layouts
+from seg_train.data import label_tables, labels, layouts
 from seg_train.data.reader import BadSample, load_sample
 
 # cityscapesScripts' labels.py, copied entry by entry: labelId -> trainId (255: ignored).
@@ -67,12 +67,12 @@ def test_ade20k_reduces_zero(tmp_path):
 
 
 def test_layouts_class_names_are_as_many_as_the_configs_classes():
-    """The class counts (config.LAYOUT_LABELS, read when a config loads) and the class names (data/layouts.py,
+    """The class counts (label_tables.LAYOUT_LABELS, read when a config loads) and the class names (data/layouts.py,
     read when a split opens) live apart: a layout's names must be as many as its classes, or the class names
     fall back to class_i without a word."""
-    assert set(layouts.CLASS_NAMES) == set(config_lib.LAYOUT_LABELS) == {"cityscapes", "ade20k"}
+    assert set(layouts.CLASS_NAMES) == set(label_tables.LAYOUT_LABELS) == {"cityscapes", "ade20k"}
     for layout, names in layouts.CLASS_NAMES.items():
-        assert len(names) == config_lib.LAYOUT_LABELS[layout].num_classes, layout
+        assert len(names) == label_tables.LAYOUT_LABELS[layout].num_classes, layout
 
 
 def test_user_maps_list_dict_reduce_zero_binary(tmp_path):

@@ -2,8 +2,8 @@
 
 One representation: a 256-entry lookup table, table[raw] = train id, or NO_ID where the raw value has
 no mapping (a sample holding one is bad, and the message names the value). What the table holds is
-config.label_ids's: data.label_map, data.reduce_zero_label, data.binary_threshold or the layout's own
-map (config.LAYOUT_LABELS), checked when the config loads; None means the identity (labels already hold
+label_tables.label_ids's: data.label_map, data.reduce_zero_label, data.binary_threshold or the layout's own
+map (label_tables.LAYOUT_LABELS), checked when the config loads; None means the identity (labels already hold
 class indices, VOC's convention).
 
 load_sample (reader.py) applies it with numpy, so training, evaluation, --check-data, precise BN and
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from seg_train.config import NO_ID, RAW_VALUES, DataConfig, label_ids
+from seg_train.config import DataConfig
+from seg_train.data.label_tables import NO_ID, RAW_VALUES, label_ids
 
 
 def label_table(data: DataConfig) -> np.ndarray | None:
     """The lookup table raw value -> train id (int16 [256], NO_ID: no mapping), or None for the identity.
 
     Raises:
-      ConfigError: a label map config.label_ids refuses (it is checked when the config loads, too).
+      ConfigError: a label map label_tables.label_ids refuses (it is checked when the config loads, too).
     """
     ids = label_ids(data)
     return None if ids is None else np.array(ids, np.int16)

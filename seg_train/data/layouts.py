@@ -3,7 +3,7 @@ layout's listing, and the class names of the layouts that know them.
 
 A layout turns (data config, split) into samples (an image path and a label path each, or a TFRecord
 record with data.format: tfrecord). What a layout's label values mean (Cityscapes' labelIds -> the 19
-train ids, ADE20K's 0 = "other" and classes 1..150) is config.LAYOUT_LABELS's, checked with the config;
+train ids, ADE20K's 0 = "other" and classes 1..150) is label_tables.LAYOUT_LABELS's, checked with the config;
 labels.py applies it. Every command lists a split through `list_samples` (by way of the front door,
 data/split.py) and asks `split_exists` before opening an optional one (the val split, the training
 split for precise BN).
@@ -65,7 +65,7 @@ CLASS_NAMES = {"cityscapes": CITYSCAPES_CLASSES, "ade20k": ADE20K_CLASSES}
 
 
 def own_class_names(layout: str) -> tuple[str, ...] | None:
-    """The class names of a layout that knows its classes (config.LAYOUT_LABELS), or None (voc, pairs)."""
+    """The class names of a layout that knows its classes (label_tables.LAYOUT_LABELS), or None (voc, pairs)."""
     return CLASS_NAMES.get(layout)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import keras
 
-from seg_train.config import (ModelConfig, default_drop_path_rate, default_head_dropout, default_output_stride,
-                               default_segformer_channels)
+from seg_train.config import ModelConfig
+from seg_train.config.resolve import model_defaults
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 from seg_train.models.layer_choice import LayerChoice
@@ -24,15 +24,17 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     `cfg.init_weights` (a keras-hub SegFormer preset) then overwrites them. With `cfg.freeze_batchnorm`
     the backbone's BN layers are frozen (see `freeze_batchnorm`) before anything reads
     `model.trainable_variables`. Keys a loaded config resolves (output_stride, segformer_channels,
-    drop_path_rate, head_dropout) take the backbone's (and head's) defaults when null.
+    drop_path_rate, head_dropout) are read as resolved (config/resolve.py's model_defaults fills them in a
+    ModelConfig made in code; a loaded config has them already).
     """
+    cfg = model_defaults(cfg)
     choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
                          fast_atrous=cfg.fast_atrous)
-    channels = cfg.segformer_channels or default_segformer_channels(cfg.backbone)
+    channels = cfg.segformer_channels
     if cfg.init_weights is not None:
         check_segformer_preset(cfg.backbone, cfg.init_weights, channels)  # a wrong preset refused before building
     keras.utils.set_random_seed(seed)
-    output_stride = cfg.output_stride or default_output_stride(cfg.backbone)
+    output_stride = cfg.output_stride
     # DeepLabV3+ decodes from stride-4 features (and stride-2 ones with model.decoder_stride: 2),
     # LR-ASPP from stride-8 ones, SegFormer from every stride from 4 up to the output stride.
     if cfg.head == "lraspp":
@@ -41,13 +43,13 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         low_strides = tuple(s for s in (4, 8, 16) if s < output_stride)
     else:
         low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
-    drop_path = default_drop_path_rate(cfg.backbone) if cfg.drop_path_rate is None else cfg.drop_path_rate
+    drop_path = cfg.drop_path_rate or 0.0
     backbone = build_backbone(cfg.backbone, output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
                               low_strides, drop_path)
     if cfg.head == "lraspp":
         model = lraspp(backbone, num_classes, choice, cfg.lraspp_channels, cfg.bn_momentum)
     elif cfg.head == "segformer":
-        dropout = default_head_dropout(cfg.head) if cfg.head_dropout is None else cfg.head_dropout
+        dropout = cfg.head_dropout
         model = segformer(backbone, num_classes, choice, channels, cfg.bn_momentum, dropout)
     else:
         fine = (cfg.fine_low_level_channels, cfg.fine_channels) if cfg.decoder_stride == 2 else None

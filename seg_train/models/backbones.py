@@ -25,7 +25,8 @@ import keras
 import numpy as np
 from keras import layers
 
-from seg_train.config import MIT_BACKBONES, ConfigError, exception_text
+from seg_train.config import ConfigError, exception_text
+from seg_train.config.backbones import MIT_BACKBONES
 from seg_train.models.layer_choice import LayerChoice
 from seg_train.models.mit import mix_transformer
 from seg_train.models.presets import check_mit_preset, load_mit_preset
@@ -342,7 +343,7 @@ def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: La
                               "expected null for backbone 'tiny'")
         return tiny(output_stride, bn_momentum, choice, low_strides=low_strides)
     if name in MIT_BACKBONES:
-        # No BN layers, no dilated form: the Mix Transformer's output stride is 32 (config.py refuses others).
+        # No BN layers, no dilated form: the Mix Transformer's output stride is 32 (config/resolve.py refuses others).
         if output_stride != 32:
             raise ValueError(f"{name} has output stride 32, got {output_stride}")
         if weights is not None:

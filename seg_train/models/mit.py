@@ -30,7 +30,7 @@ Mixed precision: Keras' LayerNormalization computes its moments in float32 for h
 `LayerNorm`, Keras' function in an order whose int8 TFLite form stays in int8.
 
 Inputs need at least 29 pixels per side: the first stage's 8x8 reduction conv needs an 8x8 map at stride
-4 (config.py refuses smaller training and slide crops; evaluation pads to a multiple of 32).
+4 (config/resolve.py refuses smaller training and slide crops; evaluation pads to a multiple of 32).
 """
 
 from __future__ import annotations

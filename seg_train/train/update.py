@@ -193,7 +193,7 @@ class Update:
         # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
         # when nothing counts, and then the loss gradient is 0, not a division by zero.
         to_mean = tf.math.divide_no_nan(scale_back / loss_scale, norm_total)
-        coeff = cfg.model.weight_decay or 0.0  # the L2 term (0 with AdamW: config.py)
+        coeff = cfg.model.weight_decay or 0.0  # the L2 term (0 with AdamW: config/resolve.py)
         # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
         decayed = [read_handle(h, v) if d else tf.zeros(v.shape) for h, v, d in
                    zip(var_handles, variables, self._decay)]

@@ -1,0 +1,20 @@
+"""Typed, frozen configuration: YAML -> validated dataclasses. No TensorFlow here.
+
+Every key a user can write is a field of schema.py, with its default, its constraint and its doc
+(docs/CONFIG.md is rendered from them by docs.py). load.py reads a file strictly, resolve.py fills the
+defaults that depend on other keys and refuses the combinations that cannot work. The package imports,
+outside itself, only pure tables: the label maps (seg_train/data/label_tables.py) and the one-line
+errors (seg_train/util/errors.py).
+"""
+
+from seg_train.config.load import (_set_dotted, dump, flatten, from_dict, is_url, load, parse_override, read_yaml,
+                                   without_weight_files)
+from seg_train.config.resolve import check_batch, resolve_defaults
+from seg_train.config.schema import (_SECTIONS, Config, DataConfig, EvalConfig, LossConfig, ModelConfig,
+                                     TrainConfig, _to_plain, replace)
+from seg_train.util.errors import ConfigError, exception_text, without_reprs
+
+__all__ = ["Config", "DataConfig", "ModelConfig", "TrainConfig", "LossConfig", "EvalConfig", "ConfigError",
+           "load", "from_dict", "dump", "flatten", "replace", "without_weight_files", "resolve_defaults",
+           "check_batch", "parse_override", "read_yaml", "is_url", "exception_text", "without_reprs",
+           "_SECTIONS", "_set_dotted", "_to_plain"]

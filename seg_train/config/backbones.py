@@ -1,0 +1,24 @@
+"""Facts about the backbones the config needs: their names, the MiT's smallest input, the input
+normalisation each one's ImageNet weights expect. Pure Python (the config reads it before TensorFlow
+starts; seg_train/models/ builds the backbones themselves)."""
+
+# The Mix Transformer sizes (models/mit.py), SegFormer's encoders.
+MIT_BACKBONES = tuple(f"mit_b{i}" for i in range(6))
+# The smallest training or slide crop side a MiT takes: its first stage's 8x8 spatial-reduction conv
+# needs an 8x8 map at stride 4 (models/mit.py).
+MIT_MIN_SIZE = 29
+# model.backbone's values (models/backbones.py).
+BACKBONES = ("tiny", "mobilenetv2", "mobilenetv3_large", "mobilenetv3_small", "resnet50", "resnet101") + MIT_BACKBONES
+
+# Input normalisation each backbone's ImageNet weights expect, as (mean, std) on RGB 0..255.
+BACKBONE_NORMALIZATION = {
+    "tiny": ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)),
+    "mobilenetv2": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
+    # Keras' MobileNetV3 rescales x / 127.5 - 1 inside the model; built here without that layer.
+    "mobilenetv3_large": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
+    "mobilenetv3_small": ((127.5, 127.5, 127.5), (127.5, 127.5, 127.5)),
+    "resnet50": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
+    "resnet101": ((123.68, 116.779, 103.939), (1.0, 1.0, 1.0)),
+    # keras-hub's SegFormer and MiT presets: ImageNet's mean and std (its image converter's 0.485.../0.229...).
+    **{name: ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375)) for name in MIT_BACKBONES},
+}

@@ -1,0 +1,220 @@
+"""The keys that depend on other keys, resolved once: defaults derived from the backbone, the head, the
+optimizer or the layout filled in, and combinations that cannot work refused (one line naming the key).
+Every loaded config goes through resolve_defaults (a run dir's copy too, so an older run's config resolves
+as it did); the model builders read the values filled here. No TensorFlow here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from seg_train.config.backbones import BACKBONE_NORMALIZATION, MIT_BACKBONES, MIT_MIN_SIZE
+from seg_train.config.schema import Config, ModelConfig, replace
+from seg_train.data.label_tables import LAYOUT_LABELS, label_ids, label_map_keys
+from seg_train.util.errors import ConfigError
+
+
+def default_output_stride(backbone: str) -> int:
+    """model.output_stride when not given: 32 for the MiT backbones (fixed), else 16."""
+    return 32 if backbone in MIT_BACKBONES else 16
+
+
+# SegFormer's regularisation (the paper's, mmsegmentation's segformer_mit-b0 config and keras-hub's): drop path
+# 0.1 over the MiT's blocks and dropout 0.1 before the classifier. model.weight_decay's L2 default, and the
+# AdamW decay train.weight_decay defaults to (SegFormer's 0.01).
+SEGFORMER_DROP_PATH, SEGFORMER_DROPOUT = 0.1, 0.1
+L2_DEFAULT, ADAMW_DECAY_DEFAULT = 4e-5, 0.01
+
+
+def default_drop_path_rate(backbone: str) -> float:
+    """model.drop_path_rate when not given: SegFormer's 0.1 for the MiT backbones, else 0 (no blocks to drop)."""
+    return SEGFORMER_DROP_PATH if backbone in MIT_BACKBONES else 0.0
+
+
+def default_head_dropout(head: str) -> float:
+    """model.head_dropout when not given: SegFormer's 0.1 for its head, else 0."""
+    return SEGFORMER_DROPOUT if head == "segformer" else 0.0
+
+
+def default_segformer_channels(backbone: str) -> int:
+    """model.segformer_channels when not given: the paper's C, 256 for B0/B1 and 768 for B2-B5 (also
+    the width of keras-hub's SegFormer presets), 256 on other backbones."""
+    return 768 if backbone in MIT_BACKBONES[2:] else 256
+
+
+def resolve_defaults(cfg: Config) -> Config:
+    """Fills defaults that depend on other keys (normalisation from the backbone); checks keys that depend on others."""
+    cfg = _resolve_data(cfg)
+    weights = cfg.loss.class_weights
+    if isinstance(weights, list) and len(weights) != cfg.data.num_classes:
+        raise ConfigError("wrong number of class weights", "loss.class_weights",
+                          f"expected one weight per class ({cfg.data.num_classes}, data.num_classes), "
+                          f"got {len(weights)}")
+    _check_loss(cfg)
+    if cfg.model.head != "deeplabv3plus" and cfg.model.decoder_stride != 4:
+        raise ConfigError("not available for this head", "model.decoder_stride",
+                          f"expected 4 (or no value) with model.head {cfg.model.head!r}: the stride-2 stage is "
+                          f"DeepLabV3+'s, got {cfg.model.decoder_stride}")
+    cfg = _resolve_eval(cfg)
+    cfg = _resolve_model(cfg)
+    cfg = _resolve_optimizer(cfg)
+    mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
+    if cfg.data.mean is None:
+        cfg = replace(cfg, "data.mean", mean)
+    if cfg.data.std is None:
+        cfg = replace(cfg, "data.std", std)
+    return cfg
+
+
+def _resolve_data(cfg: Config) -> Config:
+    """data.num_classes from the layout when it knows its classes; the label map checked before any work."""
+    d = cfg.data
+    if d.synthetic and d.layout != "voc":
+        raise ConfigError("synthetic data is VOC-layout", "data.layout",
+                          f"expected voc (or no value) with data.synthetic: true, got {d.layout!r}")
+    own = LAYOUT_LABELS.get(d.layout)
+    if d.num_classes is None:
+        if own is None:
+            raise ConfigError("missing required value", "data.num_classes", "expected an integer")
+        cfg = replace(cfg, "data.num_classes", own.num_classes)
+    elif own is not None and d.num_classes != own.num_classes and not label_map_keys(d):
+        raise ConfigError("wrong number of classes", "data.num_classes",
+                          f"expected {own.num_classes} (the {d.layout} layout's classes; or leave it out), got "
+                          f"{d.num_classes}; another class set needs a data.label_map of your own")
+    label_ids(cfg.data)
+    return cfg
+
+
+def _check_loss(cfg: Config) -> None:
+    """The loss keys that depend on each other: mining and class weights act on the cross-entropy term."""
+    loss = cfg.loss
+    if loss.terms is not None and loss.type != "cross_entropy":
+        raise ConfigError("two loss definitions", "loss.type",
+                          f"loss.type or loss.terms, not both (got type {loss.type!r} and terms)")
+    has_ce = "cross_entropy" in loss.term_weights()
+    mining = {"loss.top_k_percent_pixels": loss.top_k_percent_pixels < 1.0,
+              "loss.ohem_threshold": loss.ohem_threshold is not None,
+              "loss.class_weights": loss.class_weights is not None}
+    for key, on in mining.items():
+        if on and not has_ce:
+            raise ConfigError("needs a cross_entropy term", key,
+                              "a loss with a cross_entropy term (loss.type or loss.terms): it acts on that term")
+    if mining["loss.top_k_percent_pixels"] and mining["loss.ohem_threshold"]:
+        raise ConfigError("two pixel minings", "loss.ohem_threshold",
+                          "null with loss.top_k_percent_pixels below 1 (one mining at a time)")
+    if cfg.eval.logit_adjustment and loss.class_weights is None:
+        raise ConfigError("nothing to adjust", "eval.logit_adjustment",
+                          "0 (or no value) without loss.class_weights: it divides the scores by those weights")
+
+
+def model_defaults(m: ModelConfig) -> ModelConfig:
+    """model.output_stride, model.segformer_channels, model.drop_path_rate and model.head_dropout filled from
+    the backbone and head where null: resolve_defaults' rule, and the model builders' for a ModelConfig made
+    in code rather than loaded (a no-op on a loaded config)."""
+    mit = m.backbone in MIT_BACKBONES
+    filled = {}
+    if m.output_stride is None:
+        filled["output_stride"] = default_output_stride(m.backbone)
+    # Filled for the head that uses it only: an older run's config.yaml has no such key, and its resolved
+    # config must stay what it was (rundir.check_resume_config).
+    if m.segformer_channels is None and m.head == "segformer":
+        filled["segformer_channels"] = default_segformer_channels(m.backbone)
+    # Likewise the regularisation of SegFormer's recipe: filled for the MiT / the SegFormer head only.
+    if m.drop_path_rate is None and mit:
+        filled["drop_path_rate"] = default_drop_path_rate(m.backbone)
+    if m.head_dropout is None and m.head == "segformer":
+        filled["head_dropout"] = default_head_dropout(m.head)
+    return dataclasses.replace(m, **filled) if filled else m
+
+
+def _resolve_model(cfg: Config) -> Config:
+    """model.output_stride, model.segformer_channels, model.drop_path_rate and model.head_dropout from the
+    backbone and head (model_defaults); the MiT and preset keys checked."""
+    m = cfg.model
+    mit = m.backbone in MIT_BACKBONES
+    if mit and m.output_stride not in (None, 32):
+        raise ConfigError("not available for this backbone", "model.output_stride",
+                          f"expected 32 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer's "
+                          f"stages have no dilated form, got {m.output_stride}")
+    elif not mit and m.output_stride == 32:
+        raise ConfigError("not available for this backbone", "model.output_stride",
+                          f"expected one of 8, 16 (or no value) with model.backbone {m.backbone!r} (32 is the "
+                          f"MiT backbones' fixed stride), got 32")
+    if m.drop_path_rate and not mit:
+        raise ConfigError("not available for this backbone", "model.drop_path_rate",
+                          f"0 (or no value) with model.backbone {m.backbone!r}: drop path skips the Mix Transformer's "
+                          f"residual blocks (mit_b0..mit_b5), got {m.drop_path_rate}")
+    if m.head_dropout and m.head != "segformer":
+        raise ConfigError("not available for this head", "model.head_dropout",
+                          f"0 (or no value) with model.head {m.head!r}: it is the SegFormer head's dropout before "
+                          f"its classifier, got {m.head_dropout}")
+    cfg = dataclasses.replace(cfg, model=model_defaults(m))
+    if mit and m.decoder_stride != 4:
+        raise ConfigError("not available for this backbone", "model.decoder_stride",
+                          f"expected 4 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer has "
+                          f"no stride-2 features, got {m.decoder_stride}")
+    if m.init_weights is not None:
+        if not mit or m.head != "segformer":
+            raise ConfigError("not available for this model", "model.init_weights",
+                              f"a keras-hub SegFormer preset needs model.backbone mit_b0..mit_b5 and model.head "
+                              f"segformer, got {m.backbone!r} and {m.head!r}")
+        if m.backbone_weights is not None:
+            raise ConfigError("two initialisations", "model.backbone_weights",
+                              "null with model.init_weights (the SegFormer preset holds the encoder too)")
+    if mit:
+        for key, size in (("data.crop_size", cfg.data.crop_size), ("eval.crop_size", cfg.eval.crop_size)):
+            if size is not None and min(size) < MIT_MIN_SIZE:
+                raise ConfigError("too small for this backbone", key,
+                                  f"expected at least {MIT_MIN_SIZE} pixels per side with model.backbone "
+                                  f"{m.backbone!r} (its first stage's 8x8 spatial reduction at stride 4), "
+                                  f"got {list(size)}")
+    return cfg
+
+
+def _resolve_optimizer(cfg: Config) -> Config:
+    """The two weight decays: model.weight_decay (an L2 term in the loss, Adam and SGD) and train.weight_decay
+    (AdamW's decoupled decay). Each defaults for its optimizer and the other is refused, so they never stack
+    unasked; an older run's resolved config (model.weight_decay 4e-5 or its own value) stays what it was."""
+    t, m = cfg.train, cfg.model
+    if t.optimizer == "adamw":
+        if m.weight_decay:
+            raise ConfigError("two weight decays", "model.weight_decay",
+                              f"0 (or no value) with train.optimizer adamw, which decays the weights itself "
+                              f"(train.weight_decay), got {m.weight_decay}")
+        if m.weight_decay is None:
+            cfg = replace(cfg, "model.weight_decay", 0.0)
+        if t.weight_decay is None:
+            cfg = replace(cfg, "train.weight_decay", ADAMW_DECAY_DEFAULT)
+        return cfg
+    if t.weight_decay is not None:
+        raise ConfigError("not available for this optimizer", "train.weight_decay",
+                          f"no value with train.optimizer {t.optimizer!r}: it is AdamW's decoupled decay (adamw); "
+                          f"the L2 term of adam and sgd is model.weight_decay, got {t.weight_decay}")
+    if m.weight_decay is None:
+        cfg = replace(cfg, "model.weight_decay", L2_DEFAULT)
+    return cfg
+
+
+def _resolve_eval(cfg: Config) -> Config:
+    """Checks the slide window against its stride; fills eval.stride's default."""
+    e = cfg.eval
+    if e.mode == "slide" and e.crop_size is None:
+        raise ConfigError("missing value", "eval.crop_size",
+                          "expected [height, width] of the sliding window when eval.mode is slide")
+    if e.crop_size is not None and e.stride is None:
+        cfg = replace(cfg, "eval.stride", tuple(-(-2 * c // 3) for c in e.crop_size))
+    elif e.crop_size is not None and any(s > c for s, c in zip(e.stride, e.crop_size)):
+        raise ConfigError("out of range", "eval.stride",
+                          f"expected a stride at most eval.crop_size {list(e.crop_size)} in each dimension "
+                          f"(windows must overlap or touch), got {list(e.stride)}")
+    return cfg
+
+
+def check_batch(cfg: Config, num_towers: int) -> None:
+    """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`.
+
+    The one check of the config against the tower count, which is known only once the devices are
+    chosen: train, seg-bench and the BN re-estimation all call it.
+    """
+    if cfg.data.batch_size % num_towers:
+        raise ConfigError("batch does not divide across towers", "data.batch_size",
+                          f"expected a multiple of the {num_towers} towers, got {cfg.data.batch_size}")
