@@ -128,7 +128,7 @@ class DataConfig:
                                         default_doc="null: $XDG_CACHE_HOME/seg-train/scans, else "
                                                     "~/.cache/seg-train/scans")
     format: str = _c("files", choices=("files", "tfrecord"),
-                     doc="image and label files, or TFRecord shards written by scripts/make_tfrecords.py")
+                     doc="image and label files, or TFRecord shards written by seg-prepare tfrecords")
     # Colour jitter of the training crops (reader.apply_photometric); null: off.
     photometric: Optional[dict[str, float]] = _c(None, check=_photometric,
                                                  doc="colour jitter of the training crops, keys brightness "
