@@ -25,7 +25,6 @@ from seg_train.data import synthetic
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.config.backbones import BACKBONE_NORMALIZATION
-from seg_train.models.backbones import WEIGHT_FILES
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, random_batch, tiny_config
@@ -39,6 +38,16 @@ APPS = {
                  "conv2_block3_out", set()),
 }
 HEAD = ("aspp", "decoder", "logits")
+
+# keras-applications' published file names (tf_keras.applications builds them the same way), written out: the
+# fixtures save under them and seg-train's one-line errors name them.
+PUBLISHED_FILES = {
+    "mobilenetv2": "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224_no_top.h5",
+    "mobilenetv3_large": "weights_mobilenet_v3_large_224_1.0_float_no_top_v2.h5",
+    "mobilenetv3_small": "weights_mobilenet_v3_small_224_1.0_float_no_top_v2.h5",
+    "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
+    "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
+}
 
 
 def _perturb(model, seed):
@@ -68,7 +77,7 @@ def keras2_files(tmp_path_factory):
         folder = tmp_path_factory.mktemp(name)
         ref_model = ctor(weights=None, include_top=False)  # input (None, None, 3), as the no-top files are
         _perturb(ref_model, seed=i)
-        path = folder / WEIGHT_FILES[name]
+        path = folder / PUBLISHED_FILES[name]
         ref_model.save_weights(str(path))  # .h5: Keras 2's legacy layout, as the published files
         image = np.random.default_rng(10 + i).integers(0, 256, (2, 48, 64, 3)).astype(np.float32)
         low = tf_keras.Model(ref_model.input, ref_model.get_layer(low_layer).output)
@@ -162,9 +171,20 @@ def test_default_normalisation_is_keras_preprocess_input(name):
                                    rtol=1e-6, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["mit_b0", "mit_b5"])
+def test_mit_default_normalisation_is_imagenets(name):
+    """keras-hub's SegFormer/MiT presets take x / 255 normalised by ImageNet's mean and std (its image
+    converter's values, written out here)."""
+    x = np.random.default_rng(0).uniform(0, 255, (2, 5, 7, 3)).astype(np.float32)
+    mean, std = BACKBONE_NORMALIZATION[name]
+    ours = (x - np.array(mean, np.float32)) / np.array(std, np.float32)
+    want = (x / 255.0 - np.array([0.485, 0.456, 0.406])) / np.array([0.229, 0.224, 0.225])
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+
+
 def test_file_layer_order_does_not_matter(keras2_files, tmp_path):
     # Keras 3's own load_weights pairs layers by position; this loader pairs them by name.
-    path = tmp_path / WEIGHT_FILES["mobilenetv2"]
+    path = tmp_path / PUBLISHED_FILES["mobilenetv2"]
     shutil.copy(keras2_files["mobilenetv2"]["path"], path)
     with h5py.File(path, "r+") as f:
         f.attrs["layer_names"] = f.attrs["layer_names"][::-1]

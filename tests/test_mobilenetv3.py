@@ -20,13 +20,12 @@ from seg_train import cli, models
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.data import synthetic
-from seg_train.models.backbones import WEIGHT_FILES
 from seg_train.models.fused_bn import FusedBatchNormalization
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.infer.load import load_state
 from seg_train.dist import replicas
 from tests.helpers import bilinear_resize
-from tests.test_backbone_weights import _perturb, _read_h5, _short, _weighted_layers
+from tests.test_backbone_weights import PUBLISHED_FILES, _perturb, _read_h5, _short, _weighted_layers
 
 CTORS = {"mobilenetv3_large": tf_keras.applications.MobileNetV3Large,
          "mobilenetv3_small": tf_keras.applications.MobileNetV3Small}
@@ -71,7 +70,7 @@ def keras2(tmp_path_factory):
     for i, (name, ctor) in enumerate(CTORS.items()):
         ref = ctor(input_shape=(None, None, 3), include_top=False, weights=None, include_preprocessing=False)
         _perturb(ref, seed=20 + i)
-        path = tmp_path_factory.mktemp(name) / WEIGHT_FILES[name]
+        path = tmp_path_factory.mktemp(name) / PUBLISHED_FILES[name]
         ref.save_weights(str(path))
         probe = tf_keras.Model(ref.input, [ref.get_layer(k2).output for _, k2 in PROBES[name]])
         out[name] = {"path": path, "image": image,
@@ -126,7 +125,7 @@ def test_the_other_variant_file_is_refused_in_one_line(keras2):
         with pytest.raises(ConfigError, match="does not match the backbone") as e:
             _build(name, keras2[other]["path"])
         text = str(e.value)
-        assert "\n" not in text and WEIGHT_FILES[name] in text, text
+        assert "\n" not in text and PUBLISHED_FILES[name] in text, text
 
 
 @pytest.mark.parametrize("output_stride, dilations", [(16, {12: 1, 13: 2, 14: 2}),

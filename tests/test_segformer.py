@@ -25,7 +25,6 @@ from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.data.label_images import read_label
-from seg_train.models.mit import VARIANTS
 from seg_train.infer import evaluate as ev
 from seg_train.infer.export import run_export
 from seg_train.infer.predict import run_predict
@@ -34,7 +33,7 @@ from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, tiny_config
 from tests.test_eval_modes import eval_config, normalized, reference_scores
 from tests.test_evaluate import NAMES, NUM_CLASSES, calibrate_bn, write_split
-from tests.test_presets import _mit_kwargs
+from tests.test_presets import PAPER_MIT, _mit_kwargs
 from tests.test_towers import strategy
 
 # SegFormer with 150 classes (ADE20K), in millions as the paper's Table 1 gives them (encoder + decoder).
@@ -53,7 +52,7 @@ def test_parameter_counts_equal_keras_hubs_and_the_papers(name):
                                                "model": {"backbone": name, "head": "segformer"}}).model, 150)
     encoder = models.backbone_of(model).count_params()
     recorded = backbone_presets_with_weights[f"{name}_ade20k_{640 if name == 'mit_b5' else 512}"]["metadata"]
-    assert encoder + 10 * (VARIANTS[name].widths[-1] + 1) == recorded["params"]
+    assert encoder + 10 * (PAPER_MIT[name][0][-1] + 1) == recorded["params"]
     assert round(model.count_params() / 1e6, 1) == PAPER_MILLIONS[name]
     if name in ("mit_b1", "mit_b2"):
         hub = keras_hub.models.MiTBackbone(image_shape=(64, 64, 3), **_mit_kwargs(name))
