@@ -62,6 +62,14 @@ def test_ties_and_dynamic_range_reach_scipys_total(kind, q, g):
     assert total == pytest.approx(scipy_total(cost), rel=1e-12, abs=0)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_long_augmenting_paths(sign):
+    # cost i * j: every new column displaces the matched ones, each search walks through all of them
+    cost = sign * np.outer(np.arange(60), np.arange(40)).astype(np.float32) / 7
+    total = check_assignment(cost, *(t.numpy() for t in linear_sum_assignment(cost)))
+    assert total == pytest.approx(scipy_total(cost), rel=1e-12, abs=0)
+
+
 def test_all_equal_costs_any_permutation():
     cost = np.full((40, 25), 3.0, np.float32)
     assert check_assignment(cost, *(t.numpy() for t in linear_sum_assignment(cost))) == 75.0

@@ -78,8 +78,13 @@ def _assign(cost, valid):
             path = tf.where(closer, i, path)
             dist = tf.where(closer, reduced, dist)
             open_dist = tf.where(seen_rows, inf, dist)
-            j = tf.cast(tf.argmin(open_dist), tf.int32)
-            min_val = open_dist[j]
+            min_val = tf.reduce_min(open_dist)
+            nearest = tf.equal(open_dist, min_val)
+            # Of equally near rows a free one ends the search at once: with ties (integer costs, equal
+            # costs) the first index would walk through every matched row first.
+            nearest_free = nearest & (col_of_row < 0)
+            nearest = tf.where(tf.reduce_any(nearest_free), nearest_free, nearest)
+            j = tf.cast(tf.argmax(tf.cast(nearest, tf.int32)), tf.int32)
             seen_rows = seen_rows | tf.equal(rows_q, j)
             free = col_of_row[j] < 0
             return (tf.where(free, i, col_of_row[j]), min_val, tf.where(free, j, -1), dist, path,
