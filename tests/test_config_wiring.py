@@ -1,4 +1,4 @@
-"""Every config key reaches the code that uses it (issue 36, item 6).
+"""Every config key reaches the code that uses it.
 
 A key can be read, validated and documented, then dropped between the config and the code: the schedule's
 own tests call lr_at(step, base, total, power, warmup) with their own numbers, so a run that never passed

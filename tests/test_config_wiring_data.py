@@ -1,4 +1,4 @@
-"""Every data.* and eval.* config key reaches the code that uses it (issue 36, item 6).
+"""Every data.* and eval.* config key reaches the code that uses it.
 
 The wrong answer each test is for: a key read, validated and documented, then dropped (or replaced by its
 default) between the config and the code that should use it, while the only tests of that code call it

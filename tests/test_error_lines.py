@@ -1,4 +1,4 @@
-"""Every error line names the file (and the record) and carries no Python repr (issue 36): the bad-input
+"""Every error line names the file (and the record) and carries no Python repr: the bad-input
 corpus the suite already builds (tests/test_robustness.py's `_bad_roots`, tests/test_lossy_labels.py's
 JPEG labels, tests/test_layouts.py's Cityscapes tree) and TFRecords damaged in the ways a copy or another
 writer damages them, each through every route a user meets it by:

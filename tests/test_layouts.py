@@ -264,7 +264,7 @@ def default_splits(path: Path) -> Path:
 
 def test_ade20k_default_split_names_are_training_and_validation(tmp_path, trees, capsys):
     """data.layout: ade20k with the default split names (train, val) reads images/training and
-    images/validation (issue 24's usual names), through --check-data; the explicit names give the same
+    images/validation (the usual names), through --check-data; the explicit names give the same
     samples. Fails for the alias dropped (folder not found) or dropped only where a split's existence is
     asked (the val split then 'not found, skipped', the run silently without evaluation)."""
     path = default_splits(write_config(tmp_path, trees, "ade20k"))

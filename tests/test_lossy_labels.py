@@ -1,4 +1,4 @@
-"""JPEG labels are refused (issue 36), found by their bytes whatever the file name, the split list or a
+"""JPEG labels are refused, found by their bytes whatever the file name, the split list or a
 TFRecord's `image/segmentation/class/format` feature says: in a VOC folder (a `.png` name holding a
 JPEG), in a `pairs` list naming `.jpg` labels, and in TFRecords written by hand under DeepLab's feature
 keys (build_data.py's image_seg_to_tfexample), not by the project's writer.

@@ -122,7 +122,7 @@ def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
 
 
 # ADEChallengeData2016's folders are training/ and validation/; the names every other layout uses (and the
-# config's defaults) name them too, so a config need not spell the layout's own (issue 24).
+# config's defaults) name them too, so a config need not spell the layout's own.
 ADE20K_SPLITS = {"train": "training", "val": "validation"}
 
 
