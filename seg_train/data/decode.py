@@ -87,9 +87,9 @@ def decode_image(contents):
 
 # Rows and columns decoded around a JPEG window beyond those it reads. libjpeg-turbo's cropped decoding
 # (jpeg_crop_scanline) upsamples the chroma of the window's outermost column as if it were the image's
-# edge, so that column can differ from the whole image's decode (by up to 39 levels, seen on 4:2:0 and
-# 4:2:2 files); one more column makes it exact, and one iMCU (16 pixels) costs nothing more, as the
-# decoder works in whole iMCUs anyway.
+# edge, so on 4:2:0 and 4:2:2 files a window starting on the 16-pixel iMCU grid differs from the whole
+# decode in that column by tens of levels; one more column makes it exact, and one iMCU costs nothing
+# more, as the decoder works in whole iMCUs anyway.
 JPEG_WINDOW_MARGIN = 16
 
 
