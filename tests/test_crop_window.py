@@ -193,7 +193,7 @@ def test_both_resampling_paths_are_the_definition(tmp_path, source):
     for case in ("down_0.6", "up_1.7", "range_0.5_2"):
         reader = reader_for(tmp_path, root, **CASES[case])
         for k in range(12):
-            seen.add(bool(reader._window_plan(tf.constant(image.shape[:2]), tf.constant(k, tf.int64))["whole"]))
+            seen.add(bool(reader._window_plan(tf.constant(image.shape[:2]), tf.constant(k, tf.int64)).whole))
     assert seen == {False, True}
 
 
@@ -260,7 +260,7 @@ def test_a_jpeg_decoded_only_where_its_window_reads_gives_the_whole_decodes_crop
     for k, ((a, la), (b, lb)) in enumerate(zip(cropped, whole)):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (names[k % n], k)
         np.testing.assert_array_equal(la, lb)
-        box = reader._window_plan(tf.constant([70, 101]), tf.constant(k, tf.int64))["box"].numpy()
+        box = reader._window_plan(tf.constant([70, 101]), tf.constant(k, tf.int64)).box.numpy()
         order.append(box)
         inner += box[1] > 0 and box[1] + box[3] < 101
     assert inner >= n  # windows with source columns on both sides, where the margin matters

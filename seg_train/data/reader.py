@@ -1,15 +1,18 @@
 """ImageReader: a split (in any data.layout, layouts.py) -> tf.data pipelines of (image, label) batches.
 
+The assembly: decode -> augment -> per-tower batches, and the evaluation samples. The sample order is
+data/order.py's, the scale / mirror / crop and colour jitter data/augment.py's.
+
 Design (why it looks like this):
 - The training stream is a pure function of (seed, sample counter k): epoch = k // n picks a
-  permutation seeded by (seed, epoch), and sample k's augmentation (scale, mirror, crop) draws from
-  stateless RNG seeded by (seed, k). Nothing in the pipeline has state, so a resumed run starts the
-  stream at k = step * global_batch and continues exactly where the interrupted run was; a
-  distributed iterator could not be checkpointed anyway (TF refuses it).
+  permutation seeded by (seed, epoch) (order.py), and sample k's augmentation (scale, mirror, crop)
+  draws from stateless RNG seeded by (seed, k) (augment.py). Nothing in the pipeline has state, so
+  a resumed run starts the stream at k = step * global_batch and continues exactly where the
+  interrupted run was; a distributed iterator could not be checkpointed anyway (TF refuses it).
 - The global batch for step s is samples k = s*B .. s*B+B-1 whatever the tower count; each input
   pipeline (one per worker) emits its towers' slices of it in turn, which MirroredStrategy deals out
   round-robin to its towers (tf.distribute's `distribute_datasets_from_function` contract).
-- Augmentation computes only the crop (`augment`): the window is placed in the source image's
+- Augmentation computes only the crop (augment.py): the window is placed in the source image's
   coordinates from the sample's draws and resampled from the source pixels it reads, with
   ResizeBilinear's own arithmetic, so the crop is bit for bit the one cut from the whole scaled image;
   a JPEG is decoded only down to the window's last row (`training_sample`).
@@ -39,7 +42,8 @@ import tensorflow as tf
 from PIL import UnidentifiedImageError
 
 from seg_train.config import DataConfig, exception_text
-from seg_train.data import decode as decoders, files, labels, records
+from seg_train.data import augment, decode as decoders, files, labels, order, records
+from seg_train.data.augment import PHOTOMETRIC_ORDER, apply_photometric, photometric_draws  # noqa: F401 (re-exported)
 from seg_train.data.label_images import LOSSY_EXPECTED, LOSSY_WHAT, LossyLabel
 from seg_train.data.layouts import Sample
 
@@ -127,74 +131,6 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
         raise BadSample(f"label values out of range ({label_path}): expected values in [0, {num_classes}) or "
                         f"{ignore_label}, got {values}{mapped_from}")
     return image, label
-
-
-PHOTOMETRIC_ORDER = ("brightness", "contrast", "saturation", "hue")
-
-
-def photometric_draws(spec: dict, key) -> dict:
-    """data.photometric's random draws for one sample: {name: (applied, amount)} for the named steps.
-
-    Each step is applied with probability 1/2; its amount is uniform in [-v, v] for the configured v
-    (brightness: added to 0..255 values; contrast, saturation: the factor is 1 + amount; hue: on
-    OpenCV's 0..180 hue scale). `key`: the sample's stateless seed pair; each step draws from its own
-    split of it, so a step's draws do not depend on which other steps are on.
-    """
-    keys = tf.random.experimental.stateless_split(key, num=2 * len(PHOTOMETRIC_ORDER))
-    draws = {}
-    for i, name in enumerate(PHOTOMETRIC_ORDER):
-        if name in spec:
-            draws[name] = (tf.random.stateless_uniform([], keys[2 * i]) < 0.5,
-                           spec[name] * tf.random.stateless_uniform([], keys[2 * i + 1], -1.0, 1.0))
-    return draws
-
-
-def apply_photometric(image, draws: dict):
-    """The colour jitter of one float32 RGB image in 0..255 for given draws (photometric_draws).
-
-    In this order, each step only where drawn, the result clipped to [0, 255] after each step:
-    brightness x + d; contrast x * (1 + a); saturation S * (1 + a) in HSV (S clipped to [0, 1]);
-    hue H + d / 180 of the hue circle, wrapping.
-    """
-    for name in PHOTOMETRIC_ORDER:
-        if name not in draws:
-            continue
-        applied, amount = draws[name]
-        if name == "brightness":
-            out = image + amount
-        elif name == "contrast":
-            out = image * (1.0 + amount)
-        elif name == "saturation":
-            out = tf.image.adjust_saturation(image / 255.0, 1.0 + amount) * 255.0
-        else:
-            out = tf.image.adjust_hue(image / 255.0, amount / 180.0) * 255.0
-        image = tf.where(applied, tf.clip_by_value(out, 0.0, 255.0), image)
-    return image
-
-
-def _bilinear_axis(out_index, in_size, out_size):
-    """Along one axis, the source pixels and weight of ResizeBilinear (half-pixel centres, no antialias)
-    for output pixels `out_index` of a resize from `in_size` to `out_size`: (lower, upper, lerp).
-
-    TensorFlow's CPU kernel (resize_bilinear_op.cc, compute_interpolation_weights), in float32 as it
-    computes them: scale = in / out; p = (i + 0.5) * scale - 0.5; lower = max(floor(p), 0);
-    upper = min(ceil(p), in - 1); lerp = p - floor(p). At the edges lower == upper, so the weight,
-    whatever it is, changes nothing (the edge pixel is repeated, as the kernel does).
-    """
-    scale = tf.cast(in_size, tf.float32) / tf.cast(out_size, tf.float32)
-    p = (tf.cast(out_index, tf.float32) + 0.5) * scale - 0.5
-    floor = tf.floor(p)
-    lower = tf.maximum(tf.cast(floor, tf.int32), 0)
-    upper = tf.minimum(tf.cast(tf.math.ceil(p), tf.int32), in_size - 1)
-    return lower, upper, p - floor
-
-
-def _nearest_axis(out_index, in_size, out_size):
-    """Along one axis, the source pixel ResizeNearestNeighbor (half-pixel centres) reads for output pixels
-    `out_index`: min(floor((i + 0.5) * in / out), in - 1), in float32 (resize_nearest_neighbor_op.cc)."""
-    scale = tf.cast(in_size, tf.float32) / tf.cast(out_size, tf.float32)
-    index = tf.cast(tf.floor((tf.cast(out_index, tf.float32) + 0.5) * scale), tf.int32)
-    return tf.maximum(tf.minimum(index, in_size - 1), 0)
 
 
 class ImageReader:
@@ -377,7 +313,7 @@ class ImageReader:
         def jpeg():
             size = tf.io.extract_jpeg_shape(image_contents)[:2]
             plan = self._window_plan(size, k)
-            part, origin = decoders.decode_jpeg_window(image_contents, plan["box"], size)
+            part, origin = decoders.decode_jpeg_window(image_contents, plan.box, size)
             return (size,) + self._crop(part, ids, plan, origin)
 
         def other():
@@ -396,193 +332,27 @@ class ImageReader:
         return (tf.cast(image, tf.float32) - tf.constant(self.cfg.mean)) / tf.constant(self.cfg.std)
 
     # ---- training ---------------------------------------------------------------------------------
-    def _permutation(self, epoch):
-        """The order of the samples in `epoch`: a permutation drawn from stateless RNG seeded by (seed, epoch)."""
-        n = len(self.samples)
-        seed = tf.stack([tf.constant(self.seed, tf.int64), tf.cast(epoch, tf.int64)])
-        return tf.argsort(tf.random.stateless_uniform([n], seed=seed))
-
     def _index_of(self, k):
-        """Global sample counter k -> sample index: permutation (k // n) at position k % n.
-
-        The definition of the order. train_order computes the same indices once per epoch instead
-        of once per sample (an argsort of n values per training sample grows with the data set:
-        about 1 ms per sample at 20,000 samples on this CPU, 70 ms at a million).
-        """
-        n = len(self.samples)
-        return tf.gather(self._permutation(k // n), k % n)
-
-    def _sample_order(self, first_k):
-        """Sample indices for global counters first_k, first_k + 1, ...: _index_of's, one argsort per epoch."""
-        n = len(self.samples)
-        e0, pos0 = first_k // n, first_k % n
-        head = tf.data.Dataset.from_tensor_slices(self._permutation(e0)[pos0:])
-        rest = tf.data.Dataset.range(e0 + 1, 2**62).flat_map(
-            lambda e: tf.data.Dataset.from_tensor_slices(self._permutation(e)))
-        return head.concatenate(rest)
+        """Global sample counter k -> sample index (order.index_of: the definition of the order)."""
+        return order.index_of(self.seed, len(self.samples), k)
 
     def augment(self, image, label, k):
-        """Random scale, mirror and crop of one sample, drawn from stateless RNG seeded by (seed, k).
+        """Random scale, mirror and crop of one sample as the stream's sample k (augment.augment)."""
+        return augment.augment(self.cfg, self.seed, image, label, k)
 
-        The definition: the image is scaled by s ~ U(data.random_scale) to round(s * size) (bilinear,
-        half-pixel centres: tf.image.resize; the label nearest-neighbour), mirrored with probability
-        1/2, padded at the bottom and right to at least data.crop_size (mean colour; ignore_label),
-        and a window of data.crop_size is cut at a uniform position. Only that window is computed
-        (`_window_plan`, `_crop`): its pixels are resampled from the source rows and columns they
-        read, with ResizeBilinear's and ResizeNearestNeighbor's own index and weight arithmetic, so
-        the crop is the one cut from the whole scaled image bit for bit (tests/test_crop_window.py),
-        at a fraction of the cost: at scale 2 a 769x769 window of a 2048x1024 frame is 1.8 M values,
-        the whole scaled image 25 M.
-        """
-        plan = self._window_plan(tf.shape(image)[:2], k)
-        return self._crop(image, label, plan, tf.zeros([2], tf.int32))
+    def _window_plan(self, hw, k) -> augment.CropPlan:
+        """The crop window of sample k, of source size `hw` (augment.crop_plan)."""
+        return augment.crop_plan(self.cfg, self.seed, hw, k)
 
-    def _window_plan(self, hw, k) -> dict:
-        """The (seed, k) draws of a sample of source size `hw` and the crop window they give.
-
-        Draws, in this order, each from its own split of the sample's key: scale, mirror, y, x: the
-        order and the arithmetic of the whole-image augmentation this replaced, so the stream stays
-        what it was. Returns the window in the scaled, mirrored, padded frame (y, x; rows, cols: how
-        many of its rows and columns fall inside the scaled image of size h x w), where its pixels
-        are in the SOURCE image (`_bilinear_axis`, `_nearest_axis`), whether `_crop` resizes the whole
-        image for them (`whole`) and `box`: the source rows and columns [top, left, height, width] it
-        reads, resampling margins included.
-        """
-        cfg = self.cfg
-        seeds = tf.random.experimental.stateless_split(
-            tf.stack([tf.constant(self.seed + 1, tf.int64), k]), num=4)
-        hw = tf.cast(hw, tf.int32)
-        lo, hi = cfg.random_scale
-        resize = hi > lo or lo != 1.0
-        if resize:
-            scale = tf.random.stateless_uniform([], seeds[0], lo, hi)
-            new_hw = tf.maximum(tf.cast(tf.round(tf.cast(hw, tf.float32) * scale), tf.int32), 1)
-        else:
-            new_hw = hw
-        flip = tf.random.stateless_uniform([], seeds[1]) < 0.5 if cfg.random_mirror else tf.constant(False)
-        ch, cw = cfg.crop_size
-        h, w = new_hw[0], new_hw[1]
-        ph, pw = tf.maximum(ch - h, 0), tf.maximum(cw - w, 0)
-        y = tf.random.stateless_uniform([], seeds[2], 0, h + ph - ch + 1, dtype=tf.int32)
-        x = tf.random.stateless_uniform([], seeds[3], 0, w + pw - cw + 1, dtype=tf.int32)
-        rows, cols = tf.minimum(ch, h - y), tf.minimum(cw, w - x)
-        # The window's rows and columns in the scaled image; mirrored, its column j is the scaled
-        # image's column w - 1 - j: columns x0 .. x0 + cols - 1 read right to left.
-        x0 = tf.where(flip, w - cols - x, x)
-        ys = tf.range(y, y + rows)
-        xs = tf.where(flip, tf.range(x0 + cols - 1, x0 - 1, -1), tf.range(x0, x0 + cols))
-        plan = {"k": k, "flip": flip, "y": y, "x": x, "x0": x0, "rows": rows, "cols": cols, "h": h, "w": w,
-                "resize": resize}
-        if not resize:
-            plan["ny"], plan["nx"] = ys, xs
-            plan["box"] = tf.stack([y, x0, rows, cols])
-            return plan
-        plan["by"], plan["bx"] = _bilinear_axis(ys, hw[0], h), _bilinear_axis(xs, hw[1], w)
-        plan["ny"], plan["nx"] = _nearest_axis(ys, hw[0], h), _nearest_axis(xs, hw[1], w)
-        top, bottom = plan["by"][0][0], plan["by"][1][-1]
-        left, right = tf.reduce_min(plan["bx"][0]), tf.reduce_max(plan["bx"][1])
-        # Two ways to the same values, costed in pixels of work (their times on one core follow these
-        # counts within about 20%): 0: tf.image.resize of the whole image, where the window is most of
-        # the scaled image; 1: the window's own resampling (`_crop`), which reads the box of source
-        # pixels around it, about 1.5 units per box pixel, and interpolates each window pixel.
-        band = tf.cast(bottom - top + 1, tf.float32) * tf.cast(right - left + 1, tf.float32)
-        cost = tf.stack([tf.cast(h * w, tf.float32), 1.5 * band + tf.cast(rows * cols, tf.float32)])
-        plan["whole"] = tf.argmin(cost) == 0
-        plan["box"] = tf.where(plan["whole"], tf.stack([0, 0, hw[0], hw[1]]),
-                               tf.stack([top, left, bottom - top + 1, right - left + 1]))
-        return plan
-
-    def _crop(self, image, label, plan: dict, origin):
-        """The crop `plan` describes, from uint8 `image` [H', W', 3] and `label` [H'', W''] whose top-left
-        pixels are the source image's pixel `origin` (the whole image at [0, 0], or a part of it holding
-        at least plan["box"] of the image; the label is always whole). Normalised image, uint8 label.
-
-        Every element-wise step works on [rows, cols * 3] views, where TensorFlow broadcasts a row or a
-        column vector fast (a [3]-vector over [h, w, 3] is about six times slower).
-        """
-        cfg = self.cfg
-        ch, cw = cfg.crop_size
-        top, left, bh, bw = tf.unstack(plan["box"])
-        rows, cols, x0 = plan["rows"], plan["cols"], plan["x0"]
-        image = image[top - origin[0]:top - origin[0] + bh, left - origin[1]:left - origin[1] + bw]
-        label = label[top:top + bh, left:left + bw]
-
-        def mirrored(part):
-            return tf.cond(plan["flip"], lambda: tf.reverse(part, [1]), lambda: part)
-
-        if plan["resize"]:
-            (y0, y1, wy), (x0s, x1s, wx) = plan["by"], plan["bx"]
-            y, h, w = plan["y"], plan["h"], plan["w"]
-
-            def whole():
-                # The whole scaled image, as the whole-image augmentation made it; then the window.
-                scaled = tf.image.resize(image, [h, w], method="bilinear")
-                return tf.reshape(mirrored(scaled[y:y + rows, x0:x0 + cols]), [rows, -1])
-
-            def window():
-                # ResizeBilinear's arithmetic written out, in its order: along x within each source row,
-                # left + (right - left) * lerp, then along y, top + (bottom - top) * lerp. Along x on the
-                # transposed source, whose columns are rows: TensorFlow gathers whole rows several times
-                # faster than single pixels, and transposing costs less than the difference.
-                source = tf.reshape(tf.transpose(tf.cast(image, tf.float32), [1, 0, 2]), [bw, -1])
-                a, b = tf.gather(source, x0s - left), tf.gather(source, x1s - left)
-                along_x = a + (b - a) * wx[:, None]
-                along_x = tf.reshape(tf.transpose(tf.reshape(along_x, [cols, bh, 3]), [1, 0, 2]), [bh, -1])
-                upper, lower = tf.gather(along_x, y0 - top), tf.gather(along_x, y1 - top)
-                return upper + (lower - upper) * wy[:, None]
-
-            image = tf.cond(plan["whole"], whole, window)
-            # The label's rows, then its columns as the rows of the transpose (as above).
-            label = tf.gather(label, plan["ny"] - top)
-            label = tf.transpose(tf.gather(tf.transpose(label), plan["nx"] - left))
-        else:
-            image = tf.reshape(tf.cast(mirrored(image), tf.float32), [bh, -1])
-            label = mirrored(label)
-        # Pad to the crop size: image with the mean colour (zero after normalisation), label with
-        # ignore_label, so padding is never learned from; (x - mean) + mean as the whole-image
-        # augmentation computed it, so the values stay its values to the bit.
-        mean = tf.constant(cfg.mean, tf.float32)
-        image = tf.pad(image - tf.tile(mean, [cols])[None], [[0, ch - rows], [0, 3 * (cw - cols)]])
-        image = image + tf.tile(mean, [cw])[None]
-        label = tf.pad(label, [[0, ch - rows], [0, cw - cols]], constant_values=cfg.ignore_label)
-        if cfg.photometric:
-            image = tf.reshape(image, [ch, cw, 3])
-            # Its own key, folded off this sample's: the four draws stay what they were.
-            key = tf.random.experimental.stateless_fold_in(
-                tf.stack([tf.constant(self.seed + 1, tf.int64), plan["k"]]), 1)
-            jittered = apply_photometric(image, photometric_draws(cfg.photometric, key))
-            # The padding keeps the mean colour (zero after normalisation), as without the jitter.
-            inside = (tf.range(ch)[:, None] < rows) & (tf.range(cw)[None, :] < cols)
-            image = tf.reshape(tf.where(inside[..., None], jittered, image), [ch, -1])
-        image = (image - tf.tile(mean, [cw])[None]) / tf.tile(tf.constant(cfg.std, tf.float32), [cw])[None]
-        image = tf.reshape(image, [ch, cw, 3])
-        label.set_shape([ch, cw])
-        return image, tf.cast(label, tf.uint8)
+    def _crop(self, image, label, plan: augment.CropPlan, origin):
+        """The crop `plan` describes (augment.crop)."""
+        return augment.crop(self.cfg, self.seed, image, label, plan, origin)
 
     def train_order(self, global_batch: int, start_step: int = 0, num_replicas: int = 1, pipeline_id: int = 0,
                     num_pipelines: int = 1, micro_batches: int = 1) -> tf.data.Dataset:
-        """(global sample counter k, sample index) of each element of one input pipeline, in its order.
-
-        Element t of pipeline p is step s = t // per_step, local replica r, micro-batch m, row i, and
-        holds global sample k = (s*K + m)*B + first + r*b + i (first: the pipeline's first row). Its
-        sample index is _index_of(k), read here from the global order one step's K*B samples at a time:
-        k - s*K*B does not depend on s, so each step's own rows are one fixed gather.
-        """
-        b = global_batch // num_replicas
-        r_local = num_replicas // num_pipelines
-        per_replica = micro_batches * b
-        per_step = r_local * per_replica
-        first = pipeline_id * r_local * b
-        own = []
-        for t in range(per_step):
-            r, q = t // per_replica, t % per_replica
-            own.append((q // b) * global_batch + first + r * b + q % b)
-        step_samples = micro_batches * global_batch
-        own = tf.constant(own, tf.int64)
-        indices = self._sample_order(start_step * step_samples).batch(step_samples, drop_remainder=True)
-        steps = tf.data.Dataset.range(start_step, 2**62)
-        return tf.data.Dataset.zip(steps, indices).map(
-            lambda s, v: (s * step_samples + own, tf.gather(v, own))).unbatch()
+        """(global sample counter k, sample index) of each element of one input pipeline (order.train_order)."""
+        return order.train_order(self.seed, len(self.samples), global_batch, start_step, num_replicas, pipeline_id,
+                                 num_pipelines, micro_batches)
 
     def train_dataset(self, global_batch: int, start_step: int = 0, num_replicas: int = 1,
                       pipeline_id: int = 0, num_pipelines: int = 1, end_step: int | None = None,

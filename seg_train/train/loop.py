@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from seg_train.train import loss_scale
 from seg_train.train.rundir import write_json
-from seg_train.train.state import LOSS_SCALE_FLOOR
 from seg_train.util.sysinfo import seconds_since_launch
 
 if TYPE_CHECKING:
@@ -151,12 +151,9 @@ class HostSide:
         if not applied:
             finite = out.finite.numpy()
             used = float(out.loss_scale_used)
-            if t_cfg.precision == "mixed_float16" and bool(out.loss_finite) and used > LOSS_SCALE_FLOOR \
-                    and all(out.bn_finite.numpy()):
-                # A float16 gradient overflow: the step was skipped and the loss scale halved. At the
-                # floor the loss is no longer scaled up, so halving cures nothing: a non-finite step.
-                # Non-finite BN statistics are not the loss scale's doing (they are float32 and
-                # unscaled): a non-finite step too.
+            if loss_scale.is_overflow(t_cfg.precision == "mixed_float16", bool(out.loss_finite), used,
+                                      out.bn_finite.numpy()):
+                # A float16 gradient overflow: the step was skipped and the loss scale halved.
                 self.overflows += 1
                 log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
                          "(%d overflow(s) so far)", step, used, float(out.loss_scale), self.overflows)

@@ -16,12 +16,8 @@ import tensorflow as tf
 from seg_train.train import losses, towers
 from seg_train import models
 from seg_train.config import Config
+from seg_train.train.loss_scale import LossScale
 from seg_train.train.schedule import lr_at
-
-# train.precision mixed_float16: the dynamic loss scale starts at LOSS_SCALE_INITIAL and is never
-# halved below LOSS_SCALE_FLOOR (TensorFlow's LossScaleOptimizer's floor): a gradient that is still
-# non-finite with the loss unscaled is a non-finite step, not a float16 overflow.
-LOSS_SCALE_INITIAL, LOSS_SCALE_FLOOR = 2.0 ** 15, 1.0
 
 
 class TrainState:
@@ -37,7 +33,8 @@ class TrainState:
       optimizer: Keras' Adam, AdamW or SGD, built (slots exist), or None.
       step: updates made so far (int64 variable; the data position is a pure function of it).
       bn_stats_step: the step at which the BN moving statistics were last re-estimated (-1: never).
-      loss_scale, good_steps: the dynamic loss scale of mixed_float16 and its counter.
+      loss_scaling: the dynamic loss scale of mixed_float16 (loss_scale.LossScale); loss_scale, good_steps:
+        its two variables.
       ema: the moving averages of the trainable weights (train.ema_decay), or None.
       variables: model.trainable_variables at build time; non_trainable: model.non_trainable_variables.
       bn_layers: every BN layer of the model; bn_positions: where the moving statistics the forward
@@ -60,10 +57,8 @@ class TrainState:
             finally:
                 keras.config.set_dtype_policy(previous)
             # Dynamic loss scaling for float16 (bfloat16 has float32's range and needs none).
-            self.loss_scale = tf.Variable(LOSS_SCALE_INITIAL if t.precision == "mixed_float16" else 1.0,
-                                          trainable=False, name="loss_scale", aggregation=only_first)
-            self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps",
-                                          aggregation=only_first)
+            self.loss_scaling = LossScale(t.precision == "mixed_float16", only_first)
+            self.loss_scale, self.good_steps = self.loss_scaling.scale, self.loss_scaling.good_steps
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step", aggregation=only_first)
             # The BN moving statistics match the weights only while bn_stats_step equals `step`
             # (infer/precise_bn.py).
@@ -126,8 +121,7 @@ class TrainState:
                    "bn_stats_step": self.bn_stats_step}
         if self.ema is not None:
             objects["ema"] = self.ema
-        if self.cfg.train.precision == "mixed_float16":
-            objects.update(loss_scale=self.loss_scale, good_steps=self.good_steps)
+        objects.update(self.loss_scaling.checkpoint_objects())
         return objects
 
     def restore_weights(self, prefix: str) -> int:

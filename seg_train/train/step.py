@@ -16,7 +16,7 @@ One step is one optimizer update, in ONE tf.function over the strategy:
         + L2 weight decay (once), global norm, clipping (train.clip_global_norm); if finite (a verdict
         computed from reduced values, so identical on every tower), TensorFlow's fused update ops on
         Keras' slot variables, the averaged BN statistics and the EMA assigned
-  then: step += 1, optimizer iterations += 1 if applied, dynamic loss scale (float16, update.py)
+  then: step += 1, optimizer iterations += 1 if applied, dynamic loss scale (float16, loss_scale.py)
 
 The maths is that of "K x N towers" (K micro-batches on N towers): every micro-batch's loss sum is
 divided by the normaliser of ALL micro-batches on all towers (the valid pixels, or the weights of
@@ -53,9 +53,10 @@ from seg_train.dist import collectives
 from seg_train.train import losses
 from seg_train.config import ConfigError
 from seg_train.models import stochastic
+from seg_train.train.scalars import TowerScalars
 from seg_train.train.state import TrainState
 from seg_train.train.towers import TowerPass
-from seg_train.train.update import Reduced, Update, update_loss_scale
+from seg_train.train.update import Reduced, Update
 
 
 class StepResult(NamedTuple):
@@ -213,7 +214,7 @@ class TrainStep:
         # later evaluation, so it vetoes the update like a non-finite gradient does.
         bn_finite = tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(p)) for p in bn_packs]), tf.float32) \
             if bn_packs else tf.constant(1.0)
-        row = collectives.one_hot_row(tf.stack([loss_sum, norm, grad_sq, finite, bn_finite]), tower_index, n)
+        row = TowerScalars(loss_sum, norm, grad_sq, finite, bn_finite).pack(tower_index, n)
         scalars = tf.concat([row, tf.reshape(tf.cast(stop, tf.float32), [1])], axis=0)
         return grad_packs + bn_packs + [scalars], preds
 
@@ -286,18 +287,17 @@ class TrainStep:
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731  (identical on every tower)
         applied = first(out.applied)
         st.optimizer.iterations.assign_add(tf.cast(applied, tf.int64))
-        towers = first(out.towers)
-        if self.cfg.train.precision == "mixed_float16":
-            update_loss_scale(st, applied)
+        towers = TowerScalars.unpack(first(out.towers))
+        st.loss_scaling.update(applied)
         st.step.assign_add(1)
         return StepResult(
             loss=tf.math.divide_no_nan(first(out.loss_total), first(out.norm_total)) + first(out.weight_decay),
             weight_decay=first(out.weight_decay),
-            tower_ce=tf.math.divide_no_nan(towers[:, 0], towers[:, 1]),
+            tower_ce=tf.math.divide_no_nan(towers.loss_sum, towers.normalizer),
             tower_grad_norm=first(out.tower_grad_norm),
-            finite=(towers[:, 3] > 0.5) & (towers[:, 4] > 0.5),
-            loss_grad_finite=towers[:, 3] > 0.5,
-            bn_finite=towers[:, 4] > 0.5,
+            finite=(towers.finite > 0.5) & (towers.bn_finite > 0.5),
+            loss_grad_finite=towers.finite > 0.5,
+            bn_finite=towers.bn_finite > 0.5,
             loss_finite=tf.math.is_finite(first(out.loss_total)),
             applied=applied,
             global_norm=first(out.global_norm),

@@ -1,5 +1,5 @@
 """The train step's update after the all-reduce (step.py): normalise, decay, clip, then the fused optimizer
-ops, the BN statistics and the EMA; and the dynamic loss scale of mixed_float16.
+ops, the BN statistics and the EMA (the dynamic loss scale of mixed_float16 is loss_scale.py's).
 
 The update is one function traced once for every tower (towers.shared) on the tower's handles of the
 variables, Keras' slot variables and the averages it writes. Every tower computes it from the same
@@ -27,13 +27,8 @@ import tensorflow as tf
 from seg_train.dist import collectives
 from seg_train.train import losses
 from seg_train import models
-from seg_train.train.state import LOSS_SCALE_FLOOR
+from seg_train.train.scalars import TowerScalars
 from seg_train.train.towers import handles, read_handle, shared
-
-# Per-tower scalars carried in one-hot slots of the all-reduce (step.py's tower pass): "finite" is the
-# loss and gradient's, "bn_finite" the new BN statistics'.
-TOWER_FIELDS = ("loss_sum", "normalizer", "grad_sq", "finite", "bn_finite")
-NF = len(TOWER_FIELDS)
 
 
 class Reduced(NamedTuple):
@@ -44,7 +39,7 @@ class Reduced(NamedTuple):
     loss_total: tf.Tensor
     norm_total: tf.Tensor
     weight_decay: tf.Tensor
-    towers: tf.Tensor  # [towers, len(TOWER_FIELDS)]
+    towers: tf.Tensor  # [towers, fields]: every tower's TowerScalars (TowerScalars.table)
     stop: tf.Tensor
     tower_grad_norm: tf.Tensor
     var_grad_norms: tf.Tensor
@@ -167,7 +162,8 @@ class Update:
         res = tf.TensorSpec([], tf.resource)
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         sizes = (collectives.pack_sizes([v.shape for v in st.variables], self._grad_layout)
-                 + collectives.pack_sizes([v.shape for v in st.bn_variables], self._state_layout) + [[n * NF + 1]])
+                 + collectives.pack_sizes([v.shape for v in st.bn_variables], self._state_layout)
+                 + [[TowerScalars.size(n) + 1]])
         concrete = self._function.get_concrete_function(
             [tf.TensorSpec(x, tf.float32) for x in sizes], [res] * len(st.variables),
             [[res] * len(s) for s in self.slots], [res] * len(st.non_trainable), [res] * len(st.ema or []),
@@ -188,8 +184,9 @@ class Update:
         n_grad_packs = len(self._grad_layout) if self._grad_layout is not None else len(variables)
         grad_packs, scalars = packs[:n_grad_packs], packs[-1]
         bn = collectives.unpack(packs[n_grad_packs:-1], self._state_layout)
-        towers = tf.reshape(scalars[:-1], [n, NF])
-        loss_total, norm_total = tf.reduce_sum(towers[:, 0]), tf.reduce_sum(towers[:, 1])
+        table = TowerScalars.table(scalars[:-1], n)
+        towers = TowerScalars.unpack(table)
+        loss_total, norm_total = tf.reduce_sum(towers.loss_sum), tf.reduce_sum(towers.normalizer)
         # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
         # when nothing counts, and then the loss gradient is 0, not a division by zero.
         to_mean = tf.math.divide_no_nan(scale_back / loss_scale, norm_total)
@@ -203,7 +200,7 @@ class Update:
         weight_decay = 0.5 * coeff * tf.add_n([tf.reduce_sum(tf.square(w)) for w in w_packs])
         global_norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in update]))
         finite = tf.math.is_finite(global_norm) & tf.math.is_finite(loss_total) & \
-            (tf.reduce_min(towers[:, 4]) > 0.5)
+            (tf.reduce_min(towers.bn_finite) > 0.5)
         clip = cfg.train.clip_global_norm
         clipped = global_norm > clip if clip else tf.constant(False)
         factor = tf.where(clipped, clip / tf.maximum(global_norm, 1e-30), 1.0) if clip else tf.constant(1.0)
@@ -236,30 +233,7 @@ class Update:
                             lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
                             lambda: tf.zeros([len(grads)]))
         return Reduced(applied=applied, global_norm=global_norm, clipped=clipped & applied, loss_total=loss_total,
-                       norm_total=norm_total, weight_decay=weight_decay, towers=towers, stop=scalars[-1],
-                       tower_grad_norm=tf.sqrt(towers[:, 2]) * to_mean, var_grad_norms=var_norms,
+                       norm_total=norm_total, weight_decay=weight_decay, towers=table, stop=scalars[-1],
+                       tower_grad_norm=tf.sqrt(towers.grad_sq) * to_mean, var_grad_norms=var_norms,
                        finite_update=finite, gradients=grads, bn_stats=bn)
 
-
-def update_loss_scale(state, applied) -> None:
-    """Dynamic loss scaling: halve on a skipped step, double after 2000 applied steps (Keras' defaults).
-
-    The scale never goes below LOSS_SCALE_FLOOR; a step skipped at the floor is not an overflow
-    but a non-finite step (loop.HostSide decides that from the step's `loss_scale_used`).
-    Cross-replica context (the scale is one variable for every tower).
-    """
-    st = state
-
-    def grow():
-        st.good_steps.assign_add(1)
-        done = st.good_steps >= 2000
-        st.loss_scale.assign(tf.where(done, st.loss_scale * 2.0, st.loss_scale))
-        st.good_steps.assign(tf.where(done, tf.constant(0, tf.int64), st.good_steps))
-        return tf.constant(0)
-
-    def shrink():
-        st.loss_scale.assign(tf.maximum(st.loss_scale / 2.0, LOSS_SCALE_FLOOR))
-        st.good_steps.assign(0)
-        return tf.constant(0)
-
-    tf.cond(applied, grow, shrink)

@@ -1,0 +1,71 @@
+"""The dynamic loss scale of train.precision mixed_float16: its variables, its update rule and the host's
+verdict on a skipped step (bfloat16 has float32's range and needs no scale).
+
+The towers differentiate loss * scale (step.py) and the update divides it out again (update.py); a step
+whose scaled float16 gradient overflowed is skipped and the scale halved, and the scale doubles after
+GROWTH_INTERVAL applied steps in a row (Keras' defaults). The scale is never halved below FLOOR
+(TensorFlow's LossScaleOptimizer's floor): a gradient still non-finite with the loss unscaled is a
+non-finite step, not a float16 overflow (`is_overflow`).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+LOSS_SCALE_INITIAL, LOSS_SCALE_FLOOR = 2.0 ** 15, 1.0
+GROWTH_INTERVAL = 2000  # applied steps in a row before the scale doubles
+
+
+class LossScale:
+    """The scale (`scale`, float32) and its counter of applied steps (`good_steps`, int64), built inside
+    `strategy.scope()`, one value for every tower.
+
+    Args:
+      enabled: train.precision is mixed_float16; otherwise the scale stays 1.0, nothing updates it and
+        no checkpoint holds it.
+      aggregation: the variables' tf.VariableAggregation.
+    """
+
+    def __init__(self, enabled: bool, aggregation):
+        self.enabled = enabled
+        self.scale = tf.Variable(LOSS_SCALE_INITIAL if enabled else 1.0, trainable=False, name="loss_scale",
+                                 aggregation=aggregation)
+        self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="good_steps", aggregation=aggregation)
+
+    def checkpoint_objects(self) -> dict:
+        """The checkpoint objects it is saved as (top-level `loss_scale` and `good_steps`; none when disabled)."""
+        return {"loss_scale": self.scale, "good_steps": self.good_steps} if self.enabled else {}
+
+    def update(self, applied) -> None:
+        """After a step (cross-replica context): grow after GROWTH_INTERVAL applied steps, halve on a skipped one.
+
+        A no-op when disabled.
+        """
+        if not self.enabled:
+            return
+        scale, good = self.scale, self.good_steps
+
+        def grow():
+            good.assign_add(1)
+            done = good >= GROWTH_INTERVAL
+            scale.assign(tf.where(done, scale * 2.0, scale))
+            good.assign(tf.where(done, tf.constant(0, tf.int64), good))
+            return tf.constant(0)
+
+        def shrink():
+            scale.assign(tf.maximum(scale / 2.0, LOSS_SCALE_FLOOR))
+            good.assign(0)
+            return tf.constant(0)
+
+        tf.cond(applied, grow, shrink)
+
+
+def is_overflow(enabled: bool, loss_finite: bool, scale_used: float, bn_finite) -> bool:
+    """Whether a skipped step was a float16 overflow (skipped by design, the scale halved), not a non-finite step.
+
+    An overflow has a finite loss, a scale above the floor (at the floor the loss is no longer scaled up, so
+    halving cures nothing) and finite BN statistics (float32 and unscaled: not the scale's doing).
+    `scale_used`: the scale the step's gradients were computed with; `bn_finite`: per tower.
+    """
+    return enabled and loss_finite and scale_used > LOSS_SCALE_FLOOR \
+        and all(bn_finite)
