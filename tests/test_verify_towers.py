@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from seg_train import cli
-from seg_train.dist import replicas
+from seg_train.dist import collectives, replicas
 
 from seg_train.data import synthetic
 
@@ -156,10 +156,26 @@ def test_one_wrong_batch_variance_fails(probes):
     assert f"over tolerance  batch statistics of {one['bn_names'][j]} (1.00e+00)" in verify.format_report(r)
 
 
+class _NoCrossTower:
+    """seg_train.dist.collectives as synchronized BN would see it with its reduction broken: one tower,
+    all-reduces that return this tower's own sums; everything else the real module's."""
+
+    def __getattr__(self, name):
+        return getattr(collectives, name)
+
+    @staticmethod
+    def num_replicas():
+        return 1
+
+    @staticmethod
+    def all_reduce_sum(tensors):
+        return list(tensors)
+
+
 def test_unreduced_sync_bn_fails_with_exit_1(cfg_path, monkeypatch, capsys):
-    # Each tower normalises with its own one-image moments: the known wrong answer of a
-    # synchronized BN whose all-reduce is missing.
-    monkeypatch.setattr(sync_bn, "_LOCAL_STATISTICS_FOR_TESTS", True)
+    # Each tower normalises with its own one-image moments (forward and backward sums left per
+    # tower): the known wrong answer of a synchronized BN whose all-reduce is missing.
+    monkeypatch.setattr(sync_bn, "collectives", _NoCrossTower())
     rc = cli.bench_main(["--config", str(cfg_path), "--gpus", "4", "--verify-towers", "--json"])
     out = capsys.readouterr().out
     r = json.loads(out)
