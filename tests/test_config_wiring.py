@@ -49,8 +49,8 @@ from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
-from tests.test_config_wiring_data import WIRED_DATA
-from tests.test_loss_terms import dice_numpy, lovasz_numpy, softmax64
+from tests.helpers import WIRED_DATA
+from tests.helpers import dice_numpy, lovasz_numpy, softmax64
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,7 +22,7 @@ from seg_train.config import ConfigError, ModelConfig
 from seg_train.models.backbones import build_backbone
 from seg_train.models.layer_choice import LayerChoice
 from tests.helpers import bilinear_resize
-from tests.test_backbone_weights import _perturb
+from tests.helpers import perturb as _perturb
 
 
 def _bn_relu(x, model, name, eps=1e-5):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.test_train_cli import run, write_config
+from tests.helpers import run_command as run, write_train_config as write_config
 
 
 def free_ports(n):

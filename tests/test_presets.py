@@ -27,19 +27,11 @@ import tensorflow as tf
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
-from seg_train.models.mit import VARIANTS
 from seg_train.train.state import TrainState
 from tests.helpers import tiny_config
+from tests.helpers import mit_kwargs as _mit_kwargs
 
 SIZE, CLASSES = 64, 5  # keras-hub's model is built for one square size
-
-
-def _mit_kwargs(name):
-    spec = VARIANTS[name]
-    return dict(num_layers=4, hidden_dims=list(spec.widths), layerwise_depths=list(spec.depths),
-                layerwise_num_heads=list(spec.heads), layerwise_sr_ratios=list(spec.sr_ratios),
-                layerwise_patch_sizes=list(spec.patch_sizes), layerwise_strides=list(spec.patch_strides),
-                max_drop_path_rate=0.1)
 
 
 def keras_hub_mit(name="mit_b0", size=SIZE):

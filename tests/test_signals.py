@@ -12,7 +12,7 @@ import time
 
 import tensorflow as tf
 
-from tests.test_train_cli import write_config
+from tests.helpers import write_train_config as write_config
 
 # A TensorFlow call that runs far longer than the test waits: the main thread sits inside it, where
 # no Python signal handler can run, until the process is stopped.

@@ -34,9 +34,9 @@ from seg_train.models import stochastic
 from seg_train.models.mit import drop_path_rates
 from seg_train.train.state import TrainState
 from tests.helpers import open_reader, tiny_config
-from tests.test_presets import _mit_kwargs
-from tests.test_robustness import rewind
-from tests.test_towers import strategy
+from tests.helpers import mit_kwargs as _mit_kwargs
+from tests.helpers import rewind
+from tests.helpers import strategy
 
 
 @pytest.fixture(scope="module")

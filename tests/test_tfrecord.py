@@ -229,7 +229,8 @@ def test_a_damaged_record_is_named(voc, tmp_path):
         recs.decode(0)
 
 
-from tests.test_layouts import SPLITS, mapped, trees, write_config  # noqa: E402,F401 - the tiny Cityscapes tree
+from tests.helpers import LAYOUT_SPLITS as SPLITS, mapped_label as mapped  # noqa: E402 - the tiny Cityscapes tree
+from tests.helpers import write_layout_config as write_config  # noqa: E402
 
 
 def test_cityscapes_as_tfrecords_trains_and_evaluates(tmp_path, trees):  # noqa: F811
