@@ -474,7 +474,7 @@ def bad_roots(base: Path, demo_root: Path) -> dict[str, Path]:
     return roots
 
 
-# ---- bad input: one error line, exit 2, run dir unchanged -----------------------------------------------
+# Each defect of bad_roots (and two flags) -> the start of the one error line it gives.
 DATA_CASES = {
     "root_missing": "error: data root not found (data.root): ",
     "split_missing": "error: split not found ({root}/ImageSets/Segmentation/train.txt): ",
@@ -765,7 +765,6 @@ def mit_kwargs(name):
 
 
 # ---- the tf.distribute strategy of n CPU towers (tests/test_towers.py) -------------------------------------
-CPU_DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
 
 def strategy(n):
@@ -787,7 +786,6 @@ def population(features):
 
 # ---- the data.* and eval.* keys' wiring map (tests/test_config_wiring.py merges it into WIRED)
 # (tests/test_config_wiring_data.py)
-# ---- data.* and eval.* ----------------------------------------------------------------------------------
 # key -> the pytest node id of a test that fails when the key is ignored (replaced by its default), or
 # "unobservable: <why>". Node ids, not bare names, so the dict merges into any other list of this kind.
 WIRED_DATA_HERE = "tests/test_config_wiring_data.py::"

@@ -8,10 +8,10 @@ seg-predict and seg-export run in-process through their `cli.*_main`), with a NO
 and holds the result to a reference written out by hand from the literal values below (numpy on the decoded
 PNGs, a model called eagerly, TensorBoard's EventAccumulator), never to the config object the code read.
 
-WIRED_DATA maps each key of the table's data.* and eval.* rows to the test that fails when the key is
-ignored (a pytest node id), or to "unobservable: <why>" (no key here needed it);
-tests/test_config_wiring.py merges it into its WIRED map, whose `test_every_documented_key_is_wired` keeps it
-complete and true.
+WIRED_DATA (tests/helpers.py) maps each key of the table's data.* and eval.* rows to the test that fails
+when the key is ignored (a pytest node id), or to "unobservable: <why>" (no key here needed it);
+tests/test_config_wiring.py merges it into its WIRED map, whose `test_every_documented_key_is_wired` keeps
+it complete and true.
 """
 
 import json

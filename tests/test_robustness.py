@@ -394,6 +394,7 @@ def test_harmless_changes_stale_lock_and_skipped_sample(batch):
     assert (stale / "train.lock").read_text() == ""
 
 
+# ---- bad input: one error line, exit 2, run dir unchanged -----------------------------------------------
 @pytest.mark.parametrize("name", list(DATA_CASES))
 def test_bad_data_and_flags(batch, name):
     res = batch["results"][name]
