@@ -29,6 +29,8 @@ from seg_train import config as config_lib
 from seg_train.data.reader import ImageReader
 from tests.helpers import bilinear_resize, open_reader
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

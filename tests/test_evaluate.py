@@ -188,6 +188,7 @@ def test_write_eval_summaries(tmp_path):
                       "eval/iou/a": (5, pytest.approx(0.6)), "eval/iou/b": (5, pytest.approx(0.6))}
 
 
+@pytest.mark.slow
 def test_cli_missing_checkpoint_is_a_one_line_user_error(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("data: {root: data, num_classes: 3}\n")

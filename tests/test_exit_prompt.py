@@ -34,6 +34,8 @@ from seg_train.data import synthetic
 from tests.helpers import write_train_config as write_config
 from tests.helpers import SLOW_DESTROY, SLOW_TEARDOWN, destructions
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 TIMEOUT = 600  # the unfixed code: 20 s per iterator destroyed on the way, a few minutes in all
 
 

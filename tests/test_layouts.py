@@ -97,6 +97,7 @@ def test_training_stream_evaluation_and_class_weights_see_train_ids(tmp_path, tr
     np.testing.assert_allclose(class_weights_for_split(cfg, reader), want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_check_data_histogram_after_the_map_names_unmapped_values(tmp_path, trees, capsys):
     path = write_config(tmp_path, trees, "cityscapes", train_split="broken")
     assert cli.train_main(["--config", str(path), "--check-data"]) == 2
@@ -161,6 +162,7 @@ def default_splits(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_ade20k_default_split_names_are_training_and_validation(tmp_path, trees, capsys):
     """data.layout: ade20k with the default split names (train, val) reads images/training and
     images/validation (issue 24's usual names), through --check-data; the explicit names give the same
@@ -181,6 +183,7 @@ def test_ade20k_default_split_names_are_training_and_validation(tmp_path, trees,
         str(trees["ade20k"] / f"images/validation/ADE_val_0000000{n}.jpg") for n in (1, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, predict_from", [("cityscapes", "leftImg8bit/val/frankfurt"),
                                                   ("ade20k", "images/validation")])
 def test_train_eval_predict(tmp_path, trees, layout, predict_from, capsys):

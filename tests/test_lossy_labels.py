@@ -32,6 +32,8 @@ from tests.helpers import (
     label_array, write_lossy_config as write_config
 )
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 ROOT = Path(__file__).resolve().parent.parent
 MESSAGE = ("lossy JPEG label ({path}): expected a PNG of class indices (JPEG compression damages the class "
            "values); convert the label to PNG, from its source annotation if you have it")

@@ -6,8 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import numpy as np
 from PIL import Image
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 VOC_PALETTE = np.zeros((256, 3), dtype=np.uint8)

@@ -31,6 +31,8 @@ from seg_train.train.state import TrainState
 from tests.helpers import tiny_config
 from tests.helpers import mit_kwargs as _mit_kwargs
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 SIZE, CLASSES = 64, 5  # keras-hub's model is built for one square size
 
 

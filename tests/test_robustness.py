@@ -43,6 +43,7 @@ from tests.helpers import (
     rewind, truncate, write_voc_config as write_config
 )
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 ERROR_LINE = re.compile(r"^error: [^()\n]+ \(.+\): .+$")
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 import yaml
 from tests.helpers import run_command as run, write_train_config as write_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 ROOT = Path(__file__).resolve().parents[1]
 

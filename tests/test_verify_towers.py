@@ -94,6 +94,7 @@ def test_batch_statistics_by_hand():
     assert verify.batch_statistics([np.array([3.0])], [np.array([7.0])], [0.0])[0] == pytest.approx([3.0])
 
 
+@pytest.mark.slow
 def test_correct_build_agrees(probes):
     cfg, one, many = probes
     r = verify.judge(cfg, "CPU", 4, one, many)
@@ -114,6 +115,7 @@ def test_correct_build_agrees(probes):
     assert text.splitlines()[-1].startswith("verdict: OK")
 
 
+@pytest.mark.slow
 def test_one_wrong_gradient_fails(probes):
     # One variable's gradient 1.5x on the N-tower side only (e.g. counted 1.5 times in the
     # reduction): a variable with under 2% of the gradient norm, so the concatenated difference
@@ -136,6 +138,7 @@ def test_one_wrong_gradient_fails(probes):
     assert text.splitlines()[-1].startswith("verdict: FAIL")
 
 
+@pytest.mark.slow
 def test_one_wrong_batch_variance_fails(probes):
     # One layer's batch variance 100% off (doubled) on the N-tower side, at bn_momentum 0.99: the
     # new moving variance m * old + (1 - m) * batch moves by 0.01 * batch / (0.99 * old + 0.01 *
@@ -172,6 +175,7 @@ class _NoCrossTower:
         return list(tensors)
 
 
+@pytest.mark.slow
 def test_unreduced_sync_bn_fails_with_exit_1(cfg_path, monkeypatch, capsys):
     # Each tower normalises with its own one-image moments (forward and backward sums left per
     # tower): the known wrong answer of a synchronized BN whose all-reduce is missing.
@@ -189,6 +193,7 @@ def test_unreduced_sync_bn_fails_with_exit_1(cfg_path, monkeypatch, capsys):
     assert {"gpus", "gradient_rel_l2", "bn_stats_rel_l2", "tolerance", "ok"} <= set(r)
 
 
+@pytest.mark.slow
 def test_user_errors_before_any_device(cfg_path, capsys):
     from seg_train import config as config_lib
     with pytest.raises(ConfigError, match=r"batch does not divide across towers \(data.batch_size\)"):
@@ -200,6 +205,7 @@ def test_user_errors_before_any_device(cfg_path, capsys):
         assert ("(data.batch_size)" if gpus == "3" else "(--gpus)") in err[0]
 
 
+@pytest.mark.slow
 def test_cli_exit_0_and_verdict(tmp_path, demo_root):
     # The real command in a fresh process (its own devices, TensorFlow's start-up quietened).
     tiny_config(tmp_path, demo_root, data={"batch_size": 2})
