@@ -32,6 +32,8 @@ from tests.helpers import (
     perturb as _perturb, read_h5 as _read_h5, short_weight_name as _short, weighted_layers as _weighted_layers
 )
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 # backbone: (tf_keras constructor, its preprocess_input, the low-level (stride 4) layer, layers of the
 # no-top file past the backbone's high-level output)
 APPS = {

@@ -24,6 +24,8 @@ from seg_train.train.step import TrainStep
 from tests.helpers import confusion_matrix, open_reader, tiny_config, train_batches
 from tests.helpers import global_batches, population
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 NUM_CLASSES = 3
 

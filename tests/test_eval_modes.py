@@ -33,6 +33,8 @@ from tests.helpers import (
     write_eval_split as write_split
 )
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 # Not multiples of 32 nor of the slide strides; 5 images, so the last step on 4 towers is partial.
 SIZES = [(37, 53), (64, 17), (50, 41), (29, 70), (45, 33)]
 CROP, STRIDE = [24, 32], [16, 20]

@@ -27,6 +27,8 @@ from tests.helpers import (
     write_eval_split as write_split
 )
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 # Sizes that are not multiples of 32 (padding must not be counted); 5 images, so the last step on
 # 2 and 4 towers is partial (a tower without an image must count nothing).
 SIZES = [(37, 53), (64, 17), (33, 32), (50, 41), (29, 29)]
@@ -188,7 +190,6 @@ def test_write_eval_summaries(tmp_path):
                       "eval/iou/a": (5, pytest.approx(0.6)), "eval/iou/b": (5, pytest.approx(0.6))}
 
 
-@pytest.mark.slow
 def test_cli_missing_checkpoint_is_a_one_line_user_error(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("data: {root: data, num_classes: 3}\n")

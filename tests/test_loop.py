@@ -16,6 +16,7 @@ from seg_train.bench import runner as bench
 from seg_train.data import synthetic
 from tests.helpers import open_reader, tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
@@ -102,7 +103,6 @@ def test_seg_bench_runs_the_same_loop_and_host_work_as_seg_train(runner, monkeyp
     assert len(runner.losses) == losses + 1  # seg-train's HostSide read the step
 
 
-@pytest.mark.slow
 def test_seg_train_dispatches_every_step_through_the_same_loop(tmp_path, monkeypatch):
     # The other half of "the same loop": seg-train's run (in-process, 3 steps) dispatches each of its
     # steps through loop.StepLoop, one loop object for the run, and HostSide reads each of them.

@@ -138,6 +138,7 @@ def test_terms_objective_by_hand():
     np.testing.assert_allclose(float(total / norm), (valid * lov).sum() / valid.sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", [
     {"terms": [{"type": "cross_entropy", "weight": 1.0}, {"type": "lovasz", "weight": 0.5},
                {"type": "dice", "weight": 0.5}], "class_weights": [1.0, 2.0, 0.5]},
@@ -188,6 +189,7 @@ def test_loss_config_errors(tmp_path, loss, where, expected):
     assert e.value.where == where and expected in e.value.expected, str(e.value)
 
 
+@pytest.mark.slow
 def test_xla_compiles_the_new_losses():
     """train.jit_compile: the per-image sorts need a static pixel count inside an XLA-compiled tower."""
     logits, labels = batch(7)

@@ -30,6 +30,8 @@ from tests.helpers import (
     perturb as _perturb, read_h5 as _read_h5, short_weight_name as _short, weighted_layers as _weighted_layers
 )
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 CTORS = {"mobilenetv3_large": tf_keras.applications.MobileNetV3Large,
          "mobilenetv3_small": tf_keras.applications.MobileNetV3Small}
 # Keras 3 layer -> the Keras 2 layer of the same place, compared on features: (stride 4 as DeepLabV3+
@@ -205,7 +207,6 @@ def test_lraspp_logits_equal_numpy_by_hand(backbone):
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-3 * np.abs(expected).max())
 
 
-@pytest.mark.slow
 def test_head_and_backbone_choices(tmp_path):
     base = {"data": {"root": "d", "num_classes": 3}}
     for backbone in ("tiny", "mobilenetv2", "mobilenetv3_large", "mobilenetv3_small", "resnet50", "resnet101"):
@@ -240,7 +241,6 @@ def test_head_and_backbone_choices(tmp_path):
         assert [s for s in err.getvalue().splitlines() if s.strip()] == [line], err.getvalue()
 
 
-@pytest.mark.slow
 def test_train_lraspp_on_two_towers(tmp_path):
     root = synthetic.generate(tmp_path / "data", num_train=8, num_val=2, size=(64, 64), num_classes=3, seed=0)
     raw = {"seed": 0, "run_dir": str(tmp_path / "run"),

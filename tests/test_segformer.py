@@ -39,11 +39,12 @@ from tests.helpers import (
 from tests.helpers import mit_kwargs as _mit_kwargs
 from tests.helpers import strategy
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 # SegFormer with 150 classes (ADE20K), in millions as the paper's Table 1 gives them (encoder + decoder).
 PAPER_MILLIONS = {"mit_b0": 3.8, "mit_b1": 13.7, "mit_b2": 27.5, "mit_b3": 47.3, "mit_b4": 64.1, "mit_b5": 84.7}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mit_b1", "mit_b2", "mit_b3", "mit_b4", "mit_b5"])
 def test_parameter_counts_equal_keras_hubs_and_the_papers(name):
     """Built, not run (B0's are compared in tests/test_presets.py, with its outputs). The encoder against
@@ -188,7 +189,6 @@ def test_predict_and_the_savedmodel_segment_any_size(evaluated):
         np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), ref)
 
 
-@pytest.mark.slow
 def test_tflite_file_has_builtins_only_and_predicts_what_keras_predicts(evaluated):
     from ai_edge_litert.interpreter import Interpreter
 
@@ -229,7 +229,6 @@ def int8_files(evaluated):
             "float_ops": convert(frozen, "int8", lambda: ([image] for image in images), FLOAT_KINDS)}
 
 
-@pytest.mark.slow
 def test_int8_file_keeps_every_layer_norm_in_int8(int8_files):
     """Full-integer quantization of MiT-B0 + SegFormer: no op but the input's CAST and QUANTIZE computes in
     float32. Fails for Keras' own LayerNormalization, whose shift -mean * inv converts to a NEG op with no
@@ -241,7 +240,6 @@ def test_int8_file_keeps_every_layer_norm_in_int8(int8_files):
     assert ops["MEAN"] >= 2 * 15  # the 15 LayerNorms of MiT-B0 (moments: two MEANs each) are in the file
 
 
-@pytest.mark.slow
 def test_int8_file_with_the_attention_and_layer_norm_ops_in_float(evaluated, int8_files):
     """--float-ops for a SegFormer (docs/DEPLOY.md): the op kinds XNNPACK declines in int8 stay in float32,
     every one of them, and the rest stays int8; LiteRT then predicts what Keras predicts on the pixels

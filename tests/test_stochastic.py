@@ -38,6 +38,7 @@ from tests.helpers import mit_kwargs as _mit_kwargs
 from tests.helpers import rewind
 from tests.helpers import strategy
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
@@ -138,7 +139,6 @@ def _rates(model) -> dict:
             if isinstance(layer, stochastic.DropPath)}
 
 
-@pytest.mark.slow
 def test_drop_path_rate_and_head_dropout_reach_the_model(tmp_path):
     """TrainState from a config with model.drop_path_rate 0.3 and model.head_dropout 0.2: every MiT block's two
     branches at the rate keras-hub's MiTBackbone(max_drop_path_rate=0.3) gives that block (0 at the first,
@@ -182,7 +182,6 @@ def test_inference_is_the_model_without_stochastic_layers(tmp_path):
 
 
 # ---- a run interrupted and resumed ------------------------------------------------------------------------
-@pytest.mark.slow
 def test_resumed_segformer_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root):
     """seg-train on 2 towers (AdamW with the head at 10x) on SegFormer with drop path 0.5 and dropout 0.3, 4 steps
     with checkpoints at 2 and 4; the run dir rewound to step 2 (as if killed after that checkpoint) and the

@@ -18,6 +18,7 @@ from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 from tests.helpers import strategy
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 def one_step(cfg, n, images, labels):
     trainer = TrainStep(TrainState(cfg, strategy(n)))
