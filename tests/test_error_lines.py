@@ -33,7 +33,6 @@ from tests.helpers import LOSSY_KINDS, deeplab_example, encoded, label_array, lo
 from tests.helpers import write_layout_config as layout_config
 from tests.helpers import DATA_CASES, bad_roots as _bad_roots, error_lines, write_voc_config as voc_config
 
-pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 ROOT = Path(__file__).resolve().parent.parent
 REPR = re.compile(r"object at 0x|<[^<>]* at 0x[0-9a-fA-F]+>")
