@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs mutants bench bench-deploy bench-accuracy clean
+.PHONY: demo test test-fast lint docs mutants bench bench-deploy bench-accuracy clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,12 +14,19 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(BIN)/seg-train --config configs/demo.yaml --gpus 4
 
+# The whole suite on two processes, one test file per process at a time (a file's module fixtures are built once).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# The edit loop: the in-process unit tests, without the ones marked slow (pyproject.toml; DEVELOPING.md says which).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 # The mutation check (scripts/mutants.yaml): every listed bug must make its targeted tests fail. Not part of
 # `make test`; run it after changing the train step, BN, losses, inference, EMA, accumulation or clipping.
+# First, in seconds: every entry still applies (find text once, tests present), else it stops there.
 mutants: $(STAMP)
+	$(BIN)/python scripts/mutants.py --check
 	nice -n 10 $(BIN)/python scripts/mutants.py
 
 lint: $(STAMP)

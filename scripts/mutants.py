@@ -8,12 +8,14 @@ an interrupted run leaves nothing behind), the one text replaced there, and `pyt
   SURVIVED  every listed test passed: a hole in the tests (exit 1);
   ERROR     the find text is missing or not unique, pytest could not collect the tests on the mutant
             (e.g. it does not import), or the per-mutant timeout (exit 1: nothing proved for it).
-The listed tests are first run once on an unmutated copy: a mutant "killed" by a test that fails
-anyway (or by a test id that does not exist) proves nothing, so the check aborts (exit 2) unless
-they all pass.
+Every selected entry is first checked to apply (its find text once in its file, its test functions
+present): a stale entry stops the check before anything runs (exit 1). The listed tests are then run
+once on an unmutated copy: a mutant "killed" by a test that fails anyway (or by a test id that does
+not exist) proves nothing, so the check aborts (exit 2) unless they all pass.
 
   python scripts/mutants.py                 # all mutants (make mutants)
   python scripts/mutants.py --list          # the list, checked, nothing run
+  python scripts/mutants.py --check         # only: does every entry still apply (exit 1 if not)
   python scripts/mutants.py --only NAME ... --json results.json
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -76,9 +79,19 @@ def applicability(m: dict, root: Path = ROOT) -> str | None:
     if count != 1:
         return f"find text occurs {count} times in {m['file']} (expected exactly once)"
     for test in m["tests"]:
-        if not (root / test.split("::")[0]).is_file():
-            return f"no test file {test.split('::')[0]}"
+        path, _, name = test.partition("::")
+        if not (root / path).is_file():
+            return f"no test file {path}"
+        function = re.sub(r"\[.*\]$", "", name)
+        if not function or not re.search(rf"^def {re.escape(function)}\(", (root / path).read_text(), re.M):
+            return f"no test function {test}"
     return None
+
+
+def stale(mutants: list[dict], root: Path = ROOT) -> list[str]:
+    """One error line per entry that cannot be applied to `root` (empty: every entry applies)."""
+    return [f"error: stale mutant ({m['name']}): {reason}; expected its find text once and its tests to exist"
+            for m in mutants if (reason := applicability(m, root))]
 
 
 def copy_repo(dest: Path) -> None:
@@ -189,7 +202,10 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the mutants (checked against the code) and exit")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant (default 900)")
+    ap.add_argument("--check", action="store_true",
+                    help="only check that every entry applies (find text once, tests exist); run nothing")
     ap.add_argument("--file", type=Path, default=LIST, help=argparse.SUPPRESS)
+    ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
         mutants = load_mutants(args.file)
@@ -206,14 +222,23 @@ def main(argv=None) -> int:
 
     if args.list:
         for m in mutants:
-            reason = applicability(m)
+            reason = applicability(m, args.root)
             print(f"{m['name']}  [{m['file']}]{'  ERROR: ' + reason if reason else ''}\n    {m['why']}")
             for t in m["tests"]:
                 print(f"    - {t}")
-        return 1 if any(applicability(m) for m in mutants) else 0
+        return 1 if any(applicability(m, args.root) for m in mutants) else 0
+
+    # Every entry checked before anything runs: a stale entry fails the check at once (exit 1).
+    errors = stale(mutants, args.root)
+    for line in errors:
+        print(line, file=sys.stderr)
+    if errors or args.check:
+        if not errors:
+            print(f"{len(mutants)} mutant(s) apply")
+        return 1 if errors else 0
 
     start = time.monotonic()
-    runnable = [m for m in mutants if applicability(m) is None]
+    runnable = mutants
     print(f"baseline: the listed tests of {len(runnable)} mutant(s) on the unmutated code ...", flush=True)
     ok, out, seconds = baseline(runnable, args.timeout) if runnable else (True, "", 0.0)
     if not ok:

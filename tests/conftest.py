@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,6 +24,8 @@ from seg_train.dist import replicas  # noqa: E402
 
 replicas.setup_devices(4)
 
+from tests.helpers import make_ade20k_tree, make_cityscapes_tree, make_pairs_tree  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
@@ -31,3 +34,13 @@ def demo_root(tmp_path_factory):
 
     return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=4, size=(40, 48),
                               num_classes=3)
+
+
+@pytest.fixture(scope="session")
+def trees(tmp_path_factory):
+    base = tmp_path_factory.mktemp("layouts")
+    rng = np.random.default_rng(0)
+    make_cityscapes_tree(base / "cityscapes", rng)
+    make_ade20k_tree(base / "ADEChallengeData2016", rng)
+    make_pairs_tree(base / "pairs", rng)
+    return {"cityscapes": base / "cityscapes", "ade20k": base / "ADEChallengeData2016", "pairs": base / "pairs"}

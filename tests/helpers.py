@@ -8,6 +8,19 @@ import numpy as np
 import yaml
 
 from seg_train import config as config_lib
+from PIL import Image
+import h5py
+import re
+import shutil
+import tensorflow as tf
+import io
+from seg_train.data.label_images import save_index_png
+from seg_train.data.label_images import voc_colormap
+import os
+import subprocess
+import sys
+from seg_train.dist import replicas
+from seg_train.infer import precise_bn
 
 
 def tiny_config(tmp_path: Path, data_root: Path | str = "data", **sections) -> config_lib.Config:
@@ -134,3 +147,729 @@ def seg_prepare() -> list[str]:
     if script.is_file():
         return [str(script)]
     return [sys.executable, "-c", "import sys; from seg_train.cli import prepare_main as m; sys.exit(m())"]
+
+
+# ---- Lovasz-softmax and Dice by hand (numpy, float64), the references of the loss terms
+# (tests/test_loss_terms.py)
+LOSS_NUM_CLASSES = 4
+
+
+def softmax64(z):
+    z = np.asarray(z, np.float64)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def softmax_backward(p, dp):
+    """dL/dz from dL/dp through the softmax, per pixel: p * (dp - sum(p * dp))."""
+    return p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+
+
+def lovasz_numpy(logits, labels):
+    """Per image: (loss, dL/dlogits), from Berman et al. 2018, over the valid pixels only."""
+    out, grads = [], np.zeros(logits.shape, np.float64)
+    for i in range(logits.shape[0]):
+        valid = labels[i].reshape(-1) != 255
+        p = softmax64(logits[i].reshape(-1, LOSS_NUM_CLASSES))[valid]
+        y = labels[i].reshape(-1)[valid]
+        dp = np.zeros_like(p)
+        total, present = 0.0, 0
+        for c in range(LOSS_NUM_CLASSES):
+            fg = (y == c).astype(np.float64)
+            if fg.sum() == 0:
+                continue
+            present += 1
+            err = np.abs(fg - p[:, c])
+            order = np.argsort(-err, kind="stable")
+            fgs = fg[order]
+            gts = fgs.sum()
+            jac = 1.0 - (gts - np.cumsum(fgs)) / (gts + np.cumsum(1.0 - fgs))
+            g = np.concatenate([jac[:1], np.diff(jac)])
+            total += err[order] @ g
+            # d err / d p_c = -1 on the class's pixels, +1 elsewhere
+            dp[order, c] += g * np.where(fgs > 0, -1.0, 1.0)
+        out.append(total / present)
+        dz = np.zeros((valid.size, LOSS_NUM_CLASSES))
+        dz[valid] = softmax_backward(p, dp / present)
+        grads[i] = dz.reshape(logits.shape[1:])
+    return np.array(out), grads
+
+
+def dice_numpy(logits, labels, smooth=1.0):
+    """Per image: (loss, dL/dlogits): mean over the LOSS_NUM_CLASSES classes of 1 - (2|X n Y| + s) / (|X| + |Y| + s)."""
+    out, grads = [], np.zeros(logits.shape, np.float64)
+    for i in range(logits.shape[0]):
+        valid = labels[i].reshape(-1) != 255
+        p = softmax64(logits[i].reshape(-1, LOSS_NUM_CLASSES))[valid]
+        y = np.eye(LOSS_NUM_CLASSES)[labels[i].reshape(-1)[valid]]
+        inter, size = (p * y).sum(0), p.sum(0) + y.sum(0)
+        out.append(np.mean(1.0 - (2 * inter + smooth) / (size + smooth)))
+        dp = -(2 * y * (size + smooth) - (2 * inter + smooth)) / (size + smooth) ** 2 / LOSS_NUM_CLASSES
+        dz = np.zeros((valid.size, LOSS_NUM_CLASSES))
+        dz[valid] = softmax_backward(p, dp)
+        grads[i] = dz.reshape(logits.shape[1:])
+    return np.array(out), grads
+
+
+# ---- Cityscapes' label map written out by hand (tests/test_label_map.py) -----------------------------------
+# cityscapesScripts' labels.py, copied entry by entry: labelId -> trainId (255: ignored).
+CITYSCAPES_BY_HAND = {
+    0: 255, 1: 255, 2: 255, 3: 255, 4: 255, 5: 255, 6: 255,  # unlabeled .. ground
+    7: 0, 8: 1,  # road, sidewalk
+    9: 255, 10: 255,  # parking, rail track
+    11: 2, 12: 3, 13: 4,  # building, wall, fence
+    14: 255, 15: 255, 16: 255,  # guard rail, bridge, tunnel
+    17: 5, 18: 255,  # pole, polegroup
+    19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11, 25: 12, 26: 13, 27: 14, 28: 15,  # traffic light .. bus
+    29: 255, 30: 255,  # caravan, trailer
+    31: 16, 32: 17, 33: 18,  # train, motorcycle, bicycle
+}
+
+
+# ---- tiny Cityscapes, ADE20K and pairs trees with the real file naming (the `trees` fixture, conftest.py)
+# (tests/test_layouts.py)
+LAYOUT_H, LAYOUT_W = 48, 64
+
+
+ADE20K_BY_HAND = {0: 255, **{k: k - 1 for k in range(1, 151)}}  # 0 "other" ignored, k -> class k - 1
+
+
+PAIRS_BY_HAND = {0: 0, 3: 0, 251: 1, 255: 1}  # a 0/255 mask saved lossily: threshold 128
+
+
+LAYOUT_BY_HAND = {"cityscapes": CITYSCAPES_BY_HAND, "ade20k": ADE20K_BY_HAND, "pairs": PAIRS_BY_HAND}
+
+
+CITIES = {"train": {"aachen": 2, "bochum": 1}, "val": {"frankfurt": 2}, "broken": {"aachen": 1},
+          "nolabel": {"ulm": 1}, "test": {"berlin": 1}}
+
+
+def layout_blocks(rng, values, shape=(LAYOUT_H, LAYOUT_W), size=8):
+    """8x8 layout_blocks of values drawn from `values`: spatial structure for the model and the crops."""
+    b = rng.choice(np.asarray(values), (shape[0] // size + 1, shape[1] // size + 1))
+    return np.repeat(np.repeat(b, size, 0), size, 1)[:shape[0], :shape[1]].astype(np.uint8)
+
+
+def layout_photo(rng):
+    b = rng.integers(0, 256, (LAYOUT_H // 8 + 1, LAYOUT_W // 8 + 1, 3), dtype=np.uint8)
+    return np.repeat(np.repeat(b, 8, 0), 8, 1)[:LAYOUT_H, :LAYOUT_W]
+
+
+def make_cityscapes_tree(root, rng):
+    for split, cities in CITIES.items():
+        for city, count in cities.items():
+            (root / "leftImg8bit" / split / city).mkdir(parents=True)
+            if split != "test":  # test: images without the gtFine folder
+                (root / "gtFine" / split / city).mkdir(parents=True)
+            for n in range(count):
+                stem = f"{city}_{n:06d}_000019"
+                Image.fromarray(layout_photo(rng)).save(root / "leftImg8bit" / split / city / f"{stem}_leftImg8bit.png")
+                if split in ("test", "nolabel"):
+                    continue
+                raw = layout_blocks(rng, range(34))  # every labelId, the ignored ones too
+                if split == "broken":
+                    raw[8:16, :8] = 40  # no such labelId: 64 pixels without a mapping
+                labels = root / "gtFine" / split / city
+                Image.fromarray(raw).save(labels / f"{stem}_gtFine_labelIds.png")
+                # What gtFine also holds next to each labelIds PNG; never to be read as labels.
+                Image.fromarray(np.zeros((LAYOUT_H, LAYOUT_W, 3), np.uint8)).save(labels / f"{stem}_gtFine_color.png")
+                Image.fromarray(raw.astype(np.uint16) * 1000).save(labels / f"{stem}_gtFine_instanceIds.png")
+
+
+def make_ade20k_tree(root, rng):
+    for split, count in (("training", 3), ("validation", 2)):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "annotations" / split).mkdir(parents=True)
+        for n in range(count):
+            stem = f"ADE_{'train' if split == 'training' else 'val'}_{n + 1:08d}"
+            Image.fromarray(layout_photo(rng)).save(root / "images" / split / f"{stem}.jpg", quality=95)
+            Image.fromarray(layout_blocks(rng, range(151))).save(root / "annotations" / split / f"{stem}.png")
+
+
+def make_pairs_tree(root, rng):
+    (root / "photos" / "a").mkdir(parents=True)
+    (root / "masks").mkdir()
+    lines = []
+    for n in range(5):
+        Image.fromarray(layout_photo(rng)).save(root / "photos" / "a" / f"p{n}.png")
+        Image.fromarray(layout_blocks(rng, list(PAIRS_BY_HAND))).save(root / "masks" / f"p{n}_mask.png")
+        lines.append(f"photos/a/p{n}.png masks/p{n}_mask.png")
+    (root / "train.txt").write_text("\n".join(lines[:3]) + "\n")
+    (root / "val.txt").write_text("# comment lines and blank lines are skipped\n\n" + "\n".join(lines[3:]) + "\n")
+
+
+LAYOUT_SPLITS = {"cityscapes": ("train", "val"), "ade20k": ("training", "validation"),
+                 "pairs": ("train.txt", "val.txt")}
+
+
+def write_layout_config(tmp_path, trees, layout, **data):
+    """A tiny-model config of `layout` (no num_classes: the layouts that know theirs bring them)."""
+    train, val = LAYOUT_SPLITS[layout]
+    raw = {"seed": 0, "run_dir": "run",
+           "data": {"layout": layout, "root": str(trees[layout]), "train_split": train, "val_split": val,
+                    "batch_size": 2, "crop_size": [32, 32], "num_parallel_calls": 2,
+                    **({"num_classes": 2, "binary_threshold": 128} if layout == "pairs" else {}), **data},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": 2, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
+                     "learning_rate": 0.01},
+           "eval": {"bn_reestimate_batches": 1}}
+    path = tmp_path / f"{layout}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def load_layout(tmp_path, trees, layout, **data):
+    return config_lib.load(write_layout_config(tmp_path, trees, layout, **data))
+
+
+def raw_label(path):
+    """The stored values, read with Pillow directly (not through the reader)."""
+    return np.array(Image.open(path))
+
+
+def mapped_label(layout, path):
+    by_hand = LAYOUT_BY_HAND[layout]
+    return np.vectorize(lambda v: by_hand[int(v)])(raw_label(path)).astype(np.uint8)
+
+
+# ---- backbone weight files: perturbed weights, h5 reading (tests/test_backbone_weights.py) -----------------
+def perturb(model, seed):
+    """Fixed-seed values every weight can be recognised by, at scales that keep activations finite."""
+    rng = np.random.default_rng(seed)
+    for layer in model.layers:
+        values = []
+        for v in layer.weights:
+            name, shape = v.name.split("/")[-1].split(":")[0], tuple(v.shape)
+            if name in ("kernel", "depthwise_kernel"):
+                fan_in = int(np.prod(shape[:-1])) if name == "kernel" else int(np.prod(shape[:2]))
+                values.append(rng.normal(0, np.sqrt(2.0 / fan_in), shape))
+            elif name in ("gamma", "moving_variance"):
+                values.append(rng.uniform(0.5, 1.5, shape))
+            else:  # bias, beta, moving_mean
+                values.append(rng.normal(0, 0.1, shape))
+        if values:
+            layer.set_weights([x.astype(np.float32) for x in values])
+
+
+def short_weight_name(weight_name):
+    short = weight_name.split("/")[-1].split(":")[0]
+    return "kernel" if short == "depthwise_kernel" else short  # Keras 3 names a depthwise kernel 'kernel'
+
+
+def read_h5(path):
+    """layer name -> [(weight name, array)] of a Keras legacy .h5 weights file, read with h5py alone."""
+    with h5py.File(path, "r") as f:
+        out = {}
+        for layer in f.attrs["layer_names"]:
+            g = f[layer]
+            names = [n.decode() if isinstance(n, bytes) else n for n in g.attrs["weight_names"]]
+            if names:
+                out[layer.decode() if isinstance(layer, bytes) else layer] = [(n, g[n][()]) for n in names]
+    return out
+
+
+def weighted_layers(model):
+    found = {}
+
+    def walk(layer):
+        for child in getattr(layer, "layers", None) or []:
+            if getattr(child, "layers", None):
+                walk(child)
+            elif child.weights:
+                found[child.name] = child
+    walk(model)
+    return found
+
+
+# ---- bad data on the VOC demo set: one copy per defect and the error line each gives; run dirs rewound
+# (tests/test_robustness.py)
+ROBUSTNESS_STEPS = 6
+
+
+LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d [DIWEC] ")
+
+
+BAD_TARGET = "demo_00003"  # the train sample the bad-data cases break
+
+
+BAD_VAL_TARGET = "demo_00013"  # a val sample (num_train=12)
+
+
+def write_voc_config(directory: Path, root: Path, drop=(), **train) -> Path:
+    raw = {"seed": 1, "run_dir": "run",
+           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
+                    "num_parallel_calls": 2},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": ROBUSTNESS_STEPS, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
+                     "learning_rate": 0.01, "deterministic": True, **train},
+           "eval": {"bn_reestimate_batches": 0}}
+    for dotted in drop:
+        section, key = dotted.split(".")
+        del raw[section][key]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the log lines (HH:MM:SS L message) and the indented/table lines that follow them."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not LOG_LINE.match(line) and line[0] not in "|+ "]
+
+
+def ckpt_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def rewind(run_dir: Path, step: int) -> None:
+    """Makes a finished run look like it was killed right after writing ckpt-`step`."""
+    d = ckpt_dir(run_dir)
+    for p in d.glob("ckpt-*"):
+        if int(p.name.split(".")[0].split("_")[0][len("ckpt-"):]) > step:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    kept = [str(d / f"ckpt-{k}") for k in range(1, step + 1) if (d / f"ckpt-{k}.index").is_file()]
+    tf.compat.v1.train.update_checkpoint_state(str(d), kept[-1], kept)
+
+
+def truncate(path: Path, fraction=0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * fraction)])
+
+
+def bad_roots(base: Path, demo_root: Path) -> dict[str, Path]:
+    """One copy of the demo data per defect."""
+    def img(r, sid=BAD_TARGET):
+        return r / "JPEGImages" / f"{sid}.jpg"
+
+    def lbl(r, sid=BAD_TARGET):
+        return r / "SegmentationClass" / f"{sid}.png"
+
+    def split(r):
+        return r / "ImageSets" / "Segmentation" / "train.txt"
+
+    def label_resized(r):
+        with Image.open(lbl(r)) as im:
+            im.resize((24, 20), Image.NEAREST).save(lbl(r))
+
+    def label_rgb(r):
+        with Image.open(lbl(r)) as im:
+            im.convert("RGB").save(lbl(r))
+
+    def label_values(r, sid=BAD_TARGET):
+        with Image.open(lbl(r, sid)) as im:
+            a = np.array(im)
+        a[:3, :5] = 7
+        Image.fromarray(a, mode="L").save(lbl(r, sid))
+
+    defects = {
+        "split_missing": lambda r: split(r).unlink(),
+        "split_empty": lambda r: split(r).write_text("\n# no samples\n\n"),
+        "image_missing": lambda r: img(r).unlink(),
+        "label_missing": lambda r: lbl(r).unlink(),
+        "jpeg_truncated": lambda r: truncate(img(r)),
+        "jpeg_garbage": lambda r: img(r).write_bytes(b"this is not a JPEG" * 20),
+        "label_size": label_resized,
+        "label_rgb": label_rgb,
+        "label_values": label_values,
+        "val_label_values": lambda r: label_values(r, BAD_VAL_TARGET),
+    }
+    roots = {}
+    for name, defect in defects.items():
+        root = base / name
+        shutil.copytree(demo_root, root)
+        defect(root)
+        roots[name] = root
+    return roots
+
+
+# Each defect of bad_roots (and two flags) -> the start of the one error line it gives.
+DATA_CASES = {
+    "root_missing": "error: data root not found (data.root): ",
+    "split_missing": "error: split not found ({root}/ImageSets/Segmentation/train.txt): ",
+    "split_empty": "error: empty split ({root}/ImageSets/Segmentation/train.txt): ",
+    "image_missing": f"error: image not found ({{root}}/JPEGImages/{BAD_TARGET}.jpg): ",
+    "label_missing": f"error: label not found ({{root}}/SegmentationClass/{BAD_TARGET}.png): ",
+    "jpeg_truncated": f"error: unreadable image ({{root}}/JPEGImages/{BAD_TARGET}.jpg): ",
+    "jpeg_garbage": f"error: unreadable image ({{root}}/JPEGImages/{BAD_TARGET}.jpg): ",
+    "label_size": f"error: label size differs from image ({{root}}/SegmentationClass/{BAD_TARGET}.png): ",
+    "label_rgb": f"error: bad label ({{root}}/SegmentationClass/{BAD_TARGET}.png): ",
+    "label_values": f"error: label values out of range ({{root}}/SegmentationClass/{BAD_TARGET}.png): ",
+    "val_label_values": f"error: label values out of range ({{root}}/SegmentationClass/{BAD_VAL_TARGET}.png): ",
+    "batch_indivisible": "error: batch does not divide across towers (data.batch_size): ",
+}
+
+
+# ---- lossy (JPEG) labels in every input format (tests/test_lossy_labels.py) --------------------------------
+LOSSY_NUM_CLASSES = 20
+LOSSY_MESSAGE = ("lossy JPEG label ({path}): expected a PNG of class indices (JPEG compression damages the class "
+                 "values); convert the label to PNG, from its source annotation if you have it")
+
+
+LOSSY_H, LOSSY_W = 32, 40
+
+
+def label_array(seed: int) -> np.ndarray:
+    """6x6 blocks of classes 5..14 (not JPEG's 8x8 grid, which would keep flat blocks exact): JPEG changes
+    most pixels, by a few levels, within 0..19 (checked in `sets`)."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(5, 15, (LOSSY_H // 6 + 1, LOSSY_W // 6 + 1), dtype=np.uint8)
+    return np.repeat(np.repeat(b, 6, 0), 6, 1)[:LOSSY_H, :LOSSY_W]
+
+
+def encoded(array: np.ndarray, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def lossy_photo(seed: int) -> bytes:
+    rng = np.random.default_rng(100 + seed)
+    return encoded(rng.integers(0, 256, (LOSSY_H, LOSSY_W, 3), dtype=np.uint8), "JPEG", quality=90)
+
+
+def jpeg_label(seed: int) -> bytes:
+    return encoded(label_array(seed), "JPEG", quality=75)
+
+
+def deeplab_example(image: bytes, label: bytes, label_format: bytes, name: str) -> bytes:
+    """A tf.train.Example as DeepLab's build_data.image_seg_to_tfexample writes it (its feature keys)."""
+    def b(v):
+        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[v]))
+
+    def i(v):
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=[v]))
+
+    return tf.train.Example(features=tf.train.Features(feature={
+        "image/encoded": b(image), "image/filename": b(name.encode()), "image/format": b(b"jpeg"),
+        "image/height": i(LOSSY_H), "image/width": i(LOSSY_W), "image/channels": i(3),
+        "image/segmentation/class/encoded": b(label), "image/segmentation/class/format": b(label_format),
+    })).SerializeToString()
+
+
+def make_lossy_voc(root: Path) -> list[str]:
+    """4 samples; s1's SegmentationClass/s1.png holds a JPEG. Returns the bad label paths."""
+    for d in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
+        (root / d).mkdir(parents=True)
+    for n in range(4):
+        (root / "JPEGImages" / f"s{n}.jpg").write_bytes(lossy_photo(n))
+        label = jpeg_label(n) if n == 1 else encoded(label_array(n), "PNG")
+        (root / "SegmentationClass" / f"s{n}.png").write_bytes(label)
+    (root / "ImageSets" / "Segmentation" / "train.txt").write_text("s0\ns1\ns2\ns3\n")
+    return [str(root / "SegmentationClass" / "s1.png")]
+
+
+def make_lossy_pairs(root: Path) -> list[str]:
+    """A pairs list of 4 samples naming masks/p1.jpg and masks/p2.jpg (JPEGs) among PNG masks."""
+    (root / "photos").mkdir(parents=True)
+    (root / "masks").mkdir()
+    lines, bad = [], []
+    for n in range(4):
+        (root / "photos" / f"p{n}.jpg").write_bytes(lossy_photo(n))
+        name = f"p{n}.jpg" if n in (1, 2) else f"p{n}.png"
+        (root / "masks" / name).write_bytes(jpeg_label(n) if n in (1, 2) else encoded(label_array(n), "PNG"))
+        lines.append(f"photos/p{n}.jpg masks/{name}")
+        if n in (1, 2):
+            bad.append(str(root / "masks" / name))
+    (root / "train.txt").write_text("\n".join(lines) + "\n")
+    return bad
+
+
+def make_lossy_records(root: Path) -> list[str]:
+    """One shard of DeepLab-keyed records, no index file: record 1 a JPEG label said to be 'jpeg', record 2
+    a JPEG label said to be 'png', record 3 a PNG label said to be 'jpeg' (usable: the bytes decide)."""
+    root.mkdir(parents=True)
+    shard = root / "train-00000-of-00001.tfrecord"
+    kinds = [(False, b"png"), (True, b"jpeg"), (True, b"png"), (False, b"jpeg")]
+    with tf.io.TFRecordWriter(str(shard)) as w:
+        for n, (is_jpeg, fmt) in enumerate(kinds):
+            label = jpeg_label(n) if is_jpeg else encoded(label_array(n), "PNG")
+            w.write(deeplab_example(lossy_photo(n), label, fmt, f"r{n}.jpg"))
+    return [f"{shard}[{shard.name}:{n}]" for n in (1, 2)]
+
+
+LOSSY_KINDS = {"voc": make_lossy_voc, "pairs": make_lossy_pairs, "tfrecord": make_lossy_records}
+
+
+def write_lossy_config(directory: Path, kind: str, root: Path, **data) -> Path:
+    raw = {"seed": 0, "run_dir": "run",
+           "data": {"root": str(root), "num_classes": LOSSY_NUM_CLASSES, "train_split": "train", "val_split": "none",
+                    "batch_size": 2, "crop_size": [LOSSY_H, LOSSY_W], "random_scale": [1.0, 1.0],
+                    "num_parallel_calls": 2,
+                    **({"layout": "pairs", "train_split": "train.txt"} if kind == "pairs" else {}),
+                    **({"format": "tfrecord"} if kind == "tfrecord" else {}), **data},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": 1, "checkpoint_every": 1, "summary_every": 1, "image_summary_every": 0},
+           "eval": {"bn_reestimate_batches": 0}}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{kind}-{'-'.join(f'{k}={v}' for k, v in data.items()) or 'default'}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+# ---- a small evaluation split and BN statistics calibrated on it (tests/test_evaluate.py) ------------------
+CPU_DEVICES = [f"/device:CPU:{i}" for i in range(4)]
+
+
+EVAL_NUM_CLASSES = 4
+
+
+EVAL_NAMES = ["sky", "road", "car", "tree"]
+
+
+def write_eval_split(root, sizes, seed=0):
+    """A VOC-layout folder of random images and labels (with ignored blocks) of the given sizes."""
+    rng = np.random.default_rng(seed)
+    for d in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    ids = []
+    for i, (h, w) in enumerate(sizes):
+        sid = f"img{i}"
+        # Blocks of random colours: spatial structure, so the predictions vary across the image.
+        blocks = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        image = np.repeat(np.repeat(blocks, 8, axis=0), 8, axis=1)[:h, :w]
+        Image.fromarray(image).save(root / "JPEGImages" / f"{sid}.jpg")
+        label = rng.integers(0, EVAL_NUM_CLASSES, (h, w)).astype(np.uint8)
+        label[: h // 3, : w // 4] = 255
+        save_index_png(root / "SegmentationClass" / f"{sid}.png", label, voc_colormap())
+        ids.append(sid)
+    for split in ("train", "val"):
+        (root / "ImageSets/Segmentation" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    (root / "classes.txt").write_text("\n".join(EVAL_NAMES) + "\n")
+    return root
+
+
+def calibrate_bn(cfg, model, reader, passes=30):
+    """BN moving statistics for these images (forward passes in training mode): an untrained model
+    with its initial statistics predicts nearly one class everywhere, which would make a weak test."""
+    x = np.stack([np.asarray(Image.open(s.image).convert("RGB").resize((32, 32)), np.float32)
+                  for s in reader.samples])
+    x = (x - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
+    for _ in range(passes):
+        model(x, training=True)
+
+
+# ---- the inference modes computed by hand (tests/test_eval_modes.py) ---------------------------------------
+def eval_config(**keys):
+    """An EvalConfig through the real loader (checks and defaults included)."""
+    return config_lib.from_dict({"data": {"root": "d", "num_classes": EVAL_NUM_CLASSES}, "eval": keys}).eval
+
+
+def normalized(cfg, path):
+    image = np.asarray(Image.open(path).convert("RGB"), np.float32)
+    return (image - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
+
+
+def reference_scores(model, x, modes):
+    """The scores of one image [h, w, 3], computed independently: eager calls, Python loops, numpy sums."""
+    h, w = x.shape[:2]
+
+    def forward(t):  # pad to 32 at the bottom/right, crop back
+        th, tw = t.shape[:2]
+        t = np.pad(t, [(0, -th % 32), (0, -tw % 32), (0, 0)])
+        return model(t[None], training=False).numpy()[0, :th, :tw]
+
+    def slide(t):  # mmsegmentation's window placement
+        th, tw = t.shape[:2]
+        (ch, cw), (sh, sw) = modes.crop_size, modes.stride
+        total = np.zeros((th, tw, EVAL_NUM_CLASSES), np.float32)
+        count = np.zeros((th, tw, 1), np.float32)
+        for r in range(max(th - ch + sh - 1, 0) // sh + 1):
+            for c in range(max(tw - cw + sw - 1, 0) // sw + 1):
+                y2, x2 = min(r * sh + ch, th), min(c * sw + cw, tw)
+                y1, x1 = max(y2 - ch, 0), max(x2 - cw, 0)
+                total[y1:y2, x1:x2] += forward(t[y1:y2, x1:x2])
+                count[y1:y2, x1:x2] += 1
+        return total / count
+
+    def view(t, s):
+        if s != 1.0:
+            t = tf.image.resize(t, [max(1, round(h * s)), max(1, round(w * s))]).numpy()
+        logits = slide(t) if modes.mode == "slide" else forward(t)
+        return logits if s == 1.0 else tf.image.resize(logits, [h, w]).numpy()
+
+    if not modes.flip and len(modes.scales) == 1:
+        return view(x, modes.scales[0])
+    probs = []
+    for s in modes.scales:
+        probs.append(tf.nn.softmax(view(x, s)).numpy())
+        if modes.flip:
+            probs.append(tf.nn.softmax(view(x[:, ::-1], s)).numpy()[:, ::-1])
+    return np.mean(probs, axis=0)
+
+
+# ---- a slow tf.data iterator teardown, to time a command's exit (tests/test_exit_prompt.py) ----------------
+SLOW_DESTROY = 20.0
+
+
+# Makes every tf.data iterator's destruction slow and records the thread that ran it (module doc).
+# Patched when the command imports TensorFlow, as the command imports it.
+SLOW_TEARDOWN = r'''
+import os, threading, time, weakref
+from seg_train import cli
+
+
+def _slow_teardown():
+    from tensorflow.python.data.ops import iterator_ops, multi_device_iterator_ops
+
+    seconds, record = float(os.environ["SLOW_DESTROY"]), os.environ["DESTROY_RECORD"]
+
+    def destroyed(kind):
+        with open(record, "a") as f:
+            f.write(f"{kind} {threading.current_thread().name}\n")
+        time.sleep(seconds)
+
+    for cls in (iterator_ops.OwnedIterator, multi_device_iterator_ops.OwnedMultiDeviceIterator):
+        def __init__(self, *args, _init=cls.__init__, _kind=cls.__name__, **kwargs):
+            _init(self, *args, **kwargs)
+            # Iterators alive when the process ends are never destroyed (os._exit): nor are these.
+            weakref.finalize(self, destroyed, _kind).atexit = False
+        cls.__init__ = __init__
+
+
+_import_tensorflow = cli.process.import_tensorflow
+
+
+def import_tensorflow(debug):
+    tf = _import_tensorflow(debug)
+    _slow_teardown()
+    return tf
+
+
+cli.process.import_tensorflow = import_tensorflow
+'''
+
+
+def destructions(record) -> list[tuple[str, str]]:
+    """(iterator class, thread name) of each destruction the driver saw."""
+    return [tuple(line.split()) for line in record.read_text().splitlines()] if record.exists() else []
+
+
+# ---- a tiny training config and a command run in a fresh process (tests/test_train_cli.py) -----------------
+def run_command(args, cwd, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "seg_train.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def write_train_config(tmp_path, root, **train):
+    raw = {"seed": 1, "run_dir": "run",
+           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
+                    "num_parallel_calls": 2},
+           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
+           "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 2,
+                     "learning_rate": 0.01, **train},
+           # Small: the final evaluation re-estimates BN statistics (exercised, not measured, here).
+           "eval": {"bn_reestimate_batches": 2}}
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+# ---- MiT sizes written out, not read from seg-train's VARIANTS (a wrong entry would build keras-hub's reference
+# with the same mistake): the SegFormer paper's Table 6, the same as the B0 of keras-hub's MiTBackbone /
+# SegFormerBackbone docstrings and the parameter counts of its published mit_b*_ade20k presets
+# (tests/test_segformer.py). Heads and reduction ratios are per stage; a head count off changes no shape.
+PAPER_HEADS, PAPER_SR_RATIOS, PAPER_PATCH_SIZES, PAPER_STRIDES = [1, 2, 5, 8], [8, 4, 2, 1], [7, 3, 3, 3], [4, 2, 2, 2]
+PAPER_MIT = {  # name: (hidden sizes, depths)
+    "mit_b0": ([32, 64, 160, 256], [2, 2, 2, 2]),
+    "mit_b1": ([64, 128, 320, 512], [2, 2, 2, 2]),
+    "mit_b2": ([64, 128, 320, 512], [3, 4, 6, 3]),
+    "mit_b3": ([64, 128, 320, 512], [3, 4, 18, 3]),
+    "mit_b4": ([64, 128, 320, 512], [3, 8, 27, 3]),
+    "mit_b5": ([64, 128, 320, 512], [3, 6, 40, 3]),
+}
+
+
+def mit_kwargs(name):
+    """keras-hub's MiTBackbone arguments for a size, from the paper's table above."""
+    widths, depths = PAPER_MIT[name]
+    return dict(num_layers=4, hidden_dims=list(widths), layerwise_depths=list(depths),
+                layerwise_num_heads=list(PAPER_HEADS), layerwise_sr_ratios=list(PAPER_SR_RATIOS),
+                layerwise_patch_sizes=list(PAPER_PATCH_SIZES), layerwise_strides=list(PAPER_STRIDES),
+                max_drop_path_rate=0.1)
+
+
+# ---- the tf.distribute strategy of n CPU towers (tests/test_towers.py) -------------------------------------
+
+
+def strategy(n):
+    return replicas.make_strategy(replicas.Devices(CPU_DEVICES[:n], "CPU", ""))
+
+
+# ---- BN population statistics by hand (tests/test_bn_stats.py) ---------------------------------------------
+def global_batches(trainer, reader, num_batches):
+    """The images PreciseBN.reestimate reads: global batches of the training stream at its fixed start."""
+    batch = trainer.state.cfg.data.batch_size
+    ds = reader.train_dataset(batch, precise_bn.stream_start_step(batch), 1)
+    return [images.numpy() for images, _ in ds.take(num_batches)]
+
+
+def population(features):
+    x = np.concatenate([f.reshape(-1, f.shape[-1]) for f in features]).astype(np.float64)
+    return x.mean(0), x.var(0)
+
+
+# ---- the data.* and eval.* keys' wiring map (tests/test_config_wiring.py merges it into WIRED)
+# (tests/test_config_wiring_data.py)
+# key -> the pytest node id of a test that fails when the key is ignored (replaced by its default), or
+# "unobservable: <why>". Node ids, not bare names, so the dict merges into any other list of this kind.
+WIRED_DATA_HERE = "tests/test_config_wiring_data.py::"
+
+
+WIRED_DATA = {
+    # Required (no default to fall back to): every test reads its files from it.
+    "data.root": WIRED_DATA_HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
+    # open_split(cfg) of Cityscapes / ADE20K / pairs trees against maps by hand (voc, the default,
+    # would list other files or none).
+    "data.layout": "tests/test_layouts.py::test_reader_labels_are_the_by_hand_mapping",
+    "data.train_split": WIRED_DATA_HERE + "test_step_1_tower_losses_are_the_losses_of_the_configured_batch_by_hand",
+    "data.val_split": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "data.num_classes": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "data.ignore_label": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "data.batch_size": WIRED_DATA_HERE + "test_step_1_tower_losses_are_the_losses_of_the_configured_batch_by_hand",
+    "data.crop_size": WIRED_DATA_HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
+    "data.random_scale": WIRED_DATA_HERE + "test_random_scale_scales_the_file_content",
+    "data.random_mirror": WIRED_DATA_HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
+    "data.photometric": WIRED_DATA_HERE + "test_photometric_runs_only_the_named_steps_within_their_amounts",
+    "data.mean": WIRED_DATA_HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
+    "data.std": WIRED_DATA_HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
+    "data.class_names": WIRED_DATA_HERE + "test_evaluation_during_training_reads_the_val_split_under_the_class_names",
+    "data.synthetic": WIRED_DATA_HERE + "test_synthetic_data_set_generated_where_the_config_says",
+    "data.num_parallel_calls": WIRED_DATA_HERE + "test_num_parallel_calls_reaches_the_tf_data_graph",
+    # Through the config (open_split(cfg)): the same stream as without it, cache bytes > 0, each file
+    # decoded once.
+    "data.cache": "tests/test_reader.py::test_cache_gives_the_same_stream_and_decodes_once",
+    "data.label_map": WIRED_DATA_HERE + "test_label_options_map_the_raw_png_values_by_hand",
+    "data.reduce_zero_label": WIRED_DATA_HERE + "test_label_options_map_the_raw_png_values_by_hand",
+    "data.binary_threshold": WIRED_DATA_HERE + "test_label_options_map_the_raw_png_values_by_hand",
+    # seg-train and seg-eval on a folder holding only the records (files: nothing to list); the reader's own
+    # branch: tests/test_tfrecord.py::test_the_stream_over_records_is_the_stream_over_the_files (no fallback).
+    "data.format": "tests/test_tfrecord.py::test_cityscapes_as_tfrecords_trains_and_evaluates",
+    # The reader's stand-in; the scan's drop of bad samples (scan_split(cfg)):
+    # tests/test_scan_cache.py::test_bad_samples_come_back_from_the_cache[skip].
+    "data.on_bad_sample": "tests/test_decode.py::test_missing_file_is_named_in_one_line_and_skip_gives_the_stand_in",
+    # scan_split(cfg) with scan_cache: false decodes every time and writes nothing.
+    "data.scan_cache": "tests/test_scan_cache.py::test_where_the_cache_lives",
+    # scan_split(cfg) writes its entry in the configured folder.
+    "data.scan_cache_dir": "tests/test_scan_cache.py::test_a_second_scan_decodes_nothing_and_gives_the_same_weights",
+    "eval.bn_reestimate_batches": WIRED_DATA_HERE + "test_bn_reestimation_reads_the_configured_batches",
+    "eval.mode": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "eval.flip": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "eval.scales": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "eval.crop_size": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "eval.stride": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "eval.logit_adjustment": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+}
+
+
+# ---- keras-applications' weight files (tests/test_backbone_weights.py, tests/test_mobilenetv3.py) ----------------
+# keras-applications' published file names (tf_keras.applications builds them the same way), written out: the
+# fixtures save under them and seg-train's one-line errors name them.
+PUBLISHED_FILES = {
+    "mobilenetv2": "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224_no_top.h5",
+    "mobilenetv3_large": "weights_mobilenet_v3_large_224_1.0_float_no_top_v2.h5",
+    "mobilenetv3_small": "weights_mobilenet_v3_small_224_1.0_float_no_top_v2.h5",
+    "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
+    "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
+}

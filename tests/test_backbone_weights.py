@@ -27,7 +27,13 @@ from seg_train.config import ConfigError, ModelConfig
 from seg_train.config.backbones import BACKBONE_NORMALIZATION
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
+from tests.helpers import PUBLISHED_FILES
 from tests.helpers import open_reader, random_batch, tiny_config
+from tests.helpers import (
+    perturb as _perturb, read_h5 as _read_h5, short_weight_name as _short, weighted_layers as _weighted_layers
+)
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 # backbone: (tf_keras constructor, its preprocess_input, the low-level (stride 4) layer, layers of the
 # no-top file past the backbone's high-level output)
@@ -39,33 +45,6 @@ APPS = {
 }
 HEAD = ("aspp", "decoder", "logits")
 
-# keras-applications' published file names (tf_keras.applications builds them the same way), written out: the
-# fixtures save under them and seg-train's one-line errors name them.
-PUBLISHED_FILES = {
-    "mobilenetv2": "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224_no_top.h5",
-    "mobilenetv3_large": "weights_mobilenet_v3_large_224_1.0_float_no_top_v2.h5",
-    "mobilenetv3_small": "weights_mobilenet_v3_small_224_1.0_float_no_top_v2.h5",
-    "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
-    "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
-}
-
-
-def _perturb(model, seed):
-    """Fixed-seed values every weight can be recognised by, at scales that keep activations finite."""
-    rng = np.random.default_rng(seed)
-    for layer in model.layers:
-        values = []
-        for v in layer.weights:
-            name, shape = v.name.split("/")[-1].split(":")[0], tuple(v.shape)
-            if name in ("kernel", "depthwise_kernel"):
-                fan_in = int(np.prod(shape[:-1])) if name == "kernel" else int(np.prod(shape[:2]))
-                values.append(rng.normal(0, np.sqrt(2.0 / fan_in), shape))
-            elif name in ("gamma", "moving_variance"):
-                values.append(rng.uniform(0.5, 1.5, shape))
-            else:  # bias, beta, moving_mean
-                values.append(rng.normal(0, 0.1, shape))
-        if values:
-            layer.set_weights([x.astype(np.float32) for x in values])
 
 
 @pytest.fixture(scope="module")
@@ -93,36 +72,6 @@ def loaded(request, keras2_files):
     cfg = ModelConfig(backbone=name, backbone_weights=keras2_files[name]["path"], aspp_channels=8,
                       decoder_channels=8, low_level_channels=4)
     return name, models.build(cfg, 3), keras2_files[name]
-
-
-def _short(weight_name):
-    short = weight_name.split("/")[-1].split(":")[0]
-    return "kernel" if short == "depthwise_kernel" else short  # Keras 3 names a depthwise kernel 'kernel'
-
-
-def _read_h5(path):
-    """layer name -> [(weight name, array)] of a Keras legacy .h5 weights file, read with h5py alone."""
-    with h5py.File(path, "r") as f:
-        out = {}
-        for layer in f.attrs["layer_names"]:
-            g = f[layer]
-            names = [n.decode() if isinstance(n, bytes) else n for n in g.attrs["weight_names"]]
-            if names:
-                out[layer.decode() if isinstance(layer, bytes) else layer] = [(n, g[n][()]) for n in names]
-    return out
-
-
-def _weighted_layers(model):
-    found = {}
-
-    def walk(layer):
-        for child in getattr(layer, "layers", None) or []:
-            if getattr(child, "layers", None):
-                walk(child)
-            elif child.weights:
-                found[child.name] = child
-    walk(model)
-    return found
 
 
 def test_every_backbone_weight_equals_the_file_layer_by_layer(loaded):
@@ -193,7 +142,6 @@ def test_file_layer_order_does_not_matter(keras2_files, tmp_path):
     layer = models.backbone_of(model).get_layer("block_1_project_BN")
     expected = dict(_read_h5(path)["block_1_project_BN"])
     np.testing.assert_array_equal(layer.moving_variance.numpy(), expected["block_1_project_BN/moving_variance:0"])
-
 
 
 def test_a_with_top_file_loads_without_its_classifier(tmp_path):

@@ -15,6 +15,8 @@ import yaml
 from seg_train.bench.report import format_report
 from seg_train.data import synthetic
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -22,6 +22,9 @@ from seg_train.infer.metrics import compute_metrics
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import confusion_matrix, open_reader, tiny_config, train_batches
+from tests.helpers import global_batches, population
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 NUM_CLASSES = 3
@@ -40,13 +43,6 @@ def make(tmp_path, data_root, towers, **sections):
     return trainer, open_reader(cfg, "train")
 
 
-def global_batches(trainer, reader, num_batches):
-    """The images PreciseBN.reestimate reads: global batches of the training stream at its fixed start."""
-    batch = trainer.state.cfg.data.batch_size
-    ds = reader.train_dataset(batch, precise_bn.stream_start_step(batch), 1)
-    return [images.numpy() for images, _ in ds.take(num_batches)]
-
-
 def train_steps(trainer, reader, n):
     it = train_batches(trainer.state, reader)
     for _ in range(n):
@@ -60,11 +56,6 @@ def tower_values(variable, strategy):
 def moving_stats(trainer):
     return [(layer.moving_mean.numpy().copy(), layer.moving_variance.numpy().copy())
             for layer in trainer.state.bn_layers]
-
-
-def population(features):
-    x = np.concatenate([f.reshape(-1, f.shape[-1]) for f in features]).astype(np.float64)
-    return x.mean(0), x.var(0)
 
 
 def test_first_bn_layer_gets_population_stats_of_its_input(tmp_path, data_root):

@@ -50,8 +50,8 @@ from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
-from tests.test_config_wiring_data import WIRED_DATA
-from tests.test_loss_terms import dice_numpy, lovasz_numpy, softmax64
+from tests.helpers import WIRED_DATA
+from tests.helpers import dice_numpy, lovasz_numpy, softmax64
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,6 +193,7 @@ def _events(run, tag) -> dict[int, float]:
     return {e.step: float(tf.make_ndarray(e.tensor_proto)) for e in run["acc"].Tensors(tag)}
 
 
+@pytest.mark.slow
 def test_run_learning_rate_of_every_step_is_the_formulas(run):
     """Update k (0-based, logged at step k + 1): base * (k + 1) / warmup during the warmup, then
     base * (1 - k / num_steps) ** power, from the config's numbers. Dropped on the way to the step:
@@ -205,6 +206,7 @@ def test_run_learning_rate_of_every_step_is_the_formulas(run):
     np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_run_summary_image_and_eval_steps(run):
     """summary_every 1: scalars at every step (20: only at the last); image_summary_every 4: pictures at
     the first step and step 4 (500: the first only); eval_every 4: evaluations at 4 and 6 (0: the end only)."""
@@ -213,6 +215,7 @@ def test_run_summary_image_and_eval_steps(run):
     assert sorted(_events(run, "eval/miou")) == [4, 6]
 
 
+@pytest.mark.slow
 def test_run_evaluates_and_keeps_the_ema_weights(run):
     """train.ema_decay: evaluation during training uses the moving average, so best/ (the best evaluation,
     at step 4 or 6) holds, variable for variable, the average that the same step's training checkpoint
@@ -235,6 +238,7 @@ def test_run_evaluates_and_keeps_the_ema_weights(run):
     assert sum(held(w, kept) for w in weights) < len(weights) // 2  # the average is not the weights
 
 
+@pytest.mark.slow
 def test_run_checkpoints_kept_and_their_steps(run):
     """In the configured run_dir (relative to the config file), checkpoints every 2 steps (2, 4, 6), the
     newest 2 kept: 4 and 6 on disk (keep 3: 2 too; every 1000: only 6)."""
@@ -245,6 +249,7 @@ def test_run_checkpoints_kept_and_their_steps(run):
     assert (run["dir"] / "config.yaml").is_file() and not (run["tmp"] / "runs").exists()
 
 
+@pytest.mark.slow
 def test_run_model_has_the_configured_widths(run):
     """The run's checkpoint holds the head the config asks for: ASPP 6 wide, decoder 5, low-level
     projection 3, the stride-2 stage (model.decoder_stride: 2) with its projection 2 and convs 7 wide
@@ -309,6 +314,7 @@ def _weighted_top_k(logits, labels, weights, top_k):
     return total, norm
 
 
+@pytest.mark.slow
 def test_run_step1_tower_losses_are_numpys_on_the_first_batch(run):
     """loss/tower_i at step 1 is tower i's cross-entropy before any update: the model built from the
     config's seed (Keras' forward pass in training mode, each micro-batch with its own BN batch
@@ -335,6 +341,7 @@ def test_run_step1_tower_losses_are_numpys_on_the_first_batch(run):
     assert np.sort(weights)[1] == pytest.approx(1.0) and weights.max() / weights.min() > 1.5
 
 
+@pytest.mark.slow
 def test_run_step1_weight_decay_is_numpys_of_the_seeded_model(run):
     """loss/weight_decay at step 1: 0.5 * model.weight_decay * the squared kernels (conv and dense) of the
     model the seed builds, before the first update (4e-5, the default, gives 75 times less)."""
@@ -344,6 +351,7 @@ def test_run_step1_weight_decay_is_numpys_of_the_seeded_model(run):
     np.testing.assert_allclose(_events(run, "loss/weight_decay")[1], 0.5 * WEIGHT_DECAY * squares, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_run_clipped_flag_is_the_norm_above_the_bound(run):
     """gradients/clipped is 1 exactly at the steps whose (pre-clipping) global norm exceeds 0.5."""
     norms, clipped = _events(run, "gradients/global_norm"), _events(run, "gradients/clipped")
@@ -352,6 +360,7 @@ def test_run_clipped_flag_is_the_norm_above_the_bound(run):
     assert any(clipped.values())
 
 
+@pytest.mark.slow
 def test_run_profile_of_the_asked_step_traced_with_op_determinism(run):
     """train.profile_steps [2, 2]: one trace, of step 2. train.deterministic: op determinism was on when
     the step was traced, so TensorFlow built the cross-entropy as a log-softmax and a gather instead of
@@ -530,6 +539,7 @@ def test_segformer_channels_shape_the_segformer_head(tmp_path):
     assert model.get_layer("logits").kernel.shape == (1, 1, 6, CLASSES)
 
 
+@pytest.mark.slow
 def test_backbone_weights_reach_the_runs_model(tmp_path):
     """seg-train with model.backbone_weights on the tiny backbone (which has no ImageNet file) stops with
     the builder's one-line error: the path reached the model the run builds. Dropped on the way (the run
@@ -547,6 +557,7 @@ def test_backbone_weights_reach_the_runs_model(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_allreduce_keys_reach_the_strategy(tmp_path):
     """The strategy every command builds (replicas.strategy_for) from a config's train.allreduce and
     train.allreduce_num_packs, on GPU towers: TensorFlow's HierarchicalCopyAllReduce / NcclAllReduce with

@@ -8,10 +8,10 @@ seg-predict and seg-export run in-process through their `cli.*_main`), with a NO
 and holds the result to a reference written out by hand from the literal values below (numpy on the decoded
 PNGs, a model called eagerly, TensorBoard's EventAccumulator), never to the config object the code read.
 
-WIRED_DATA maps each data.* and eval.* key to the test that fails when the key is
-ignored (a pytest node id), or to "unobservable: <why>" (no key here needed it);
-tests/test_config_wiring.py merges it into its WIRED map, whose `test_every_documented_key_is_wired` keeps it
-complete and true.
+WIRED_DATA (tests/helpers.py) maps each data.* and eval.* key to the test that fails
+when the key is ignored (a pytest node id), or to "unobservable: <why>" (no key here needed it);
+tests/test_config_wiring.py merges it into its WIRED map, whose `test_every_documented_key_is_wired` keeps
+it complete and true.
 """
 
 import json
@@ -29,56 +29,10 @@ from seg_train import config as config_lib
 from seg_train.data.reader import ImageReader
 from tests.helpers import bilinear_resize, open_reader
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# ---- data.* and eval.* ----------------------------------------------------------------------------------
-# key -> the pytest node id of a test that fails when the key is ignored (replaced by its default), or
-# "unobservable: <why>". Node ids, not bare names, so the dict merges into any other list of this kind.
-HERE = "tests/test_config_wiring_data.py::"
-WIRED_DATA = {
-    # Required (no default to fall back to): every test reads its files from it.
-    "data.root": HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
-    # open_split(cfg) of Cityscapes / ADE20K / pairs trees against maps by hand (voc, the default,
-    # would list other files or none).
-    "data.layout": "tests/test_layouts.py::test_reader_labels_are_the_by_hand_mapping",
-    "data.train_split": HERE + "test_step_1_tower_losses_are_the_losses_of_the_configured_batch_by_hand",
-    "data.val_split": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "data.num_classes": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "data.ignore_label": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "data.batch_size": HERE + "test_step_1_tower_losses_are_the_losses_of_the_configured_batch_by_hand",
-    "data.crop_size": HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
-    "data.random_scale": HERE + "test_random_scale_scales_the_file_content",
-    "data.random_mirror": HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
-    "data.photometric": HERE + "test_photometric_runs_only_the_named_steps_within_their_amounts",
-    "data.mean": HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
-    "data.std": HERE + "test_train_crops_are_windows_of_the_file_normalised_by_hand",
-    "data.class_names": HERE + "test_evaluation_during_training_reads_the_val_split_under_the_class_names",
-    "data.synthetic": HERE + "test_synthetic_data_set_generated_where_the_config_says",
-    "data.num_parallel_calls": HERE + "test_num_parallel_calls_reaches_the_tf_data_graph",
-    # Through the config (open_split(cfg)): the same stream as without it, cache bytes > 0, each file
-    # decoded once.
-    "data.cache": "tests/test_reader.py::test_cache_gives_the_same_stream_and_decodes_once",
-    "data.label_map": HERE + "test_label_options_map_the_raw_png_values_by_hand",
-    "data.reduce_zero_label": HERE + "test_label_options_map_the_raw_png_values_by_hand",
-    "data.binary_threshold": HERE + "test_label_options_map_the_raw_png_values_by_hand",
-    # seg-train and seg-eval on a folder holding only the records (files: nothing to list); the reader's own
-    # branch: tests/test_tfrecord.py::test_the_stream_over_records_is_the_stream_over_the_files (no fallback).
-    "data.format": "tests/test_tfrecord.py::test_cityscapes_as_tfrecords_trains_and_evaluates",
-    # The reader's stand-in; the scan's drop of bad samples (scan_split(cfg)):
-    # tests/test_scan_cache.py::test_bad_samples_come_back_from_the_cache[skip].
-    "data.on_bad_sample": "tests/test_decode.py::test_missing_file_is_named_in_one_line_and_skip_gives_the_stand_in",
-    # scan_split(cfg) with scan_cache: false decodes every time and writes nothing.
-    "data.scan_cache": "tests/test_scan_cache.py::test_where_the_cache_lives",
-    # scan_split(cfg) writes its entry in the configured folder.
-    "data.scan_cache_dir": "tests/test_scan_cache.py::test_a_second_scan_decodes_nothing_and_gives_the_same_weights",
-    "eval.bn_reestimate_batches": HERE + "test_bn_reestimation_reads_the_configured_batches",
-    "eval.mode": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "eval.flip": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "eval.scales": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "eval.crop_size": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "eval.stride": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-    "eval.logit_adjustment": HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
-}
 
 # Non-default values, written once; the references below use these literals, not the loaded config.
 MEAN, STD = (100.0, 110.0, 120.0), (50.0, 40.0, 60.0)
@@ -616,7 +570,6 @@ def test_seg_export_serves_the_classes_by_hand(served):
     meta = json.loads((out / "seg_train.json").read_text())
     assert (meta["mean"], meta["std"], meta["class_names"]) == (list(MEAN), list(STD), NAMES)
     assert meta["inference"]["scales"] == [1.0, 1.25] and meta["inference"]["stride"] == [16, 20]
-
 
 
 def test_tflite_export_and_its_evaluation_read_the_eval_window_and_the_ignore_label(served):

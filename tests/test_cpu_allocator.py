@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 PROBE = """
 from seg_train.cli import import_tensorflow
 tf = import_tensorflow(debug=True)  # debug: TensorFlow's own log lines stay on stderr

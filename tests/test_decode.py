@@ -277,7 +277,10 @@ def test_cityscapes_on_ram_lists_like_on_disk_and_maps_labels_in_the_graph(tmp_p
     TensorFlow: no sample falls back to Pillow (which would hide a wrong map in the graph, only slower).
     A labelId with no mapping is named in one line, as load_sample names it."""
     from seg_train.data import layouts
-    from tests.test_layouts import H, W, load, make_cityscapes, mapped
+    from tests.helpers import (
+        LAYOUT_H as H, LAYOUT_W as W, load_layout as load, make_cityscapes_tree as make_cityscapes,
+        mapped_label as mapped
+    )
 
     local = tmp_path / "cityscapes"
     make_cityscapes(local, np.random.default_rng(0))

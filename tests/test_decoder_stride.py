@@ -22,7 +22,7 @@ from seg_train.config import ConfigError, ModelConfig
 from seg_train.models.backbones import build_backbone
 from seg_train.models.layer_choice import LayerChoice
 from tests.helpers import bilinear_resize
-from tests.test_backbone_weights import _perturb
+from tests.helpers import perturb as _perturb
 
 
 def _bn_relu(x, model, name, eps=1e-5):
@@ -68,6 +68,7 @@ def test_fine_stage_equals_numpy_by_hand():
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, channels", [("tiny", 16), ("mobilenetv2", 16), ("mobilenetv3_large", 16),
                                             ("mobilenetv3_small", 16), ("resnet50", 64), ("resnet101", 64)])
 def test_every_backbone_gives_stride_2_features(name, channels):
@@ -76,6 +77,7 @@ def test_every_backbone_gives_stride_2_features(name, channels):
     assert fine.shape[1:] == (32, 48, channels) and low.shape[1:3] == (16, 24) and high.shape[1:3] == (4, 6)
 
 
+@pytest.mark.slow
 def test_default_builds_deeplabs_decoder_unchanged():
     # decoder_stride 4 (the default) builds none of the stage's layers, and the stage adds only its own
     # variables (the default's against the code before the option: the test below).
@@ -93,6 +95,7 @@ def test_default_builds_deeplabs_decoder_unchanged():
 OLD_VARIABLES = Path(__file__).resolve().parent / "fixtures" / "model_variables_3678d2a.json"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["mobilenetv2/deeplabv3plus", "mobilenetv3_large/lraspp", "resnet50/deeplabv3plus"])
 def test_default_models_have_the_variables_of_the_code_before_the_option(key):
     """The default models (19 classes, every width at its default) have exactly the variable paths and
@@ -109,6 +112,7 @@ def test_default_models_have_the_variables_of_the_code_before_the_option(key):
     assert got == expected
 
 
+@pytest.mark.slow
 def test_tflite_file_predicts_what_keras_predicts():
     from ai_edge_litert.interpreter import Interpreter
 

@@ -12,6 +12,7 @@ from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 def _trace_step(cfg, deterministic: bool):
     """The concrete train step of a 2-tower Trainer, traced as train.py traces it (op determinism on

@@ -27,6 +27,8 @@ from seg_train.models.presets_vit import check_dino_preset, load_dino_preset
 from seg_train.models.stochastic import per_sample
 from seg_train.models.vit import VARIANTS, Variant, dino_encoder
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: takes seconds per test (keras-hub builds, traced steps)
+
 V3 = Variant("dinov3", 16, 32, 3, 2, 64, registers=2, key_bias=False, layer_scale=0.5)
 V3_GATED = Variant("dinov3", 16, 48, 2, 4, 64, registers=4, gated=True, activation="silu", key_bias=False)
 V2 = Variant("dinov2", 14, 32, 3, 2, 64, pos_grid=4)

@@ -2,6 +2,7 @@
 checkpointed (a resumed run continues it exactly), is swapped in for evaluation without disturbing
 the run, and is what a checkpoint loaded for evaluation/prediction/export holds."""
 
+import pytest
 import numpy as np
 import tensorflow as tf
 
@@ -10,6 +11,8 @@ from seg_train.infer.load import load_state
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 DEVICES = ["/device:CPU:0", "/device:CPU:1"]
 

@@ -1,5 +1,5 @@
 """Every error line names the file (and the record) and carries no Python repr: the bad-input
-corpus the suite already builds (tests/test_robustness.py's `_bad_roots`, tests/test_lossy_labels.py's
+corpus the suite already builds (tests/helpers.py's `bad_roots`, tests/test_lossy_labels.py's
 JPEG labels, tests/test_layouts.py's Cityscapes tree) and TFRecords damaged in the ways a copy or another
 writer damages them, each through every route a user meets it by:
 
@@ -28,9 +28,10 @@ from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.data import records, synthetic
 from tests.helpers import open_reader
-from tests import test_lossy_labels as lossy
-from tests.test_layouts import trees, write_config as layout_config  # noqa: F401 - the session's layout trees
-from tests.test_robustness import DATA_CASES, _bad_roots, error_lines, write_config as voc_config
+from tests.helpers import LOSSY_KINDS, deeplab_example, encoded, label_array, lossy_photo, write_lossy_config
+from tests.helpers import write_layout_config as layout_config
+from tests.helpers import DATA_CASES, bad_roots as _bad_roots, error_lines, write_voc_config as voc_config
+
 
 ROOT = Path(__file__).resolve().parent.parent
 REPR = re.compile(r"object at 0x|<[^<>]* at 0x[0-9a-fA-F]+>")
@@ -60,11 +61,11 @@ def _deeplab_shard(path: Path, examples: list[bytes]) -> Path:
 
 
 def _good(n: int) -> bytes:
-    return lossy.deeplab_example(lossy.photo(n), lossy.encoded(lossy.label_array(n), "PNG"), b"png", f"r{n}.jpg")
+    return deeplab_example(lossy_photo(n), encoded(label_array(n), "PNG"), b"png", f"r{n}.jpg")
 
 
 def _records_config(directory: Path, root: Path) -> Path:
-    return lossy.write_config(directory, "tfrecord", root)
+    return write_lossy_config(directory, "tfrecord", root)
 
 
 SAMPLE_ROUTES = ("train", "check", "stream")
@@ -82,10 +83,10 @@ def build(base: Path, trees: dict) -> dict[str, Case]:  # noqa: F811
                                     SAMPLE_ROUTES if sample_level else LIST_ROUTES,
                                     "val" if name.startswith("val_") else None, prefix,
                                     convert=root if name == "jpeg_garbage" else None)
-    for kind, make in lossy.KINDS.items():
+    for kind, make in LOSSY_KINDS.items():
         root = base / f"lossy-{kind}"
         bad = make(root)
-        cases[f"lossy-{kind}"] = Case(lossy.write_config(base / "cfg", kind, root), tuple(bad), SAMPLE_ROUTES)
+        cases[f"lossy-{kind}"] = Case(write_lossy_config(base / "cfg", kind, root), tuple(bad), SAMPLE_ROUTES)
 
     # TFRecords: the project's writer's shard cut short (its index then stale: the shard is walked) ...
     out = base / "rec-truncated"
@@ -103,11 +104,11 @@ def build(base: Path, trees: dict) -> dict[str, Case]:  # noqa: F811
     cases["rec-shard-garbage"] = Case(_records_config(base / "cfg" / "rg", out), str(shard), LIST_ROUTES)
     # ... records of another writer whose image, or label, is no image, or that lack the label ...
     for name, example in (
-            ("image-not-an-image", lossy.deeplab_example(b"this is not an image" * 5,
-                                                         lossy.encoded(lossy.label_array(1), "PNG"), b"png", "x")),
-            ("label-not-an-image", lossy.deeplab_example(lossy.photo(1), b"\x89PNG but not really" * 5, b"png", "x")),
+            ("image-not-an-image", deeplab_example(b"this is not an image" * 5,
+                                                         encoded(label_array(1), "PNG"), b"png", "x")),
+            ("label-not-an-image", deeplab_example(lossy_photo(1), b"\x89PNG but not really" * 5, b"png", "x")),
             ("no-label", tf.train.Example(features=tf.train.Features(feature={"image/encoded": tf.train.Feature(
-                bytes_list=tf.train.BytesList(value=[lossy.photo(1)]))})).SerializeToString())):
+                bytes_list=tf.train.BytesList(value=[lossy_photo(1)]))})).SerializeToString())):
         shard = _deeplab_shard(base / f"rec-{name}" / "train-00000-of-00001.tfrecord", [_good(0), example, _good(2)])
         cases[f"rec-{name}"] = Case(_records_config(base / "cfg" / name, shard.parent), _shard_record(shard, 1),
                                     SAMPLE_ROUTES)

@@ -27,7 +27,13 @@ from seg_train.train.summaries import Summaries
 from seg_train.train.train import run_evaluation
 from seg_train.train.state import TrainState
 from tests.helpers import open_reader, tiny_config
-from tests.test_evaluate import DEVICES, NAMES, NUM_CLASSES, calibrate_bn, write_split
+from tests.helpers import eval_config, normalized, reference_scores
+from tests.helpers import (
+    CPU_DEVICES as DEVICES, EVAL_NAMES as NAMES, EVAL_NUM_CLASSES as NUM_CLASSES, calibrate_bn,
+    write_eval_split as write_split
+)
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 # Not multiples of 32 nor of the slide strides; 5 images, so the last step on 4 towers is partial.
 SIZES = [(37, 53), (64, 17), (50, 41), (29, 70), (45, 33)]
@@ -38,11 +44,6 @@ MODES = {
     "slide_flip": {"mode": "slide", "crop_size": CROP, "stride": STRIDE, "flip": True},
 }
 SLIDE_FLIP_SCALES = {"mode": "slide", "crop_size": CROP, "stride": STRIDE, "flip": True, "scales": [1.0, 1.25]}
-
-
-def eval_config(**keys):
-    """An EvalConfig through the real loader (checks and defaults included)."""
-    return config_lib.from_dict({"data": {"root": "d", "num_classes": NUM_CLASSES}, "eval": keys}).eval
 
 
 def strategy(n):
@@ -62,49 +63,6 @@ def setup(tmp_path_factory):
     whole, _ = ev.Evaluator(trainer).evaluate(reader, NAMES, progress=False)
     return {"tmp": tmp, "root": root, "cfg": cfg, "trainer": trainer, "four": four, "reader": reader,
             "whole_cm": whole.confusion_matrix}
-
-
-def normalized(cfg, path):
-    image = np.asarray(Image.open(path).convert("RGB"), np.float32)
-    return (image - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
-
-
-def reference_scores(model, x, modes):
-    """The scores of one image [h, w, 3], computed independently: eager calls, Python loops, numpy sums."""
-    h, w = x.shape[:2]
-
-    def forward(t):  # pad to 32 at the bottom/right, crop back
-        th, tw = t.shape[:2]
-        t = np.pad(t, [(0, -th % 32), (0, -tw % 32), (0, 0)])
-        return model(t[None], training=False).numpy()[0, :th, :tw]
-
-    def slide(t):  # mmsegmentation's window placement
-        th, tw = t.shape[:2]
-        (ch, cw), (sh, sw) = modes.crop_size, modes.stride
-        total = np.zeros((th, tw, NUM_CLASSES), np.float32)
-        count = np.zeros((th, tw, 1), np.float32)
-        for r in range(max(th - ch + sh - 1, 0) // sh + 1):
-            for c in range(max(tw - cw + sw - 1, 0) // sw + 1):
-                y2, x2 = min(r * sh + ch, th), min(c * sw + cw, tw)
-                y1, x1 = max(y2 - ch, 0), max(x2 - cw, 0)
-                total[y1:y2, x1:x2] += forward(t[y1:y2, x1:x2])
-                count[y1:y2, x1:x2] += 1
-        return total / count
-
-    def view(t, s):
-        if s != 1.0:
-            t = tf.image.resize(t, [max(1, round(h * s)), max(1, round(w * s))]).numpy()
-        logits = slide(t) if modes.mode == "slide" else forward(t)
-        return logits if s == 1.0 else tf.image.resize(logits, [h, w]).numpy()
-
-    if not modes.flip and len(modes.scales) == 1:
-        return view(x, modes.scales[0])
-    probs = []
-    for s in modes.scales:
-        probs.append(tf.nn.softmax(view(x, s)).numpy())
-        if modes.flip:
-            probs.append(tf.nn.softmax(view(x[:, ::-1], s)).numpy()[:, ::-1])
-    return np.mean(probs, axis=0)
 
 
 @pytest.mark.parametrize("name", list(MODES))

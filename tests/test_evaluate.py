@@ -18,14 +18,17 @@ from seg_train.infer import eval_checkpoint
 from seg_train.infer import evaluate as ev
 from seg_train.infer import metrics as metrics_lib
 from seg_train.config import ConfigError
-from seg_train.data.label_images import read_label, save_index_png, voc_colormap
+from seg_train.data.label_images import read_label
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import confusion_matrix, open_reader, tiny_config
+from tests.helpers import (
+    CPU_DEVICES as DEVICES, EVAL_NAMES as NAMES, EVAL_NUM_CLASSES as NUM_CLASSES, calibrate_bn,
+    write_eval_split as write_split
+)
 
-DEVICES = [f"/device:CPU:{i}" for i in range(4)]
-NUM_CLASSES = 4
-NAMES = ["sky", "road", "car", "tree"]
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 # Sizes that are not multiples of 32 (padding must not be counted); 5 images, so the last step on
 # 2 and 4 towers is partial (a tower without an image must count nothing).
 SIZES = [(37, 53), (64, 17), (33, 32), (50, 41), (29, 29)]
@@ -33,38 +36,6 @@ SIZES = [(37, 53), (64, 17), (33, 32), (50, 41), (29, 29)]
 
 def strategy(n):
     return tf.distribute.MirroredStrategy(DEVICES[:n])
-
-
-def write_split(root, sizes, seed=0):
-    """A VOC-layout folder of random images and labels (with ignored blocks) of the given sizes."""
-    rng = np.random.default_rng(seed)
-    for d in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
-        (root / d).mkdir(parents=True, exist_ok=True)
-    ids = []
-    for i, (h, w) in enumerate(sizes):
-        sid = f"img{i}"
-        # Blocks of random colours: spatial structure, so the predictions vary across the image.
-        blocks = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-        image = np.repeat(np.repeat(blocks, 8, axis=0), 8, axis=1)[:h, :w]
-        Image.fromarray(image).save(root / "JPEGImages" / f"{sid}.jpg")
-        label = rng.integers(0, NUM_CLASSES, (h, w)).astype(np.uint8)
-        label[: h // 3, : w // 4] = 255
-        save_index_png(root / "SegmentationClass" / f"{sid}.png", label, voc_colormap())
-        ids.append(sid)
-    for split in ("train", "val"):
-        (root / "ImageSets/Segmentation" / f"{split}.txt").write_text("\n".join(ids) + "\n")
-    (root / "classes.txt").write_text("\n".join(NAMES) + "\n")
-    return root
-
-
-def calibrate_bn(cfg, model, reader, passes=30):
-    """BN moving statistics for these images (forward passes in training mode): an untrained model
-    with its initial statistics predicts nearly one class everywhere, which would make a weak test."""
-    x = np.stack([np.asarray(Image.open(s.image).convert("RGB").resize((32, 32)), np.float32)
-                  for s in reader.samples])
-    x = (x - np.array(cfg.data.mean, np.float32)) / np.array(cfg.data.std, np.float32)
-    for _ in range(passes):
-        model(x, training=True)
 
 
 @pytest.fixture(scope="module")

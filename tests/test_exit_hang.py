@@ -26,7 +26,9 @@ import pytest
 import yaml
 
 from seg_train.data import synthetic
-from tests.test_exit_prompt import SLOW_DESTROY, SLOW_TEARDOWN, destructions
+from tests.helpers import SLOW_DESTROY, SLOW_TEARDOWN, destructions
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 HANG_TIMEOUT = 120  # a run takes ~10 s; far above that means it hung at exit
 BAD = "demo_00005"  # with seed 0 the training stream reaches it at step 3, after the warm-up's two steps

@@ -31,57 +31,18 @@ import time
 import pytest
 
 from seg_train.data import synthetic
-from tests.test_train_cli import write_config
+from tests.helpers import write_train_config as write_config
+from tests.helpers import SLOW_DESTROY, SLOW_TEARDOWN, destructions
 
-SLOW_DESTROY = 20.0
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 TIMEOUT = 600  # the unfixed code: 20 s per iterator destroyed on the way, a few minutes in all
 
-# Makes every tf.data iterator's destruction slow and records the thread that ran it (module doc).
-# Patched when the command imports TensorFlow, as the command imports it.
-SLOW_TEARDOWN = r'''
-import os, threading, time, weakref
-from seg_train import cli
-
-
-def _slow_teardown():
-    from tensorflow.python.data.ops import iterator_ops, multi_device_iterator_ops
-
-    seconds, record = float(os.environ["SLOW_DESTROY"]), os.environ["DESTROY_RECORD"]
-
-    def destroyed(kind):
-        with open(record, "a") as f:
-            f.write(f"{kind} {threading.current_thread().name}\n")
-        time.sleep(seconds)
-
-    for cls in (iterator_ops.OwnedIterator, multi_device_iterator_ops.OwnedMultiDeviceIterator):
-        def __init__(self, *args, _init=cls.__init__, _kind=cls.__name__, **kwargs):
-            _init(self, *args, **kwargs)
-            # Iterators alive when the process ends are never destroyed (os._exit): nor are these.
-            weakref.finalize(self, destroyed, _kind).atexit = False
-        cls.__init__ = __init__
-
-
-_import_tensorflow = cli.process.import_tensorflow
-
-
-def import_tensorflow(debug):
-    tf = _import_tensorflow(debug)
-    _slow_teardown()
-    return tf
-
-
-cli.process.import_tensorflow = import_tensorflow
-'''
 
 DRIVER = SLOW_TEARDOWN + r'''
 import sys
 sys.exit(getattr(cli, sys.argv.pop(1))())
 '''
-
-
-def destructions(record) -> list[tuple[str, str]]:
-    """(iterator class, thread name) of each destruction the driver saw."""
-    return [tuple(line.split()) for line in record.read_text().splitlines()] if record.exists() else []
 
 
 def timed(tmp_path, command: str, args: list[str], stop_at: str | None = None):

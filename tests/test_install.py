@@ -19,6 +19,8 @@ from seg_train.util import preflight
 from seg_train.config import ConfigError
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 COMMANDS = {"seg-train": "train_main", "seg-eval": "eval_main", "seg-predict": "predict_main",
             "seg-export": "export_main", "seg-bench": "bench_main", "seg-prepare": "prepare_main"}
 

@@ -27,6 +27,8 @@ from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.data import labels, layouts
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 official = pytest.importorskip("cityscapesscripts.evaluation.evalPixelLevelSemanticLabeling")
 from cityscapesscripts.helpers.labels import trainId2label  # noqa: E402
 

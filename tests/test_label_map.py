@@ -18,19 +18,7 @@ from seg_train import config as config_lib
 from seg_train.config import ConfigError
 from seg_train.data import label_tables, labels, layouts
 from seg_train.data.reader import BadSample, load_sample
-
-# cityscapesScripts' labels.py, copied entry by entry: labelId -> trainId (255: ignored).
-CITYSCAPES_BY_HAND = {
-    0: 255, 1: 255, 2: 255, 3: 255, 4: 255, 5: 255, 6: 255,  # unlabeled .. ground
-    7: 0, 8: 1,  # road, sidewalk
-    9: 255, 10: 255,  # parking, rail track
-    11: 2, 12: 3, 13: 4,  # building, wall, fence
-    14: 255, 15: 255, 16: 255,  # guard rail, bridge, tunnel
-    17: 5, 18: 255,  # pole, polegroup
-    19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11, 25: 12, 26: 13, 27: 14, 28: 15,  # traffic light .. bus
-    29: 255, 30: 255,  # caravan, trailer
-    31: 16, 32: 17, 33: 18,  # train, motorcycle, bicycle
-}
+from tests.helpers import CITYSCAPES_BY_HAND
 
 
 def data_cfg(tmp_path, **data):

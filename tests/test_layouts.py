@@ -25,111 +25,10 @@ from seg_train.data import layouts
 from seg_train.data.split import class_names_of
 from seg_train.data.scan import class_weights_for_split
 from tests.helpers import open_reader
-from tests.test_label_map import CITYSCAPES_BY_HAND
-
-H, W = 48, 64
-ADE20K_BY_HAND = {0: 255, **{k: k - 1 for k in range(1, 151)}}  # 0 "other" ignored, k -> class k - 1
-PAIRS_BY_HAND = {0: 0, 3: 0, 251: 1, 255: 1}  # a 0/255 mask saved lossily: threshold 128
-BY_HAND = {"cityscapes": CITYSCAPES_BY_HAND, "ade20k": ADE20K_BY_HAND, "pairs": PAIRS_BY_HAND}
-CITIES = {"train": {"aachen": 2, "bochum": 1}, "val": {"frankfurt": 2}, "broken": {"aachen": 1},
-          "nolabel": {"ulm": 1}, "test": {"berlin": 1}}
-
-
-def blocks(rng, values, shape=(H, W), size=8):
-    """8x8 blocks of values drawn from `values`: spatial structure for the model and the crops."""
-    b = rng.choice(np.asarray(values), (shape[0] // size + 1, shape[1] // size + 1))
-    return np.repeat(np.repeat(b, size, 0), size, 1)[:shape[0], :shape[1]].astype(np.uint8)
-
-
-def photo(rng):
-    b = rng.integers(0, 256, (H // 8 + 1, W // 8 + 1, 3), dtype=np.uint8)
-    return np.repeat(np.repeat(b, 8, 0), 8, 1)[:H, :W]
-
-
-def make_cityscapes(root, rng):
-    for split, cities in CITIES.items():
-        for city, count in cities.items():
-            (root / "leftImg8bit" / split / city).mkdir(parents=True)
-            if split != "test":  # test: images without the gtFine folder
-                (root / "gtFine" / split / city).mkdir(parents=True)
-            for n in range(count):
-                stem = f"{city}_{n:06d}_000019"
-                Image.fromarray(photo(rng)).save(root / "leftImg8bit" / split / city / f"{stem}_leftImg8bit.png")
-                if split in ("test", "nolabel"):
-                    continue
-                raw = blocks(rng, range(34))  # every labelId, the ignored ones too
-                if split == "broken":
-                    raw[8:16, :8] = 40  # no such labelId: 64 pixels without a mapping
-                labels = root / "gtFine" / split / city
-                Image.fromarray(raw).save(labels / f"{stem}_gtFine_labelIds.png")
-                # What gtFine also holds next to each labelIds PNG; never to be read as labels.
-                Image.fromarray(np.zeros((H, W, 3), np.uint8)).save(labels / f"{stem}_gtFine_color.png")
-                Image.fromarray(raw.astype(np.uint16) * 1000).save(labels / f"{stem}_gtFine_instanceIds.png")
-
-
-def make_ade20k(root, rng):
-    for split, count in (("training", 3), ("validation", 2)):
-        (root / "images" / split).mkdir(parents=True)
-        (root / "annotations" / split).mkdir(parents=True)
-        for n in range(count):
-            stem = f"ADE_{'train' if split == 'training' else 'val'}_{n + 1:08d}"
-            Image.fromarray(photo(rng)).save(root / "images" / split / f"{stem}.jpg", quality=95)
-            Image.fromarray(blocks(rng, range(151))).save(root / "annotations" / split / f"{stem}.png")
-
-
-def make_pairs(root, rng):
-    (root / "photos" / "a").mkdir(parents=True)
-    (root / "masks").mkdir()
-    lines = []
-    for n in range(5):
-        Image.fromarray(photo(rng)).save(root / "photos" / "a" / f"p{n}.png")
-        Image.fromarray(blocks(rng, list(PAIRS_BY_HAND))).save(root / "masks" / f"p{n}_mask.png")
-        lines.append(f"photos/a/p{n}.png masks/p{n}_mask.png")
-    (root / "train.txt").write_text("\n".join(lines[:3]) + "\n")
-    (root / "val.txt").write_text("# comment lines and blank lines are skipped\n\n" + "\n".join(lines[3:]) + "\n")
-
-
-@pytest.fixture(scope="session")
-def trees(tmp_path_factory):
-    base = tmp_path_factory.mktemp("layouts")
-    rng = np.random.default_rng(0)
-    make_cityscapes(base / "cityscapes", rng)
-    make_ade20k(base / "ADEChallengeData2016", rng)
-    make_pairs(base / "pairs", rng)
-    return {"cityscapes": base / "cityscapes", "ade20k": base / "ADEChallengeData2016", "pairs": base / "pairs"}
-
-
-SPLITS = {"cityscapes": ("train", "val"), "ade20k": ("training", "validation"), "pairs": ("train.txt", "val.txt")}
-
-
-def write_config(tmp_path, trees, layout, **data):
-    """A tiny-model config of `layout` (no num_classes: the layouts that know theirs bring them)."""
-    train, val = SPLITS[layout]
-    raw = {"seed": 0, "run_dir": "run",
-           "data": {"layout": layout, "root": str(trees[layout]), "train_split": train, "val_split": val,
-                    "batch_size": 2, "crop_size": [32, 32], "num_parallel_calls": 2,
-                    **({"num_classes": 2, "binary_threshold": 128} if layout == "pairs" else {}), **data},
-           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
-           "train": {"num_steps": 2, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
-                     "learning_rate": 0.01},
-           "eval": {"bn_reestimate_batches": 1}}
-    path = tmp_path / f"{layout}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def load(tmp_path, trees, layout, **data):
-    return config_lib.load(write_config(tmp_path, trees, layout, **data))
-
-
-def raw_label(path):
-    """The stored values, read with Pillow directly (not through the reader)."""
-    return np.array(Image.open(path))
-
-
-def mapped(layout, path):
-    by_hand = BY_HAND[layout]
-    return np.vectorize(lambda v: by_hand[int(v)])(raw_label(path)).astype(np.uint8)
+from tests.helpers import (
+    LAYOUT_H as H, LAYOUT_W as W, load_layout as load, mapped_label as mapped, raw_label,
+    write_layout_config as write_config
+)
 
 
 def test_each_layout_lists_its_files(tmp_path, trees):
@@ -198,6 +97,7 @@ def test_training_stream_evaluation_and_class_weights_see_train_ids(tmp_path, tr
     np.testing.assert_allclose(class_weights_for_split(cfg, reader), want, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_check_data_histogram_after_the_map_names_unmapped_values(tmp_path, trees, capsys):
     path = write_config(tmp_path, trees, "cityscapes", train_split="broken")
     assert cli.train_main(["--config", str(path), "--check-data"]) == 2
@@ -262,6 +162,7 @@ def default_splits(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_ade20k_default_split_names_are_training_and_validation(tmp_path, trees, capsys):
     """data.layout: ade20k with the default split names (train, val) reads images/training and
     images/validation (the usual names), through --check-data; the explicit names give the same
@@ -282,6 +183,7 @@ def test_ade20k_default_split_names_are_training_and_validation(tmp_path, trees,
         str(trees["ade20k"] / f"images/validation/ADE_val_0000000{n}.jpg") for n in (1, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, predict_from", [("cityscapes", "leftImg8bit/val/frankfurt"),
                                                   ("ade20k", "images/validation")])
 def test_train_eval_predict(tmp_path, trees, layout, predict_from, capsys):

@@ -7,7 +7,8 @@ import time
 import keras
 import pytest
 
-from seg_train.train import loop, train
+from seg_train import cli
+from seg_train.train import loop
 from seg_train.dist import replicas
 
 from seg_train.bench import train_runner
@@ -15,6 +16,7 @@ from seg_train.bench import train_runner
 from seg_train.data import synthetic
 from tests.helpers import open_reader, tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
@@ -99,8 +101,30 @@ def test_seg_bench_runs_the_same_loop_and_host_work_as_seg_train(runner, monkeyp
     assert calls == [runner.steps]
     assert isinstance(runner.host, loop.HostSide)
     assert len(runner.losses) == losses + 1  # seg-train's HostSide read the step
-    # seg-train's run builds its loop from the same class.
-    assert "StepLoop" in train._train_locked.__code__.co_names
+
+
+def test_seg_train_dispatches_every_step_through_the_same_loop(tmp_path, monkeypatch):
+    # The other half of "the same loop": seg-train's run (in-process, 3 steps) dispatches each of its
+    # steps through loop.StepLoop, one loop object for the run, and HostSide reads each of them.
+    dispatched, finished = [], []
+    real_dispatch, real_finish = loop.StepLoop.dispatch, loop.HostSide.finish
+
+    def dispatch(self):
+        dispatched.append(self)
+        return real_dispatch(self)
+
+    def finish(self, pending, ended=None):
+        finished.append(pending[0])
+        return real_finish(self, pending, ended)
+
+    monkeypatch.setattr(loop.StepLoop, "dispatch", dispatch)
+    monkeypatch.setattr(loop.HostSide, "finish", finish)
+    root = synthetic.generate(tmp_path / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3)
+    tiny_config(tmp_path, root, train={"num_steps": 3, "checkpoint_every": 3, "image_summary_every": 0})
+    monkeypatch.chdir(tmp_path)
+    assert cli.train_main(["--config", str(tmp_path / "config.yaml"), "--gpus", "1"]) == 0
+    assert len(dispatched) == 3 and all(d is dispatched[0] for d in dispatched)
+    assert sorted(finished) == [1, 2, 3]
 
 
 def test_warmup_by_hand():

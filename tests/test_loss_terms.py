@@ -16,8 +16,8 @@ from seg_train.dist import replicas
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import tiny_config
+from tests.helpers import LOSS_NUM_CLASSES as C, dice_numpy, lovasz_numpy, softmax64
 
-C = 4
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
 
@@ -31,63 +31,6 @@ def batch(seed=0, b=3, h=6, w=7, scale=2.0):
         labels[2][labels[2] == 3] = 0
         labels[2, -1, :3] = 255
     return logits, labels
-
-
-def softmax64(z):
-    z = np.asarray(z, np.float64)
-    e = np.exp(z - z.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def softmax_backward(p, dp):
-    """dL/dz from dL/dp through the softmax, per pixel: p * (dp - sum(p * dp))."""
-    return p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-
-
-def lovasz_numpy(logits, labels):
-    """Per image: (loss, dL/dlogits), from Berman et al. 2018, over the valid pixels only."""
-    out, grads = [], np.zeros(logits.shape, np.float64)
-    for i in range(logits.shape[0]):
-        valid = labels[i].reshape(-1) != 255
-        p = softmax64(logits[i].reshape(-1, C))[valid]
-        y = labels[i].reshape(-1)[valid]
-        dp = np.zeros_like(p)
-        total, present = 0.0, 0
-        for c in range(C):
-            fg = (y == c).astype(np.float64)
-            if fg.sum() == 0:
-                continue
-            present += 1
-            err = np.abs(fg - p[:, c])
-            order = np.argsort(-err, kind="stable")
-            fgs = fg[order]
-            gts = fgs.sum()
-            jac = 1.0 - (gts - np.cumsum(fgs)) / (gts + np.cumsum(1.0 - fgs))
-            g = np.concatenate([jac[:1], np.diff(jac)])
-            total += err[order] @ g
-            # d err / d p_c = -1 on the class's pixels, +1 elsewhere
-            dp[order, c] += g * np.where(fgs > 0, -1.0, 1.0)
-        out.append(total / present)
-        dz = np.zeros((valid.size, C))
-        dz[valid] = softmax_backward(p, dp / present)
-        grads[i] = dz.reshape(logits.shape[1:])
-    return np.array(out), grads
-
-
-def dice_numpy(logits, labels, smooth=1.0):
-    """Per image: (loss, dL/dlogits): mean over the C classes of 1 - (2|X n Y| + s) / (|X| + |Y| + s)."""
-    out, grads = [], np.zeros(logits.shape, np.float64)
-    for i in range(logits.shape[0]):
-        valid = labels[i].reshape(-1) != 255
-        p = softmax64(logits[i].reshape(-1, C))[valid]
-        y = np.eye(C)[labels[i].reshape(-1)[valid]]
-        inter, size = (p * y).sum(0), p.sum(0) + y.sum(0)
-        out.append(np.mean(1.0 - (2 * inter + smooth) / (size + smooth)))
-        dp = -(2 * y * (size + smooth) - (2 * inter + smooth)) / (size + smooth) ** 2 / C
-        dz = np.zeros((valid.size, C))
-        dz[valid] = softmax_backward(p, dp)
-        grads[i] = dz.reshape(logits.shape[1:])
-    return np.array(out), grads
 
 
 @pytest.mark.parametrize("name, fn, reference", [
@@ -195,6 +138,7 @@ def test_terms_objective_by_hand():
     np.testing.assert_allclose(float(total / norm), (valid * lov).sum() / valid.sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", [
     {"terms": [{"type": "cross_entropy", "weight": 1.0}, {"type": "lovasz", "weight": 0.5},
                {"type": "dice", "weight": 0.5}], "class_weights": [1.0, 2.0, 0.5]},
@@ -245,6 +189,7 @@ def test_loss_config_errors(tmp_path, loss, where, expected):
     assert e.value.where == where and expected in e.value.expected, str(e.value)
 
 
+@pytest.mark.slow
 def test_xla_compiles_the_new_losses():
     """train.jit_compile: the per-image sorts need a static pixel count inside an XLA-compiled tower."""
     logits, labels = batch(7)

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-import yaml
 from PIL import Image
 
 from seg_train import cli
@@ -27,109 +26,15 @@ from seg_train.cli import user_error
 from seg_train.data import decode, records
 from seg_train.data.label_images import LossyLabel, read_label
 from tests.helpers import open_reader
+from tests.helpers import (
+    LOSSY_H as H, LOSSY_KINDS as KINDS, LOSSY_NUM_CLASSES as NUM_CLASSES, LOSSY_W as W, encoded, jpeg_label,
+    label_array, write_lossy_config as write_config
+)
+from tests.helpers import LOSSY_MESSAGE as MESSAGE
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 ROOT = Path(__file__).resolve().parent.parent
-NUM_CLASSES = 20
-H, W = 32, 40
-MESSAGE = ("lossy JPEG label ({path}): expected a PNG of class indices (JPEG compression damages the class "
-           "values); convert the label to PNG, from its source annotation if you have it")
-
-
-def label_array(seed: int) -> np.ndarray:
-    """6x6 blocks of classes 5..14 (not JPEG's 8x8 grid, which would keep flat blocks exact): JPEG changes
-    most pixels, by a few levels, within 0..19 (checked in `sets`)."""
-    rng = np.random.default_rng(seed)
-    b = rng.integers(5, 15, (H // 6 + 1, W // 6 + 1), dtype=np.uint8)
-    return np.repeat(np.repeat(b, 6, 0), 6, 1)[:H, :W]
-
-
-def encoded(array: np.ndarray, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format=fmt, **kw)
-    return buf.getvalue()
-
-
-def photo(seed: int) -> bytes:
-    rng = np.random.default_rng(100 + seed)
-    return encoded(rng.integers(0, 256, (H, W, 3), dtype=np.uint8), "JPEG", quality=90)
-
-
-def jpeg_label(seed: int) -> bytes:
-    return encoded(label_array(seed), "JPEG", quality=75)
-
-
-def deeplab_example(image: bytes, label: bytes, label_format: bytes, name: str) -> bytes:
-    """A tf.train.Example as DeepLab's build_data.image_seg_to_tfexample writes it (its feature keys)."""
-    def b(v):
-        return tf.train.Feature(bytes_list=tf.train.BytesList(value=[v]))
-
-    def i(v):
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=[v]))
-
-    return tf.train.Example(features=tf.train.Features(feature={
-        "image/encoded": b(image), "image/filename": b(name.encode()), "image/format": b(b"jpeg"),
-        "image/height": i(H), "image/width": i(W), "image/channels": i(3),
-        "image/segmentation/class/encoded": b(label), "image/segmentation/class/format": b(label_format),
-    })).SerializeToString()
-
-
-def make_voc(root: Path) -> list[str]:
-    """4 samples; s1's SegmentationClass/s1.png holds a JPEG. Returns the bad label paths."""
-    for d in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
-        (root / d).mkdir(parents=True)
-    for n in range(4):
-        (root / "JPEGImages" / f"s{n}.jpg").write_bytes(photo(n))
-        label = jpeg_label(n) if n == 1 else encoded(label_array(n), "PNG")
-        (root / "SegmentationClass" / f"s{n}.png").write_bytes(label)
-    (root / "ImageSets" / "Segmentation" / "train.txt").write_text("s0\ns1\ns2\ns3\n")
-    return [str(root / "SegmentationClass" / "s1.png")]
-
-
-def make_pairs(root: Path) -> list[str]:
-    """A pairs list of 4 samples naming masks/p1.jpg and masks/p2.jpg (JPEGs) among PNG masks."""
-    (root / "photos").mkdir(parents=True)
-    (root / "masks").mkdir()
-    lines, bad = [], []
-    for n in range(4):
-        (root / "photos" / f"p{n}.jpg").write_bytes(photo(n))
-        name = f"p{n}.jpg" if n in (1, 2) else f"p{n}.png"
-        (root / "masks" / name).write_bytes(jpeg_label(n) if n in (1, 2) else encoded(label_array(n), "PNG"))
-        lines.append(f"photos/p{n}.jpg masks/{name}")
-        if n in (1, 2):
-            bad.append(str(root / "masks" / name))
-    (root / "train.txt").write_text("\n".join(lines) + "\n")
-    return bad
-
-
-def make_records(root: Path) -> list[str]:
-    """One shard of DeepLab-keyed records, no index file: record 1 a JPEG label said to be 'jpeg', record 2
-    a JPEG label said to be 'png', record 3 a PNG label said to be 'jpeg' (usable: the bytes decide)."""
-    root.mkdir(parents=True)
-    shard = root / "train-00000-of-00001.tfrecord"
-    kinds = [(False, b"png"), (True, b"jpeg"), (True, b"png"), (False, b"jpeg")]
-    with tf.io.TFRecordWriter(str(shard)) as w:
-        for n, (is_jpeg, fmt) in enumerate(kinds):
-            label = jpeg_label(n) if is_jpeg else encoded(label_array(n), "PNG")
-            w.write(deeplab_example(photo(n), label, fmt, f"r{n}.jpg"))
-    return [f"{shard}[{shard.name}:{n}]" for n in (1, 2)]
-
-
-KINDS = {"voc": make_voc, "pairs": make_pairs, "tfrecord": make_records}
-
-
-def write_config(directory: Path, kind: str, root: Path, **data) -> Path:
-    raw = {"seed": 0, "run_dir": "run",
-           "data": {"root": str(root), "num_classes": NUM_CLASSES, "train_split": "train", "val_split": "none",
-                    "batch_size": 2, "crop_size": [H, W], "random_scale": [1.0, 1.0], "num_parallel_calls": 2,
-                    **({"layout": "pairs", "train_split": "train.txt"} if kind == "pairs" else {}),
-                    **({"format": "tfrecord"} if kind == "tfrecord" else {}), **data},
-           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
-           "train": {"num_steps": 1, "checkpoint_every": 1, "summary_every": 1, "image_summary_every": 0},
-           "eval": {"bn_reestimate_batches": 0}}
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{kind}-{'-'.join(f'{k}={v}' for k, v in data.items()) or 'default'}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,8 @@ from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 IMAGES, LABELS = random_batch(batch=4, seed=3)
 # The layers nearest the loss: the logits and decoder_conv2's BN (its gamma and beta, the last

@@ -25,7 +25,12 @@ from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.infer.load import load_state
 from seg_train.dist import replicas
 from tests.helpers import bilinear_resize
-from tests.test_backbone_weights import PUBLISHED_FILES, _perturb, _read_h5, _short, _weighted_layers
+from tests.helpers import PUBLISHED_FILES
+from tests.helpers import (
+    perturb as _perturb, read_h5 as _read_h5, short_weight_name as _short, weighted_layers as _weighted_layers
+)
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 CTORS = {"mobilenetv3_large": tf_keras.applications.MobileNetV3Large,
          "mobilenetv3_small": tf_keras.applications.MobileNetV3Small}

@@ -15,7 +15,7 @@ from seg_train import models
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.train.state import TrainState
 from tests.helpers import tiny_config
-from tests.test_towers import strategy
+from tests.helpers import strategy
 
 MOMENTUM = 0.7  # the default is 0.9
 HEADS = {"deeplabv3plus": {}, "lraspp": {"lraspp_channels": 5}, "segformer": {"segformer_channels": 6}}

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests.test_train_cli import run, write_config
+from tests.helpers import run_command as run, write_train_config as write_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 def free_ports(n):
     socks = [socket.socket() for _ in range(n)]

@@ -24,6 +24,8 @@ from seg_train import cli
 
 from seg_train.data import synthetic
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "run_3b88e24"
 
 

@@ -20,6 +20,8 @@ from seg_train.infer.predict import collect_inputs, run_predict
 from seg_train.train.state import TrainState
 from tests.helpers import tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 # Odd sizes (padding to 32 and cropping back), one wider than tall, one taller than wide.
 SIZES = {"a": (37, 53), "b": (70, 29), "c": (32, 32)}
 

@@ -6,10 +6,13 @@ import os
 import re
 import subprocess
 
+import pytest
 import numpy as np
 from PIL import Image
 
 from tests.helpers import seg_prepare
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 VOC_PALETTE = np.zeros((256, 3), dtype=np.uint8)
 VOC_PALETTE[1], VOC_PALETTE[15], VOC_PALETTE[255] = (128, 0, 0), (192, 128, 128), (224, 224, 192)

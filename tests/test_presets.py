@@ -26,35 +26,17 @@ import tensorflow as tf
 
 from seg_train import config as config_lib
 from seg_train import models
-from seg_train.config import ConfigError, ModelConfig
 from seg_train.models.mit import VARIANTS
+from seg_train.config import ConfigError, ModelConfig
 from seg_train.train.state import TrainState
 from tests.helpers import tiny_config
+from tests.helpers import (
+    PAPER_HEADS, PAPER_MIT, PAPER_PATCH_SIZES, PAPER_SR_RATIOS, PAPER_STRIDES, mit_kwargs as _mit_kwargs
+)
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 SIZE, CLASSES = 64, 5  # keras-hub's model is built for one square size
-
-
-# The reference sizes written out, not read from seg-train's VARIANTS (a wrong entry would build keras-hub's
-# reference with the same mistake): the SegFormer paper's Table 6, the same as the B0 of keras-hub's
-# MiTBackbone / SegFormerBackbone docstrings and the parameter counts of its published mit_b*_ade20k presets
-# (tests/test_segformer.py). Heads and reduction ratios are per stage; a head count off changes no shape.
-PAPER_HEADS, PAPER_SR_RATIOS, PAPER_PATCH_SIZES, PAPER_STRIDES = [1, 2, 5, 8], [8, 4, 2, 1], [7, 3, 3, 3], [4, 2, 2, 2]
-PAPER_MIT = {  # name: (hidden sizes, depths)
-    "mit_b0": ([32, 64, 160, 256], [2, 2, 2, 2]),
-    "mit_b1": ([64, 128, 320, 512], [2, 2, 2, 2]),
-    "mit_b2": ([64, 128, 320, 512], [3, 4, 6, 3]),
-    "mit_b3": ([64, 128, 320, 512], [3, 4, 18, 3]),
-    "mit_b4": ([64, 128, 320, 512], [3, 8, 27, 3]),
-    "mit_b5": ([64, 128, 320, 512], [3, 6, 40, 3]),
-}
-
-
-def _mit_kwargs(name):
-    widths, depths = PAPER_MIT[name]
-    return dict(num_layers=4, hidden_dims=list(widths), layerwise_depths=list(depths),
-                layerwise_num_heads=list(PAPER_HEADS), layerwise_sr_ratios=list(PAPER_SR_RATIOS),
-                layerwise_patch_sizes=list(PAPER_PATCH_SIZES), layerwise_strides=list(PAPER_STRIDES),
-                max_drop_path_rate=0.1)
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_MIT))

@@ -38,14 +38,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
-from PIL import Image
+from tests.helpers import (
+    DATA_CASES, ROBUSTNESS_STEPS as STEPS, BAD_TARGET as TARGET, bad_roots as _bad_roots, ckpt_dir, error_lines,
+    rewind, truncate, write_voc_config as write_config
+)
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
-STEPS = 6
-LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d [DIWEC] ")
 ERROR_LINE = re.compile(r"^error: [^()\n]+ \(.+\): .+$")
-TARGET = "demo_00003"  # the train sample the bad-data cases break
-VAL_TARGET = "demo_00013"  # a val sample (num_train=12)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
@@ -85,29 +85,6 @@ def run_until(args, cwd, pattern, sig, after=None, timeout=600):
     return rc, text, proc.pid
 
 
-def write_config(directory: Path, root: Path, drop=(), **train) -> Path:
-    raw = {"seed": 1, "run_dir": "run",
-           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
-                    "num_parallel_calls": 2},
-           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
-           "train": {"num_steps": STEPS, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
-                     "learning_rate": 0.01, "deterministic": True, **train},
-           "eval": {"bn_reestimate_batches": 0}}
-    for dotted in drop:
-        section, key = dotted.split(".")
-        del raw[section][key]
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "cfg.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def error_lines(stderr: str) -> list[str]:
-    """stderr without the log lines (HH:MM:SS L message) and the indented/table lines that follow them."""
-    return [line for line in stderr.splitlines()
-            if line.strip() and not LOG_LINE.match(line) and line[0] not in "|+ "]
-
-
 def assert_user_error(rc, stderr, expected: str):
     assert rc == 2, f"exit {rc}:\n{stderr}"
     assert "Traceback" not in stderr, stderr
@@ -125,10 +102,6 @@ def tree_hash(directory: Path) -> dict:
         rel = str(p.relative_to(directory))
         out[rel] = "<dir>" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
     return out
-
-
-def ckpt_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
 
 
 def latest_step(run_dir: Path) -> int | None:
@@ -164,26 +137,11 @@ def nonfinite_tensors(prefix: str) -> list[str]:
     return [k for k in dtypes if dtypes[k].is_floating and not np.all(np.isfinite(reader.get_tensor(k)))]
 
 
-def rewind(run_dir: Path, step: int) -> None:
-    """Makes a finished run look like it was killed right after writing ckpt-`step`."""
-    d = ckpt_dir(run_dir)
-    for p in d.glob("ckpt-*"):
-        if int(p.name.split(".")[0].split("_")[0][len("ckpt-"):]) > step:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    kept = [str(d / f"ckpt-{k}") for k in range(1, step + 1) if (d / f"ckpt-{k}.index").is_file()]
-    tf.compat.v1.train.update_checkpoint_state(str(d), kept[-1], kept)
-
-
 def clone(run_dir: Path, dest: Path, root: Path) -> Path:
     """A copy of a run dir at dest/run with its command's config at dest/cfg.yaml."""
     shutil.copytree(run_dir, dest / "run")
     write_config(dest, root)
     return dest / "run"
-
-
-def truncate(path: Path, fraction=0.5) -> None:
-    data = path.read_bytes()
-    path.write_bytes(data[: int(len(data) * fraction)])
 
 
 # ---- fixtures ------------------------------------------------------------------------------------------
@@ -204,52 +162,6 @@ def stopped_run(tmp_path_factory, baseline, demo_root):
     run_dir = clone(baseline, tmp_path_factory.mktemp("stopped"), demo_root)
     rewind(run_dir, 4)
     return run_dir
-
-
-def _bad_roots(base: Path, demo_root: Path) -> dict[str, Path]:
-    """One copy of the demo data per defect."""
-    def img(r, sid=TARGET):
-        return r / "JPEGImages" / f"{sid}.jpg"
-
-    def lbl(r, sid=TARGET):
-        return r / "SegmentationClass" / f"{sid}.png"
-
-    def split(r):
-        return r / "ImageSets" / "Segmentation" / "train.txt"
-
-    def label_resized(r):
-        with Image.open(lbl(r)) as im:
-            im.resize((24, 20), Image.NEAREST).save(lbl(r))
-
-    def label_rgb(r):
-        with Image.open(lbl(r)) as im:
-            im.convert("RGB").save(lbl(r))
-
-    def label_values(r, sid=TARGET):
-        with Image.open(lbl(r, sid)) as im:
-            a = np.array(im)
-        a[:3, :5] = 7
-        Image.fromarray(a, mode="L").save(lbl(r, sid))
-
-    defects = {
-        "split_missing": lambda r: split(r).unlink(),
-        "split_empty": lambda r: split(r).write_text("\n# no samples\n\n"),
-        "image_missing": lambda r: img(r).unlink(),
-        "label_missing": lambda r: lbl(r).unlink(),
-        "jpeg_truncated": lambda r: truncate(img(r)),
-        "jpeg_garbage": lambda r: img(r).write_bytes(b"this is not a JPEG" * 20),
-        "label_size": label_resized,
-        "label_rgb": label_rgb,
-        "label_values": label_values,
-        "val_label_values": lambda r: label_values(r, VAL_TARGET),
-    }
-    roots = {}
-    for name, defect in defects.items():
-        root = base / name
-        shutil.copytree(demo_root, root)
-        defect(root)
-        roots[name] = root
-    return roots
 
 
 # One process, TensorFlow imported once, the CLI entry point called once per case.
@@ -484,22 +396,6 @@ def test_harmless_changes_stale_lock_and_skipped_sample(batch):
 
 
 # ---- bad input: one error line, exit 2, run dir unchanged -----------------------------------------------
-DATA_CASES = {
-    "root_missing": "error: data root not found (data.root): ",
-    "split_missing": "error: split not found ({root}/ImageSets/Segmentation/train.txt): ",
-    "split_empty": "error: empty split ({root}/ImageSets/Segmentation/train.txt): ",
-    "image_missing": f"error: image not found ({{root}}/JPEGImages/{TARGET}.jpg): ",
-    "label_missing": f"error: label not found ({{root}}/SegmentationClass/{TARGET}.png): ",
-    "jpeg_truncated": f"error: unreadable image ({{root}}/JPEGImages/{TARGET}.jpg): ",
-    "jpeg_garbage": f"error: unreadable image ({{root}}/JPEGImages/{TARGET}.jpg): ",
-    "label_size": f"error: label size differs from image ({{root}}/SegmentationClass/{TARGET}.png): ",
-    "label_rgb": f"error: bad label ({{root}}/SegmentationClass/{TARGET}.png): ",
-    "label_values": f"error: label values out of range ({{root}}/SegmentationClass/{TARGET}.png): ",
-    "val_label_values": f"error: label values out of range ({{root}}/SegmentationClass/{VAL_TARGET}.png): ",
-    "batch_indivisible": "error: batch does not divide across towers (data.batch_size): ",
-}
-
-
 @pytest.mark.parametrize("name", list(DATA_CASES))
 def test_bad_data_and_flags(batch, name):
     res = batch["results"][name]

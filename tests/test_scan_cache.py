@@ -295,6 +295,7 @@ def test_where_the_cache_lives(tmp_path, monkeypatch, data, opens):
     assert not (tmp_path / "cache").exists() and not (tmp_path / "home").exists()
 
 
+@pytest.mark.slow
 def test_check_data_scans_everything_and_refreshes(tmp_path, data, opens, capsys):
     """seg-train --check-data checks the files as they are now. Wrong answer: it reports from the
     cache (a check that checks nothing)."""

@@ -31,10 +31,14 @@ from seg_train.infer.predict import run_predict
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, tiny_config
-from tests.test_eval_modes import eval_config, normalized, reference_scores
-from tests.test_evaluate import NAMES, NUM_CLASSES, calibrate_bn, write_split
-from tests.test_presets import PAPER_MIT, _mit_kwargs
-from tests.test_towers import strategy
+from tests.helpers import eval_config, normalized, reference_scores
+from tests.helpers import (
+    EVAL_NAMES as NAMES, EVAL_NUM_CLASSES as NUM_CLASSES, calibrate_bn, write_eval_split as write_split
+)
+from tests.helpers import PAPER_MIT, mit_kwargs as _mit_kwargs
+from tests.helpers import strategy
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 # SegFormer with 150 classes (ADE20K), in millions as the paper's Table 1 gives them (encoder + decoder).
 PAPER_MILLIONS = {"mit_b0": 3.8, "mit_b1": 13.7, "mit_b2": 27.5, "mit_b3": 47.3, "mit_b4": 64.1, "mit_b5": 84.7}
@@ -414,7 +418,7 @@ def test_precise_bn_gives_the_heads_bn_the_population_statistics_of_its_input(tm
     MiT: its moving statistics become the mean and variance of its input over the re-estimation batches."""
     from seg_train.data import synthetic
     from seg_train.infer import precise_bn
-    from tests.test_bn_stats import global_batches, population
+    from tests.helpers import global_batches, population
 
     root = synthetic.generate(tmp_path / "data", num_train=8, num_val=2, size=(40, 48), num_classes=3, seed=0)
     cfg = _mit_config(tmp_path, data_root=root, data={"batch_size": 4})

@@ -10,9 +10,12 @@ import textwrap
 import threading
 import time
 
+import pytest
 import tensorflow as tf
 
-from tests.test_train_cli import write_config
+from tests.helpers import write_train_config as write_config
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 # A TensorFlow call that runs far longer than the test waits: the main thread sits inside it, where
 # no Python signal handler can run, until the process is stopped.

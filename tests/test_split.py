@@ -99,6 +99,7 @@ def test_class_names_are_the_configs(tmp_path, root):
     assert open_split(cfg, "val").class_names == ["sky", "road", "car"]
 
 
+@pytest.mark.slow
 def test_seg_eval_generates_the_synthetic_set_it_evaluates(tmp_path):
     """seg-eval of a data.synthetic run where the set is not (or no longer) there: the front door generates
     it, and every image of its val split is evaluated. Wrong answer: 'data root not found' (the set generated

@@ -19,6 +19,8 @@ from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, random_batch, tiny_config, train_batches
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 
 

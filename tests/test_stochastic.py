@@ -34,10 +34,11 @@ from seg_train.models import stochastic
 from seg_train.models.mit import drop_path_rates
 from seg_train.train.state import TrainState
 from tests.helpers import open_reader, tiny_config
-from tests.test_presets import _mit_kwargs
-from tests.test_robustness import rewind
-from tests.test_towers import strategy
+from tests.helpers import mit_kwargs as _mit_kwargs
+from tests.helpers import rewind
+from tests.helpers import strategy
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):

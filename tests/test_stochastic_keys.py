@@ -20,7 +20,9 @@ from seg_train.models import stochastic
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import tiny_config
-from tests.test_towers import strategy
+from tests.helpers import strategy
+
+pytestmark = pytest.mark.slow  # DEVELOPING.md: takes seconds per test (keras-hub builds, traced steps)
 
 B, SIZE, RATE, CHANNELS, LAYER = 4, 32, 0.5, 8, "segformer_dropout"
 _ROW_UNIFORM = stochastic._row_uniform  # the layers' own draw, kept from the spy below

@@ -29,6 +29,8 @@ from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 C, MOMENTUM, EPS = 4, 0.9, 1e-3
 

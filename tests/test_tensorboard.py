@@ -77,6 +77,7 @@ def _panel(picture, k, width):
     return picture[:, x:x + width]
 
 
+@pytest.mark.slow
 def test_tower_runs_carry_each_towers_loss(run):
     main = _acc(run["dir"])
     towers = sorted(p.name for p in (run["dir"] / "towers").iterdir())
@@ -93,6 +94,7 @@ def test_tower_runs_carry_each_towers_loss(run):
     assert series[0] != series[1]  # each tower its own loss, not one value copied
 
 
+@pytest.mark.slow
 def test_triplet_is_the_towers_image_label_prediction_and_overlay(run):
     acc = _acc(run["dir"])
     assert {s for s in (e.step for e in acc.Tensors("tower_0/triplet"))} == {1, 2, 4, 5}
@@ -116,6 +118,7 @@ def test_triplet_is_the_towers_image_label_prediction_and_overlay(run):
             assert np.abs(over[labelled] - expected[labelled]).max() <= 1
 
 
+@pytest.mark.slow
 def test_confusion_matrix_picture_matches_the_evaluation(run):
     acc = _acc(run["dir"])
     assert [e.step for e in acc.Tensors("eval/confusion_matrix")] == [4, 5]
@@ -135,6 +138,7 @@ def test_confusion_matrix_picture_matches_the_evaluation(run):
         assert abs(np.mean(diag) - accuracy) < 0.01, (diag, accuracy)
 
 
+@pytest.mark.slow
 def test_eval_examples_are_the_same_val_images_each_time(run):
     acc = _acc(run["dir"])
     samples = list_samples(DataConfig(root=run["root"]), "val")
@@ -151,6 +155,7 @@ def test_eval_examples_are_the_same_val_images_each_time(run):
             np.testing.assert_array_equal(_panel(picture, 0, w)[:h], image)
 
 
+@pytest.mark.slow
 def test_config_text_at_the_start_of_each_segment(run):
     acc = _acc(run["dir"])
     texts = {e.step: tf.make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors("config")}
@@ -169,6 +174,7 @@ def test_config_text_at_the_start_of_each_segment(run):
     assert first["data"]["root"] == str(run["root"]) and first["run_dir"] == str(run["dir"])
 
 
+@pytest.mark.slow
 def test_profile_of_the_asked_steps(run):
     profiles = list((run["dir"] / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(profiles) == 1, profiles  # the resumed segment (step 5) is outside [2, 3]

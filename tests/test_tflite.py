@@ -22,6 +22,8 @@ from seg_train.infer.tflite_export import run_export_tflite
 from seg_train.train.state import TrainState
 from tests.helpers import confusion_matrix, tiny_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
+
 pytest.importorskip("ai_edge_litert")  # the tests install it (the 'test' extra); users opt in with [tflite]
 
 SIZE = (32, 48)       # the exported input size (H, W)

@@ -147,6 +147,7 @@ def test_a_sample_that_cannot_be_converted_is_named(voc, tmp_path):
         records.encode_sample(str(voc / "JPEGImages" / "s00.jpg"), str(small), "x")
 
 
+@pytest.mark.slow
 def test_seg_prepare_tfrecords(voc, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data:\n  root: {voc}\n  num_classes: 3\n")
@@ -226,9 +227,11 @@ def test_a_damaged_record_is_named(voc, tmp_path):
         recs.decode(0)
 
 
-from tests.test_layouts import SPLITS, mapped, trees, write_config  # noqa: E402,F401 - the tiny Cityscapes tree
+from tests.helpers import LAYOUT_SPLITS as SPLITS, mapped_label as mapped  # noqa: E402 - the tiny Cityscapes tree
+from tests.helpers import write_layout_config as write_config  # noqa: E402
 
 
+@pytest.mark.slow
 def test_cityscapes_as_tfrecords_trains_and_evaluates(tmp_path, trees):  # noqa: F811
     """The Cityscapes tree converted by seg-prepare tfrecords, read with data.format: tfrecord: its own label
     map applies to the records' raw labelIds; seg-train and seg-eval count every val pixel under its train id."""

@@ -13,17 +13,12 @@ import tensorflow as tf
 
 from seg_train.train import losses, towers
 from seg_train import models
-from seg_train.dist import replicas
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
+from tests.helpers import strategy
 
-DEVICES = [f"/device:CPU:{i}" for i in range(4)]
-
-
-def strategy(n):
-    return replicas.make_strategy(replicas.Devices(DEVICES[:n], "CPU", ""))
-
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 def one_step(cfg, n, images, labels):
     trainer = TrainStep(TrainState(cfg, strategy(n)))

@@ -1,39 +1,18 @@
 """seg-train end to end through the real command: train, TensorBoard tags, resume, errors."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
+from tests.helpers import run_command as run, write_train_config as write_config
 
+pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run(args, cwd, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "seg_train.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def write_config(tmp_path, root, **train):
-    raw = {"seed": 1, "run_dir": "run",
-           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
-                    "num_parallel_calls": 2},
-           "model": {"backbone": "tiny", "aspp_channels": 8, "decoder_channels": 8, "low_level_channels": 4},
-           "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 2,
-                     "learning_rate": 0.01, **train},
-           # Small: the final evaluation re-estimates BN statistics (exercised, not measured, here).
-           "eval": {"bn_reestimate_batches": 2}}
-    p = tmp_path / "cfg.yaml"
-    p.write_text(yaml.safe_dump(raw))
-    return p
 
 
 def event_tags(run_dir):

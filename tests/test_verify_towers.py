@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from seg_train import cli
-from seg_train.dist import replicas
+from seg_train.dist import collectives, replicas
 
 from seg_train.data import synthetic
 
@@ -94,6 +94,7 @@ def test_batch_statistics_by_hand():
     assert verify.batch_statistics([np.array([3.0])], [np.array([7.0])], [0.0])[0] == pytest.approx([3.0])
 
 
+@pytest.mark.slow
 def test_correct_build_agrees(probes):
     cfg, one, many = probes
     r = verify.judge(cfg, "CPU", 4, one, many)
@@ -114,6 +115,7 @@ def test_correct_build_agrees(probes):
     assert text.splitlines()[-1].startswith("verdict: OK")
 
 
+@pytest.mark.slow
 def test_one_wrong_gradient_fails(probes):
     # One variable's gradient 1.5x on the N-tower side only (e.g. counted 1.5 times in the
     # reduction): a variable with under 2% of the gradient norm, so the concatenated difference
@@ -136,6 +138,7 @@ def test_one_wrong_gradient_fails(probes):
     assert text.splitlines()[-1].startswith("verdict: FAIL")
 
 
+@pytest.mark.slow
 def test_one_wrong_batch_variance_fails(probes):
     # One layer's batch variance 100% off (doubled) on the N-tower side, at bn_momentum 0.99: the
     # new moving variance m * old + (1 - m) * batch moves by 0.01 * batch / (0.99 * old + 0.01 *
@@ -156,10 +159,27 @@ def test_one_wrong_batch_variance_fails(probes):
     assert f"over tolerance  batch statistics of {one['bn_names'][j]} (1.00e+00)" in verify.format_report(r)
 
 
+class _NoCrossTower:
+    """seg_train.dist.collectives as synchronized BN would see it with its reduction broken: one tower,
+    all-reduces that return this tower's own sums; everything else the real module's."""
+
+    def __getattr__(self, name):
+        return getattr(collectives, name)
+
+    @staticmethod
+    def num_replicas():
+        return 1
+
+    @staticmethod
+    def all_reduce_sum(tensors):
+        return list(tensors)
+
+
+@pytest.mark.slow
 def test_unreduced_sync_bn_fails_with_exit_1(cfg_path, monkeypatch, capsys):
-    # Each tower normalises with its own one-image moments: the known wrong answer of a
-    # synchronized BN whose all-reduce is missing.
-    monkeypatch.setattr(sync_bn, "_LOCAL_STATISTICS_FOR_TESTS", True)
+    # Each tower normalises with its own one-image moments (forward and backward sums left per
+    # tower): the known wrong answer of a synchronized BN whose all-reduce is missing.
+    monkeypatch.setattr(sync_bn, "collectives", _NoCrossTower())
     rc = cli.bench_main(["--config", str(cfg_path), "--gpus", "4", "--verify-towers", "--json"])
     out = capsys.readouterr().out
     r = json.loads(out)
@@ -173,6 +193,7 @@ def test_unreduced_sync_bn_fails_with_exit_1(cfg_path, monkeypatch, capsys):
     assert {"gpus", "gradient_rel_l2", "bn_stats_rel_l2", "tolerance", "ok"} <= set(r)
 
 
+@pytest.mark.slow
 def test_user_errors_before_any_device(cfg_path, capsys):
     from seg_train import config as config_lib
     with pytest.raises(ConfigError, match=r"batch does not divide across towers \(data.batch_size\)"):
@@ -184,6 +205,7 @@ def test_user_errors_before_any_device(cfg_path, capsys):
         assert ("(data.batch_size)" if gpus == "3" else "(--gpus)") in err[0]
 
 
+@pytest.mark.slow
 def test_cli_exit_0_and_verdict(tmp_path, demo_root):
     # The real command in a fresh process (its own devices, TensorFlow's start-up quietened).
     tiny_config(tmp_path, demo_root, data={"batch_size": 2})

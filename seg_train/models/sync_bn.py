@@ -39,13 +39,6 @@ import tensorflow as tf
 from seg_train.dist import collectives
 from seg_train.models.fused_bn import FusedBatchNormalization
 
-# TEST HOOK, never set outside tests: True makes every tower normalise with its OWN moments (the
-# forward and backward all-reduces below are skipped), i.e. a synchronized BN whose cross-tower
-# reduction is broken. Read when a step is traced. tests/test_verify_towers.py uses it to prove that
-# `seg-bench --verify-towers` fails on a wrong build.
-_LOCAL_STATISTICS_FOR_TESTS = False
-
-
 @keras.saving.register_keras_serializable(package="seg_train")
 class SyncBatchNormalization(FusedBatchNormalization):
     """keras.layers.BatchNormalization(synchronized=True) with one all-reduce per layer (module doc).
@@ -90,7 +83,7 @@ def _global_moments(x):
         count = tf.constant(float(dims[0] * dims[1] * dims[2]))
     local_mean = tf.reduce_sum(x, [0, 1, 2]) / tf.maximum(count, 1.0)
     local_m2 = tf.reduce_sum(tf.square(x - local_mean), [0, 1, 2])
-    towers = 1 if _LOCAL_STATISTICS_FOR_TESTS else collectives.num_replicas()
+    towers = collectives.num_replicas()
     if towers == 1:
         return local_mean, local_m2 / tf.maximum(count, 1.0), tf.maximum(count, 1.0)
     c = x.shape[-1]
@@ -117,8 +110,7 @@ def _normalize(x, gamma, beta, mean, var, n, epsilon):
             dbeta = tf.reduce_sum(dy, [0, 1, 2])
             dgamma = tf.reduce_sum(dy * xhat, [0, 1, 2])
             sums = tf.concat([dbeta, dgamma], axis=0)
-            if not _LOCAL_STATISTICS_FOR_TESTS:
-                (sums,) = collectives.all_reduce_sum([sums])
+            (sums,) = collectives.all_reduce_sum([sums])
             c = x.shape[-1]
             g_sum, gx_sum = sums[:c], sums[c:]
             dx = (gamma * inv) * (dy - g_sum / n - xhat * (gx_sum / n))
