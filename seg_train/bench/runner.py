@@ -1,38 +1,24 @@
 """seg-bench: training throughput, input-pipeline speed, tower scaling, FLOP utilisation and memory.
 
-What is measured, and how (docs/PERFORMANCE.md quotes these definitions):
+What is measured (docs/PERFORMANCE.md quotes these definitions):
 
-- **Training images/s** (per tower count N): the real `TrainStep` (step.py) on batches from the
-  real `ImageReader.train_dataset` distributed with `distribute_datasets_from_function`, exactly as
-  `seg-train` runs it, reading the loss back to the host every step (as train.py does). Warm-up
-  steps (tracing, the first steps, tf.data autotuning) are never timed; then `windows` windows of
-  `steps` steps each are timed and the MEDIAN window is reported. images/s = global batch *
-  steps / window time; per tower = that / N; step time = window time / steps.
-- **Scaling efficiency** at N = images/s at N / images/s at 1 tower, for the SAME global batch
-  (so each of the N towers gets batch / N images). 1.0 = no loss from splitting the batch; on
-  logical CPU devices (which share the same cores) the ideal is 1.0, not N.
-- **Input wait fraction**: time spent blocked in `next(iterator)` / total time of the timed steps
-  (median over the windows).
-- **CPU time per step**: this process's CPU time (all threads, time.process_time) over a window /
-  its steps, and `cores_busy` = CPU time / wall time. Other processes on the machine inflate wall
-  time far more than CPU time, so CPU-time ratios are a cross-check of the wall-time ratios.
-- **Input images/s**: the same ImageReader pipeline (global batches) iterated alone, no training,
-  after warm-up; median over windows. Its **CPU ms per sample**: this process's CPU time over a
-  window / the window's samples (median window). `--input-only` also times the **decode-only floor**
-  (DECODE_FLOOR_DEFINITION: the same samples, decoded by the reader's own decoders, nothing else) and
-  reports `cpu_per_sample_vs_floor`, the pipeline's CPU per sample over the floor's.
-- **FLOPs, achieved FLOP/s, peak and `flops_utilization`**: defined in flops.py's docstring.
-- **Op time per op type and the cross-tower share** (`--profile`): op_profile.py.
-- **Peak resident memory**: VmHWM of /proc/self/status (ru_maxrss as fallback) at the end: the
-  whole process, with every runner (tower count / variant) alive at once.
+- **Training images/s** (per tower count N): the real `TrainStep` on the real `ImageReader.train_dataset`,
+  distributed and run as `seg-train` runs it (loss read back every step). After untimed warm-up,
+  `windows` windows of `steps` steps are timed and the MEDIAN window reported: images/s = global
+  batch * steps / window time; per tower = that / N; step time = window time / steps.
+- **Scaling efficiency** at N = images/s at N / images/s at 1 tower, SAME global batch (batch / N
+  per tower). 1.0 = no loss from splitting; on logical CPU devices (shared cores) the ideal is 1.0, not N.
+- **Input wait fraction**: time blocked in `next(iterator)` / time of the timed steps (median window).
+- **CPU time per step**: process CPU time (all threads) over a window / its steps; `cores_busy` = CPU
+  time / wall time. Other processes inflate wall time more than CPU time, so CPU ratios cross-check.
+- **Input images/s**: the same pipeline iterated alone after warm-up (median window); **CPU ms per
+  sample** = CPU time / samples. `--input-only` also times the **decode-only floor**
+  (DECODE_FLOOR_DEFINITION) and reports `cpu_per_sample_vs_floor`.
+- **FLOPs, achieved FLOP/s, peak and `flops_utilization`**: flops.py. **Op time** (`--profile`): op_profile.py.
+- **Peak resident memory**: VmHWM (ru_maxrss as fallback) at the end, every runner alive at once.
 
-All runners (one per tower count, and per variant with `--compare`) are built and warmed up first,
-then timed in interleaved windows (A B C, C B A, ...), so their ratios hold even when other
-processes load the machine unevenly during the run.
-
-By job: input.py times the input pipeline alone, train_runner.py the train step in seg-train's own
-loop (TrainRunner, interleave), probes.py seg-train in a fresh process, machine.py what the machine is;
-this module builds the runners of every variant and tower count and runs the phases (run, run_input_only).
+All runners (per tower count, and per variant with `--compare`) are built and warmed up first, then
+timed in interleaved windows (A B C, C B A, ...), so their ratios hold under uneven machine load.
 """
 
 from __future__ import annotations
@@ -242,10 +228,7 @@ def _add_efficiency(rows: list[dict]) -> dict:
 
 def _variant_figures(v: Variant, is_base: bool, runners: list[tuple], extra: dict[int, dict], profiles: dict | None,
                      flops: dict, peak: dict | None) -> dict:
-    """One variant's row per tower count (timings, warm-up, FLOP utilisation, efficiency) and its top figures.
-
-    extra: the base variant's precise-BN and evaluation figures by tower count; profiles: None without --profile.
-    """
+    """One variant's row per tower count and its top figures; extra: the base variant's BN/eval figures."""
     rows = []
     for name, _, r in runners:
         if name == v.name:
@@ -278,8 +261,7 @@ def _fresh_process_probes(variants: list[Variant], per_variant: list[dict], cfg:
                           overrides: tuple) -> None:
     """The first step from launch (with and without synchronized BN) and the peak memory of accumulation
     variants, each in a fresh seg-train process; added to the variants' rows."""
-    # After every in-process runner is gone: the first step as a user meets it, timed from launch; the
-    # accumulation variants one process each (a shared process's peak would mix them).
+    # One process per accumulation variant: a shared process's peak memory would mix them.
     for v, pv in zip(variants, per_variant):
         is_base, is_accum = v is variants[0], "train.accumulate_steps" in v.name
         if not (is_base or is_accum):
@@ -291,8 +273,7 @@ def _fresh_process_probes(variants: list[Variant], per_variant: list[dict], cfg:
             probe = cli_probe(config_path, list(overrides) + list(v.overrides), n, steps=3)
             row.update({"first_step_s": probe["first_step_s"], "first_step_tracing_s": probe["tracing_s"],
                         "first_step_first_call_s": probe["first_call_s"],
-                        # TensorFlow does not report its graph optimisation apart from the first
-                        # execution: the steady step time stands in for the execution.
+                        # TensorFlow reports graph optimisation only with the first execution: steady step stands in.
                         "first_step_graph_optimization_s": max(probe["first_call_s"] - row["step_time_ms"] / 1e3,
                                                                0.0),
                         "first_step_first_execution_s": row["step_time_ms"] / 1e3,
@@ -347,8 +328,7 @@ def _variant_speedups(per_variant: list[dict]) -> dict:
 
 
 def _add_tower_ratios(rows: list[dict]) -> None:
-    """The per-tower-count ratios of issue-level interest (N towers vs 1 tower, same global batch): first step,
-    precise BN, evaluation; added to the rows."""
+    """Adds N-towers-vs-1 ratios (same global batch) of first step, precise BN and evaluation to the rows."""
     by_gpus = {r["gpus"]: r for r in rows}
     if 1 in by_gpus:
         one = by_gpus[1]
@@ -363,13 +343,11 @@ def _add_tower_ratios(rows: list[dict]) -> None:
 
 
 def _closing_figures(top: dict, warmup_runner: str, first_warmup: dict, cross: dict | None) -> dict:
-    """The largest tower count's first step, precise BN and evaluation (and their ratios), the first runner's
-    warm-up, the cross-tower share."""
+    """The largest tower count's first step, BN and eval figures, the first runner's warm-up, the cross-tower share."""
     out = {k: top.get(k) for k in (
         "first_step_s", "first_step_sync_bn_s", "bn_reestimate_s", "eval_images_per_sec", "first_step_ratio",
         "first_step_sync_bn_ratio", "bn_reestimate_ratio", "eval_ratio")}
-    # The warm-up of the runner that ran first in this process: the only one whose launch_to_steady_s
-    # is not delayed by other runners' building and warming up.
+    # The first runner's warm-up: the only one not delayed by other runners' building and warming up.
     out.update({"warmup_runner": warmup_runner, **{k: first_warmup[k] for k in (
         "warmup_steps_to_steady", "warmup_reached_steady", "launch_to_steady_s", "build_to_steady_s")}})
     out["cross_tower_share"] = cross["cross_tower_share"] if cross else None
@@ -388,18 +366,16 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
       cfg: the resolved config (its data.batch_size is the GLOBAL batch for every tower count).
       towers: tower counts, e.g. [1, 2, 4].
       all_devices: replicas.Devices for max(towers) towers (set up once, before TensorFlow starts).
-      variants: optional set-ups to compare (e.g. two precisions); every variant is run at every tower
-        count, all runners interleaved. The first variant is the reference.
+      variants: set-ups to compare, each at every tower count, interleaved; the first is the reference.
       profile: after the timing, profile 2 steps of every runner (op time per op type).
       pickup: untimed steps at the start of each window when several runners alternate.
       config_path, overrides: the config file and --set strings, for the fresh-process probes.
       bn_images: precise-BN re-estimation timed on this many training images per tower count (0: skip).
       eval_images: evaluation timed on this many val images per tower count (0: skip).
-      probes: time the first step from process launch in fresh seg-train processes (with and without
-        synchronized BN), and the peak memory of train.accumulate_steps variants.
+      probes: time the first step from launch in fresh seg-train processes (with and without sync BN),
+        and the accumulation variants' peak memory.
     Returns:
-      The JSON-able result. Top-level figures are those of the largest tower count (of the first
-      variant when comparing).
+      The JSON-able result; top-level figures are the first variant's at the largest tower count.
     """
     from seg_train.config import check_batch
     from seg_train.data.scan import class_weights_for_split

@@ -1,6 +1,4 @@
-"""seg-train's real train step run by seg-train's own loop (loop.StepLoop, loop.HostSide) on some towers,
-timed in windows (TrainRunner); precise BN and evaluation on its towers; the runners' interleaved timing;
-the warm-up read off the loop's step ends."""
+"""TrainRunner: seg-train's real step and loop on some towers, timed in windows; interleaved timing, warm-up."""
 
 from __future__ import annotations
 
@@ -19,11 +17,7 @@ log = logging.getLogger("seg_train")
 
 
 def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro_batches: int = 1):
-    """A dataset_fn serving the first `num_distinct_steps` steps' batches from memory, repeated.
-
-    The batches are those the real reader would give (same per-replica split), decoded and augmented
-    once up front, so training from it measures the step without any input-pipeline cost.
-    """
+    """A dataset_fn repeating the reader's first `num_distinct_steps` batches from memory: no input cost."""
     import tensorflow as tf
 
     from seg_train.data.split import train_dataset_fn
@@ -43,9 +37,8 @@ def _cached_dataset_fn(reader, global_batch: int, num_distinct_steps: int, micro
 class TrainRunner:
     """seg-train's real train step on some towers, run by seg-train's own loop; timed in windows.
 
-    The steps go through loop.StepLoop with seg-train's per-step host work (`loop.HostSide`: scalar summaries
-    every train.summary_every steps, image summaries, the log line, the non-finite checks), written
-    to a throw-away folder, so the images/s measured here is what seg-train delivers.
+    The steps include seg-train's per-step host work (`loop.HostSide`: summaries, log line, non-finite
+    checks, into a throw-away folder), so the images/s measured is what seg-train delivers.
 
     Args:
       name: label of this runner (e.g. "gpus=4" or "train.precision=mixed_bfloat16").
@@ -53,8 +46,7 @@ class TrainRunner:
       devices: replicas.Devices for this runner's towers.
       reader: the training ImageReader.
       input_mode: "reader" (the real pipeline) or "cached" (the same batches from memory).
-      loop: "overlapped" (train.py's loop: step k's outputs are read after step k+1 is dispatched)
-        or "blocking" (the host reads every step's outputs before dispatching the next one).
+      loop: "overlapped" (train.py's: step k read after step k+1 is dispatched) or "blocking".
       class_weights: loss.class_weights as computed for training (median_frequency needs the scan).
     """
 
@@ -129,10 +121,8 @@ class TrainRunner:
     def warmup(self, steps: int) -> None:
         """Untimed steps: the first traces the step; the rest let tf.data's autotuning settle.
 
-        The first step is split where TensorFlow lets it be: tracing (Python building the graph:
-        get_concrete_function), then the first call, which is graph optimisation (Grappler, placement,
-        function instantiation per device) plus the first execution; a second call gives the
-        execution time alone, so graph_optimization_s ~ first call - second call.
+        The first step splits into tracing and a first call (graph optimisation + first execution); the
+        second call is execution alone, so graph_optimization_s ~ first call - second call.
         """
         t0 = time.perf_counter()
         self.train_step.concrete_function(self.dataset.element_spec)
@@ -158,10 +148,8 @@ class TrainRunner:
         self.warmup_finished = list(self.steps.finished)
 
     def warmup_figures(self) -> dict:
-        """The warm-up as the loop saw it (after the timed windows): the steps until the step time is
-        within 10% of the steady state (the median step of the timed windows), and when that was, in
-        seconds from this process's launch and from this runner's build. With fewer warm-up steps
-        than that, warmup_steps_to_steady is the warm-up's length and `reached` is false."""
+        """Steps until the step time is within STEADY_TOLERANCE of the timed windows' median, and when
+        (from launch and from build); `reached` is false if the warm-up was too short."""
         ends = self.warmup_finished
         times = step_times(ends)  # steps 2, 3, ...
         steady = median(self.step_ms) / 1e3
@@ -203,8 +191,7 @@ class TrainRunner:
                 "last_loss": self.losses[-1] if self.losses else None, **self.graph_counts()}
 
     def graph_counts(self) -> dict:
-        """What crosses the towers per step, read from the traced step: tensors all-reduced (gradient
-        packs, or one per gradient with packing off) and graph ops in the cross-tower scope."""
+        """All-reduce ops and cross-tower-scope graph ops per step, read from the traced step."""
         graph = self.train_step.concrete_function(self.dataset.element_spec).graph
         cross = [op for op in graph.get_operations() if "cross_tower" in op.name]
         reduce_ops = [op for op in cross if op.type in ("AddN", "CollectiveReduceV2", "CollectiveReduceV3",
@@ -223,8 +210,7 @@ class TrainRunner:
 
 
 def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
-    """Precise-BN re-estimation from `images` training images on this runner's towers: the first run
-    (which traces) and a second one (trace cached), in seconds."""
+    """Seconds of precise-BN re-estimation on `images` images: first run (traces) and a repeat."""
     state = runner.state
     batches = max(images // runner.batch, 1)
     saved = [np.asarray(v) for v in state.non_trainable] + [int(state.bn_stats_step.numpy())]
@@ -242,8 +228,7 @@ def measure_bn_reestimate(runner: TrainRunner, reader, images: int) -> dict:
 
 
 def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
-    """Full-resolution evaluation of `val_reader`'s images on this runner's towers: a first pass (which
-    traces), then a timed pass; images/s of the timed pass."""
+    """Evaluation images/s of `val_reader` on this runner's towers, timed after a first (tracing) pass."""
     t0 = time.perf_counter()
     runner.evaluator.evaluate(val_reader, names, progress=False)
     first = time.perf_counter() - t0
@@ -256,9 +241,8 @@ def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
 def interleave(runners: list, steps: int, windows: int, warmup: int, pickup: int = 1) -> None:
     """Warms every runner up, then times their windows in turn: A B C, C B A, A B C, ...
 
-    Interleaving makes the ratios between runners robust to load that changes during the run (other
-    processes on the machine); with several runners each window starts with `pickup` untimed steps,
-    so a runner need not pay for picking up after another (caches, its input buffer).
+    Interleaving keeps the runners' ratios robust to changing machine load; with several runners, each
+    window starts with `pickup` untimed steps so no runner pays for picking up after another.
     """
     for r in runners:
         log.info("%s: warming up (%d steps, the first one traces)", r.name, warmup)
@@ -277,8 +261,7 @@ STEADY_TOLERANCE = 0.10  # a step is "steady" when its time is within 10% of the
 
 
 def step_times(finished: list) -> list[float]:
-    """Seconds of each step in StepLoop.finished but the first (end of the step before to its own end;
-    the first has no start in this clock)."""
+    """Seconds of each step in StepLoop.finished but the first (which has no start on this clock)."""
     ends = [t for _, t, _ in finished]
     return [b - a for a, b in zip(ends, ends[1:])]
 
@@ -286,8 +269,7 @@ def step_times(finished: list) -> list[float]:
 def warmup(step_times: list[float], steady: float | None = None, tolerance: float = STEADY_TOLERANCE) -> int:
     """The number of steps before the first one whose time is within `tolerance` of the steady state.
 
-    steady defaults to the median of the second half of step_times (a run long enough to settle).
-    Returns len(step_times) if no step gets there.
+    steady defaults to the median of step_times' second half; len(step_times) if no step gets there.
     """
     if not step_times:
         return 0

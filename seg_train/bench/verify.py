@@ -1,42 +1,19 @@
 """`seg-bench --verify-towers`: does this box's N-tower step compute the 1-tower update?
 
-The self-test a user runs on a new GPU box, before trusting it with a long run. It builds the real
-train step twice from the same config, on 1 tower and on N towers of the user's own devices and
-all-reduce (train.allreduce through replicas.strategy_for; on logical CPU towers that is
-ReductionToOneDevice), and feeds both the same global batch: the first training batch of the
-config's data through the real ImageReader, distributed the way training distributes it. Each
-step runs as TrainStep.probe (the update's gradient and the BN moving statistics it would set,
-nothing applied). Synchronized BN is forced on, because then N towers compute the same function as
-1 tower, and every cross-tower path is exercised: the packed gradient all-reduce, the BN statistics
-riding in it, and the per-layer forward and backward all-reduces of synchronized BN. Both builds
-start from the same weights (models.build is seeded by cfg.seed); that is checked, not assumed.
+Builds the real train step on 1 tower and on N of the user's devices (with train.allreduce's
+reduction), from the same weights (checked, not assumed), and runs TrainStep.probe on the same first
+training batch, distributed as training does. Synchronized BN is forced on, so that N towers compute
+the same function as 1 and every cross-tower path (packed gradient all-reduce, BN's all-reduces) runs.
 
-What is compared, variable by variable: the gradient of every trainable variable, and for every
-BN moving statistic the batch statistics the update carried, batch = (new - m * old) / (1 - m)
-(old: the model's moving statistic, which the probe leaves alone; m: that layer's momentum). Not
-the new moving statistics themselves: momentum dominates them, so at m = 0.99 a batch mean 100%
-wrong moves them by about 1% (less where the moving statistic is far from the batch's). And not
-one relative L2 over everything concatenated, under which an error confined to one small layer
-disappears (a variable with 1% of the model's gradient norm scaled by 1.5 moves it by 0.5%).
+Compared per variable: the gradients, and the batch statistics each BN update carried, recovered as
+(new - m * old) / (1 - m). Not the new moving statistics, which momentum dominates (an error shrinks
+by 1 - m), and not one L2 over everything, under which an error in one small layer disappears.
 
-Why a relative tolerance of 0.1, not bitwise equality: a deep net is not bitwise equal across
-tower counts. The towers sum in a different order than one device does, so the results differ by a
-few float32 roundings; and a ReLU6 / ReLU kink turns a tiny difference in its input into a gradient
-element that is either 0 or not, which the backward pass carries into every earlier layer. So a
-correct MobileNetV2 build is a few percent apart per variable, concentrated in a few elements (kinks,
-not a drift), and variables whose exact gradient is 0 (the beta of a BN feeding a 1x1 convolution and
-another BN, which cancels any shift) are pure rounding noise of their own size. Hence each
-variable's difference is taken relative to max(its own norm, FLOOR = 1e-3 of the whole norm): no
-variable carrying a thousandth of the update is excused, and noise variables are not failed. A
-wrong reduction is nowhere near: a double reduction is off by a factor N, per-tower BN statistics
-by 50% or more, one variable counted twice by 100%. 0.1 sits about 4x above the measured rounding
-and 4x below the smallest of those errors; the measurements (per backbone, batch size and BN
-momentum, and with synchronized BN's all-reduces switched off through the test hook in
-models/sync_bn.py) are in docs/SCALING.md, section 8.
-
-The check runs in float32 whatever train.precision says (the tolerance is float32's; bfloat16
-keeps 8 significant bits, so its rounding alone would be of the order of the tolerance) and without
-XLA (synchronized BN all-reduces inside the forward pass, which a per-tower XLA cluster cannot hold).
+Tolerance 0.1 relative, not equality: summation order and ReLU kinks make a correct build differ by a
+few percent per variable, while a wrong reduction is 50% off or more (measurements: docs/SCALING.md).
+Each difference is over max(the variable's norm, FLOOR of the whole norm), so variables whose exact
+gradient is 0 (pure rounding noise) do not fail. float32 whatever train.precision (bfloat16's rounding
+alone nears the tolerance); no XLA (a per-tower XLA cluster cannot hold sync BN's forward all-reduces).
 """
 
 from __future__ import annotations
@@ -73,11 +50,7 @@ def rel_l2(reference: list, other: list) -> float:
 
 
 def batch_statistics(new: list, old: list, momentum: list) -> list:
-    """The batch statistics a BN update carried: (new - m * old) / (1 - m) per moving variable, in float64.
-
-    new = m * old + (1 - m) * batch, so the moving statistics alone change by only (1 - m) of an
-    error in the batch statistics (module doc).
-    """
+    """The batch statistics a BN update carried: (new - m * old) / (1 - m) per moving variable, in float64."""
     return [(np.asarray(n, np.float64) - m * np.asarray(o, np.float64)) / (1.0 - m)
             for n, o, m in zip(new, old, momentum)]
 
@@ -128,8 +101,7 @@ def _probe(cfg: Config, devices, n: int, reader) -> dict:
     strategy = replicas.strategy_for(t, devices, n)
     weights = cfg.loss.class_weights
     if isinstance(weights, str):
-        # 'median_frequency' needs a scan of the whole train split; any weights exercise the same
-        # weighted-loss path across towers, so unit weights stand in for them here.
+        # Unit weights exercise the same weighted-loss path without median_frequency's full scan.
         weights = np.ones(cfg.data.num_classes, np.float32)
     state = TrainState(cfg, strategy)
     train_step = TrainStep(state, class_weights=weights)

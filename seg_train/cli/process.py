@@ -1,12 +1,8 @@
 """The commands' process plumbing: logging, quiet start-up, TensorFlow's environment, the error boundary.
 
-The only place (with the command modules beside it) that reads argv and sets up logging. The
-environment is used here too (TF_CPP_MIN_LOG_LEVEL and the CPU allocator set before TensorFlow
-starts, TF_CONFIG to tell a lost peer from a bug) and in replicas.py (TF_CONFIG: the multi-worker cluster).
-
-User errors print one line `error: <what> (<where>): <expected>` on stderr and exit 2; `--debug`
-shows the traceback instead. Run as a command (argv None), every entry point ends the process itself,
-skipping the interpreter's final tear-down (see `_end_process`).
+With the command modules, the only place that reads argv and sets up logging. User errors print
+`error: <what> (<where>): <expected>` and exit 2 (--debug: the traceback). Run as a command (argv
+None), every entry point ends the process itself, skipping the interpreter's tear-down (`_end_process`).
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ import traceback
 
 from seg_train.util import exit_codes, preflight
 from seg_train.config import ConfigError, without_reprs
-# Imported before _end_process is registered, so that feed's exit hook (waiting for iterator releases)
-# runs after it: never in a command, which ends its process first (seg_train/data/feed.py).
+# Imported before _end_process is registered, so feed's exit hook runs after it: never, in a command.
 from seg_train.data import feed  # noqa: F401
 
 log = logging.getLogger("seg_train")
@@ -54,11 +49,9 @@ def setup_logging(debug: bool) -> None:
 
 @contextlib.contextmanager
 def quiet_stderr(debug: bool):
-    """Keeps TensorFlow's C++ start-up noise (CUDA probes, oneDNN banners) off the user's screen.
+    """Points fd 2 at a temporary file while TensorFlow loads and picks devices (--debug: no-op).
 
-    TF_CPP_MIN_LOG_LEVEL does not silence the lines printed before absl logging starts, so fd 2 is
-    pointed at a temporary file while TensorFlow loads and picks devices; --debug shows them.
-    """
+    TF_CPP_MIN_LOG_LEVEL misses the C++ noise printed before absl logging starts."""
     if debug:
         yield
         return
@@ -74,15 +67,9 @@ def quiet_stderr(debug: bool):
             os.close(saved)
 
 
-# TensorFlow's CPU device allocates through the C library's malloc unless told otherwise. glibc's malloc
-# gives every freed block above its mmap threshold (at most 32 MB: a real batch's activations and their
-# gradients are larger) back to the kernel, so every step maps, page-faults and zeroes them again.
-# Measured on a 2-core AVX2 machine (docs/ACCURACY.md, "CPU allocator"): a third of the CamVid
-# recipe's train-step CPU time was kernel time, and the step ran 1.7x faster with TensorFlow's own
-# pooling BFC allocator (the one it uses for GPU memory), asked for here by TensorFlow's own variable.
-# The numbers are the same bit for bit (an allocator does not change what ops compute). A value the
-# user set wins (TF_CPU_ALLOCATOR_USE_BFC=false turns it off; TensorFlow caps the pool at
-# TF_CPU_BFC_MEM_LIMIT_IN_MB, 64 GB unless set). On GPUs it is the host-side allocator only.
+# TensorFlow's CPU device otherwise uses malloc, and glibc returns freed blocks above its mmap threshold
+# (activations are larger) to the kernel, so every step page-faults them in again; TensorFlow's pooling
+# BFC allocator keeps them, with identical results. A user's value wins (pool cap: TF_CPU_BFC_MEM_LIMIT_IN_MB).
 TF_ENV_DEFAULTS = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
@@ -111,8 +98,7 @@ def user_error(e: BaseException) -> str | None:
     """The one-line message for an exception caused by user input, or None for a bug."""
     if isinstance(e, ConfigError):
         return str(e)
-    # Only once the reader is loaded can `e` be one of its BadSamples; importing it here would start
-    # TensorFlow (and its start-up noise) just to report an error raised before it was needed.
+    # Not imported here: that would start TensorFlow just to report an error raised before it was needed.
     reader = sys.modules.get("seg_train.data.reader")
     if reader is not None and isinstance(e, reader.BadSample):
         return str(e)
@@ -144,12 +130,10 @@ _hooked = False
 
 
 def _end_process() -> None:
-    """An exit hook: ends the process with the command's exit code before the interpreter's tear-down.
+    """Exit hook: ends the process with the command's exit code before the interpreter's tear-down.
 
-    That tear-down ends threads asking for the GIL and destroys live tf.data iterators, which then wait
-    forever for decode calls on those threads (tests/test_exit_hang.py). Registered before TensorFlow is
-    imported, it runs after every later exit hook; outputs are complete and stdout/stderr flushed here.
-    """
+    That tear-down can hang: live tf.data iterators wait forever on decode threads it has ended.
+    Registered before TensorFlow is imported, it runs after every later exit hook."""
     if _exit_code is None:  # the command did not return (e.g. a SystemExit escaped it): Python's own exit
         return
     logging.shutdown()
@@ -162,9 +146,8 @@ def _end_process() -> None:
 def run_guarded(main, args, end_process: bool = False) -> int:
     """Runs main(args) and turns user errors into `error: ...` lines and exit code 2.
 
-    end_process: this call is the whole process (a console script, argv None), so the process ends
-    right after Python's exit hooks, with the returned code (`_end_process`); an in-process caller
-    (argv given, e.g. the tests) just gets the code.
+    end_process: this call is the whole process (argv None): it ends after the exit hooks with the code
+    (`_end_process`); an in-process caller just gets the code.
     """
     global _exit_code, _hooked
     if end_process and not _hooked:
@@ -205,9 +188,7 @@ def _run_guarded(main, args) -> int:
 def version_text(debug: bool = False) -> str:
     """seg-train's version, then TensorFlow's and Keras' (and TensorBoard's), one per line.
 
-    Read from the installed packages' metadata: importing TensorFlow just to print its version takes
-    seconds. TensorFlow is imported (quietly) only if its distribution is not found under its usual
-    name.
+    Read from package metadata, since importing TensorFlow is slow; imported only if its distribution is not found.
     """
     from importlib import metadata
 
@@ -324,11 +305,9 @@ def checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fa
 
     Args:
       add_arguments: adds the command's own arguments to the parser.
-      fail_fast: checks the command's arguments before TensorFlow's slow start (then the checkpoint
-        path is checked the same way).
+      fail_fast: checks the command's arguments before TensorFlow's slow start.
       run: run(cfg, strategy, args), the command itself.
-      run_model: run_model(cfg, args) for --model FILE.tflite (None: the command has no --model).
-        LiteRT runs the file; no towers are set up.
+      run_model: run_model(cfg, args) for --model FILE.tflite, run by LiteRT without towers (None: no --model).
     """
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_common(parser)
