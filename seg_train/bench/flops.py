@@ -1,15 +1,10 @@
 """FLOPs of the train step counted from its graph, and the device peak they are set against.
 
-- **FLOPs of the train step**: counted once from the graph of one tower's forward + backward pass
-  (model, pixel cross-entropy, gradients) traced with the global batch's static shape: every
-  Conv2D / DepthwiseConv2dNative / MatMul / BatchMatMul op and their backprop-input/-filter ops
-  count 2 * multiply-adds (read from the ops' static shapes); element-wise ops, BN, resizes and the
-  optimizer update are not counted (memory-bound, a few % of the FLOPs). The forward pass alone is
-  counted the same way and reported too (train/forward is ~3 minus the skipped input gradient of the
-  first conv).
-- **Achieved FLOP/s** = counted FLOPs per step / median step time. **Peak** = the faster of a large
-  matmul (2048^3) and a 3x3 conv (4x56x56x256 -> 256) timed in this same run on the same device in
-  the compute dtype of train.precision (float32, or bfloat16/float16 for the mixed policies);
+- **FLOPs of the train step** (FLOPS_METHOD): 2 * multiply-adds of the conv and matmul ops (and their
+  backprops) in one tower's traced forward + backward pass at the global batch; element-wise ops, BN,
+  resizes and the optimizer update are memory-bound and not counted. The forward pass is counted too.
+- **Achieved FLOP/s** = FLOPs per step / median step time. **Peak** (PEAK_METHOD): the faster of a large
+  matmul and a 3x3 conv, timed in this run on the same device in train.precision's compute dtype;
   `flops_utilization` = achieved / peak.
 """
 
@@ -125,10 +120,9 @@ def graph_flops(graph) -> dict:
 
 
 def count_train_flops(cfg: Config, batch: int) -> dict:
-    """FLOPs of one training step on `batch` images (see the module docstring), and of the forward pass.
+    """FLOPs of one training step on `batch` images, and of the forward pass.
 
-    Traced on a separate float32 copy of the model outside any strategy (the FLOPs do not depend on
-    the dtype or the tower count: N towers on batch/N images each do the same work as one tower).
+    Traced on a float32 copy outside any strategy: the FLOPs depend on neither dtype nor tower count.
     """
     import keras
     import tensorflow as tf

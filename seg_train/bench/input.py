@@ -1,5 +1,4 @@
-"""The training input pipeline timed alone (seg-bench --input-only, and before the runners exist):
-images/s, cores busy and CPU per sample of the reader's stream, and the decode-only floor beside it."""
+"""The training input pipeline timed alone: images/s, cores busy, CPU per sample, and the decode-only floor."""
 
 from __future__ import annotations
 
@@ -17,10 +16,8 @@ DECODE_FLOOR_DEFINITION = ("the same samples in the same order, image and label 
 def input_throughput(reader, global_batch: int, steps: int, windows: int, warmup: int) -> dict:
     """images/s of the real reader's training stream (global batches), iterated without training.
 
-    With data.cache on, one full pass over the data comes first (its rate is reported as
-    first_pass_images_per_sec), so the timed windows read decoded images from the cache.
-    cores_busy: the process's CPU time (all threads, user + system) over the wall time of each timed
-    window, median: how many cores the pipeline kept busy (1.0 at most for a pipeline held by the GIL).
+    With data.cache on, a first full pass (first_pass_images_per_sec) fills the cache the windows read.
+    cores_busy: process CPU time / wall time, median window (at most 1.0 for a pipeline held by the GIL).
     """
     n = -(-len(reader) // global_batch) if reader.cfg.cache else 0
     # The stream ends with the batches read: nothing is decoded for nothing.
@@ -42,9 +39,8 @@ def input_throughput(reader, global_batch: int, steps: int, windows: int, warmup
 
 
 def _timed_windows(it, steps: int, windows: int, per_item: int) -> dict:
-    """Times `windows` windows of `steps` next(it) calls, each giving `per_item` samples: images/s, cores
-    busy and CPU milliseconds per sample (this process's CPU time, all threads, over the window's
-    samples), the median window of each and the windows themselves."""
+    """Times `windows` windows of `steps` next(it) calls of `per_item` samples each: images/s, cores busy,
+    CPU ms per sample, as medians and per window."""
     rates, busy, cpu = [], [], []
     for _ in range(windows):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -59,11 +55,7 @@ def _timed_windows(it, steps: int, windows: int, per_item: int) -> dict:
 
 
 def decode_floor(reader, global_batch: int, steps: int, windows: int, warmup: int) -> dict:
-    """The decode-only floor of the training stream: the same samples in the same order, each image and
-    label decoded by the reader's own decoders (`ImageReader.decode`: TensorFlow's, Pillow where the
-    reader uses Pillow) and nothing else, at data.num_parallel_calls; timed like input_throughput
-    (windows of `steps` global batches' worth of samples). Always decodes the files (data.cache off).
-    """
+    """The decode-only floor (DECODE_FLOOR_DEFINITION), timed like input_throughput; data.cache off."""
     import tensorflow as tf
 
     plain = reader.uncached()

@@ -1,5 +1,4 @@
-"""What every seg-bench record is stamped with and reduced by: the machine (CPU, TensorFlow, Keras)
-and the median of the timed windows."""
+"""The machine every seg-bench record is stamped with, and the median of the timed windows."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ log = logging.getLogger("seg_train")
 
 
 class Runner(Protocol):
-    """What profile_ops drives (a bench.runner.TrainRunner): step() dispatches one training step, drain()
-    waits for the steps dispatched."""
+    """What profile_ops drives (a TrainRunner): step() dispatches a training step, drain() waits for them."""
 
     def step(self): ...
 
@@ -34,9 +33,8 @@ def _is_cross_tower(op_name: str, op_type: str) -> bool:
 def profile_ops(runner: Runner, steps: int = 2, top: int = 12) -> dict | None:
     """Where a runner's step time goes: TensorFlow op time per op type over `steps` profiled steps.
 
-    Uses tf.profiler and reads its XPlane file directly (no TensorBoard plugin needed). Op times are
-    wall times of each op on TensorFlow's executor threads; ops that run concurrently both count, so
-    the shares are of total op time, not of the step. Returns None if the profile cannot be read.
+    Reads tf.profiler's XPlane file directly. Concurrent ops both count, so shares are of total op time,
+    not of the step. Returns None if the profile cannot be read.
     """
     import collections
     import shutil

@@ -1,6 +1,4 @@
-"""seg-train itself, run in a fresh process for a few steps: the first step as a user launching it meets
-it (seconds from launch, tracing, the first call) and the run's peak memory, read from the record
-seg-train writes into its run dir (RUN_DIR/first_step.json, rundir.FIRST_STEP_FILE)."""
+"""seg-train run in a fresh process: the first step as a user meets it, and the run's peak memory."""
 
 from __future__ import annotations
 
@@ -14,9 +12,8 @@ from pathlib import Path
 
 
 def cli_probe(config_path: str, overrides: list[str], towers: int, steps: int = 1, timeout: float = 3600) -> dict:
-    """Runs seg-train for `steps` steps in a fresh process (no evaluation, a scratch run dir) and reads
-    its first-step record: seconds from process launch to the end of the first step, tracing, the first
-    call, and the run's peak resident memory."""
+    """Runs seg-train for `steps` steps (no evaluation, scratch run dir) and reads its first-step record:
+    seconds from launch to the first step's end, tracing, first call, and peak resident memory."""
     from seg_train.train.rundir import FIRST_STEP_FILE
 
     run_dir = tempfile.mkdtemp(prefix="seg-bench-probe-")

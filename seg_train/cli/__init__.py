@@ -1,11 +1,8 @@
 """The command-line entry points (console scripts in setup.cfg), one module per command.
 
-process.py holds what every command shares (logging, TensorFlow's quiet start, the error boundary,
-the common flags); its names are re-exported here, so `seg_train.cli.import_tensorflow` and the
-entry points (`seg_train.cli:train_main` and the others) stay where callers find them. Commands call
-the plumbing through the module (`process.import_tensorflow(...)`), so a test that replaces
-`process.import_tensorflow` reaches every command.
-`python -m seg_train.cli` is seg-train (__main__.py).
+process.py holds what every command shares; its names are re-exported here for callers. Commands call
+the plumbing through the module (`process.import_tensorflow(...)`), so a test that replaces it reaches
+every command.
 """
 
 from seg_train.cli.process import (  # noqa: F401

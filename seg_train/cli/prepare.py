@@ -1,8 +1,6 @@
 """seg-prepare: a data set converted into what seg-train reads (seg_train/data/prepare/).
 
-voc, camvid and folder write the VOC layout (numpy and Pillow only: TensorFlow never starts);
-tfrecords writes a split as sharded TFRecords. A problem with the input is one line
-`error: <what> (<where>): <expected>` on stderr, exit code 2.
+voc, camvid and folder write the VOC layout without starting TensorFlow; tfrecords writes sharded TFRecords.
 """
 
 from __future__ import annotations
