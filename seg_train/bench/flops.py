@@ -1,11 +1,7 @@
-"""FLOPs of the train step counted from its graph, and the device peak they are set against.
+"""FLOPs of the train step counted from its graph (FLOPS_METHOD), and the device peak (PEAK_METHOD).
 
-- **FLOPs of the train step** (FLOPS_METHOD): 2 * multiply-adds of the conv and matmul ops (and their
-  backprops) in one tower's traced forward + backward pass at the global batch; element-wise ops, BN,
-  resizes and the optimizer update are memory-bound and not counted. The forward pass is counted too.
-- **Achieved FLOP/s** = FLOPs per step / median step time. **Peak** (PEAK_METHOD): the faster of a large
-  matmul and a 3x3 conv, timed in this run on the same device in train.precision's compute dtype;
-  `flops_utilization` = achieved / peak.
+Element-wise ops, BN, resizes and the optimizer update are memory-bound, so only conv and matmul ops count.
+Achieved FLOP/s = FLOPs per step / median step time; `flops_utilization` = achieved / peak.
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ def _is_cross_tower(op_name: str, op_type: str) -> bool:
 def profile_ops(runner: Runner, steps: int = 2, top: int = 12) -> dict | None:
     """Where a runner's step time goes: TensorFlow op time per op type over `steps` profiled steps.
 
-    Reads tf.profiler's XPlane file directly. Concurrent ops both count, so shares are of total op time,
-    not of the step. Returns None if the profile cannot be read.
+    Concurrent ops both count, so shares are of total op time, not of the step; None if unreadable.
     """
     import collections
     import shutil

@@ -138,7 +138,6 @@ def _count_flops(vcfg: Config, counts: dict[tuple, dict]) -> dict:
 
 
 def _time_input_alone(reader, batch: int, steps: int, windows: int, warmup: int) -> dict:
-    """images/s of the training input pipeline alone, before any runner exists."""
     log.info("timing the input pipeline alone")
     inp = input_throughput(reader, batch, steps, windows, warmup)
     log.info("input pipeline alone: %.1f images/s, %.2f cores busy", inp["images_per_sec"], inp["cores_busy"])
@@ -170,7 +169,6 @@ def _build_runners(variants: list[Variant], towers: list[int], all_devices, read
 
 
 def _time_interleaved(runners: list[tuple], steps: int, windows: int, warmup: int, pickup: int) -> None:
-    """Every runner's first step and warm-up, then the timed windows of all runners, interleaved."""
     log.info("timing: %d warm-up steps each, then %d windows of %d steps per runner, interleaved", warmup, windows,
              steps)
     interleave([r for _, _, r in runners], steps, windows, warmup, pickup)
@@ -364,14 +362,11 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
 
     Args:
       cfg: the resolved config (its data.batch_size is the GLOBAL batch for every tower count).
-      towers: tower counts, e.g. [1, 2, 4].
       all_devices: replicas.Devices for max(towers) towers (set up once, before TensorFlow starts).
       variants: set-ups to compare, each at every tower count, interleaved; the first is the reference.
-      profile: after the timing, profile 2 steps of every runner (op time per op type).
       pickup: untimed steps at the start of each window when several runners alternate.
       config_path, overrides: the config file and --set strings, for the fresh-process probes.
-      bn_images: precise-BN re-estimation timed on this many training images per tower count (0: skip).
-      eval_images: evaluation timed on this many val images per tower count (0: skip).
+      bn_images, eval_images: images on which precise BN / evaluation are timed per tower count (0: skip).
       probes: time the first step from launch in fresh seg-train processes (with and without sync BN),
         and the accumulation variants' peak memory.
     Returns:
@@ -381,7 +376,6 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     from seg_train.data.scan import class_weights_for_split
     from seg_train.data.split import open_split
 
-    # ---- set-up: every variant's batch checked, the data, the class weights -------------------------
     variants = variants or [Variant("default", cfg, input_mode)]
     cfg, input_mode = variants[0].cfg, variants[0].input
     for v in variants:
@@ -397,7 +391,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     for v in variants:
         _count_flops(v.cfg, flop_counts)
     inp = _time_input_alone(reader, cfg.data.batch_size, steps, windows, warmup) if measure_input else None
-    # ---- every runner alive at once: built, warmed up, timed interleaved, profiled, BN and eval -------
+    # ---- every runner alive at once --------------------------------------------------------------------
     runners = _build_runners(variants, towers, all_devices, reader, class_weights)
     try:
         _time_interleaved(runners, steps, windows, warmup, pickup)
@@ -414,7 +408,6 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     # ---- fresh seg-train processes, after every in-process runner is gone -----------------------------
     if probes and config_path:
         _fresh_process_probes(variants, per_variant, cfg, config_path, overrides)
-    # ---- the report ------------------------------------------------------------------------------------
     first = per_variant[0]
     result.update(_top_level_figures(first, inp, peaks, cfg, _count_flops(cfg, flop_counts)))
     if len(variants) > 1:

@@ -41,10 +41,7 @@ class TrainRunner:
     checks, into a throw-away folder), so the images/s measured is what seg-train delivers.
 
     Args:
-      name: label of this runner (e.g. "gpus=4" or "train.precision=mixed_bfloat16").
       cfg: resolved config (data.batch_size is the GLOBAL batch of one micro-batch).
-      devices: replicas.Devices for this runner's towers.
-      reader: the training ImageReader.
       input_mode: "reader" (the real pipeline) or "cached" (the same batches from memory).
       loop: "overlapped" (train.py's: step k read after step k+1 is dispatched) or "blocking".
       class_weights: loss.class_weights as computed for training (median_frequency needs the scan).
@@ -119,11 +116,8 @@ class TrainRunner:
         return time.perf_counter() - t0
 
     def warmup(self, steps: int) -> None:
-        """Untimed steps: the first traces the step; the rest let tf.data's autotuning settle.
-
-        The first step splits into tracing and a first call (graph optimisation + first execution); the
-        second call is execution alone, so graph_optimization_s ~ first call - second call.
-        """
+        """Untimed steps: the first traces, the rest let tf.data's autotuning settle. The second call is
+        execution alone, so graph_optimization_s ~ first call - second call."""
         t0 = time.perf_counter()
         self.train_step.concrete_function(self.dataset.element_spec)
         trace = time.perf_counter() - t0
@@ -239,11 +233,8 @@ def measure_eval(runner: TrainRunner, val_reader, names) -> dict:
 
 
 def interleave(runners: list, steps: int, windows: int, warmup: int, pickup: int = 1) -> None:
-    """Warms every runner up, then times their windows in turn: A B C, C B A, A B C, ...
-
-    Interleaving keeps the runners' ratios robust to changing machine load; with several runners, each
-    window starts with `pickup` untimed steps so no runner pays for picking up after another.
-    """
+    """Warms every runner up, then times their windows in turn (A B C, C B A, ...: robust to changing load);
+    with several runners, `pickup` untimed steps start each window so none pays for following another."""
     for r in runners:
         log.info("%s: warming up (%d steps, the first one traces)", r.name, warmup)
         r.warmup(warmup)

@@ -1,8 +1,7 @@
 """The command-line entry points (console scripts in setup.cfg), one module per command.
 
-process.py holds what every command shares; its names are re-exported here for callers. Commands call
-the plumbing through the module (`process.import_tensorflow(...)`), so a test that replaces it reaches
-every command.
+process.py's names are re-exported here. Commands call them through the module (`process.import_tensorflow`),
+so a test that replaces one there reaches every command.
 """
 
 from seg_train.cli.process import (  # noqa: F401

@@ -144,11 +144,9 @@ def _end_process() -> None:
 
 
 def run_guarded(main, args, end_process: bool = False) -> int:
-    """Runs main(args) and turns user errors into `error: ...` lines and exit code 2.
+    """Runs main(args), turning user errors into `error: ...` and exit code 2.
 
-    end_process: this call is the whole process (argv None): it ends after the exit hooks with the code
-    (`_end_process`); an in-process caller just gets the code.
-    """
+    end_process: this call is the whole process (argv None), which `_end_process` ends with the code."""
     global _exit_code, _hooked
     if end_process and not _hooked:
         atexit.register(_end_process)  # before TensorFlow is imported: runs after TensorFlow's own hooks
@@ -186,10 +184,9 @@ def _run_guarded(main, args) -> int:
 
 
 def version_text(debug: bool = False) -> str:
-    """seg-train's version, then TensorFlow's and Keras' (and TensorBoard's), one per line.
+    """seg-train's, TensorFlow's, Keras' and TensorBoard's versions, one per line.
 
-    Read from package metadata, since importing TensorFlow is slow; imported only if its distribution is not found.
-    """
+    Read from package metadata (importing TensorFlow is slow); imported only if its distribution is not found."""
     from importlib import metadata
 
     import seg_train
