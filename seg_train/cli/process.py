@@ -98,7 +98,7 @@ def user_error(e: BaseException) -> str | None:
     """The one-line message for an exception caused by user input, or None for a bug."""
     if isinstance(e, ConfigError):
         return str(e)
-    # Not imported here: that would start TensorFlow just to report an error raised before it was needed.
+    # Looked up, not imported: importing the reader would start TensorFlow just to report an earlier error.
     reader = sys.modules.get("seg_train.data.reader")
     if reader is not None and isinstance(e, reader.BadSample):
         return str(e)
