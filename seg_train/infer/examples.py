@@ -1,11 +1,7 @@
 """eval/examples: the predictions of a fixed set of val images, the same ones at every evaluation.
 
-The first `k` images of the val split, in split order, at full resolution. They are predicted by
-the exported model's own function (serving.serving_module: the same normalisation and inference
-modes, eval.*, as evaluation and seg-predict) on one device: a handful of images does not need the towers,
-and no collective is involved, so every worker of a multi-worker run can do it on its own. The
-serving module is built and kept by an `infer.evaluate.Evaluator` (Evaluator.predict_examples), so
-the evaluations of a run trace it once.
+The first `k` val images at full resolution, predicted by the serving function on one device: no
+collective is involved, so every worker of a multi-worker run can do it on its own.
 """
 
 from __future__ import annotations

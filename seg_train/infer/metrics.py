@@ -1,8 +1,4 @@
-"""Semantic-segmentation evaluation metrics computed from confusion matrices.
-
-Pure numpy on purpose: evaluation scripts and tests can import this module
-without paying TensorFlow's start-up cost.
-"""
+"""Segmentation metrics from confusion matrices; pure numpy, so importing it does not start TensorFlow."""
 
 from __future__ import annotations
 
@@ -21,18 +17,15 @@ class SegMetrics:
     mean_class_accuracy: float
     per_class_iou: list[float | None]
     per_class_accuracy: list[float | None]
-    # Excluded from ==/repr: ndarray equality is elementwise (breaks dataclass
-    # __eq__), and a large matrix would swamp the repr.
+    # Out of ==/repr: ndarray equality is elementwise, and a large matrix would swamp the repr.
     confusion_matrix: np.ndarray = field(compare=False, repr=False)
 
 
 def compute_metrics(cm) -> SegMetrics:
     """Derive IoU and accuracy metrics from a confusion matrix.
 
-    Classes with an empty union (TP + FP + FN == 0) get IoU None and are left
-    out of the mIoU; classes without ground-truth pixels get accuracy None and
-    are left out of the mean class accuracy. A class that is only predicted
-    (never labelled) has IoU 0 and does count towards the mIoU.
+    Classes with an empty union get IoU None and are left out of the mIoU; classes without
+    ground truth get accuracy None. A class only predicted, never labelled, has IoU 0 and counts.
 
     Args:
         cm: Non-negative integer array [C, C], rows ground truth, cols prediction.
