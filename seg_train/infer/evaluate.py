@@ -86,10 +86,8 @@ class Evaluator:
     """Evaluation of a TrainState with fixed inference modes; owns its compiled functions (module doc).
 
     Args:
-      state: a `TrainState` (its model in inference mode; its strategy's towers share the images).
       eval_cfg: the inference modes (an EvalConfig; default: the state's config's `eval`).
-      score_offsets: eval.logit_adjustment's per-class offsets (modes.score_offsets of the loss's
-        class weights), or None; required exactly when eval_cfg.logit_adjustment is set.
+      score_offsets: modes.score_offsets' result; required exactly when eval_cfg.logit_adjustment is set.
     """
 
     def __init__(self, state, eval_cfg=None, score_offsets=None):
@@ -105,10 +103,6 @@ class Evaluator:
     def evaluate(self, reader: ImageReader, class_names, progress: bool = True) -> tuple[SegMetrics, int]:
         """Evaluates the state's model on every image of `reader`'s split at full resolution.
 
-        Args:
-          reader: the split to evaluate (`ImageReader`); its data config gives ignore_label.
-          class_names: one name per class (checked against the model's number of classes).
-          progress: show a tqdm bar on stderr (only when stderr is a terminal).
         Returns:
           (metrics from the summed confusion matrix, number of images evaluated).
         """
@@ -170,11 +164,7 @@ class Evaluator:
 def write_eval_summaries(writer, step: int, metrics: SegMetrics, class_names) -> None:
     """TensorBoard scalars eval/miou, eval/pixel_accuracy, eval/mean_class_accuracy, eval/iou/<class>.
 
-    Args:
-      writer: a tf.summary writer (e.g. `Summaries.writer`).
-      step: the training step.
-      metrics: from `evaluate`.
-      class_names: one name per class; classes with an undefined IoU (empty union) are left out.
+    Classes with an undefined IoU are left out.
     """
     with writer.as_default(step=step):
         tf.summary.scalar("eval/miou", metrics.miou)

@@ -15,11 +15,7 @@ NUM_EXAMPLES = 4  # val images shown in eval/examples
 def predict_examples(module, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(uint8 RGB image [h, w, 3], uint8 label [h, w], uint8 prediction [h, w]) of the first k images.
 
-    Args:
-      module: the serving module (serving.serving_module) of the model, run in inference mode (use it
-        after any BN re-estimation, so the pictures match the evaluation's numbers).
-      reader: the val split (`ImageReader`).
-      k: how many images (fewer if the split is smaller).
+    `module`: serving.serving_module's, used after any BN re-estimation so the pictures match the numbers.
     """
     out = []
     for i in range(min(k, len(reader))):

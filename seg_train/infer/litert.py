@@ -78,10 +78,7 @@ def check_threads(threads: int) -> None:
 class TFLiteModel:
     """A .tflite segmentation model in LiteRT: `classes(image)` for a uint8 image of any size.
 
-    Args:
-      path: the .tflite file.
-      threads: the interpreter's num_threads.
-      where: what to name in error messages (the flag that gave the path).
+    `where`: what to name in error messages (the flag that gave the path).
     """
 
     def __init__(self, path: str | os.PathLike, threads: int = 1, where: str = "--model"):

@@ -76,15 +76,7 @@ def _pct(value: float | None) -> str:
 
 
 def format_table(metrics: SegMetrics, class_names: Sequence[str]) -> str:
-    """Render per-class IoU / accuracy as a fixed-width text table plus summary lines.
-
-    Args:
-        metrics: Output of `compute_metrics`.
-        class_names: One name per class, in class-id order.
-
-    Returns:
-        Multi-line string (no trailing newline); percentages, '-' for undefined.
-    """
+    """Per-class IoU / accuracy as a fixed-width text table plus summary lines (percentages, '-' undefined)."""
     _check_names(metrics, class_names)
     name_w = max(len("Class"), *(len(str(n)) for n in class_names))
     idx_w = max(len("Index"), len(str(len(class_names) - 1)))
@@ -107,16 +99,7 @@ def format_table(metrics: SegMetrics, class_names: Sequence[str]) -> str:
 
 
 def metrics_to_json(metrics: SegMetrics, class_names: Sequence[str]) -> dict:
-    """Convert metrics to a JSON-serialisable dict (fractions, None for undefined).
-
-    Args:
-        metrics: Output of `compute_metrics`.
-        class_names: One unique name per class, in class-id order (used as keys).
-
-    Returns:
-        Dict with keys miou, pixel_accuracy, mean_class_accuracy, per_class_iou,
-        per_class_accuracy (name -> float | None) and confusion_matrix (list of lists).
-    """
+    """Metrics as a JSON-serialisable dict (fractions, None for undefined); per-class values keyed by name."""
     _check_names(metrics, class_names)
     names = [str(n) for n in class_names]
     # Names become dict keys, so duplicates would silently drop classes.

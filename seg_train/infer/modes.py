@@ -145,13 +145,7 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, o
     Args:
       model_fn: logits of a batch: [1, H, W, 3] -> [1, H, W, C] (H, W multiples of pad_to).
       image: float32 [1, h, w, 3], normalised, not padded; any size (also unknown in a trace).
-      cfg: the EvalConfig (mode, flip, scales, crop_size, stride).
-      num_classes: C.
-      pad_to: each forward pass's input is padded to a multiple of this.
-      offsets: float32 [C] from `score_offsets` (eval.logit_adjustment), or None.
-    Returns:
-      One view: its logits (minus `offsets`); several views: the mean of their softmax probabilities
-      (times exp(-offsets), renormalised), see the module doc.
+      offsets: float32 [C] from `score_offsets`, or None.
     """
     if bool(cfg.logit_adjustment) != (offsets is not None):
         raise ValueError("eval.logit_adjustment and the offsets passed disagree (modes.score_offsets)")
@@ -171,8 +165,7 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, o
     mean = total / float(len(cfg.scales) * (2 if cfg.flip else 1))
     if offsets is None:
         return mean
-    # In the log domain: exp(-offsets) overflows float32 once tau * |log w_c| > 88. A probability
-    # that underflowed to 0 gives log 0 = -inf, i.e. 0 again after the softmax.
+    # In the log domain: exp(-offsets) can overflow float32.
     return tf.nn.softmax(tf.math.log(mean) - tf.constant(offsets, tf.float32), axis=-1)
 
 

@@ -77,11 +77,8 @@ class _InputMoments(keras.layers.Layer):
 
 
 def _probe(model, wanted: dict):
-    """`model` with its BN layers' input moments as extra outputs: (probe model, layout).
-
-    Outputs: `model`'s, then three `_InputMoments` outputs per call of a layer in `wanted`
-    (id(layer) -> index); `layout` gives (index, channels) per call. Nested models holding wanted
-    layers are probed recursively. Functional models only (clone_model cannot insert calls otherwise).
+    """(probe, layout): `model`'s outputs, then three `_InputMoments` outputs per call of a layer in
+    `wanted` (id -> index); `layout` gives (index, channels) per call. Functional models only.
     """
     found = []  # (index, channels, (count, mean, m2)), in the graph's call order
 
@@ -129,11 +126,8 @@ def _combine_rows(acc, rows, layout):
 class PreciseBN:
     """Precise BN for one TrainState: `reestimate` and the gate before inference, `maybe_reestimate`.
 
-    Keeps the probe and compiled forward pass between calls, rebuilt only when the trainable BN
-    layers change, so repeated evaluations during training do not retrace.
-
-    Args:
-      state: a `TrainState` (model, strategy, step, bn_stats_step); its towers do the forward passes.
+    Keeps the probe and compiled forward pass between calls (rebuilt when the trainable BN layers
+    change), so repeated evaluations during training do not retrace.
     """
 
     def __init__(self, state):
@@ -141,11 +135,7 @@ class PreciseBN:
         self._forward = None  # (the BN layers' ids, the compiled forward pass, its layout)
 
     def _forward_fn(self, layers):
-        """The tf.function running one global batch on all towers, and its `layout`.
-
-        Each tower returns one flat float32 vector, [count, mean (C), m2 (C)] per record in `layout`
-        order, so the host reads one [towers, F] array per batch.
-        """
+        """(tf.function of one global batch -> [towers, F] flat moments in `layout` order, layout)."""
         key = tuple(id(layer) for layer in layers)
         if self._forward is not None and self._forward[0] == key:
             return self._forward[1], self._forward[2]
@@ -186,10 +176,8 @@ class PreciseBN:
         Args:
           reader: the training split's `ImageReader` (batches with the training augmentation).
           num_batches: global batches of `cfg.data.batch_size` images to estimate from.
-          progress: show a tqdm bar on stderr (only when stderr is a terminal).
         Returns:
-          True if the statistics were re-estimated; False if they already matched this step
-          (`state.bn_stats_step == state.step`), in which case nothing changes.
+          False if the statistics already matched this step (nothing changes), else True.
         """
         state = self.state
         if int(state.bn_stats_step.numpy()) == int(state.step.numpy()):
@@ -247,13 +235,7 @@ class PreciseBN:
         return True
 
     def maybe_reestimate(self, cfg: Config, progress: bool = True) -> bool:
-        """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
-
-        Args:
-          cfg: the config whose data (the training split), seed and eval.bn_reestimate_batches are used.
-        Returns:
-          Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
-        """
+        """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0; whether they match the weights."""
         state = self.state
         if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
             train = open_split(cfg, cfg.data.train_split, optional=True)  # the re-estimation reads it

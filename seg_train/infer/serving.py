@@ -13,10 +13,8 @@ def serving_module(model, mean, std, eval_cfg=None, offsets=None):
     "probabilities": float32 [height, width, num_classes]}, at the input's size.
 
     Args:
-      model: the Keras model (float32 logits at its input's size).
-      mean, std: data.mean, data.std.
-      eval_cfg: an EvalConfig (eval.mode, flip, scales, crop_size, stride); default: one whole-image pass.
-      offsets: the logit adjustment's offsets (modes.score_offsets; Evaluator.score_offsets), or None.
+      eval_cfg: an EvalConfig; default: one whole-image pass.
+      offsets: modes.score_offsets' result, or None.
     """
     import tensorflow as tf
 

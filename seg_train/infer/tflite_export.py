@@ -94,11 +94,7 @@ def frozen_function(fn):
 
 
 def calibration_samples(cfg: Config, count: int):
-    """`count` samples of the train split: the first of a permutation seeded by the run's seed.
-
-    Returns:
-      (the opened train split, split.Split; its samples chosen).
-    """
+    """(the opened train split, its first `count` samples of a permutation seeded by the run's seed)."""
     from seg_train.data.split import open_split
 
     train = open_split(cfg, cfg.data.train_split)
