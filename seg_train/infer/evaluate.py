@@ -1,34 +1,14 @@
 """Full-resolution evaluation: one confusion matrix over every labelled pixel of a split -> mIoU.
 
-How the pixels are counted (why it looks like this):
-- Each tower takes one whole, unpadded image per step (batch 1) and predicts it with the inference
-  modes of eval.* (modes.py: whole or sliding window, flips, scales; each forward pass pads its
-  own input to a multiple of 32 and crops its logits back). The prediction has the image's size,
-  so padding is never counted; ignore-label pixels are excluded.
-- A step on N towers takes N consecutive images of the split. Towers left without an image in the
-  last step get an all-ignore dummy, which counts nothing, so every image is counted exactly once.
-- Each tower counts its (label, prediction) pairs as a product of one-hot matrices, row by row of
-  the image: counts[g, p] = sum over pixels of onehot(label)[g] * onehot(pred)[p], one batched
-  matmul [H, C, W] x [H, W, C] in float32 (exact: a row has far fewer than 2**24 pixels), summed over
-  the rows, towers and steps in int64. Integer sums are exact in any order, so any number of towers
-  gives the identical matrix. A matmul rather than tf.math.bincount because bincount has no
-  deterministic GPU kernel: under train.deterministic TensorFlow refuses to run it on a GPU.
-- Images differ in size, so the step is traced once for unknown heights and widths (an input
-  signature of N plain tensors, dealt to the towers inside the graph), and the model's forward
-  pass once for all towers (towers.TowerPass); the model resizes with tf.image.resize, which
-  takes dynamic sizes (models.ResizeLike: Keras' bilinear UpSampling2D fails on unknown sizes in
-  graph mode).
+- Each tower predicts one whole, unpadded image per step with the inference modes (modes.py), so
+  padding is never counted; towers without an image in the last step get an all-ignore dummy.
+- Counts are a per-row product of one-hot matrices in float32 (exact: a row has far fewer than 2**24
+  pixels), summed in int64, so any number of towers gives the identical matrix. Not tf.math.bincount:
+  it has no deterministic GPU kernel, which train.deterministic refuses.
+- The step is traced once for unknown image sizes.
 
-Who holds the compiled functions: an `Evaluator`, built once per TrainState and inference setup
-(inference modes, logit-adjustment offsets), as big_vision's evaluators are. It owns the eval step,
-precise BN's probe and forward pass (precise_bn.PreciseBN) and the serving module of the eval
-examples (examples.py), so the evaluations during a run trace each once; dropping the Evaluator
-drops them. Training (train.py) builds one at the start; seg-eval, seg-predict and seg-export get
-one from load.load_evaluator; seg-bench's runners hold one each.
-
-Also here: `write_eval_summaries`, the TensorBoard scalars of an evaluation during training. The
-seg-eval command is eval_checkpoint.py; loading a checkpoint is load.py; the best checkpoint is
-checkpoint.keep_best.
+An `Evaluator`, built once per TrainState and inference setup, owns the eval step, precise BN's
+probe and the eval examples' serving module, so evaluations during a run trace each once.
 """
 
 from __future__ import annotations
@@ -91,8 +71,7 @@ def _make_eval_step(state, eval_cfg, offsets):
             # tf.identity under the replica's device scope places the sample on that tower.
             return tf.identity(images[i]), tf.identity(labels[i])
 
-        # The model's variable lists as they are now (a layer frozen after the state was built moves
-        # its weights from one list to the other). Inference mode: one trace for every tower (towers.py).
+        # The variable lists as they are now: freezing a layer moves its weights between them.
         tower = TowerPass(body, model.trainable_variables, model.non_trainable_variables).trace(image_spec, label_spec)
         counts = strategy.run(tower, strategy.experimental_distribute_values_from_function(tower_input))
         if multiworker:
@@ -107,10 +86,8 @@ class Evaluator:
     """Evaluation of a TrainState with fixed inference modes; owns its compiled functions (module doc).
 
     Args:
-      state: a `TrainState` (its model in inference mode; its strategy's towers share the images).
       eval_cfg: the inference modes (an EvalConfig; default: the state's config's `eval`).
-      score_offsets: eval.logit_adjustment's per-class offsets (modes.score_offsets of the loss's
-        class weights), or None; required exactly when eval_cfg.logit_adjustment is set.
+      score_offsets: modes.score_offsets' result; required exactly when eval_cfg.logit_adjustment is set.
     """
 
     def __init__(self, state, eval_cfg=None, score_offsets=None):
@@ -126,10 +103,6 @@ class Evaluator:
     def evaluate(self, reader: ImageReader, class_names, progress: bool = True) -> tuple[SegMetrics, int]:
         """Evaluates the state's model on every image of `reader`'s split at full resolution.
 
-        Args:
-          reader: the split to evaluate (`ImageReader`); its data config gives ignore_label.
-          class_names: one name per class (checked against the model's number of classes).
-          progress: show a tqdm bar on stderr (only when stderr is a terminal).
         Returns:
           (metrics from the summed confusion matrix, number of images evaluated).
         """
@@ -170,17 +143,15 @@ class Evaluator:
         return self.precise_bn.reestimate(reader, num_batches, progress)
 
     def maybe_reestimate_bn(self, cfg: Config, progress: bool = True) -> bool:
-        """The BN gate before inference: re-estimates if eval.bn_reestimate_batches > 0
-        (precise_bn.PreciseBN.maybe_reestimate). Returns whether the statistics match the weights."""
+        """Re-estimates BN if eval.bn_reestimate_batches > 0; whether the statistics match the weights."""
         return self.precise_bn.maybe_reestimate(cfg, progress)
 
     def serving_module(self, mean, std):
-        """The serving function of the state's model with these inference modes and offsets (serving.py):
-        what seg-predict runs and seg-export saves. A new module (and trace) per call."""
+        """The serving module of the state's model with these modes and offsets; a new one per call."""
         return serving_module(self.state.model, mean, std, self.eval_cfg, self.score_offsets)
 
     def predict_examples(self, reader: ImageReader, k: int = NUM_EXAMPLES):
-        """eval/examples: the first k images of the val split `reader` with their predictions (examples.py).
+        """eval/examples: the first k images of the val split `reader` with their predictions.
 
         The serving module is built at the first call, with `reader`'s normalisation, and kept.
         """
@@ -193,11 +164,7 @@ class Evaluator:
 def write_eval_summaries(writer, step: int, metrics: SegMetrics, class_names) -> None:
     """TensorBoard scalars eval/miou, eval/pixel_accuracy, eval/mean_class_accuracy, eval/iou/<class>.
 
-    Args:
-      writer: a tf.summary writer (e.g. `Summaries.writer`).
-      step: the training step.
-      metrics: from `evaluate`.
-      class_names: one name per class; classes with an undefined IoU (empty union) are left out.
+    Classes with an undefined IoU are left out.
     """
     with writer.as_default(step=step):
         tf.summary.scalar("eval/miou", metrics.miou)

@@ -1,11 +1,7 @@
 """eval/examples: the predictions of a fixed set of val images, the same ones at every evaluation.
 
-The first `k` images of the val split, in split order, at full resolution. They are predicted by
-the exported model's own function (serving.serving_module: the same normalisation and inference
-modes, eval.*, as evaluation and seg-predict) on one device: a handful of images does not need the towers,
-and no collective is involved, so every worker of a multi-worker run can do it on its own. The
-serving module is built and kept by an `infer.evaluate.Evaluator` (Evaluator.predict_examples), so
-the evaluations of a run trace it once.
+The first `k` val images at full resolution, predicted by the serving function on one device: no
+collective is involved, so every worker of a multi-worker run can do it on its own.
 """
 
 from __future__ import annotations
@@ -19,11 +15,7 @@ NUM_EXAMPLES = 4  # val images shown in eval/examples
 def predict_examples(module, reader, k: int = NUM_EXAMPLES) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(uint8 RGB image [h, w, 3], uint8 label [h, w], uint8 prediction [h, w]) of the first k images.
 
-    Args:
-      module: the serving module (serving.serving_module) of the model, run in inference mode (use it
-        after any BN re-estimation, so the pictures match the evaluation's numbers).
-      reader: the val split (`ImageReader`).
-      k: how many images (fewer if the split is smaller).
+    `module`: serving.serving_module's, used after any BN re-estimation so the pictures match the numbers.
     """
     out = []
     for i in range(min(k, len(reader))):

@@ -1,19 +1,10 @@
 """seg-export: a SavedModel that segments one whole uint8 image (any size memory allows), preprocessing in the graph.
 
-The serving function (`serving.serving_module`) is also what seg-predict runs, so the exported model and
-seg-predict compute the same graph and give the same masks. Its preprocessing and inference are the
-evaluation's: (x - mean) / std with the config's data.mean/std, then the inference modes of eval.*
-(modes.py: whole image or sliding window, flips, scales; each forward pass's input zero-padded,
-i.e. with the mean colour, to a multiple of 32 and its logits cropped back), so the exported model
-predicts what seg-eval measured.
+The serving function (`serving.serving_module`) is also what seg-predict runs, with the evaluation's
+preprocessing and inference modes, so the exported model predicts what seg-eval measured. The
+SavedModel holds no Python: it loads in a process that never imports seg_train.
 
-The SavedModel holds no Python: `tf.saved_model.load(DIR).signatures["serving_default"](image=x)`
-works in a process that never imports seg_train. The model resizes with tf.image.resize to dynamic
-sizes (ResizeLike), so the signature is traced once with unknown height and width (Keras'
-UpSampling2D(interpolation="bilinear") fails on unknown sizes in graph mode).
-
-This module imports TensorFlow only inside its functions: the command line checks its arguments
-before TensorFlow's slow start.
+TensorFlow is imported only inside the functions, so the arguments are checked before its slow start.
 """
 
 from __future__ import annotations

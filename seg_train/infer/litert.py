@@ -1,21 +1,10 @@
 """.tflite files run the way an app runs them: LiteRT's Python interpreter (the `ai-edge-litert` package).
 
-What seg-eval --model and seg-predict --model do with a file, and what seg-export --check measures:
-- the interpreter is LiteRT's own (`ai_edge_litert.interpreter.Interpreter`, with its default XNNPACK
-  delegate), not TensorFlow's: the runtime a phone or a server without TensorFlow has. It is an
-  optional extra (`pip install 'seg-train[tflite]'`); without it these commands stop with one line.
-- the model takes one uint8 RGB image [1, H, W, 3] (normalisation is inside it) and gives the class
-  map [1, H, W] (or scores [1, H, W, C], whose argmax is taken here). An image of another size is
-  resized to H x W with Pillow's BILINEAR filter, and the class map back to the image's size with
-  NEAREST; an image already H x W is not resized. Pillow because the reader and seg-predict decode
-  with it, and it is what a Python app has at hand (`RESIZE` says so in every JSON record).
-- latency is the wall time of `interpreter.invoke()` alone (not decoding or resizing), per image,
-  after one warm-up call on a blank image; the JSON gives its median, mean and 90th percentile.
-
-Evaluation decodes each sample with Pillow (reader.load: the same decode and label map as the
-checkpoint's evaluation) and counts (label, prediction) pairs in one confusion matrix, skipping
-data.ignore_label; the metrics are metrics.compute_metrics', so the table and the JSON keys are those
-of a checkpoint's evaluation.
+Used by seg-eval --model, seg-predict --model and seg-export --check. LiteRT's own interpreter (with
+its default XNNPACK delegate), not TensorFlow's: the runtime an app has; an optional extra.
+Images of another size than the model's input are resized with Pillow (`RESIZE`), what a Python app
+has at hand. Latency is the wall time of `invoke()` alone, after one warm-up call. Evaluation decodes
+with reader.load and reports metrics.compute_metrics', as a checkpoint's evaluation does.
 """
 
 from __future__ import annotations
@@ -89,10 +78,7 @@ def check_threads(threads: int) -> None:
 class TFLiteModel:
     """A .tflite segmentation model in LiteRT: `classes(image)` for a uint8 image of any size.
 
-    Args:
-      path: the .tflite file.
-      threads: the interpreter's num_threads.
-      where: what to name in error messages (the flag that gave the path).
+    `where`: what to name in error messages (the flag that gave the path).
     """
 
     def __init__(self, path: str | os.PathLike, threads: int = 1, where: str = "--model"):
@@ -169,8 +155,7 @@ def eval_record_path(model_path: str | os.PathLike, split_tag: str) -> Path:
 
 
 def confusion(cfg: Config, model: TFLiteModel, split, progress: bool = True) -> tuple[np.ndarray, int]:
-    """int64 [C, C] (label, prediction) counts of `model` over `split` (split.Split, opened), and the number
-    of images."""
+    """int64 [C, C] (label, prediction) counts of `model` over the opened `split`, and the image count."""
     from seg_train.data import reader as reader_lib
     from seg_train.util.progress import progress_bar
 
@@ -202,8 +187,7 @@ def confusion(cfg: Config, model: TFLiteModel, split, progress: bool = True) -> 
 
 
 def evaluate_file(cfg: Config, model: TFLiteModel, split: str, progress: bool = True):
-    """(the evaluation record of a .tflite file on `split`: metrics, size, latency; the SegMetrics; the
-    class names). Nothing is written."""
+    """(evaluation record of a .tflite file on `split`, SegMetrics, class names). Writes nothing."""
     from seg_train.data.split import open_split
     from seg_train.infer.metrics import compute_metrics, metrics_to_json
 
@@ -253,8 +237,7 @@ def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, thre
 
 def run_predict_tflite(cfg: Config, model_path: str, inputs, output, threads: int = 1,
                        progress: bool = True, label_ids: bool = False) -> list[Path]:
-    """seg-predict --model FILE.tflite: class-index PNGs and overlays (or, with `label_ids`, raw-label-value
-    PNGs), as seg-predict writes for a checkpoint."""
+    """seg-predict --model FILE.tflite: the same PNGs seg-predict writes for a checkpoint."""
     from seg_train.infer.predict import check_output_dir, collect_inputs, raw_ids_of, write_predictions, \
         written_summary
 

@@ -40,9 +40,8 @@ def _mismatch(e: Exception) -> str:
 
 def inference_class_weights(cfg: Config, prefix: str, class_names: list[str] | None = None):
     """The loss's class weights eval.logit_adjustment divides out (None when it is 0): the config's list,
-    or for a named scheme (median_frequency, ...) the weights the run trained with, from
-    RUN_DIR/class_weights.json (rundir.write_class_weights), so no scan of the train split is needed.
-    `class_names`: the config's (split.class_names_of), when the caller has them."""
+    or for a named scheme the weights the run trained with, from RUN_DIR/class_weights.json (no scan of
+    the train split). `class_names`: the config's, when the caller has them."""
     if not cfg.eval.logit_adjustment:
         return None
     if isinstance(cfg.loss.class_weights, list):
@@ -60,10 +59,8 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
       (state, checkpoint prefix, the checkpoint's step).
     """
     prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
-    # The checkpoint holds every weight: the ImageNet file or preset the run started from is not read again
-    # (it may have moved since). The loss's class weights change no variable, and a named scheme
-    # (median_frequency) would need the train split's histogram: the model is built without them
-    # (eval.logit_adjustment's offsets, which do change predictions, are the Evaluator's: load_evaluator).
+    # The checkpoint holds every weight, so the pretrained file is not read again (it may have moved).
+    # The class weights change no variable and a named scheme would scan the train split: left out.
     cfg = config_lib.replace(config_lib.without_weight_files(cfg), "loss.class_weights", None)
     state = TrainState(cfg, strategy, optimizer=False)  # inference: no optimizer slots are built or read
     try:
@@ -81,9 +78,7 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
 
 def load_evaluator(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str,
                    class_names: list[str] | None = None):
-    """`load_state`, and the Evaluator of seg-eval, seg-predict and seg-export on it: cfg.eval's inference
-    modes and eval.logit_adjustment's offsets from the weights the run trained with (`class_names`: the
-    config's, when the caller has them; read from the config otherwise).
+    """`load_state`, and the Evaluator the commands use on it (cfg.eval's modes and logit adjustment).
 
     Returns:
       (infer.evaluate.Evaluator, checkpoint prefix, the checkpoint's step); the state is evaluator.state.

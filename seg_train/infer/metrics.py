@@ -1,8 +1,4 @@
-"""Semantic-segmentation evaluation metrics computed from confusion matrices.
-
-Pure numpy on purpose: evaluation scripts and tests can import this module
-without paying TensorFlow's start-up cost.
-"""
+"""Segmentation metrics from confusion matrices; pure numpy, so importing it does not start TensorFlow."""
 
 from __future__ import annotations
 
@@ -21,18 +17,15 @@ class SegMetrics:
     mean_class_accuracy: float
     per_class_iou: list[float | None]
     per_class_accuracy: list[float | None]
-    # Excluded from ==/repr: ndarray equality is elementwise (breaks dataclass
-    # __eq__), and a large matrix would swamp the repr.
+    # Out of ==/repr: ndarray equality is elementwise, and a large matrix would swamp the repr.
     confusion_matrix: np.ndarray = field(compare=False, repr=False)
 
 
 def compute_metrics(cm) -> SegMetrics:
     """Derive IoU and accuracy metrics from a confusion matrix.
 
-    Classes with an empty union (TP + FP + FN == 0) get IoU None and are left
-    out of the mIoU; classes without ground-truth pixels get accuracy None and
-    are left out of the mean class accuracy. A class that is only predicted
-    (never labelled) has IoU 0 and does count towards the mIoU.
+    Classes with an empty union get IoU None and are left out of the mIoU; classes without
+    ground truth get accuracy None. A class only predicted, never labelled, has IoU 0 and counts.
 
     Args:
         cm: Non-negative integer array [C, C], rows ground truth, cols prediction.
@@ -83,15 +76,7 @@ def _pct(value: float | None) -> str:
 
 
 def format_table(metrics: SegMetrics, class_names: Sequence[str]) -> str:
-    """Render per-class IoU / accuracy as a fixed-width text table plus summary lines.
-
-    Args:
-        metrics: Output of `compute_metrics`.
-        class_names: One name per class, in class-id order.
-
-    Returns:
-        Multi-line string (no trailing newline); percentages, '-' for undefined.
-    """
+    """Per-class IoU / accuracy as a fixed-width text table plus summary lines (percentages, '-' undefined)."""
     _check_names(metrics, class_names)
     name_w = max(len("Class"), *(len(str(n)) for n in class_names))
     idx_w = max(len("Index"), len(str(len(class_names) - 1)))
@@ -114,16 +99,7 @@ def format_table(metrics: SegMetrics, class_names: Sequence[str]) -> str:
 
 
 def metrics_to_json(metrics: SegMetrics, class_names: Sequence[str]) -> dict:
-    """Convert metrics to a JSON-serialisable dict (fractions, None for undefined).
-
-    Args:
-        metrics: Output of `compute_metrics`.
-        class_names: One unique name per class, in class-id order (used as keys).
-
-    Returns:
-        Dict with keys miou, pixel_accuracy, mean_class_accuracy, per_class_iou,
-        per_class_accuracy (name -> float | None) and confusion_matrix (list of lists).
-    """
+    """Metrics as a JSON-serialisable dict (fractions, None for undefined); per-class values keyed by name."""
     _check_names(metrics, class_names)
     names = [str(n) for n in class_names]
     # Names become dict keys, so duplicates would silently drop classes.

@@ -1,53 +1,27 @@
 """The inference modes (eval.mode, eval.flip, eval.scales): one implementation for seg-eval,
 evaluation during training, seg-predict, the SavedModel of seg-export and eval/examples.
 
-`class_scores(model_fn, image, cfg, num_classes)` turns one normalised, UNPADDED image into per-pixel
-scores at the image's size:
-- a view is the image at one scale, flipped left-right or not. Its logits come from one forward pass
-  of the whole (scaled) image (mode whole), or from overlapping windows (mode slide), and are
-  resized back to the image's size with bilinear interpolation;
-- one view (no flip, one scale): the scores are those logits (the default, eval.mode whole with
-  scales [1.0] and no flip, is exactly one plain forward pass);
-- several views: the scores are the mean of the views' softmax probabilities.
-The class is the argmax of the scores everywhere, so evaluation, seg-predict and the SavedModel
-predict the same classes; `probabilities` gives the softmax of one view or the mean of several.
+`class_scores` turns one normalised, UNPADDED image into per-pixel scores at the image's size. A view
+is the image at one scale, flipped or not; its logits come from the whole image (mode whole) or from
+overlapping windows (mode slide), resized back bilinearly. One view: the scores are its logits (the
+default is one plain forward pass); several: the mean of the views' softmax probabilities, so one
+view with extreme logits cannot outweigh the others (as DeepLab and mmsegmentation's TTA do).
 
-Why in this order (resize the logits to full resolution, then softmax, then average): the model
-itself ends with a bilinear resize of logits, so a view at scale s is the model at that scale, only
-sampled at the image's pixels; averaging probabilities (a mixture of the views' predictions) rather
-than logits keeps one view with extreme logits from outweighing the others. DeepLab (eval_scales,
-add_flipped_images) and mmsegmentation's TTA both do it this way.
+Each forward pass pads its own input at the bottom/right to a multiple of `pad_to` with zeros (the
+mean colour) and crops its logits back; flips and scales act on the unpadded image, so no padding is
+ever predicted. A flipped view is flip(view(flip(image))), so a flipped image gives exactly the
+flipped prediction.
 
-Padding: every forward pass pads its own input (a scaled view or a window) at the bottom and right
-to a multiple of `pad_to` with zeros (the mean colour after normalisation), as evaluation always
-did, and crops its logits back. Flips and scales are applied to the unpadded image, so a flip never
-moves padding to the other side of the image, and every output pixel is a pixel of the image: no
-padding can be counted or predicted. A flipped view is flip(view(flip(image))), hence with
-eval.flip a flipped image gives exactly the flipped prediction (sums of two views are added in an
-order that a flip swaps, a + b == b + a in floating point).
+Slide: windows of eval.crop_size every eval.stride pixels, the last ones aligned to the border; a
+pixel's logits are the mean over its windows. Windows run one at a time, so activations are one
+window's whatever the image size.
 
-Slide (mmsegmentation's slide_inference): windows of eval.crop_size (smaller if the image is) every
-eval.stride pixels cover the image, the last row and column of windows aligned to the bottom and
-right border; each pixel's logits are the mean over the windows that contain it. With flips and
-scales the windows slide over each scaled (flipped) image, as in mmsegmentation, and the softmax is
-taken on each view's averaged logits. The windows run one after another (a while loop with
-parallel_iterations=1), so the network's activations are those of one window whatever the image
-size; the logits sum (and the averaged logits) are image-sized. A window covering the whole image
-gives exactly whole-image inference.
+Logit adjustment (tau > 0): a loss with class weights w_c trains towards w_c p(c | x), over-predicting
+up-weighted classes; dividing by w_c**tau takes that back (Menon et al., "Long-tail learning via
+logit adjustment"). Weight-0 classes are left as they are.
 
-Logit adjustment (eval.logit_adjustment, tau > 0): a loss with class weights w_c trains the network
-towards probabilities proportional to w_c p(c | x), as if class c were w_c times as frequent; the
-rare classes it up-weights are then predicted more often than they occur. Dividing each class's
-probability by w_c**tau before the argmax takes back that share of the weighting (tau = 1: all of
-it, the Bayes-optimal correction when the network learned the weighted posterior exactly; the
-post-hoc logit adjustment of Menon et al., "Long-tail learning via logit adjustment", ICLR 2021,
-with the loss's weights as the prior to remove). On one view it is done on the logits
-(logits - tau log w_c); on several, on the log of the averaged probabilities, then renormalised, so
-`probabilities` stays a distribution whose argmax is the class. A class of weight 0 (absent from
-the train split) is left as it is.
-
-Everything is written for unknown image sizes in graph mode (tf.image.resize with a size tensor;
-Keras' UpSampling2D fails on unknown sizes), so one trace serves every image.
+Written for unknown image sizes in graph mode (Keras' UpSampling2D fails on them), so one trace
+serves every image.
 """
 
 from __future__ import annotations
@@ -134,18 +108,15 @@ def _slide(model_fn, x, crop, stride, num_classes: int, pad_to: int):
         y1, x1 = ys[i // cols], xs[i % cols]
         y2, x2 = tf.minimum(y1 + ch, h), tf.minimum(x1 + cw, w)
         logits = _forward(model_fn, x[:, y1:y2, x1:x2], pad_to)
-        # Adds into the window's region of the sum, in place where TensorFlow can reuse the sum's
-        # buffer (measured: one image-sized tensor less at the peak than adding a zero-padded
-        # window). Not a scatter-add: under op determinism TensorFlow runs scatter ops on the CPU,
-        # which would move the sum off the GPU for every window.
+        # In place where TensorFlow can reuse the sum's buffer. Not a scatter-add: under op
+        # determinism TensorFlow runs scatter ops on the CPU.
         begin, end = tf.stack([0, y1, x1, 0]), tf.stack([1, y2, x2, num_classes])
         total = tf.raw_ops.TensorStridedSliceUpdate(input=total, begin=begin, end=end, strides=[1, 1, 1, 1],
                                                     value=total[:, y1:y2, x1:x2] + logits)
         return i + 1, total
 
     total = tf.zeros([1, h, w, num_classes], tf.float32)
-    # parallel_iterations=1: one window's activations at a time (the windows do not depend on
-    # each other, so TensorFlow would otherwise run several at once).
+    # parallel_iterations=1: one window's activations at a time.
     _, total = tf.while_loop(lambda i, _: i < tf.size(ys) * cols, body, (tf.constant(0), total),
                              parallel_iterations=1)
     # Windows form a grid, so a pixel's window count is (windows over its row) x (over its column).
@@ -174,22 +145,14 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, o
     Args:
       model_fn: logits of a batch: [1, H, W, 3] -> [1, H, W, C] (H, W multiples of pad_to).
       image: float32 [1, h, w, 3], normalised, not padded; any size (also unknown in a trace).
-      cfg: the EvalConfig (mode, flip, scales, crop_size, stride).
-      num_classes: C.
-      pad_to: each forward pass's input is padded to a multiple of this.
-      offsets: float32 [C] from `score_offsets` (eval.logit_adjustment), or None.
-    Returns:
-      One view: its logits (minus `offsets`); several views: the mean of their softmax probabilities
-      (times exp(-offsets), renormalised), see the module doc.
+      offsets: float32 [C] from `score_offsets`, or None.
     """
     if bool(cfg.logit_adjustment) != (offsets is not None):
         raise ValueError("eval.logit_adjustment and the offsets passed disagree (modes.score_offsets)")
     if is_single_view(cfg):
         logits = _view_logits(model_fn, image, cfg, cfg.scales[0], num_classes, pad_to)
         return logits if offsets is None else logits - tf.constant(offsets, tf.float32)
-    # Several views call the network from several places: through one function that is not
-    # inlined, the graph holds the network once instead of once per view (tracing and graph
-    # optimisation, once per tower, would otherwise grow with the number of views).
+    # Not inlined, so the graph holds the network once instead of once per view.
     model_fn = tf.function(model_fn, input_signature=[tf.TensorSpec([1, None, None, 3], tf.float32)],
                            experimental_attributes={"_noinline": True})
     total = None
@@ -202,8 +165,7 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, o
     mean = total / float(len(cfg.scales) * (2 if cfg.flip else 1))
     if offsets is None:
         return mean
-    # In the log domain: exp(-offsets) overflows float32 once tau * |log w_c| > 88. A probability
-    # that underflowed to 0 gives log 0 = -inf, i.e. 0 again after the softmax.
+    # In the log domain: exp(-offsets) can overflow float32.
     return tf.nn.softmax(tf.math.log(mean) - tf.constant(offsets, tf.float32), axis=-1)
 
 

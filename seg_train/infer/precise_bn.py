@@ -1,41 +1,22 @@
 """Precise BatchNorm statistics: re-estimates every BN layer's moving mean/variance for the weights.
 
-Why: a BN layer trains with batch statistics but evaluates with its moving averages, and those lag
-far behind the weights when training is short or starts from scratch (keras.applications builds its
-BN with momentum 0.999: the average then remembers ~1000 steps of features the network no longer
-makes). On a plain Keras DeepLabV3+-lite trained from scratch: 2.5% val mIoU with the moving
-statistics vs 44.0% after re-estimating them, for the same weights. See docs/BATCHNORM.md for the
-measurements.
+Why: BN evaluates with moving averages that lag far behind the weights when training is short or
+from scratch (keras.applications uses momentum 0.999); see docs/BATCHNORM.md.
 
-What `PreciseBN.reestimate` does ("precise BN", Wu & Johnson, "Rethinking Batch in BatchNorm", 2021):
-- runs `num_batches` training batches (the normal training augmentation, the global batch split
-  over the state's towers exactly as in training) forward through the model in training mode, so
-  each BN layer normalises with its batch statistics as it did while the weights were trained;
-- records, per BN layer and per channel, the moments of that layer's INPUT over all pixels of all
-  batches on all towers, and combines them on the host in float64;
-- sets moving_mean / moving_variance to that population mean and (biased) variance, in cross-replica
-  context so every tower's copy is the same, and marks the statistics as matching the weights
-  (`state.bn_stats_step = state.step`).
-No gradient is taken and the optimizer is not touched: only moving statistics change.
+`PreciseBN.reestimate` ("precise BN", Wu & Johnson, "Rethinking Batch in BatchNorm") runs
+`num_batches` training batches forward in training mode on the towers, records each BN layer's
+per-channel INPUT moments, combines them on the host in float64, and assigns the population mean and
+(biased) variance in cross-replica context; then `state.bn_stats_step = state.step`. No gradient,
+no optimizer: only moving statistics change. Frozen BN layers are left alone: Keras normalises
+them with their moving statistics in training mode, so those ARE what the weights were trained with.
 
-The batches come from the training stream started at `stream_start_step(batch)` (sample counter
-~2**40): a fixed, far-away window of the stream. The stream is a pure function of (seed, sample
-counter) (reader.py), so reading it never moves the training position, and a fixed window makes
-the result a deterministic function of the weights (the same batches whatever the training step).
+The batches are a fixed window of the training stream (`stream_start_step`); the stream is a pure
+function of (seed, sample counter), so this never moves the training position and the result is a
+deterministic function of the weights.
 
-BN layers with `trainable = False` (frozen) are left alone: in training mode Keras normalises them
-with their moving statistics, so those ARE the statistics the weights were trained with.
-
-How a BN layer's input is read: through a probe model (`_probe`), a functional model on the model's
-own layers (keras.models.clone_model reusing every layer, its `call_function` feeding each BN
-layer's input to an `_InputMoments` layer too) whose extra outputs are the moments. A tensor inside
-a nested model cannot be an output of the outer one, so each nested model holding BN layers (the
-backbone; ResNet's holds another) gets its own probe, called in its place: still one forward pass,
-the same ops as the model's plus the moments. It runs under keras.StatelessScope with the tower's
-variable values, as model.stateless_call would. Building it calls every layer once more on symbolic
-tensors, which adds a node to each layer's call history; the model's own graph, config and
-checkpoint do not change. A `PreciseBN` builds its probe once (an `infer.evaluate.Evaluator` holds one
-for its state, so repeated evaluations during training reuse the probe and its trace).
+A BN layer's input is read through a probe model (`_probe`): a clone of the model on its own layers
+whose extra outputs are the moments. A tensor inside a nested model cannot be an output of the outer
+one, so each nested model holding BN layers gets its own probe, called in its place.
 """
 
 from __future__ import annotations
@@ -56,9 +37,7 @@ from seg_train.train.towers import TowerPass
 
 log = logging.getLogger("seg_train")
 
-# The re-estimation batches start near sample 2**40 of the training stream: far from any position a
-# run trains on (2**40 ~ 1.1e12 samples, decades even at 1000 images/s), well inside the reader's
-# 2**62 range.
+# Far beyond any position a run trains on, well inside the reader's 2**62 range.
 STREAM_START_SAMPLE = 2**40
 
 
@@ -70,12 +49,9 @@ def stream_start_step(global_batch: int) -> int:
 class _InputMoments(keras.layers.Layer):
     """A BN layer's input as (pixel count int64, per-channel mean, per-channel M2 float32).
 
-    Called in the probe model (`_probe`) on the tensor the BN layer is called on, with that layer's
-    dtype policy and autocast: Keras casts the input exactly as it does for the BN layer, and fills
-    `mask` with the mask the BN layer would get, which is refused (BN then normalises over the
-    unmasked pixels only, which these moments do not).
-    Centred per batch (M2 = sum of squared deviations, not raw sum(x^2)) so that the float64
-    combination on the host does not lose the variance to cancellation when |mean| >> std.
+    Takes the BN layer's dtype policy and autocast so the input is cast as for the BN layer. A mask
+    is refused: BN would normalise over unmasked pixels only. Centred per batch (M2, not sum(x^2))
+    so the host combination does not lose the variance to cancellation when |mean| >> std.
     """
 
     def __init__(self, bn):
@@ -94,22 +70,15 @@ class _InputMoments(keras.layers.Layer):
         return count, mean, var * tf.cast(count, tf.float32)
 
     def compute_output_spec(self, inputs, mask=None):
-        # Without it Keras traces `call` in a scratch graph for every BN layer while the probe is
-        # built: most of the build time (MobileNetV2: 0.36 s to build, 0.10 s with it).
+        # Without it Keras traces `call` in a scratch graph per BN layer while building the probe.
         channels = inputs.shape[self.axis]
         return (keras.KerasTensor((), "int64"), keras.KerasTensor((channels,), "float32"),
                 keras.KerasTensor((channels,), "float32"))
 
 
 def _probe(model, wanted: dict):
-    """`model` with its BN layers' input moments as extra outputs: (probe model, layout).
-
-    The probe is a functional model on `model`'s own layers (so the same variables): `model`'s
-    outputs, then the three `_InputMoments` outputs of each call of a layer in `wanted`
-    (id(layer) -> index); `layout` gives (index, channels) per call. A nested model's layers are
-    nodes of its own graph, out of reach of the outer clone: a nested model holding wanted layers is
-    probed the same way and its probe called in its place. Functional models only (clone_model
-    cannot insert calls into a Sequential or subclassed one); models.build makes nothing else.
+    """(probe, layout): `model`'s outputs, then three `_InputMoments` outputs per call of a layer in
+    `wanted` (id -> index); `layout` gives (index, channels) per call. Functional models only.
     """
     found = []  # (index, channels, (count, mean, m2)), in the graph's call order
 
@@ -157,13 +126,8 @@ def _combine_rows(acc, rows, layout):
 class PreciseBN:
     """Precise BN for one TrainState: `reestimate` and the gate before inference, `maybe_reestimate`.
 
-    It keeps the probe model and the compiled forward pass between calls (re-estimating before
-    every evaluation during training must not build and trace them again each time); they are
-    built again only when the model's trainable BN layers change. An `infer.evaluate.Evaluator`
-    holds one.
-
-    Args:
-      state: a `TrainState` (model, strategy, step, bn_stats_step); its towers do the forward passes.
+    Keeps the probe and compiled forward pass between calls (rebuilt when the trainable BN layers
+    change), so repeated evaluations during training do not retrace.
     """
 
     def __init__(self, state):
@@ -171,13 +135,7 @@ class PreciseBN:
         self._forward = None  # (the BN layers' ids, the compiled forward pass, its layout)
 
     def _forward_fn(self, layers):
-        """The tf.function running one global batch on all towers; returns the recorded moments.
-
-        The probe model (`_probe`) is traced ONCE for all towers (towers.TowerPass) and each
-        tower's moments come back as one flat float32 vector: [count, mean (C), m2 (C)] per call of
-        each layer, in the order `layout` gives ((layer index, channels) per record). The host reads
-        one [towers, F] array per batch instead of three small tensors per layer per tower.
-        """
+        """(tf.function of one global batch -> [towers, F] flat moments in `layout` order, layout)."""
         key = tuple(id(layer) for layer in layers)
         if self._forward is not None and self._forward[0] == key:
             return self._forward[1], self._forward[2]
@@ -187,9 +145,8 @@ class PreciseBN:
         n_outputs = len(model.outputs)
 
         def body(tv, st, images):
-            # The probe reads the model's variables, so the tower's values are mapped onto those (as
-            # model.stateless_call does). Training mode: batch statistics, as during training; the
-            # moving-statistics updates stay in the scope and are dropped: nothing is assigned here.
+            # The tower's values mapped onto the model's variables (as model.stateless_call does);
+            # the moving-statistics updates stay in the scope and are dropped.
             mapping = list(zip(model.trainable_variables, tv, strict=True))
             mapping += zip(model.non_trainable_variables, st, strict=True)
             with keras.StatelessScope(state_mapping=mapping):
@@ -204,9 +161,7 @@ class PreciseBN:
         def forward(batch):
             images, _ = batch
             per_tower = strategy.experimental_local_results(images)[0]
-            # The model's variable lists as they are now (a layer frozen after the state was built
-            # moves its weights from one list to the other). Training mode: with synchronized BN
-            # across towers the pass is traced per tower (towers.py).
+            # The variable lists as they are now: freezing a layer moves its weights between them.
             tower = TowerPass(body, model.trainable_variables, model.non_trainable_variables,
                               per_tower=state.per_tower_trace).trace(tf.TensorSpec(per_tower.shape, per_tower.dtype))
             out = strategy.run(tower, (images,))
@@ -221,10 +176,8 @@ class PreciseBN:
         Args:
           reader: the training split's `ImageReader` (batches with the training augmentation).
           num_batches: global batches of `cfg.data.batch_size` images to estimate from.
-          progress: show a tqdm bar on stderr (only when stderr is a terminal).
         Returns:
-          True if the statistics were re-estimated; False if they already matched this step
-          (`state.bn_stats_step == state.step`), in which case nothing changes.
+          False if the statistics already matched this step (nothing changes), else True.
         """
         state = self.state
         if int(state.bn_stats_step.numpy()) == int(state.step.numpy()):
@@ -243,11 +196,8 @@ class PreciseBN:
             return True
         start = stream_start_step(batch)
 
-        # Every worker reads the same batches, dealt to its own towers with the training per-tower batch
-        # size, so with several workers each computes the same statistics without exchanging them (on
-        # one machine this is simply the global batch split over the towers). The stream ends with the
-        # batches used (the pipeline feeds each tower one batch per step): nothing is decoded beyond them
-        # (a cut after the prefetch would decode some for nothing).
+        # Every worker reads the same batches, so each computes the same statistics without exchanging
+        # them. The stream ends with the batches used, so nothing is decoded beyond them.
         dataset_fn = train_dataset_fn(reader, batch, start_step=start, end_step=start + num_batches,
                                       shard_over_workers=False)
         forward, layout = self._forward_fn(layers)
@@ -266,8 +216,7 @@ class PreciseBN:
         if seen != num_batches:  # the stream ends after them; fewer would mean a broken reader
             raise RuntimeError(f"BN re-estimation read {seen} batches, expected {num_batches}")
 
-        # Cross-replica context (eager, outside strategy.run): assigning a MirroredVariable here writes
-        # every tower's copy, so all towers (and a checkpoint, which saves tower 0's) agree.
+        # Cross-replica context: assigning a MirroredVariable writes every tower's copy.
         unused = []
         for layer, a in zip(layers, acc):
             if a is None:
@@ -286,19 +235,12 @@ class PreciseBN:
         return True
 
     def maybe_reestimate(self, cfg: Config, progress: bool = True) -> bool:
-        """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0.
-
-        Args:
-          cfg: the config whose data (the training split), seed and eval.bn_reestimate_batches are used.
-        Returns:
-          Whether the BN statistics match the weights (re-estimated now or before the checkpoint).
-        """
+        """Re-estimates the BN statistics if eval.bn_reestimate_batches > 0; whether they match the weights."""
         state = self.state
         if cfg.eval.bn_reestimate_batches > 0 and int(state.bn_stats_step.numpy()) != int(state.step.numpy()):
             train = open_split(cfg, cfg.data.train_split, optional=True)  # the re-estimation reads it
             if train is None:
-                # Predicting or exporting where the training data is not at hand: go on with the
-                # statistics as trained, and say so.
+                # E.g. predicting where the training data is not at hand: keep the trained statistics.
                 log.warning("BN statistics not re-estimated: training split %r not found under %s "
                             "(eval.bn_reestimate_batches needs it)", cfg.data.train_split, cfg.data.root)
                 return False

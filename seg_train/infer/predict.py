@@ -1,26 +1,13 @@
 """seg-predict: class-index PNGs and colour overlays for whole images.
 
-Each image is predicted at its own size with the inference modes of eval.* (modes.py): in the
-default mode in one pass (padded to a multiple of 32), so the largest image is bounded by the memory
-of one device, not by the training crop; with eval.mode: slide by the window's memory.
+Each image is predicted at its own size with the inference modes of eval.* (modes.py). Per input
+`<name>.<ext>`: `<name>.png`, a palette PNG of class indices (VOC colours), and `<name>_overlay.jpg`.
+With --label-ids instead one 8-bit PNG of the data set's raw label values (labels.raw_ids), named as
+the official evaluators look for them. The model runs through serving.serving_module, so predictions
+agree with the exported SavedModel and with evaluation.
 
-For each input image `<name>.<ext>` it writes, at the image's original size:
-- `<name>.png`: a palette ('P') PNG whose pixel values are the predicted class indices (VOC colours,
-  so viewers show colours and `np.array(Image.open(p))` gives the classes);
-- `<name>_overlay.jpg`: the prediction's colours blended over the photo.
-With --label-ids it writes instead, for each input, one single-channel 8-bit PNG of the data set's own
-raw label values (labels.raw_ids: Cityscapes' labelIds, ADE20K's 1..150, VOC's indices, the inverse of
-data.label_map / reduce_zero_label / binary_threshold), named as the benchmarks' tools look for them
-(`label_ids_name`), and nothing else: the folder is what an official evaluator or a submission reads.
-The model runs through serving.serving_module: the same graph and preprocessing as the exported
-SavedModel (and as evaluation), so the three agree.
-
-Outputs are named by the input's file name without its extension, so two inputs with the same name
-(a/x.jpg and b/x.jpg, or x.jpg and x.png) would overwrite each other: that is refused before anything
-runs (by the names of the files the run writes). Folders are read one level deep (no recursion), in sorted order.
-
-This module imports TensorFlow only inside `run_predict`: the command line checks the inputs before
-TensorFlow's slow start.
+Inputs whose output names would collide are refused before anything runs. TensorFlow is imported
+only inside `run_predict`, so the inputs are checked before its slow start.
 """
 
 from __future__ import annotations
@@ -53,16 +40,12 @@ def _check_image(path: Path) -> None:
         raise ConfigError("unreadable image", str(path), f"expected a JPEG/PNG image ({e})") from None
 
 
-# Cityscapes' image names end in _leftImg8bit; its evaluator (cityscapesscripts'
-# evalPixelLevelSemanticLabeling.getPrediction) matches a prediction to a ground truth by
-# `<city>_<seq>_<frame>*.png` anywhere under the results folder, and stops at a second match.
+# Cityscapes' evaluator matches predictions by `<city>_<seq>_<frame>*.png` and stops at a second match.
 CITYSCAPES_IMAGE_SUFFIX = "_leftImg8bit"
 
 
 def label_ids_name(image: Path) -> str:
-    """The --label-ids PNG's name: `<city>_<seq>_<frame>_labelIds.png` for a Cityscapes image
-    (`..._leftImg8bit.png`), else `<name>.png` (ADE20K's and VOC's devkits look for the image's name
-    with .png)."""
+    """The --label-ids PNG's name: `<city>_<seq>_<frame>_labelIds.png` for Cityscapes, else `<name>.png`."""
     stem = image.stem
     if stem.endswith(CITYSCAPES_IMAGE_SUFFIX):
         return stem[:-len(CITYSCAPES_IMAGE_SUFFIX)] + "_labelIds.png"
@@ -130,8 +113,7 @@ def overlay(image: np.ndarray, classes: np.ndarray, palette: np.ndarray, alpha: 
 
 def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os.PathLike,
                 progress: bool = True, label_ids: bool = False) -> list[Path]:
-    """seg-predict: segments every input image with CKPT_OR_RUN_DIR and writes PNGs and overlays (with
-    `label_ids`, the raw-label-value PNGs instead).
+    """seg-predict: segments every input image with CKPT_OR_RUN_DIR and writes the PNGs (module doc).
 
     Returns:
       The class-index (or raw-label-value) PNGs written (one per input image, in input order).
@@ -174,13 +156,11 @@ def _save_gray_png(path: Path, values: np.ndarray) -> None:
 
 def write_predictions(files, out: Path, classes_of, progress: bool = True,
                       raw_ids: np.ndarray | None = None) -> list[Path]:
-    """For each image file: `classes_of(uint8 [h, w, 3])` -> class map [h, w], written as <stem>.png and
-    <stem>_overlay.jpg in `out`; with `raw_ids` (train id -> raw label value) only `raw_ids[classes]` as a
-    single-channel PNG named label_ids_name. Returns the PNG paths in input order.
+    """Writes each file's `classes_of(uint8 [h, w, 3])` into `out` as seg-predict does (module doc);
+    with `raw_ids` (train id -> raw label value) as raw label values. Returns the PNGs in input order.
 
     Raises:
-      ConfigError: with `raw_ids`, a predicted class that has no raw value (a .tflite file with more
-        classes than data.num_classes).
+      ConfigError: with `raw_ids`, a predicted class that has no raw value.
     """
     palette = voc_colormap()
     out.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,6 @@
-"""The serving function: one uint8 image in, its class map and probabilities out, preprocessing and
-the inference modes (eval.*) in the graph. What seg-export saves, what seg-predict runs and what the
-TensorBoard examples show, so all three compute the same graph.
-
-TensorFlow is imported inside the function: the command line checks its arguments first.
+"""The serving function: one uint8 image in, class map and probabilities out, preprocessing and
+inference modes in the graph. seg-export, seg-predict and the TensorBoard examples all use it, so
+they agree. TensorFlow is imported inside the function, so arguments are checked first.
 """
 
 from __future__ import annotations
@@ -12,14 +10,11 @@ def serving_module(model, mean, std, eval_cfg=None, offsets=None):
     """A tf.Module holding `model`, whose `serve` segments one image with the inference modes of `eval_cfg`.
 
     `serve(image)`: image uint8 [height, width, 3] (RGB) -> {"classes": int32 [height, width],
-    "probabilities": float32 [height, width, num_classes]}, at the input's size. The classes are the
-    argmax of modes.class_scores, as in evaluation.
+    "probabilities": float32 [height, width, num_classes]}, at the input's size.
 
     Args:
-      model: the Keras model (float32 logits at its input's size).
-      mean, std: data.mean, data.std.
-      eval_cfg: an EvalConfig (eval.mode, flip, scales, crop_size, stride); default: one whole-image pass.
-      offsets: the logit adjustment's offsets (modes.score_offsets; Evaluator.score_offsets), or None.
+      eval_cfg: an EvalConfig; default: one whole-image pass.
+      offsets: modes.score_offsets' result, or None.
     """
     import tensorflow as tf
 

@@ -1,33 +1,15 @@
 """seg-export --format tflite: one .tflite file for LiteRT (a phone, or a server without TensorFlow).
 
-The file, and why it is built this way:
-- One fixed input, uint8 RGB [1, H, W, 3] (--input-size; default eval.crop_size, else data.crop_size).
-  TFLite's builtin kernels need static shapes: converting the SavedModel of seg-export, whose
-  signature takes any image size, fails with "TF Select ops: Conv2D ... tensor<?x?x?x?xf32>".
-- Normalisation (x - mean) / std with the config's data.mean/std is inside the model, and so are
-  eval.logit_adjustment's offsets (subtracted from the logits) and the argmax: the output is the
-  class map, uint8 [1, H, W] (with --probabilities also the softmax, float32 [1, H, W, C]). One
-  forward pass at H x W, no flips or scales: what an app runs.
-- Builtin ops only (target_spec.supported_ops = TFLITE_BUILTINS[_INT8]): a model that needs Select TF
-  ops is refused at conversion, so the file runs in the stock LiteRT interpreter.
-- The variables are frozen into constants (convert_variables_to_constants_v2) here, not left to the
-  converter: given the Keras 3 model as the trackable object (`from_concrete_functions([f], model)`), it
-  keeps the weights as resource variables (READ_VARIABLE ops, a file without its weights) and int8
-  calibration fails inside it.
-- --quantize float16 stores the weights in float16 (computed in float32). --quantize int8 is full-integer
-  post-training quantization: weights and activations in int8, calibrated on --calibration-images
-  training images (a seeded random subset of data.train_split, resized to H x W as an app resizes:
-  litert.to_input_size). int8 kernels are preferred, with the float builtin kept only for an op that has
-  no int8 kernel; the JSON beside the file lists every op that still computes in float32 (normally
-  only the input's CAST from uint8 and its QUANTIZE to int8). --float-ops keeps the named op kinds in
-  float32 in an int8 file, between QUANTIZE and DEQUANTIZE ops: for a model whose int8 file would leave
-  LiteRT's CPU delegate for them (XNNPACK declines a SegFormer's BATCH_MATMUL of two activations,
-  SOFTMAX, GELU, RSQRT and SQUARED_DIFFERENCE in int8, docs/DEPLOY.md). The converter offers this only
-  through its quantization debugger's denylist (tf.lite.experimental.QuantizationDebugger), which is
-  what `convert` uses then.
-- Beside FILE.tflite the export writes FILE.json: input and output tensors, mean/std, classes,
-  quantization, calibration set, size in bytes, the op counts. Both are written to temporary names and
-  renamed into place, so an interrupted export leaves no half file.
+- One fixed input, uint8 RGB [1, H, W, 3]: TFLite's builtin kernels need static shapes.
+- Normalisation, eval.logit_adjustment's offsets and the argmax are inside the model: the output is
+  the class map uint8 [1, H, W] (optionally the softmax too). One forward pass, no flips or scales.
+- Builtin ops only, so the file runs in the stock LiteRT interpreter.
+- The variables are frozen into constants here: given the Keras 3 model, the converter keeps them as
+  resource variables (a file without its weights) and int8 calibration fails.
+- --quantize int8 is full-integer post-training quantization calibrated on seeded training images
+  resized as an app resizes. --float-ops keeps named op kinds in float32 for ops XNNPACK declines in
+  int8 (docs/DEPLOY.md); the converter offers this only through its quantization debugger's denylist.
+- FILE.json beside FILE.tflite describes it; both are written atomically.
 """
 
 from __future__ import annotations
@@ -112,11 +94,7 @@ def frozen_function(fn):
 
 
 def calibration_samples(cfg: Config, count: int):
-    """`count` samples of the train split: the first of a permutation seeded by the run's seed.
-
-    Returns:
-      (the opened train split, split.Split; its samples chosen).
-    """
+    """(the opened train split, its first `count` samples of a permutation seeded by the run's seed)."""
     from seg_train.data.split import open_split
 
     train = open_split(cfg, cfg.data.train_split)
@@ -147,8 +125,7 @@ def check_float_ops(names: tuple[str, ...], quantize: str, given: str | None = N
 
 
 def convert(frozen, quantize: str, representative=None, float_ops: tuple[str, ...] = ()) -> bytes:
-    """The .tflite bytes of a frozen concrete function (module doc for what each quantization does);
-    `float_ops`: op kinds an int8 file keeps in float32 (--float-ops)."""
+    """The .tflite bytes of a frozen concrete function; `float_ops`: op kinds kept in float32 (int8)."""
     import tensorflow as tf
 
     converter = tf.lite.TFLiteConverter.from_concrete_functions([frozen])
@@ -165,8 +142,7 @@ def convert(frozen, quantize: str, representative=None, float_ops: tuple[str, ..
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if float_ops:
-                # The denylist is honoured only by the debugger's own conversion; its debug dataset is not
-                # read unless the debugger is run, which this does not do.
+                # The denylist is honoured only by the debugger's own conversion (the debugger is not run).
                 debugger = tf.lite.experimental.QuantizationDebugger(
                     converter=converter, debug_dataset=representative,
                     debug_options=tf.lite.experimental.QuantizationDebugOptions(denylisted_ops=list(float_ops)))
@@ -181,12 +157,10 @@ def convert(frozen, quantize: str, representative=None, float_ops: tuple[str, ..
 
 
 def describe(content: bytes) -> tuple[dict, dict, list, list]:
-    """Of a .tflite model, read with one interpreter and no delegate: ({op: count}, {op: count of those
-    computing in float32}, inputs, outputs), the tensors as JSON-ready dicts (name, index, dtype, shape).
+    """Of a .tflite model: ({op: count}, {op: count computing in float32}, inputs, outputs).
 
-    An op computes in float32 when one of its inputs or outputs is a float32 tensor. Read with
-    LiteRT's interpreter if installed, else TensorFlow's own; without the XNNPACK delegate, which
-    would fold the ops into DELEGATE nodes.
+    An op computes in float32 when one of its tensors is float32. Read without the XNNPACK delegate,
+    which would fold the ops into DELEGATE nodes.
     """
     try:
         from ai_edge_litert.interpreter import Interpreter, OpResolverType

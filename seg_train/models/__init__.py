@@ -20,12 +20,9 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     """The configured head (DeepLabV3+, LR-ASPP or SegFormer) on the configured backbone; call inside
     `strategy.scope()` for one set of variables.
 
-    The seed fixes the initial weights, so every run with the same config starts from the same model;
-    `cfg.init_weights` (a keras-hub SegFormer preset) then overwrites them. With `cfg.freeze_batchnorm`
-    the backbone's BN layers are frozen (see `freeze_batchnorm`) before anything reads
-    `model.trainable_variables`. Keys a loaded config resolves (output_stride, segformer_channels,
-    drop_path_rate, head_dropout) are read as resolved (config/resolve.py's model_defaults fills them in a
-    ModelConfig made in code; a loaded config has them already).
+    The seed fixes the initial weights; `cfg.init_weights` (a keras-hub SegFormer preset) then
+    overwrites them. With `cfg.freeze_batchnorm` the backbone's BN layers are frozen before anything
+    reads `model.trainable_variables`. Keys a config resolves are filled in by model_defaults.
     """
     cfg = model_defaults(cfg)
     choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
@@ -35,8 +32,6 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         check_segformer_preset(cfg.backbone, cfg.init_weights, channels)  # a wrong preset refused before building
     keras.utils.set_random_seed(seed)
     output_stride = cfg.output_stride
-    # DeepLabV3+ decodes from stride-4 features (and stride-2 ones with model.decoder_stride: 2),
-    # LR-ASPP from stride-8 ones, SegFormer from every stride from 4 up to the output stride.
     if cfg.head == "lraspp":
         low_strides = (8,)
     elif cfg.head == "segformer":
@@ -65,15 +60,10 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
 def freeze_batchnorm(backbone: keras.Model) -> int:
     """Sets `trainable = False` on every BatchNormalization layer of `backbone`; returns how many.
 
-    In Keras 3 that makes a BN layer normalise with its moving statistics even when called with
-    training=True, stop updating them, and move gamma/beta out of the trainable variables: the
-    layer is a fixed per-channel affine map (the loaded ImageNet statistics, DeepLab's
-    `fine_tune_batch_norm: false`). Precise BN (precise_bn.py) leaves such layers alone.
-
-    The backbone only: the head's BN layers have no loaded statistics (moving mean 0, variance 1),
-    and freezing them would also pin their gamma/beta at 1/0, leaving the head's bias-free convs
-    with neither normalisation nor a bias (DeepLab keeps gamma/beta trainable there, which Keras'
-    trainable flag cannot express).
+    In Keras 3 such a layer is a fixed affine map: moving statistics even in training, no updates,
+    gamma/beta not trainable (DeepLab's `fine_tune_batch_norm: false`). The backbone only: the
+    head's BN layers have no loaded statistics, and freezing them would leave its bias-free convs
+    with neither normalisation nor a bias.
     """
     layers = batchnorm_layers(backbone)
     for layer in layers:
@@ -92,8 +82,7 @@ def backbone_of(model: keras.Model) -> keras.Model:
 def backbone_variable_mask(model: keras.Model) -> list[bool]:
     """For each of `model.trainable_variables`, in order: whether it belongs to the backbone.
 
-    What `train.backbone_lr_multiplier` scales. Compared by identity, so it holds for the
-    distributed variables of a model built in a strategy scope too.
+    What `train.backbone_lr_multiplier` scales. Compared by identity, so distributed variables work too.
     """
     backbone = {id(v) for v in backbone_of(model).trainable_variables}
     return [id(v) in backbone for v in model.trainable_variables]

@@ -1,24 +1,14 @@
 """A dilated ('atrous') Conv2D that runs fast on CPUs and GPUs, with exactly the same result.
 
-Written by hand because Keras' Conv2D calls `tf.nn.convolution`, which runs EVERY dilated
-convolution as SpaceToBatchND + a dense conv + BatchToSpaceND. For ASPP on small feature maps that
-pads the map to a multiple of the rate in each direction and convolves mostly zeros, about 10x the
-time of one native dilated conv and 20x that of the 1x1 conv it really is (the ASPP branches were
-the slowest ops of the whole step; measurements in docs/ACCURACY.md, "Where the step time goes"). Two
-rewrites, both exact:
+Keras' Conv2D runs every dilated conv as SpaceToBatchND + a dense conv + BatchToSpaceND, which for
+ASPP on small maps convolves mostly padding (docs/ACCURACY.md). Two exact rewrites:
 
-1. Taps that can only ever read the zero padding are dropped. With 'same' padding and stride 1, a
-   3x3 kernel at rate r reads rows i-r, i, i+r for output row i; when r >= the map's height every
-   i-r and i+r is outside the map, so the kernel's top and bottom rows multiply zeros (their
-   gradient is zero too). The same holds for columns. ASPP's rates 12 and 18 on the 8x8 or 11x15
-   maps of small crops reduce to 1x3, 3x1 or 1x1 convs this way. Needs static spatial sizes (a
-   traced training step has them); with unknown sizes nothing is dropped.
-2. What remains is one `tf.nn.conv2d(..., dilations=r)` when the kernels support it: oneDNN on x86
-   CPUs (TensorFlow's default there) and cuDNN on GPUs do; TensorFlow's plain CPU kernels have no
-   dilated filter gradient, so without oneDNN and GPUs the Keras path is kept.
+1. Taps that can only read the zero padding are dropped: at rate r >= the map's size, a 3x3
+   kernel's outer rows/columns only multiply zeros. Needs static spatial sizes.
+2. What remains is one `tf.nn.conv2d(..., dilations=r)` where the kernels support it (oneDNN,
+   cuDNN); TensorFlow's plain CPU kernels have no dilated filter gradient, so there the Keras path stays.
 
-The variables are the layer's usual 3x3 kernel (same name and shape), so checkpoints and weights
-are interchangeable with a plain Conv2D.
+Same variables as a plain Conv2D, so checkpoints are interchangeable.
 """
 
 from __future__ import annotations
@@ -34,11 +24,8 @@ from keras import layers
 def native_dilation_supported(dtype=tf.float32) -> bool:
     """Whether this process's conv kernels take `dilations` directly (forward and both gradients).
 
-    float16 on a CPU never does: oneDNN's CPU kernels take no float16 here ("oneDNN supports
-    DT_HALF only on platforms with AVX-512", seen on an AVX-512 machine), so TensorFlow falls back
-    to its plain kernels, whose input gradient refuses dilations ("Current CPU implementations do
-    not yet support dilation rates larger than 1"): train.precision mixed_float16 crashed at the
-    first step on the demo. There the Keras path (SpaceToBatchND + a dense conv) is kept.
+    float16 on a CPU never does: oneDNN may refuse float16, and TensorFlow's plain kernels' input
+    gradient refuses dilations, so there the Keras path is kept.
     """
     gpus = bool(tf.config.list_physical_devices("GPU"))
     if tf.as_dtype(dtype) == tf.float16:

@@ -2,17 +2,12 @@
 
 The Mix Transformers (mit_b0..mit_b5) are models/mit.py's, at a fixed output stride of 32.
 
-The head picks the low-level strides: DeepLabV3+ decodes from stride 4 (the last block at stride 4,
-as DeepLab), with `model.decoder_stride: 2` also from stride 2 (the last layer at stride 2 before the
-next strided block); LR-ASPP from stride 8 (the block that first reaches stride 8, as torchvision's
-lraspp_mobilenet_v3_large).
+The head picks the low-level strides (DeepLabV3+: 4, optionally 2; LR-ASPP: 8).
 
-keras.applications models are built with plain strides (output stride 32) and their own BN layers
-(momentum 0.999, unsynchronised). They are rebuilt here with `keras.models.clone_model`: the last
-stages lose their stride and gain dilation (DeepLab's atrous backbone, so output_stride is real),
-and every BatchNormalization layer gets the configured momentum and `synchronized` flag (setting it
-on the head alone would leave the backbone's BN per tower). ImageNet weights, if given, are loaded
-into the rebuilt model by layer name (`load_keras_h5`).
+keras.applications models are rebuilt with `keras.models.clone_model`: the last stages trade stride
+for dilation (DeepLab's atrous backbone), and every BN layer gets the configured momentum and
+`synchronized` flag (else the backbone's BN would stay per tower). ImageNet weights are loaded by
+layer name (`load_keras_h5`).
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ log = logging.getLogger("seg_train")
 
 def tiny(output_stride: int, bn_momentum: float, choice: LayerChoice, width: int = 16,
          low_strides: tuple[int, ...] = (4,)) -> keras.Model:
-    """A small conv net for tests and the demo: low-level features at `low_strides` (2, 4 or 8), then the
-    stride-16/8 high-level features."""
+    """A small conv net for tests and the demo: features at `low_strides`, then at stride 16 (or 8)."""
     inp = keras.Input((None, None, 3), name="image")
 
     def block(x, filters, stride, dilation, name):
@@ -117,8 +111,7 @@ def _resnet_plan(output_stride, blocks):
 def _keras2_mobilenetv3_name(name: str) -> str:
     """'expanded_conv_3/squeeze_excite/Conv_1' -> 'expanded_conv_3_squeeze_excite_conv_1'.
 
-    The published MobileNetV3 files name layers as Keras 2 did ('Conv/BatchNorm', 'expanded_conv/depthwise');
-    Keras 3 forbids '/' in names and renamed them. Keras 3 names map to themselves.
+    The published files use Keras 2 names; Keras 3 forbids '/'. Keras 3 names map to themselves.
     """
     return name.replace("/BatchNorm", "_bn").replace("/", "_").lower()
 
@@ -140,8 +133,8 @@ _APPS = {
     "mobilenetv3_large": (_app(keras.applications.MobileNetV3Large, include_preprocessing=False),
                           {2: "expanded_conv_add", 4: "expanded_conv_2_add", 8: "expanded_conv_3_project_bn"},
                           None, _mobilenetv3_plan((1, 3, 6, 12), 15), _keras2_mobilenetv3_name),
-    # Small's first block is strided: its stride-2 features are the stem's (before its hard-swish, whose
-    # layer has no fixed name; the head's 1x1 conv, BN and ReLU come next).
+    # Small's first block is strided: its stride-2 features are the stem's BN output (the hard-swish
+    # layer has no fixed name).
     "mobilenetv3_small": (_app(keras.applications.MobileNetV3Small, include_preprocessing=False),
                           {2: "conv_bn", 4: "expanded_conv_project_bn", 8: "expanded_conv_1_project_bn"}, None,
                           _mobilenetv3_plan((0, 1, 3, 8), 11), _keras2_mobilenetv3_name),
@@ -154,8 +147,7 @@ _APPS = {
 }
 
 
-# The include_top=False ImageNet files keras.applications downloads for each backbone (from
-# https://storage.googleapis.com/tensorflow/keras-applications/<model>/): Keras 2 legacy .h5 files.
+# The include_top=False ImageNet files keras.applications downloads (Keras 2 legacy .h5).
 WEIGHT_FILES = {
     "mobilenetv2": "mobilenet_v2_weights_tf_dim_ordering_tf_kernels_1.0_224_no_top.h5",
     "mobilenetv3_large": "weights_mobilenet_v3_large_224_1.0_float_no_top_v2.h5",
@@ -163,8 +155,7 @@ WEIGHT_FILES = {
     "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
     "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
 }
-# The ImageNet classifier of the include_top=True files (keras-applications' and Keras' names for it;
-# MobileNetV3's after its renaming): not part of a backbone, so skipped when a user gives the file with the top.
+# The classifier layers of include_top=True files: skipped when a user gives such a file.
 _CLASSIFIER_LAYERS = {"Logits", "predictions", "probs", "conv_2", "logits"}
 
 
@@ -220,16 +211,10 @@ def _expected(name: str) -> str:
 def load_keras_h5(model: keras.Model, in_file: dict, path: Path, name: str) -> int:
     """Copies a Keras 2 legacy .h5 weights file (what keras-applications publishes) into `model`.
 
-    `in_file` is the file as `read_keras_h5` returns it (read before the model is built, so a bad
-    file is reported at once). Written by hand because Keras 3's `load_weights` reads these files
-    topologically: the n-th layer with weights in the file goes to the n-th layer with weights in
-    the model, whatever the names, so a file of another architecture with the same sequence of
-    shapes loads silently, and a file not named *.h5 is refused. Here layers are matched by name,
-    every layer of the model must be in the file and every layer of the file in the model (the
-    ImageNet classifier of an include_top=True file excepted), and each array must have the
-    variable's shape. Within a layer, arrays are matched by variable name (gamma, beta,
-    moving_mean, ...), or in order when the file's names are not Keras ones. Returns the number
-    of arrays loaded.
+    `in_file`: `read_keras_h5`'s result. Not Keras 3's `load_weights`, which matches layers by
+    position, so a file of another architecture with the same shapes loads silently. Here layers
+    match by name, both ways (the classifier excepted), and every shape must match. Within a layer,
+    arrays match by variable name, or in order. Returns the number of arrays loaded.
     """
     where, expected = str(path), _expected(name)
     in_model = {layer.name: layer for layer in model.layers if layer.weights}
@@ -269,14 +254,10 @@ def load_keras_h5(model: keras.Model, in_file: dict, path: Path, name: str) -> i
 class HardSwish(layers.Layer):
     """Keras' hard_swish, x * relu6(x + 3) / 6, with the 1/6 as a per-channel constant: MobileNetV3's activation.
 
-    The same function in another order, for int8 TFLite files. The converter fuses Keras' own form into
-    one HARD_SWISH op, and XNNPACK (LiteRT's CPU delegate, ai-edge-litert 2.3) has no int8 kernel for it:
-    each of MobileNetV3's 20 activations then split the int8 graph between XNNPACK and TFLite's slower
-    reference kernels, and the int8 LR-ASPP file ran slower than the float32 one (docs/DEPLOY.md). This
-    form converts to an ADD with a fused ReLU6 and two MULs, which XNNPACK runs in int8. Rounded in int8
-    after x * relu6(x + 3), not after x / 6: (x / 6) * relu6(x + 3) ran as fast but lost 2.0 mIoU
-    against float32 on CamVid (LR-ASPP), against 0.5 for the fused op. Float32 files
-    are unaffected (XNNPACK runs both forms). No weights: checkpoints are the same.
+    For int8 TFLite files: the converter fuses Keras' form into one HARD_SWISH op, which XNNPACK has no
+    int8 kernel for, splitting the graph (docs/DEPLOY.md); this form becomes an ADD with fused ReLU6
+    and two MULs, which XNNPACK runs in int8. The product comes before the 1/6 because dividing first
+    loses accuracy in int8. No weights: checkpoints are the same.
     """
 
     def call(self, x):
@@ -320,8 +301,7 @@ def keras_app(name: str, output_stride: int, bn_momentum: float, choice: LayerCh
     outputs = [model.get_layer(low_names[s]).output for s in low_strides] + [
         model.outputs[0] if high_name is None else model.get_layer(high_name).output]
     if name.startswith("resnet"):
-        # Keras' ResNet ImageNet weights expect BGR ('caffe' preprocessing); the reader gives RGB minus
-        # the RGB mean, so flip the channels here.
+        # Keras' ResNet ImageNet weights expect BGR ('caffe' preprocessing); the reader gives RGB.
         x = layers.Lambda(lambda t: t[..., ::-1], name="rgb_to_bgr")(inputs)
         return keras.Model(inputs, keras.Model(inputs, outputs)(x), name=name)
     return keras.Model(inputs, outputs, name=name)
@@ -332,10 +312,9 @@ def build_backbone(name: str, output_stride: int, bn_momentum: float, choice: La
                    drop_path_rate: float = 0.0) -> keras.Model:
     """Builds the named backbone with the layer classes of `choice` (one dict maps names to builders).
 
-    It returns the low-level features at each of `low_strides` (2, 4 or 8; 4, 8 or 16 for the MiT
-    backbones), in that order, then the high-level ones. `weights`: model.backbone_weights (a Keras
-    ImageNet file, or a keras-hub MiT preset directory for mit_b0..mit_b5). `drop_path_rate`: the MiT's
-    stochastic depth (models/mit.py; the other backbones have none).
+    Returns the features at each of `low_strides`, then the high-level ones. `weights`:
+    model.backbone_weights (a Keras ImageNet file, or a keras-hub MiT preset directory).
+    `drop_path_rate`: the MiT's stochastic depth.
     """
     if name == "tiny":
         if weights is not None:

@@ -11,10 +11,8 @@ from seg_train.models.sync_bn import SyncBatchNormalization
 def bn_class(sync: bool, fused: bool) -> type:
     """The BatchNormalization class for a layer: synchronized across towers or per tower.
 
-    Synchronized BN is always models/sync_bn.py's layer, whatever `fused`: with Keras' own
-    synchronized BN, tracing time grows much faster than the tower count (see there). Per-tower BN
-    is the fused kernel with Keras' semantics (models/fused_bn.py), or Keras' own layer with
-    `fused=False` (`model.fused_batchnorm: false`).
+    Synchronized BN is always models/sync_bn.py's layer (Keras' own traces far too slowly); per-tower
+    BN is models/fused_bn.py's, or Keras' own with `fused=False`.
     """
     if sync:
         return SyncBatchNormalization

@@ -12,8 +12,7 @@ from seg_train.models.layer_choice import LayerChoice
 class ResizeLike(layers.Layer):
     """Bilinear resize of x to the spatial size of `ref`.
 
-    Written by hand because keras.layers.UpSampling2D(interpolation="bilinear") fails on unknown
-    spatial sizes in graph mode; the target size here is a tensor.
+    Not UpSampling2D, which fails on unknown spatial sizes in graph mode.
     """
 
     def call(self, x, ref):
@@ -37,17 +36,9 @@ def deeplabv3plus(backbone: keras.Model, num_classes: int, output_stride: int, c
     """Builds DeepLabV3+ on `backbone` (which returns [low-level, high-level] features, or with `fine`
     [stride-2, stride-4, high-level] features).
 
-    The head's convs and BatchNormalization layers are of the classes `choice` gives.
-
-    ASPP rates follow the output stride (6, 12, 18 at 16; doubled at 8), as in the DeepLabV3 paper;
-    halved at 32 (the MiT backbones' fixed stride).
-
-    `fine` = (projection channels, conv channels) adds a stage at stride 2 after DeepLab's stride-4
-    decoder (`model.decoder_stride: 2`): the decoder's features upsampled to stride 2, concatenated
-    with a 1x1 projection of the backbone's stride-2 features, two 3x3 convs, then the logits. Why:
-    the logits of a stride-4 decoder are a 4x4-pixel grid upsampled bilinearly, which cannot draw a
-    1-3 pixel wide pole or sign post even with perfect class scores (docs/ACCURACY.md measures that
-    ceiling on CamVid at both strides, and what the stage did at the step budget).
+    ASPP rates follow the output stride (6, 12, 18 at 16; doubled at 8; halved at 32).
+    `fine` = (projection channels, conv channels) adds a stride-2 decoder stage
+    (`model.decoder_stride: 2`): stride-4 logits cannot draw 1-3 pixel wide objects (docs/ACCURACY.md).
     Returns float32 logits at the input's resolution.
     """
     kw = dict(choice=choice, momentum=bn_momentum)

@@ -1,21 +1,11 @@
 """BatchNormalization as TensorFlow's fused kernel, with Keras' semantics.
 
-Written by hand because Keras 3's BatchNormalization on TensorFlow is not fused: it runs as
-Mean / SquaredDifference / Sub / Mul / Tile / RealDiv ops and their gradients, about a quarter of the
-op time of the benchmark model's step (docs/PERFORMANCE.md). `tf.compat.v1.nn.fused_batch_norm`
-(FusedBatchNormV3, oneDNN on CPUs, cuDNN on GPUs) does the same forward and backward in a fraction
-of the time (docs/BATCHNORM.md, "The BN kernel").
+Keras 3's BatchNormalization on TensorFlow runs as many small unfused ops, a large share of the step
+(docs/PERFORMANCE.md); FusedBatchNormV3 does the same much faster (docs/BATCHNORM.md).
 
-Same variables, same maths as keras.layers.BatchNormalization (its subclass, so every isinstance
-check, checkpoint and weight file still holds):
-- training: normalise with the batch mean and the BIASED batch variance; moving statistics
-  <- momentum * moving + (1 - momentum) * batch statistics, the variance biased as Keras uses it
-  (the fused op returns the Bessel-corrected one, which is undone here);
-- inference: the moving statistics.
-Only the order of floating-point operations differs (agreement to ~1e-5, tests/test_fused_bn.py).
-Anything the fused op cannot do falls back to Keras' own call: synchronized BN (the statistics
-all-reduced across towers), masks, renorm, no scale/center, an axis other than the last of a 4-D
-input.
+A subclass with the same variables and maths (biased batch variance, Keras' moving-average update),
+so checkpoints and isinstance checks hold; only floating-point order differs. Anything the fused op
+cannot do (synchronized, masks, renorm, no scale/center, other axes) falls back to Keras' call.
 """
 
 from __future__ import annotations
@@ -44,9 +34,8 @@ class FusedBatchNormalization(layers.BatchNormalization):
         if training and self.trainable:
             y, mean, var = tf.compat.v1.nn.fused_batch_norm(inputs, gamma, beta, epsilon=self.epsilon,
                                                             data_format="NHWC", is_training=True)
-            # The fused op's variance is Bessel-corrected: undo it. A Python number when the shape is
-            # static (always in a traced train step): a few graph ops less per layer, which the
-            # graph optimisation of every tower pays for.
+            # The fused op's variance is Bessel-corrected: undo it (a Python number when static, so
+            # fewer graph ops).
             dims = inputs.shape[:3].as_list()
             if None in dims:
                 shape = tf.shape(inputs)
@@ -59,10 +48,8 @@ class FusedBatchNormalization(layers.BatchNormalization):
             self.moving_mean.assign(self.moving_mean * m + tf.stop_gradient(mean) * (1.0 - m))
             self.moving_variance.assign(self.moving_variance * m + tf.stop_gradient(var) * (1.0 - m))
         elif training:
-            # A frozen layer (trainable = False: model.freeze_batchnorm) in a training pass: the same
-            # affine map as inference, as plain element-wise ops. The fused inference op's gradient
-            # (FusedBatchNormGradV3 with is_training=false) has no deterministic GPU kernel, so
-            # train.deterministic could not run on a GPU with frozen BN layers.
+            # A frozen layer in a training pass: the inference affine map as element-wise ops, since
+            # the fused inference op's gradient has no deterministic GPU kernel.
             scale = gamma * tf.math.rsqrt(tf.cast(self.moving_variance.value, tf.float32) + self.epsilon)
             offset = beta - tf.cast(self.moving_mean.value, tf.float32) * scale
             y = tf.cast(inputs, tf.float32) * scale + offset

@@ -1,11 +1,8 @@
 """Which layer classes a model is built with: one value passed down the build.
 
-`models.build` makes one `LayerChoice` from the config's `model.sync_batchnorm`, `model.fused_batchnorm`
-and `model.fast_atrous` and hands it to the backbone and the head, which take every BatchNormalization
-layer and every Conv2D that may be dilated from it. Passed explicitly rather than read from
-process-wide flags, so a call shows where its class comes from, and no build can see another's choice
-(one on another thread, or one that raised half-way). The classes are interchangeable (same variables,
-same names), so the choice changes speed and float rounding, never the weights a checkpoint holds.
+`models.build` makes one `LayerChoice` from the config and hands it to the backbone and head. Passed
+explicitly rather than as process-wide flags, so no build can see another's choice. The classes have
+the same variables, so the choice changes speed and rounding, never what a checkpoint holds.
 """
 
 from __future__ import annotations

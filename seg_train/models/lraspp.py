@@ -1,10 +1,7 @@
 """Lite R-ASPP (the MobileNetV3 paper's segmentation head), as torchvision's lraspp_mobilenet_v3_large.
 
-high (the backbone's last features) -> 1x1 conv + BN + ReLU, scaled per channel by a sigmoid gate
-from its global average (1x1 conv, no bias, as torchvision), upsampled to the stride-8 low-level
-features; logits = 1x1 conv of the low-level features + 1x1 conv of that, upsampled to the input.
-Only 1x1 convs, BN, ReLU, sigmoid, global pooling, multiply, add and bilinear resizes: every op has
-a TFLite builtin.
+The high-level features, gated per channel by a sigmoid of their global average, upsampled to stride 8;
+logits = 1x1 conv of those + 1x1 conv of the stride-8 features. Every op has a TFLite builtin.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ def lraspp(backbone: keras.Model, num_classes: int, choice: LayerChoice, channel
            bn_momentum: float = 0.9) -> keras.Model:
     """Builds LR-ASPP on `backbone` (which returns [low-level at stride 8, high-level] features).
 
-    The BatchNormalization layer is of the class `choice` gives. Returns float32 logits at the
-    input's resolution.
+    Returns float32 logits at the input's resolution.
     """
     inp = keras.Input((None, None, 3), name="image")
     low, high = backbone(inp)

@@ -1,36 +1,16 @@
 """The Mix Transformer (MiT-B0..B5), SegFormer's encoder (Xie et al., NeurIPS 2021), for any input size.
 
-Four stages, each: an overlapping patch embedding (a strided conv with kernel larger than its stride on
-zero-padded input, then LayerNorm), transformer blocks, a LayerNorm; features at strides 4, 8, 16, 32.
-A block is x + attention(LN(x)), then x + Mix-FFN(LN(x)):
-- efficient self-attention: the keys and values come from the map shrunk by a conv with kernel and
-  stride R (the stage's spatial-reduction ratio, 8/4/2/1) and a LayerNorm, so attention costs
-  N * N / R^2 instead of N^2; per head softmax(q k^T / sqrt(d)) v, then a dense projection;
-- Mix-FFN: dense to 4x the width, a 3x3 depthwise conv (the position information; MiT has no position
-  embedding), GELU, dense back.
-In training each residual branch is dropped per sample (stochastic depth, model.drop_path_rate: rising
-linearly over the blocks), its masks drawn from each sample's global counter (models/stochastic.py).
+Four stages of overlapping patch embedding, transformer blocks (efficient self-attention with keys and
+values from a map shrunk by the stage's reduction ratio; Mix-FFN with a 3x3 depthwise conv as the
+position information) and a LayerNorm; features at strides 4, 8, 16, 32.
 
-Written here rather than taken from keras-hub (keras_hub.models.MiTBackbone, 0.32) because keras-hub's
-attention and Mix-FFN rebuild the 2-D map from the token count as H = W = sqrt(N): its model takes only
-SQUARE inputs of the size it was built for ((None, None, 3) does not build; a (64, 96, 3) model fails
-when called). seg-train trains on crops, evaluates whole images of every size in one traced function
-with unknown H and W, slides windows and predicts on any image. Here every layer works on the
-[batch, H, W, C] map and the attention flattens it with the map's own dynamic shape, so any H x W works.
+Not keras-hub's MiTBackbone: it rebuilds the 2-D map as H = W = sqrt(N), so it takes only square
+inputs of the size it was built for; here every layer works on the [b, H, W, C] map with its dynamic
+shape, so any H x W works. Variables match keras-hub's, so its presets load (models/presets.py); GELU
+(tanh form) and the stage LayerNorms' epsilon 1e-5 follow keras-hub so the presets give its outputs.
 
-The same layers, widths and variables as keras-hub's (and the paper's): parameter counts are equal for
-B0..B5, and keras-hub's presets load into it (models/presets.py maps its variable layout onto these
-layers by name). Two details follow keras-hub rather than the PyTorch original, so its presets give its
-outputs: GELU is the tanh approximation (`keras.ops.gelu`'s default), and the stage LayerNorms use
-epsilon 1e-5 (the blocks' are 1e-6, the patch embeddings' and the reductions' 1e-5, as both).
-
-Mixed precision: Keras' LayerNormalization computes its moments in float32 for half-precision inputs
-(keras.ops.layer_normalization), and `EfficientAttention` computes its logits and softmax in float32
-(float16 logits overflow at |q.k| / sqrt(d) > 65504). Every LayerNorm is made by `_layer_norm`: a
-`LayerNorm`, Keras' function in an order whose int8 TFLite form stays in int8.
-
-Inputs need at least 29 pixels per side: the first stage's 8x8 reduction conv needs an 8x8 map at stride
-4 (config/resolve.py refuses smaller training and slide crops; evaluation pads to a multiple of 32).
+Mixed precision: LayerNorm moments and attention logits/softmax in float32 (float16 logits overflow).
+Inputs need at least 29 pixels per side, for the first stage's 8x8 reduction conv.
 """
 
 from __future__ import annotations
@@ -79,8 +59,7 @@ VARIANTS = {
 class EfficientAttention(layers.Layer):
     """Multi-head softmax(q k^T / sqrt(d)) v of a query map [b, h, w, c] and a key/value map [b, h', w', c].
 
-    No weights: the projections are the Dense layers around it. The maps are flattened with their own
-    dynamic shapes (any h x w, also unknown in a trace); the output has the query map's shape.
+    No weights: the projections are the Dense layers around it. Any h x w, also unknown in a trace.
     """
 
     def __init__(self, heads: int, **kwargs):
@@ -125,10 +104,8 @@ class Gelu(layers.Layer):
 class LayerNorm(layers.LayerNormalization):
     """Keras' LayerNormalization over the last axis, its shift computed as beta - mean * inv.
 
-    Keras computes x * inv + (-mean * inv + beta): the TFLite converter keeps that negation as a NEG op,
-    which has no int8 kernel, so every LayerNorm of an int8 file left int8 for it (a DEQUANTIZE, the NEG
-    in float32, a QUANTIZE). A SUB has an int8 kernel. The same variables (gamma, beta) and the same
-    function; the moments in float32 for half-precision inputs, as Keras'.
+    Keras' form converts to a TFLite NEG, which has no int8 kernel; a SUB has one. Same variables and
+    function; moments in float32 for half-precision inputs, as Keras'.
     """
 
     def call(self, inputs):
@@ -144,10 +121,8 @@ def _layer_norm(epsilon: float, name: str) -> layers.LayerNormalization:
     return LayerNorm(epsilon=epsilon, name=name)
 
 
-# The original's initialisation (SegFormer's `_init_weights`, as timm's transformers): dense kernels
-# N(0, 0.02), conv kernels N(0, 2 / fan_out), biases 0; Keras' Glorot default gives a dense kernel
-# several times that spread, which matters when a MiT trains from scratch. New instances per layer
-# (an initializer object called twice would repeat its values).
+# The original's initialisation (dense N(0, 0.02), conv N(0, 2 / fan_out)): Keras' Glorot default is
+# several times wider, which matters from scratch. A new initializer per layer (reuse repeats values).
 def _dense(units: int, name: str) -> layers.Dense:
     return layers.Dense(units, kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02), name=name)
 
@@ -158,7 +133,7 @@ def _conv_init():
 
 def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float = 0.0):
     """One transformer block on the map x [b, h, w, width]; each residual branch dropped per sample with
-    probability `drop_path` in training (two independent draws, as timm's, mmsegmentation's and keras-hub's)."""
+    probability `drop_path` in training (two independent draws)."""
     y = _layer_norm(BLOCK_EPSILON, f"{name}_norm1")(x)
     q = _dense(width, f"{name}_attn_q")(y)
     kv = y
@@ -185,16 +160,14 @@ def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float
 
 
 def drop_path_rates(name: str, rate: float) -> list[float]:
-    """Each block's drop-path rate, the blocks of all stages in order: rising linearly from 0 at the first
-    block to `rate` at the last (the paper's; timm's, mmsegmentation's and keras-hub's linspace)."""
+    """Each block's drop-path rate over all stages' blocks: linearly from 0 to `rate` (the paper's)."""
     n = sum(VARIANTS[name].depths)
     return [rate * i / (n - 1) for i in range(n)]
 
 
 def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,), drop_path_rate: float = 0.0) -> keras.Model:
-    """MiT `name` (mit_b0..mit_b5): the features at each of `low_strides` (4, 8 or 16), in that order,
-    then the stride-32 features (the backbone interface of models/backbones.py). `drop_path_rate`: the
-    last block's stochastic depth (`drop_path_rates`); blocks at rate 0 have no DropPath layer."""
+    """MiT `name`: the features at each of `low_strides` (4, 8 or 16), then the stride-32 features.
+    `drop_path_rate`: the last block's stochastic depth; blocks at rate 0 have no DropPath layer."""
     spec = VARIANTS[name]
     rates = iter(drop_path_rates(name, drop_path_rate))
     inp = keras.Input((None, None, 3), name="image")

@@ -1,12 +1,8 @@
 """keras-hub's MiT and SegFormer presets, as users download them, loaded without keras-hub.
 
-A preset directory (Kaggle Models, or keras-hub's own download cache) holds config.json (the model's
-class and hyperparameters), metadata.json and model.weights.h5; a SegFormer segmenter adds task.json
-and task.weights.h5 (its classifier). The .weights.h5 files are Keras 3's weight format: one HDF5
-group per layer, `<path>/vars/<i>` arrays, where a container's layers are named by their class in
-snake case with a counter (`layers/hierarchical_transformer_encoder_3`: the fourth block of the
-model) and a layer's sub-layers by attribute (`attn/q`). That layout is keras-hub's model structure,
-mapped here onto models/mit.py's and models/segformer.py's layers by name:
+A preset directory holds config.json and model.weights.h5 (a SegFormer segmenter adds task.json and
+task.weights.h5, its classifier). Keras 3's .weights.h5 has `<path>/vars/<i>` arrays per layer, a
+container's layers named by class with a counter, sub-layers by attribute. Mapped here by name:
 
   MiT (the MiTBackbone file at the root; a SegFormer file under layers/functional/, its feature extractor)
     layers/overlapping_patching_and_embedding[_i]/{proj, norm}  -> stage<i+1>_embed_{conv, norm}
@@ -22,9 +18,8 @@ mapped here onto models/mit.py's and models/segformer.py's layers by name:
   classifier (task.weights.h5)
     layers/conv2d                                                -> logits
 
-Every array is checked (shape, and that nothing in the file is left over) before any is assigned, so
-a preset of another model is refused with one line and never half-loaded. keras-hub itself is not
-needed (h5py comes with TensorFlow); tests/test_presets.py holds the mapping to keras-hub's own outputs.
+Every array is checked (shape, nothing left over) before any is assigned, so a preset of another model
+is refused and never half-loaded.
 """
 
 from __future__ import annotations
@@ -252,9 +247,8 @@ def check_segformer_preset(name: str, directory, channels: int) -> tuple[Path, o
 
 def load_segformer_preset(model: keras.Model, backbone: keras.Model, name: str, directory, num_classes: int,
                           channels: int) -> int:
-    """model.init_weights: a keras-hub SegFormerImageSegmenter preset into `model` (models.segformer on the
-    MiT `backbone` of size `name`, `channels` wide). The classifier is loaded when the preset has
-    `num_classes` classes, else left at its initial weights (one INFO line). Returns the arrays loaded."""
+    """model.init_weights: a keras-hub SegFormerImageSegmenter preset into `model` (on the MiT `backbone`).
+    The classifier is loaded only when the preset has `num_classes` classes. Returns the arrays loaded."""
     d, preset_classes = check_segformer_preset(name, directory, channels)
     spec = VARIANTS[name]
     weights = _WeightsFile(d / "model.weights.h5", f"SegFormerBackbone ({name})")

@@ -1,8 +1,7 @@
 """keras-hub's DINOv3 and DINOv2 backbone presets loaded into models/vit.py's encoders without keras-hub.
 
-A preset directory holds config.json (DINOV3Backbone or DINOV2Backbone and its hyperparameters) and
-model.weights.h5 (Keras 3's weight format, read with h5py as models/presets.py reads MiT's). keras-hub's
-layout, mapped onto vit.py's layers by name (`_i` counts the blocks: none for the first):
+config.json and model.weights.h5, read as models/presets.py reads MiT's; keras-hub's layout mapped onto
+vit.py's layers by name (`_i` counts the blocks: none for the first):
 
   layers/dinov{3,2}_embedding/patch_embeddings/projection   -> patch_embed
   layers/dinov{3,2}_embedding/vars                         -> tokens: cls_token, [mask token: not used],
@@ -17,10 +16,8 @@ layout, mapped onto vit.py's layers by name (`_i` counts the blocks: none for th
       DINOv2 mlp/{fc1, fc2} or mlp/{weights_in, weights_out}   mlp_up, mlp_down or mlp_in, mlp_out
   layers/layer_normalization                                -> norm
 
-`check_dino_preset` reads only config.json, so a preset of another family, size, patch or register count
-is refused in one line naming the file before any model is built; every array's shape is then checked
-(and that nothing in the file is left over) before any is assigned. Arrays of blocks the encoder does
-not build (after its last output) and of the final norm when it is off are read and skipped.
+`check_dino_preset` reads only config.json, so a wrong preset is refused before any model is built;
+every array is checked before any is assigned. Arrays of layers the encoder does not build are skipped.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """SegFormer's all-MLP decoder (Xie et al., NeurIPS 2021) on any backbone with stride-4 first features.
 
-Each feature level -> a dense projection to C channels -> upsampled bilinearly to the first (stride-4)
-level's size; the levels concatenated deepest first (the paper's and keras-hub's order, which the fuse
-conv's weights depend on) -> 1x1 conv (no bias) + BN + ReLU -> dropout -> classifier (1x1 conv) ->
-upsampled to the input. Dense, resize, concatenation and 1x1 convs only: any input size, every op a
-TFLite builtin.
-
-The dropout is the paper's (0.1 by default, model.head_dropout), of whole channels as PyTorch's Dropout2d
-in mmsegmentation's decode heads, and drawn per sample from the global sample counter so that 1 tower
-computes what N towers do (models/stochastic.py; Keras' Dropout draws per call). The identity at inference.
+Each level projected to C channels and upsampled to stride 4; the levels concatenated deepest first
+(keras-hub's order, which the fuse conv's weights depend on) -> 1x1 conv + BN + ReLU -> channel
+dropout (drawn per sample, models/stochastic.py) -> classifier. Every op a TFLite builtin.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ from seg_train.models.stochastic import ChannelDropout
 def segformer(backbone: keras.Model, num_classes: int, choice: LayerChoice, channels: int = 256,
               bn_momentum: float = 0.9, dropout: float = 0.0) -> keras.Model:
     """Builds the SegFormer head on `backbone` (which returns its features shallowest first, the first at
-    stride 4). The BatchNormalization layer is of the class `choice` gives; `dropout` the rate of the
-    channel dropout before the classifier (no layer at 0). Returns float32 logits at the input's resolution."""
+    stride 4). `dropout`: the channel dropout's rate (no layer at 0). Returns float32 logits at input size."""
     inp = keras.Input((None, None, 3), name="image")
     features = backbone(inp)
     first = features[0]

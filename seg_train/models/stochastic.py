@@ -1,21 +1,12 @@
 """Dropout and stochastic depth drawn per SAMPLE from (seed, global sample counter, layer), not per call.
 
-The train step gives every row of a micro-batch its global sample counter k, the number the data stream
-draws that sample's augmentation from (data/reader.py, ImageReader.train_order): row i of micro-batch m
-on tower r at step s is k = (s*K + m)*B + r*b + i (K micro-batches of a global batch B, b rows per
-tower). While the step traces the model it holds those counters in `per_sample`; a stochastic layer
-draws row i's mask with TensorFlow's stateless RNG seeded by (k, a hash of the run's seed and the
-layer's name). So a sample gets the same masks whatever the tower count, the worker count, its row or
-its tower, and a resumed run draws what the uninterrupted one drew: the masks are a pure function of
-(seed, k, layer), like the data stream, and nothing about them is carried in a checkpoint.
+Each row's global sample counter k (ImageReader.train_order's) is held in `per_sample` while the train
+step traces the model; a layer draws row i's mask from the stateless RNG seeded by (k, a hash of the
+seed and the layer's name). So masks do not depend on the tower or worker count, and a resumed run draws
+what the uninterrupted one drew, with nothing in the checkpoint. keras.layers.Dropout draws per CALL
+from a SeedGenerator, so its masks depend on the towers and on the calls before.
 
-Why not keras.layers.Dropout (or keras-hub's DropPath): they draw from a SeedGenerator per CALL, so the
-mask of a sample depends on which tower it lands on, how many rows that tower has and how many calls
-came before (1 tower and N towers then differ, and a resumed run differs from the uninterrupted one
-unless the generator's state is checkpointed and every tower's call count is the same).
-
-Outside `per_sample` (evaluation, precise BN, prediction, export, a Keras call with training=True) and
-whenever `training` is false, the layers are the identity and add no op to the graph: inference is
+Outside `per_sample` and when `training` is false the layers are the identity: inference is
 deterministic, and precise BN estimates the statistics of the network inference runs.
 """
 
@@ -29,8 +20,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-# The counters of the pass being traced, per thread: with synchronized BN each tower traces its pass in its
-# own thread (towers.py), each with its own counters.
+# Per thread: with synchronized BN each tower traces its pass in its own thread.
 _local = threading.local()
 
 
@@ -49,8 +39,8 @@ def per_sample(sample_ids, seed: int):
 def sample_ids(step, micro, tower, rows: int, towers: int, micro_batches: int):
     """The global sample counter of each row of one micro-batch on one tower: int64 [rows].
 
-    k = (step * K + micro) * B + tower * rows + i with B = towers * rows, ImageReader.train_order's formula
-    (the tower index is the replica's index in the whole group, every worker's towers included).
+    k = (step * K + micro) * B + tower * rows + i with B = towers * rows (the tower index counts every
+    worker's towers).
     """
     step, micro, tower = (tf.cast(x, tf.int64) for x in (step, micro, tower))
     first = (step * micro_batches + micro) * (towers * rows) + tower * rows
@@ -121,9 +111,8 @@ class DropPath(_PerSampleDrop):
 
 @keras.saving.register_keras_serializable(package="seg_train")
 class ChannelDropout(_PerSampleDrop):
-    """Dropout of whole channels per sample (PyTorch's Dropout2d, which mmsegmentation's decode heads and
-    SegFormer's put before the classifier): in training, each (sample, channel) of an NHWC map is zeroed
-    with probability `rate`, kept ones scaled by 1 / (1 - rate). Drawn per sample (module doc)."""
+    """Dropout of whole channels (PyTorch's Dropout2d): in training, each (sample, channel) of an NHWC map
+    is zeroed with probability `rate`, kept ones scaled by 1 / (1 - rate). Drawn per sample (module doc)."""
 
     def _row_shape(self, x) -> list:
         return [1, 1, x.shape[-1]]

@@ -1,34 +1,21 @@
 """Synchronized BatchNormalization: one all-reduce per layer forward, one backward, gradient written out.
 
-Written by hand because Keras 3's `BatchNormalization(synchronized=True)` makes three all-reduces
-per layer (sum, sum of squares, count) through `ReplicaContext.all_reduce`, whose
-`tf.custom_gradient` wrapper walks the graph backwards at trace time, across every tower's graph
-(see collectives.py): a 4-tower MobileNetV2 DeepLabV3+ step was still tracing after 17 minutes.
+Not Keras 3's `BatchNormalization(synchronized=True)`: its all-reduces go through a
+`tf.custom_gradient` wrapper that walks every tower's graph backwards at trace time, so tracing a
+multi-tower step takes impractically long (see collectives.py).
 
-Here, in training mode across several towers:
-- forward: each tower computes, per channel, its pixel count n_i, its own mean m_i and its centred
-  sum of squares M2_i = sum((x - m_i)^2) (two passes over its own pixels, so nothing cancels). The
-  N rows (n_i, m_i, M2_i) travel in ONE all-reduce, each tower's row in its own slot (an all-gather
-  by summation), and every tower then combines them as Chan et al.'s parallel variance does:
-      n = sum n_i,   mean = sum n_i m_i / n,   M2 = sum M2_i + sum n_i (m_i - mean)^2.
-  Every term is a sum of non-negative numbers or of small differences, so the result keeps float32
-  accuracy when a channel's mean is far larger than its spread (a layer trained from scratch, its
-  moving mean still 0). A one-pass E[x^2] - E[x]^2 loses most of its digits there (docs/BATCHNORM.md,
-  "Synchronized BN", has the figures; tests/test_sync_bn.py holds this layer to Keras'
-  BatchNormalization computed in float64). The payload is N x (2C + 1) floats instead of 2C + 1, a
-  few KB per layer. Every tower then normalises with the same global mean and (biased) variance and
-  updates the moving statistics with them, as Keras' BatchNormalization does on the whole batch;
-- backward: the gradient of the towers' summed loss w.r.t. this tower's input is
-  dx = gamma / sqrt(var + eps) * (dy - sum_g(dy) / n - xhat * sum_g(dy * xhat) / n),
-  where sum_g runs over the pixels of ALL towers: the two per-channel sums travel in one
-  all-reduce. gamma's and beta's gradients are this tower's own sums (the train step sums the
-  towers' gradients afterwards, like every other weight's).
-The custom gradient's inputs are the layer's input and its weights, and the global moments are
-computed outside it, so TensorFlow's walk for it stays inside this one layer.
+In training mode across several towers:
+- forward: each tower's per-channel (count n_i, mean m_i, centred M2_i) travel in ONE all-reduce
+  (each in its own slot) and are combined as Chan et al.'s parallel variance:
+      n = sum n_i,   mean = sum n_i m_i / n,   M2 = sum M2_i + sum n_i (m_i - mean)^2,
+  which keeps float32 accuracy when a channel's mean is far larger than its spread, where
+  E[x^2] - E[x]^2 loses most of its digits (docs/BATCHNORM.md);
+- backward: dx = gamma / sqrt(var + eps) * (dy - sum_g(dy) / n - xhat * sum_g(dy * xhat) / n), the
+  sums over ALL towers' pixels in one all-reduce; gamma's and beta's gradients are this tower's own.
+The global moments are computed outside the custom gradient, so its graph walk stays in this layer.
 
-On one tower (or outside a strategy) the same code runs without the all-reduces, so 1 tower and N
-towers compute the same function. Inference mode runs the fused kernel (models/fused_bn.py); masks
-and frozen layers use Keras' own path.
+On one tower the same code runs without the all-reduces. Inference runs the fused kernel
+(models/fused_bn.py); masks and frozen layers use Keras' own path.
 """
 
 from __future__ import annotations
@@ -43,8 +30,7 @@ from seg_train.models.fused_bn import FusedBatchNormalization
 class SyncBatchNormalization(FusedBatchNormalization):
     """keras.layers.BatchNormalization(synchronized=True) with one all-reduce per layer (module doc).
 
-    A subclass of FusedBatchNormalization (so of keras' BatchNormalization): same variables, and
-    inference runs the fused kernel.
+    Same variables as keras' BatchNormalization; inference runs the fused kernel.
     """
 
     def __init__(self, *args, **kwargs):
@@ -73,8 +59,7 @@ class SyncBatchNormalization(FusedBatchNormalization):
 def _global_moments(x):
     """The per-channel mean and biased variance of `x` over the pixels of all towers, and their count.
 
-    Chan's combination of each tower's (count, mean, centred sum of squares), gathered in one
-    all-reduce (module doc).
+    Chan's combination of each tower's moments, gathered in one all-reduce (module doc).
     """
     dims = x.shape[:3].as_list()
     if None in dims:

@@ -1,32 +1,16 @@
 """DINOv3 and DINOv2 ViT encoders (Simeoni et al. 2025; Oquab et al. 2023) for any input size.
 
-A plain ViT: a stride-p patch embedding, a CLS token, register tokens (Darcet et al. 2024) and L blocks
-x + LS1 * attention(LN(x)), then x + LS2 * MLP(LN(x)) (LS: layer scale, a learned per-channel factor).
-The two families differ in where positions enter:
-- DINOv3 (patch 16): rotary embeddings (RoPE) on the patch tokens' queries and keys in every block,
-  from the patch centres in [-1, 1] of the actual grid (H/p x W/p), theta 100; CLS and registers
-  unrotated. LayerNorm epsilon 1e-5; the "plus" sizes use a gated (SiLU) MLP.
-- DINOv2 (patch 14): a learned position embedding for a 37x37 grid (518-pixel inputs) added after the
-  CLS token, resized bicubically to the actual grid in every call (the reference's resize,
-  antialiased for the register presets); registers inserted after the addition. Epsilon 1e-6; giant
-  uses SwiGLU.
-The output is the patch tokens of the chosen blocks as [b, H/p, W/p, C] maps (CLS and registers dropped).
+A plain ViT with CLS and register tokens and layer-scaled pre-norm blocks. DINOv3 (patch 16) puts
+rotary embeddings on the patch tokens' q and k from the actual grid; DINOv2 (patch 14) adds a learned
+37x37 position embedding resized bicubically to the actual grid. The output is the patch tokens of the
+chosen blocks as [b, H/p, W/p, C] maps.
 
-Written here rather than taken from keras-hub (DINOV3Backbone, DINOV2Backbone, 0.32) because keras-hub
-computes the rotary table and the resized position embedding for the one input shape it was built for
-(DINOv3 does not build with (None, None, 3); DINOv2 takes only that square size). seg-train traces
-evaluation once for unknown H and W, so here both are computed from the map's dynamic shape. Variables,
-layout and arithmetic follow keras-hub's, so its presets load (models/presets_vit.py) and give its outputs
-(tests/test_dino.py); keras-hub's mask token (masked-image pretraining only) and DINOv2's resized copy of
-the position embedding (derived) are not variables here.
+Not keras-hub's DINOV3Backbone/DINOV2Backbone: those compute the rotary table and resized positions
+for the one input shape they were built for, while evaluation is traced once for unknown H and W.
+Variables, layout and arithmetic follow keras-hub's, so its presets load (models/presets_vit.py).
 
-Mixed precision: LayerNorms compute their moments in float32 (mit.LayerNorm), the attention applies
-RoPE and computes its logits and softmax in float32, the position resize runs in float32. Drop path is
-per sample (models/stochastic.py): DINOv3's rate rises linearly over the blocks, DINOv2's is the same
-in every block (as keras-hub's).
-
-Inputs must be a multiple of the patch size: a known size that is not is refused (ValueError); with an
-unknown size the stride-p conv would drop the remainder, so callers pad (evaluation does).
+Mixed precision: LayerNorm moments, RoPE, attention logits/softmax and the position resize in float32.
+Inputs must be a multiple of the patch size (a known size that is not is refused; callers pad).
 """
 
 from __future__ import annotations
@@ -76,8 +60,7 @@ def _v2(width, depth, heads, mlp, gated=False, registers=0):
                    antialias=registers > 0)
 
 
-# The released sizes (keras-hub's presets: dinov3_vit_{small, small_plus, base, large, huge_plus}_lvd1689m,
-# dinov2_{small, base, large, giant} and dinov2_with_registers_*: the *_reg entries).
+# The released sizes (keras-hub's presets; *_reg: dinov2_with_registers_*).
 VARIANTS = {
     "dinov3_vits16": _v3(384, 12, 6, 1536),
     "dinov3_vits16plus": _v3(384, 12, 6, 1536, gated=True),
@@ -106,9 +89,8 @@ def default_layers(depth: int) -> tuple[int, ...]:
 def rope_tables(grid_h, grid_w, head_dim: int, theta: float):
     """DINOv3's rotary (cos, sin) [grid_h * grid_w, head_dim] in float32, the patches in row-major order.
 
-    Each patch centre ((i + 0.5) / grid_h, (j + 0.5) / grid_w) mapped to [-1, 1]; head_dim / 4
-    frequencies theta^-(4k / head_dim); the angles 2 pi * coordinate * frequency, the row coordinate's
-    then the column's (head_dim / 2), repeated once (rotate-half pairs dimension d with d + head_dim / 2).
+    Patch centres mapped to [-1, 1]; head_dim / 4 frequencies; row angles then column angles, repeated
+    once (rotate-half pairs dimension d with d + head_dim / 2).
     """
     inv_freq = 1.0 / theta ** tf.range(0.0, 1.0, 4.0 / head_dim, dtype=tf.float32)
     gh, gw = tf.cast(grid_h, tf.float32), tf.cast(grid_w, tf.float32)
@@ -124,8 +106,7 @@ def rope_tables(grid_h, grid_w, head_dim: int, theta: float):
 
 def resize_positions(pos, grid_h, grid_w, antialias: bool):
     """DINOv2's position embedding [1, 1 + G*G, C] for a grid_h x grid_w patch grid: the CLS entry kept,
-    the G x G grid resized bicubically in float32 (keras.ops.image.resize's TensorFlow call, whose front
-    end refuses a dynamic size)."""
+    the grid resized bicubically in float32 (tf.image.resize: keras.ops.image.resize refuses a dynamic size)."""
     c = pos.shape[-1]
     g = int(round((pos.shape[1] - 1) ** 0.5))
     grid = tf.reshape(tf.cast(pos[:, 1:], tf.float32), [1, g, g, c])
@@ -357,11 +338,9 @@ def drop_path_rates(spec: Variant, rate: float) -> list[float]:
 
 def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: float = 0.0,
                  norm: bool = True) -> keras.Model:
-    """The DINO encoder `name` (a VARIANTS key, or a Variant) on images of any size (multiples of the patch):
-    one [b, H/p, W/p, C] map per block of `layers` (1-based, keras-hub's stage numbers; default
-    `default_layers`), in that order. `norm`: the final LayerNorm applied to each map (as DINOv2's and
-    DINOv3's own segmentation heads take them; keras-hub's apply_layernorm). Blocks after the last one
-    asked for are not built."""
+    """The DINO encoder `name` (a VARIANTS key, or a Variant): one [b, H/p, W/p, C] map per block of
+    `layers` (1-based; default `default_layers`). `norm`: apply the final LayerNorm to each map (as DINO's
+    own segmentation heads do). Blocks after the last one asked for are not built."""
     spec = VARIANTS[name] if isinstance(name, str) else name
     label = name if isinstance(name, str) else f"{spec.family}_custom"
     chosen = tuple(layers or default_layers(spec.depth))
