@@ -1,15 +1,9 @@
 """Where a data set's files are, as each one ships (data.layout): voc, cityscapes, ade20k, pairs; every
 layout's listing, and the class names of the layouts that know them.
 
-A layout turns (data config, split) into samples (an image path and a label path each, or a TFRecord
-record with data.format: tfrecord). What a layout's label values mean (Cityscapes' labelIds -> the 19
-train ids, ADE20K's 0 = "other" and classes 1..150) is label_tables.LAYOUT_LABELS's, checked with the config;
-labels.py applies it. Every command lists a split through `list_samples` (by way of the front door,
-data/split.py) and asks `split_exists` before opening an optional one (the val split, the training
-split for precise BN).
-
-Every look at the data goes through tf.io.gfile (data/files.py), so data.root may be a URL (gs://...).
-Paths are strings: pathlib would mangle one.
+A layout turns (data config, split) into samples (image and label paths, or a TFRecord record). What
+its label values mean is label_tables.LAYOUT_LABELS's; labels.py applies it. Files are reached through
+tf.io.gfile (data/files.py), so data.root may be a URL; paths are strings, which pathlib would mangle.
 """
 
 from __future__ import annotations
@@ -88,7 +82,7 @@ def _folder(path: str, expected: str) -> str:
 def _check_label(label: str, present: set[str], data: DataConfig, expected: str) -> None:
     """A missing label is named with its image at once (with on_bad_sample: skip, the scan drops the sample).
 
-    `present`: the label folder's files, listed once (one listing, not a look per file on remote storage).
+    `present`: the label folder's files, listed once (not a stat per file on remote storage).
     """
     if data.on_bad_sample == "error" and label not in present:
         raise ConfigError("label not found", label, expected)

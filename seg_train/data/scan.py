@@ -1,11 +1,8 @@
 """A scan of a split before training: every sample decoded and checked once, with a progress bar.
 
-Everything that can be found before training starts is found here (missing files, unreadable or
-truncated images, colour labels, JPEG labels, size mismatches, raw label values the label map does not
-cover, out-of-range label values), so a bad file is named in seconds instead of crashing a run hours
-later. JPEG labels are counted on their own: most of their damaged values still look like classes, so
-they are the bad samples a user would not find by looking at the values.
-The per-class histogram counts the labels after the label map: the train ids the model learns.
+Finds every bad file before training (missing, unreadable, colour or JPEG label, size mismatch,
+unmapped or out-of-range values), so it is named up front rather than crashing a run later. JPEG labels
+are counted apart: their damaged values still look like classes. The histogram counts train ids.
 """
 
 from __future__ import annotations
@@ -141,9 +138,8 @@ def _bad_positions(samples: list[Sample], bad: list[tuple[Sample, str]]) -> list
 
 def scan_cached(cfg: Config, reader: ImageReader, what: str, shard: tuple[int, int] = (0, 1),
                 refresh: bool = False) -> ScanReport:
-    """scan() of the reader's samples, or of a worker's share samples[i::W] (shard (i, W)), through the
-    scan cache (data.scan_cache, scan_cache.py): unchanged files under unchanged settings are not
-    decoded again. `refresh` scans even when the cache holds the result, and stores the new one."""
+    """scan() of the reader's samples, or of shard (i, W)'s samples[i::W], through the scan cache
+    (scan_cache.py). `refresh` scans even on a cache hit, and stores the new result."""
     d = cfg.data
     samples = reader.samples[shard[0]::shard[1]]
     folder = scan_cache.folder_for(d)
@@ -213,14 +209,10 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
 def scan_for_training(cfg: Config, splits: list[tuple[ImageReader, str]], strategy=None) -> list[ScanReport]:
     """The scan before training of each (reader, what), data.on_bad_sample applied; returns the reports.
 
-    With several workers (a MultiWorkerMirroredStrategy) each worker scans only its share
-    samples[i::W] of every split, and one all-reduce of (per-sample bad flags, pixel counts) gives
-    every worker the whole result. Why not the chief alone with the others waiting for it: they
-    would wait the whole scan inside a collective that train.collective_timeout bounds (a large set
-    on slow storage would time it out), and W workers scan W times faster. Every worker learns of
-    every bad sample from the all-reduce before anyone acts on it, so they all raise the same error
-    together (one worker raising alone would leave the others waiting in their next collective until
-    it timed out) or all drop the same samples (the data stream must be the same on every worker).
+    With several workers each scans its share samples[i::W] and one all-reduce gives all the whole
+    result: a chief-only scan would keep the others waiting in a collective that
+    train.collective_timeout bounds. All workers then raise together or drop the same samples, so none
+    hangs in its next collective and the stream stays the same on every worker.
     """
     position = _worker_position(strategy)
     if position is None:
@@ -317,9 +309,8 @@ def class_weights_for_split(cfg: Config, reader: ImageReader, report: ScanReport
                             class_names=None):
     """The loss.class_weights that seg-train and seg-bench train with on `reader`'s split (losses.class_weights_for).
 
-    `report`: the split's scan, when the caller has one (seg-train scans every split before training).
-    Without it the split is scanned here only if the weights need its pixel counts (median_frequency), so
-    seg-bench pays no scan for fixed weights or none.
+    `report`: the split's scan if the caller has one; without it the split is scanned only when the
+    weights need pixel counts (median_frequency).
     """
     if report is None and isinstance(cfg.loss.class_weights, str):
         report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, label_table=reader.label_table)
