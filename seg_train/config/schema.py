@@ -17,10 +17,8 @@ def _c(default=dataclasses.MISSING, *, doc, default_doc=None, check=None, path=F
     """A config field: default, its one-line `doc` (what it is, its unit or allowed values), an optional
     check(value) -> error string or None, path, choices.
 
-    `default_doc` says what a default derived from other keys (filled by config/resolve.py) derives from;
-    docs/CONFIG.md shows it in place of the literal default.
-    A `path` is resolved against the config file's folder; with `url` it may also be a URL such as
-    gs://bucket/data (kept as the string it is: pathlib would make it gs:/bucket/data).
+    `default_doc`: what a derived default derives from (shown in docs/CONFIG.md). A `path` is resolved
+    against the config file's folder; with `url` it may be a URL, kept as a string (pathlib would mangle it).
     """
     meta = {"check": check, "path": path, "url": url, "choices": choices, "doc": doc, "default_doc": default_doc}
     if factory is not None:

@@ -14,8 +14,7 @@ def progress_bar(total: int, desc: str | None = None, unit: str = "img", initial
                  enabled: bool = True):
     """A tqdm bar on stderr; a disabled one (updates are no-ops) unless `shown(enabled)`.
 
-    Log lines go through tqdm.write while a bar is on screen (seg_train/cli/process.py's handler), so they
-    don't tear it.
+    Log lines go through tqdm.write while a bar is on screen, so they don't tear it.
     """
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr,
