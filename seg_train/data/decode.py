@@ -94,11 +94,8 @@ def decode_jpeg_window(contents, box, size):
 
 
 def decode_label(contents):
-    """Encoded label PNG bytes (scalar string tensor) -> uint8 [H, W] class indices as stored.
-
-    Raises (when run) an error for what `read_label` refuses (JPEG labels, colour labels, 16-bit values
-    above 255).
-    """
+    """Encoded label PNG bytes (scalar string tensor) -> uint8 [H, W] class indices as stored; fails
+    (when run) on what `read_label` refuses."""
     _, is_png, depth, colour = _header(contents)
     grey8 = is_png & tf.equal(depth, 8) & tf.equal(colour, _GREY)
     return tf.cond(grey8, lambda: tf.io.decode_png(contents, channels=1)[..., 0],

@@ -18,10 +18,8 @@ JOIN_TIMEOUT_S = 300  # at interpreter exit, per release still running (TensorFl
 
 
 def release(box: list) -> None:
-    """Empties `box` on a thread of its own, so that objects only the box holds are destroyed there.
-
-    The caller must hold no other reference to them (pass them inside the list, not as a local).
-    """
+    """Empties `box` on a thread of its own, so objects only the box holds are destroyed there (the
+    caller must hold no other reference: pass them inside the list, not as a local)."""
     def drop():
         box.clear()
         _releasing.discard(threading.current_thread())
@@ -54,11 +52,8 @@ def _clear_frames(exc: BaseException) -> None:
 
 
 class Feed:
-    """iter(dataset), owned: iterate it, `close()` it (or use it in a `with`); never waits for its end.
-
-    Args:
-      dataset: a tf.data.Dataset or a distributed dataset (strategy.distribute_datasets_from_function).
-    """
+    """iter(dataset) (plain or distributed), owned: iterate it, `close()` it (or use it in a `with`);
+    never waits for its end."""
 
     def __init__(self, dataset):
         self._it = iter(dataset)

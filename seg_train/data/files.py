@@ -32,10 +32,7 @@ def is_file(path) -> bool:
 
 
 def read_bytes(path) -> bytes:
-    """The whole file in one read (Pillow then decodes from memory, not through many small reads).
-
-    Raises FileNotFoundError for a missing file, OSError for any other failure.
-    """
+    """The whole file in one read (not Pillow's many small reads); FileNotFoundError, else OSError."""
     try:
         with tf.io.gfile.GFile(str(path), "rb") as f:
             return f.read()

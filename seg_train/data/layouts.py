@@ -69,7 +69,7 @@ _VOC_IMAGE_DIR, _VOC_LABEL_DIR, _VOC_SPLIT_DIR = "JPEGImages", "SegmentationClas
 
 
 def _sorted(paths) -> list[str]:
-    """Paths in pathlib's order (by their parts: 'a/x' before 'a-b/x'), the order samples always had."""
+    """Paths in pathlib's order (by their parts: 'a/x' before 'a-b/x'), so the sample order stays stable."""
     return sorted(paths, key=lambda p: p.split("/"))
 
 
@@ -218,9 +218,8 @@ _LISTERS = {"voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": 
 def list_samples(data: DataConfig, split: str) -> list[Sample]:
     """The samples of `split` in the configured layout (id, image path, label path; or the record).
 
-    Raises:
-      ConfigError: a missing root, split file, folder or list file, an empty split, a malformed list line,
-        or (with data.on_bad_sample: error) a label file the layout expects next to an image that is not there.
+    Raises ConfigError for a missing root, split, folder, list file or (on_bad_sample: error) label, an
+    empty split, or a malformed list line.
     """
     if data.format == "tfrecord":
         return _records(data, split)

@@ -54,11 +54,8 @@ class ShardError(ValueError):
 
 
 def walk_shard(path: str) -> list[RecordRef]:
-    """The records of one TFRecord file, found by walking the record headers.
-
-    Raises ShardError naming the file and the record if the framing does not end exactly at the end of
-    the file (a truncated file, or not a TFRecord file).
-    """
+    """The records of one TFRecord file, by walking the record headers; ShardError if the framing does
+    not end exactly at the end of the file (truncated, or not a TFRecord file)."""
     gfile = _gfile()
     size = gfile.stat(path).length
     refs, pos = [], 0
@@ -256,7 +253,7 @@ def write_split(samples, output: str, prefix: str, num_shards: int, progress=Non
     """Writes `samples` ((id, image path, label path) triples) as `num_shards` TFRecord shards and an index.
 
     Samples go to shards in contiguous runs, in split order. Returns the index (also written to
-    `<output>/<prefix>.index.json`): every shard's file name, size and (id, offset, length) per record.
+    `<output>/<prefix>.index.json`).
     """
     import tensorflow as tf
 

@@ -77,7 +77,7 @@ def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str =
          workers: int = 4, label_table: np.ndarray | None = None) -> ScanReport:
     """Decodes and checks every sample (threads: Pillow releases the GIL while decoding).
 
-    `label_table`: the reader's label map (labels.py; None: labels as stored), applied before counting.
+    `label_table`: the reader's label map (None: labels as stored), applied before counting.
     """
     t0 = time.perf_counter()
     report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64),
@@ -196,11 +196,8 @@ def apply_on_bad_sample(cfg: Config, reader: ImageReader, report: ScanReport, wh
 
 
 def scan_split(cfg: Config, reader: ImageReader, what: str):
-    """Checks every sample of the reader's split before training (or reads the result from the scan
-    cache); drops bad ones if on_bad_sample: skip.
-
-    Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
-    """
+    """Checks every sample of the reader's split before training (or reads the scan cache); drops bad
+    ones if on_bad_sample: skip. Returns the scan's report."""
     report = scan_cached(cfg, reader, what)
     _log_scan(report, what)
     return apply_on_bad_sample(cfg, reader, report, what)

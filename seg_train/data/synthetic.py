@@ -2,11 +2,7 @@
 
 Each image is a textured background (class 0) with 1-4 objects, each class with its own jittered shape,
 hue and texture plus lighting and noise: learnable, but not by colour alone. As in VOC, ignore pixels
-(255) outline the objects.
-
-Usage:
-    python -m seg_train.data.synthetic OUT_DIR [--num-train 160] [--num-val 40]
-        [--size 96 96] [--num-classes 5] [--seed 0]
+(255) outline the objects. Command line: `python -m seg_train.data.synthetic --help`.
 """
 
 from __future__ import annotations
@@ -157,7 +153,7 @@ def render_scene(
     image *= (1.0 + rng.uniform(0.2, 0.6) * ramp)[..., None]
     image += rng.normal(0.0, rng.uniform(4.0, 12.0), image.shape)
 
-    # VOC-style ignore band along visible outlines (~2 px at 96 px, scaling with size).
+    # VOC-style ignore band along visible outlines, its width scaling with the image size.
     border_width = max(1, round(2 * short / 96))
     label[_outline(instances, max(1, round(border_width / 2)))] = IGNORE_LABEL
     return np.clip(image, 0, 255).astype(np.uint8), label
