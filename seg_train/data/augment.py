@@ -17,11 +17,8 @@ PHOTOMETRIC_ORDER = ("brightness", "contrast", "saturation", "hue")
 
 
 def photometric_draws(spec: dict, key) -> dict:
-    """data.photometric's random draws for one sample: {name: (applied, amount)} for the named steps.
-
-    Each step is applied with probability 1/2, amount uniform in [-v, v]. Each step draws from its own
-    split of `key`, so its draws do not depend on which other steps are on.
-    """
+    """data.photometric's draws for one sample: {name: (applied with p 1/2, amount in [-v, v])}. Each
+    step draws from its own split of `key`, so its draws do not depend on which other steps are on."""
     keys = tf.random.experimental.stateless_split(key, num=2 * len(PHOTOMETRIC_ORDER))
     draws = {}
     for i, name in enumerate(PHOTOMETRIC_ORDER):
@@ -32,11 +29,8 @@ def photometric_draws(spec: dict, key) -> dict:
 
 
 def apply_photometric(image, draws: dict):
-    """The colour jitter of one float32 RGB image in 0..255 for given draws (photometric_draws).
-
-    In PHOTOMETRIC_ORDER, each step only where drawn, clipped to [0, 255] after each; hue is on
-    OpenCV's 0..180 scale.
-    """
+    """The colour jitter of a float32 RGB image in 0..255 for `draws`, in PHOTOMETRIC_ORDER, clipped to
+    [0, 255] after each step; hue is on OpenCV's 0..180 scale."""
     for name in PHOTOMETRIC_ORDER:
         if name not in draws:
             continue
@@ -61,11 +55,8 @@ class Taps(NamedTuple):
 
 
 def bilinear_axis(out_index, in_size, out_size) -> Taps:
-    """Along one axis, the source pixels and weight of ResizeBilinear (half-pixel centres, no antialias)
-    for output pixels `out_index` of a resize from `in_size` to `out_size`.
-
-    The CPU kernel's float32 arithmetic (resize_bilinear_op.cc), so the values match it to the bit.
-    """
+    """Along one axis, ResizeBilinear's taps (half-pixel centres) for output pixels `out_index` of a resize
+    from `in_size` to `out_size`, in the CPU kernel's float32 arithmetic, so they match it to the bit."""
     scale = tf.cast(in_size, tf.float32) / tf.cast(out_size, tf.float32)
     p = (tf.cast(out_index, tf.float32) + 0.5) * scale - 0.5
     floor = tf.floor(p)
@@ -108,11 +99,8 @@ class CropPlan:
 
 
 def crop_plan(cfg: DataConfig, seed: int, hw, k) -> CropPlan:
-    """The (seed, k) draws of a sample of source size `hw` and the crop window they give.
-
-    Draws scale, mirror, y, x, each from its own split of the sample's key; this order and arithmetic
-    define the stream, so changing them changes every run's augmentation.
-    """
+    """The crop window of sample k of source size `hw`. Draws scale, mirror, y, x, each from its own
+    split of the key; this order and arithmetic define the stream: changing them changes every run."""
     seeds = tf.random.experimental.stateless_split(
         tf.stack([tf.constant(seed + 1, tf.int64), k]), num=4)
     hw = tf.cast(hw, tf.int32)
@@ -218,12 +206,9 @@ def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
 def augment(cfg: DataConfig, seed: int, image, label, k):
     """Random scale, mirror and crop of one sample, drawn from stateless RNG seeded by (seed, k).
 
-    The definition: the image is scaled by s ~ U(data.random_scale) to round(s * size) (bilinear,
-    half-pixel centres: tf.image.resize; the label nearest-neighbour), mirrored with probability
-    1/2, padded at the bottom and right to at least data.crop_size (mean colour; ignore_label),
-    and a window of data.crop_size is cut at a uniform position. Only that window is computed
-    (`crop_plan`, `crop`), with the resize kernels' own arithmetic, so it equals the crop of the whole
-    scaled image bit for bit (tests/test_crop_window.py) at a fraction of the cost.
+    The definition: scale by s ~ U(data.random_scale) (bilinear; the label nearest), mirror with p 1/2,
+    pad bottom/right to data.crop_size, cut a window at a uniform position. Only the window is computed,
+    equal bit for bit to the crop of the whole scaled image (tests/test_crop_window.py).
     """
     plan = crop_plan(cfg, seed, tf.shape(image)[:2], k)
     return crop(cfg, seed, image, label, plan, tf.zeros([2], tf.int32))

@@ -35,10 +35,8 @@ log = logging.getLogger("seg_train")
 
 
 class BadSample(ValueError):
-    """A sample that cannot be used; the message names the file.
-
-    `unmapped`: for a label holding raw values the label map does not cover, pixels per such value.
-    """
+    """A sample that cannot be used; the message names the file. `unmapped`: pixels per raw value the
+    label map does not cover."""
 
     def __init__(self, message: str, unmapped: dict[int, int] | None = None):
         super().__init__(message)
@@ -66,11 +64,9 @@ def load(sample: Sample, num_classes: int, ignore_label: int,
 def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label: int,
                 label_table: np.ndarray | None = None,
                 contents: tuple[bytes, bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Decodes one sample with Pillow, with full checks, the label through `label_table` (labels.py; None:
-    as stored). `contents`: the encoded image and label when they do not come from the two files (a
-    TFRecord's; the paths then only name the sample in messages).
-
-    Raises BadSample naming the file (and the raw values the table does not map).
+    """Decodes one sample with Pillow, with full checks, the label through `label_table` (None: as
+    stored); BadSample names the file. `contents`: the encoded image and label when not read from the
+    two files (a TFRecord's; the paths then only name the sample in messages).
     """
     # Pillow's own messages would name the in-memory BytesIO, so these messages name the path.
     try:
@@ -117,10 +113,8 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
 
 
 class ImageReader:
-    """Reads one split into tf.data pipelines, labels mapped to train ids; made by split.open_split.
-
-    `label_table`: raw label value -> train id (labels.label_table), or None: labels as stored.
-    """
+    """Reads one split into tf.data pipelines, labels mapped to train ids through `label_table` (None:
+    as stored); made by split.open_split."""
 
     def __init__(self, cfg: DataConfig, split: str, seed: int, samples: list[Sample], label_table):
         self.cfg, self.split, self.seed = cfg, split, seed
@@ -199,10 +193,8 @@ class ImageReader:
         return self._decode_contents(tf.io.read_file(image_path), tf.io.read_file(label_path))
 
     def _read_record(self, index):
-        """The serialized record of sample `index` (data.format: tfrecord), read at its offset.
-
-        A numpy_function, as TensorFlow has no op that reads a byte range; parsing stays in the graph.
-        """
+        """Sample `index`'s record, parsed in the graph; read in a numpy_function, as TensorFlow has no op
+        that reads a byte range."""
         def read(i):
             return records.read_record(self.samples[int(i)].record)
 
@@ -221,11 +213,8 @@ class ImageReader:
             return tf.identity(image), tf.cast(ids, tf.uint8)
 
     def _train_ids(self, label):
-        """A decoded uint8 label -> (its train ids, whether all of them are classes or ignore_label).
-
-        An unmapped raw value (NO_ID) fails the range check, so load_sample then names it. Without a map
-        the label is checked as uint8 (no int32 copy of a whole frame).
-        """
+        """A decoded uint8 label -> (its train ids, whether all are classes or ignore_label). An unmapped
+        value (NO_ID) fails the check; without a map the check runs on uint8 (no int32 copy)."""
         c, ignore = self.cfg.num_classes, self.cfg.ignore_label
         if self.label_table is None:
             valid = label == ignore
@@ -240,9 +229,8 @@ class ImageReader:
     def decode(self, index):
         """Sample `index` -> (uint8 image [H, W, 3], uint8 label [H, W]).
 
-        With data.cache: load_sample once per sample. Otherwise TensorFlow's decoders, falling back to
-        load_sample through tf.data: an error empties the fast one-element dataset (ignore_errors), and
-        the load_sample dataset concatenated behind it is read instead.
+        With data.cache: load_sample once per sample. Otherwise TensorFlow's decoders; on an error the
+        fast one-element dataset empties (ignore_errors) and the load_sample one behind it is read.
         """
         if self._cache is not None:
             return self._decode_checked(index, fallback=False)
@@ -257,11 +245,8 @@ class ImageReader:
         return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
 
     def training_sample(self, k, index):
-        """Sample `index` decoded and augmented as the stream's sample k: `augment(*decode(index), k)`.
-
-        The same pixels, decoded more cheaply: a JPEG decodes only what its crop reads (the label is
-        decoded whole, for the checks). Failures fall back to load_sample as in `decode`.
-        """
+        """`augment(*decode(index), k)`, more cheaply: a JPEG decodes only what its crop reads (the label
+        whole, for the checks). Failures fall back to load_sample as in `decode`."""
         if self._cache is not None:
             return self.augment(*self._decode_checked(index, fallback=False), k)
         index = tf.cast(index, tf.int64)
@@ -355,11 +340,8 @@ class ImageReader:
 
     # ---- evaluation -------------------------------------------------------------------------------
     def eval_dataset(self, pad_to: int = 32, shard: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
-        """Full-resolution samples in split order: (image [1, H', W', 3], label [1, H', W'], index).
-
-        Images are padded to a multiple of `pad_to` (mean colour) and labels with ignore_label, so
-        padding is never counted.
-        """
+        """Full-resolution samples in split order: (image [1, H', W', 3], label [1, H', W'], index), padded
+        to a multiple of `pad_to` (labels with ignore_label, so padding is never counted)."""
         cfg = self.cfg
 
         def load(i):
