@@ -33,8 +33,7 @@ def default_head_dropout(head: str) -> float:
 
 
 def default_segformer_channels(backbone: str) -> int:
-    """model.segformer_channels when not given: the paper's C, 256 for B0/B1 and 768 for B2-B5 (also
-    the width of keras-hub's SegFormer presets), 256 on other backbones."""
+    """model.segformer_channels when not given: the paper's C (256 for B0/B1, 768 for B2-B5), else 256."""
     return 768 if backbone in MIT_BACKBONES[2:] else 256
 
 
@@ -110,8 +109,8 @@ def model_defaults(m: ModelConfig) -> ModelConfig:
     filled = {}
     if m.output_stride is None:
         filled["output_stride"] = default_output_stride(m.backbone)
-    # Filled for the head that uses it only: an older run's config.yaml has no such key, and its resolved
-    # config must stay what it was (rundir.check_resume_config).
+    # Filled only for the head that uses it, so a run dir's config resolves unchanged
+    # (rundir.check_resume_config).
     if m.segformer_channels is None and m.head == "segformer":
         filled["segformer_channels"] = default_segformer_channels(m.backbone)
     # Likewise the regularisation of SegFormer's recipe: filled for the MiT / the SegFormer head only.
@@ -206,10 +205,8 @@ def _resolve_eval(cfg: Config) -> Config:
 
 
 def check_batch(cfg: Config, num_towers: int) -> None:
-    """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`.
-
-    The one check against the tower count, known only once the devices are chosen.
-    """
+    """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`:
+    the one check against the tower count, known only once the devices are chosen."""
     if cfg.data.batch_size % num_towers:
         raise ConfigError("batch does not divide across towers", "data.batch_size",
                           f"expected a multiple of the {num_towers} towers, got {cfg.data.batch_size}")

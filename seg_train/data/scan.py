@@ -34,8 +34,7 @@ class ScanReport:
     bad: list[tuple[Sample, str]] = field(default_factory=list)
     # Pixels per class; the last entry counts ignore_label pixels.
     histogram: np.ndarray | None = None
-    # Per class: the labelled (not ignore_label) pixels of the images where the class is present
-    # (the denominator of median frequency balancing, losses.median_frequency_weights).
+    # Per class: labelled pixels of the images where it is present (median frequency's denominator).
     image_pixels: np.ndarray | None = None
     seconds: float = 0.0
     # Raw label values the label map does not cover: pixels and samples per value (those samples are bad).
@@ -229,8 +228,7 @@ def scan_for_training(cfg: Config, splits: list[tuple[ImageReader, str]], strate
 
 
 def _worker_position(strategy) -> tuple[int, int] | None:
-    """(this worker's index, number of workers) of a multi-worker strategy with several workers, else
-    None. The chief (task chief, else worker 0) is index 0, as replicas.is_chief has it."""
+    """(this worker's index, number of workers) with several workers, else None; the chief is index 0."""
     if strategy is None:
         return None
     import tensorflow as tf
@@ -291,8 +289,7 @@ def _combine(cfg: Config, strategy, splits, shares: list[ScanReport], index: int
         bad = []
         for i in np.flatnonzero(flags).tolist():
             sample, message = reader.samples[i], messages.get(i)
-            # Another worker's find: the chief, whose log the user reads, checks it again for the
-            # message when the message is shown (every one with skip, the first with error).
+            # Another worker's find: the chief, whose log the user reads, checks it again for the message.
             if message is None and index == 0 and (cfg.data.on_bad_sample == "skip" or not bad):
                 message = _check(sample, num_classes, ignore_label, reader.label_table)[1]
                 message = None if message is None else str(message)

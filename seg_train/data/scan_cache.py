@@ -57,8 +57,8 @@ def folder_for(data_cfg) -> Path | None:
 
 @functools.lru_cache(maxsize=None)
 def code_digest(functions: tuple) -> str:
-    """A hash of the source of `functions`, the code that decides a sample's result (the scan's, given by
-    scan.checker_digest), so that a changed check invalidates old entries."""
+    """A hash of the source of `functions` (the code that decides a sample's result), so a changed check
+    invalidates old entries."""
     h = hashlib.sha256()
     for fn in functions:
         try:

@@ -69,8 +69,7 @@ def open_split(cfg: Config, split: str, optional: bool = False) -> Split | None:
 
 
 def _generate_synthetic(cfg: Config) -> None:
-    """Generates the synthetic demo data set at data.root if the config asks for it (once: a complete set
-    is marked, and kept)."""
+    """Generates the synthetic demo data set at data.root if the config asks for it and it is incomplete."""
     if not cfg.data.synthetic:
         return
     preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only

@@ -31,10 +31,8 @@ def _requirement(name: str) -> str:
 
 
 def check_summary_backend() -> None:
-    """TensorBoard's summary ops import, so tf.summary can write.
-
-    Without the `tensorboard` package TensorFlow fails only at the first summary, a step into training.
-    """
+    """TensorBoard's summary ops import, so tf.summary can write (without the `tensorboard` package
+    TensorFlow fails only at the first summary, a step into training)."""
     pin = _requirement("tensorboard")
     try:
         import tensorboard  # noqa: F401
@@ -66,10 +64,8 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def check_creatable_dir(path: str | os.PathLike, what: str, hint: str) -> Path:
-    """`path` is a folder we can write in, or can be created as one; nothing is created.
-
-    `what` names it in the message ("run dir", ...), `hint` says what to do instead. Returns the absolute path.
-    """
+    """`path` (returned absolute) is a writable folder or can be created as one; nothing is created.
+    `what` names it in the message ("run dir", ...), `hint` says what to do instead."""
     path = Path(os.path.abspath(path))
     if path.exists():
         if not path.is_dir():
