@@ -1,9 +1,6 @@
-"""What a raw label value means: the built-in layouts' class counts and label maps, and label_ids, the
-train id of each raw value 0..255 from data.label_map, data.reduce_zero_label, data.binary_threshold or the
-layout's own map.
-
-Pure Python: the config checks a label map with it before TensorFlow starts. `data` below is a DataConfig,
-duck-typed because the config imports this module.
+"""What a raw label value means: the built-in layouts' class counts and label maps, and label_ids (the
+train id of each raw value 0..255). Pure Python: the config checks a label map with it before TensorFlow
+starts. `data` below is a DataConfig, duck-typed because the config imports this module.
 """
 
 from __future__ import annotations
@@ -90,11 +87,8 @@ def _check_user_map(mapping, data) -> dict[int, int]:
 
 
 def label_ids(data) -> Optional[list[int]]:
-    """The train id of each raw label value 0..255 (NO_ID: no mapping), or None for the identity (labels
-    already hold class indices, VOC's convention).
-
-    Raises ConfigError for conflicting or out-of-range settings, or a class no raw value maps to.
-    """
+    """The train id of each raw label value 0..255 (NO_ID: no mapping), or None for the identity (VOC's
+    convention); ConfigError for conflicting or out-of-range settings, or a class no raw value maps to."""
     given = label_map_keys(data)
     if len(given) > 1:
         raise ConfigError("more than one label map", ", ".join(given), "expected at most one of them")

@@ -80,10 +80,8 @@ def _folder(path: str, expected: str) -> str:
 
 
 def _check_label(label: str, present: set[str], data: DataConfig, expected: str) -> None:
-    """A missing label is named with its image at once (with on_bad_sample: skip, the scan drops the sample).
-
-    `present`: the label folder's files, listed once (not a stat per file on remote storage).
-    """
+    """A missing label is named with its image at once (on_bad_sample: skip drops it in the scan).
+    `present`: the label folder's files, listed once (not a stat per file on remote storage)."""
     if data.on_bad_sample == "error" and label not in present:
         raise ConfigError("label not found", label, expected)
 
@@ -216,11 +214,8 @@ _LISTERS = {"voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": 
 
 
 def list_samples(data: DataConfig, split: str) -> list[Sample]:
-    """The samples of `split` in the configured layout (id, image path, label path; or the record).
-
-    Raises ConfigError for a missing root, split, folder, list file or (on_bad_sample: error) label, an
-    empty split, or a malformed list line.
-    """
+    """The samples of `split` in the configured layout; ConfigError for a missing root, split, folder,
+    list file or (on_bad_sample: error) label, an empty split, or a malformed list line."""
     if data.format == "tfrecord":
         return _records(data, split)
     root = str(data.root)
