@@ -156,7 +156,7 @@ class ModelConfig:
     aspp_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s ASPP width")
     decoder_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s decoder width")
     low_level_channels: int = _c(48, check=_positive, doc="DeepLabV3+'s projection width of the stride-4 features")
-    # models/deeplabv3plus.py says why a stride-2 refinement stage.
+    # Why a stride-2 refinement stage: models/deeplabv3plus.py.
     decoder_stride: int = _c(4, choices=(4, 2),
                              doc="DeepLabV3+'s last decoder stride: 4, or 2 with a refinement stage on "
                                  "stride-2 features")
