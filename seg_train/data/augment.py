@@ -129,8 +129,8 @@ def crop_plan(cfg: DataConfig, seed: int, hw, k) -> CropPlan:
     by, bx = bilinear_axis(ys, hw[0], h), bilinear_axis(xs, hw[1], w)
     top, bottom = by.lower[0], by.upper[-1]
     left, right = tf.reduce_min(bx.lower), tf.reduce_max(bx.upper)
-    # Two ways to the same values, costed in pixels of work: resize the whole image (when the window is
-    # most of it), or resample only the window from the box of source pixels it reads.
+    # Two ways to the same values, costed in pixels of work: resize the whole image (h * w), or resample
+    # only the window (about 1.5 per pixel of the source box it reads, plus one per window pixel).
     band = tf.cast(bottom - top + 1, tf.float32) * tf.cast(right - left + 1, tf.float32)
     cost = tf.stack([tf.cast(h * w, tf.float32), 1.5 * band + tf.cast(rows * cols, tf.float32)])
     whole = tf.argmin(cost) == 0
