@@ -1,10 +1,8 @@
 """Typed, frozen configuration: YAML -> validated dataclasses. No TensorFlow here.
 
-Every key a user can write is a field of schema.py, with its default, its constraint and its doc
-(docs/CONFIG.md is rendered from them by docs.py). load.py reads a file strictly, resolve.py fills the
-defaults that depend on other keys and refuses the combinations that cannot work. The package imports,
-outside itself, only pure tables: the label maps (seg_train/data/label_tables.py) and the one-line
-errors (seg_train/util/errors.py).
+Every key is a field of schema.py (default, constraint, doc); load.py reads a file strictly, resolve.py
+fills derived defaults and refuses combinations that cannot work. Outside itself the package imports
+only pure tables (the label maps and the one-line errors).
 """
 
 from seg_train.config.load import (_set_dotted, dump, flatten, from_dict, is_url, load, parse_override, read_yaml,

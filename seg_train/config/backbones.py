@@ -1,6 +1,5 @@
-"""Facts about the backbones the config needs: their names, the MiT's smallest input, the input
-normalisation each one's ImageNet weights expect. Pure Python (the config reads it before TensorFlow
-starts; seg_train/models/ builds the backbones themselves)."""
+"""Facts about the backbones the config needs (names, the MiT's smallest input, each one's ImageNet
+normalisation); pure Python, read before TensorFlow starts."""
 
 # The Mix Transformer sizes (models/mit.py), SegFormer's encoders.
 MIT_BACKBONES = tuple(f"mit_b{i}" for i in range(6))

@@ -1,5 +1,4 @@
-"""docs/CONFIG.md, rendered from the config's dataclasses (schema.py): one row per key with its type, its
-default as YAML writes it (or what a derived default derives from) and its one-line doc.
+"""docs/CONFIG.md, rendered from schema.py: one row per key (type, default, doc).
 
 Write it with `python -m seg_train.config.docs > docs/CONFIG.md` (`make docs`); tests/test_config_docs.py
 fails while the file differs from render().

@@ -1,7 +1,6 @@
-"""YAML -> the config's dataclasses, strictly: an unknown key names the nearest valid one, a wrong type or an
-out-of-range value names the key, the value received and what was expected. --set overrides, relative paths
-resolved against the config file's folder (the overrides' against the current folder); the config written
-back (dump), flattened or rebuilt from a run dir's copy (from_dict). No TensorFlow here."""
+"""YAML -> the config's dataclasses, strictly (an unknown key names the nearest valid one; a bad value
+names the key, the value and what was expected), with --set overrides; dump and from_dict write and
+rebuild it. No TensorFlow here."""
 
 from __future__ import annotations
 
@@ -232,9 +231,7 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
     Args:
       path: the YAML file; relative paths inside it are relative to its folder.
       overrides: `KEY=VALUE` strings (dotted keys, YAML values); paths in them are relative to the cwd.
-      run_dir: the `--run-dir` flag, relative to the cwd; wins over the file and the overrides.
-    Returns:
-      The frozen Config, with absolute paths.
+      run_dir: the `--run-dir` flag; wins over the file and the overrides.
     """
     path = Path(path)
     raw = read_yaml(path)
@@ -264,9 +261,8 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
 
 
 def without_weight_files(cfg: Config) -> Config:
-    """`cfg` with model.backbone_weights and model.init_weights null: for building a model whose every
-    weight a checkpoint is about to restore (resume, inference, --init-from's source), so the files a run
-    started from are not read again (they may have moved since)."""
+    """`cfg` with model.backbone_weights and model.init_weights null, for a model a checkpoint is about to
+    restore: the run's starting weights need not be read (they may have moved)."""
     return replace(replace(cfg, "model.backbone_weights", None), "model.init_weights", None)
 
 

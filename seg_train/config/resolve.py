@@ -1,7 +1,5 @@
-"""The keys that depend on other keys, resolved once: defaults derived from the backbone, the head, the
-optimizer or the layout filled in, and combinations that cannot work refused (one line naming the key).
-Every loaded config goes through resolve_defaults (a run dir's copy too, so an older run's config resolves
-as it did); the model builders read the values filled here. No TensorFlow here."""
+"""The keys that depend on other keys: derived defaults filled in, combinations that cannot work refused.
+Every loaded config goes through resolve_defaults, a run dir's copy too. No TensorFlow here."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ def default_output_stride(backbone: str) -> int:
     return 32 if backbone in MIT_BACKBONES else 16
 
 
-# SegFormer's regularisation (the paper's, mmsegmentation's segformer_mit-b0 config and keras-hub's): drop path
-# 0.1 over the MiT's blocks and dropout 0.1 before the classifier. model.weight_decay's L2 default, and the
-# AdamW decay train.weight_decay defaults to (SegFormer's 0.01).
+# SegFormer's published regularisation and decays (drop path over the MiT's blocks, dropout before the
+# classifier, AdamW's decoupled weight decay).
 SEGFORMER_DROP_PATH, SEGFORMER_DROPOUT = 0.1, 0.1
 L2_DEFAULT, ADAMW_DECAY_DEFAULT = 4e-5, 0.01
 
@@ -36,8 +33,7 @@ def default_head_dropout(head: str) -> float:
 
 
 def default_segformer_channels(backbone: str) -> int:
-    """model.segformer_channels when not given: the paper's C, 256 for B0/B1 and 768 for B2-B5 (also
-    the width of keras-hub's SegFormer presets), 256 on other backbones."""
+    """model.segformer_channels when not given: the paper's C (256 for B0/B1, 768 for B2-B5), else 256."""
     return 768 if backbone in MIT_BACKBONES[2:] else 256
 
 
@@ -107,15 +103,14 @@ def _check_loss(cfg: Config) -> None:
 
 
 def model_defaults(m: ModelConfig) -> ModelConfig:
-    """model.output_stride, model.segformer_channels, model.drop_path_rate and model.head_dropout filled from
-    the backbone and head where null: resolve_defaults' rule, and the model builders' for a ModelConfig made
-    in code rather than loaded (a no-op on a loaded config)."""
+    """The model's null derived keys filled from the backbone and head; also for a ModelConfig made in code
+    (a no-op on a loaded config)."""
     mit = m.backbone in MIT_BACKBONES
     filled = {}
     if m.output_stride is None:
         filled["output_stride"] = default_output_stride(m.backbone)
-    # Filled for the head that uses it only: an older run's config.yaml has no such key, and its resolved
-    # config must stay what it was (rundir.check_resume_config).
+    # Filled only for the head that uses it, so a run dir's config resolves unchanged
+    # (rundir.check_resume_config).
     if m.segformer_channels is None and m.head == "segformer":
         filled["segformer_channels"] = default_segformer_channels(m.backbone)
     # Likewise the regularisation of SegFormer's recipe: filled for the MiT / the SegFormer head only.
@@ -173,7 +168,7 @@ def _resolve_model(cfg: Config) -> Config:
 def _resolve_optimizer(cfg: Config) -> Config:
     """The two weight decays: model.weight_decay (an L2 term in the loss, Adam and SGD) and train.weight_decay
     (AdamW's decoupled decay). Each defaults for its optimizer and the other is refused, so they never stack
-    unasked; an older run's resolved config (model.weight_decay 4e-5 or its own value) stays what it was."""
+    unasked; a run dir's resolved config keeps its values."""
     t, m = cfg.train, cfg.model
     if t.optimizer == "adamw":
         if m.weight_decay:
@@ -210,11 +205,8 @@ def _resolve_eval(cfg: Config) -> Config:
 
 
 def check_batch(cfg: Config, num_towers: int) -> None:
-    """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`.
-
-    The one check of the config against the tower count, which is known only once the devices are
-    chosen: train, seg-bench and the BN re-estimation all call it.
-    """
+    """Raises ConfigError unless data.batch_size (the GLOBAL batch) splits evenly over `num_towers`:
+    the one check against the tower count, known only once the devices are chosen."""
     if cfg.data.batch_size % num_towers:
         raise ConfigError("batch does not divide across towers", "data.batch_size",
                           f"expected a multiple of the {num_towers} towers, got {cfg.data.batch_size}")

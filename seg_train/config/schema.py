@@ -17,10 +17,8 @@ def _c(default=dataclasses.MISSING, *, doc, default_doc=None, check=None, path=F
     """A config field: default, its one-line `doc` (what it is, its unit or allowed values), an optional
     check(value) -> error string or None, path, choices.
 
-    `default_doc` says what a default derived from other keys (filled by config/resolve.py) derives from;
-    docs/CONFIG.md shows it in place of the literal default.
-    A `path` is resolved against the config file's folder; with `url` it may also be a URL such as
-    gs://bucket/data (kept as the string it is: pathlib would make it gs:/bucket/data).
+    `default_doc`: what a derived default derives from (shown in docs/CONFIG.md). A `path` is resolved
+    against the config file's folder; with `url` it may be a URL, kept as a string (pathlib would mangle it).
     """
     meta = {"check": check, "path": path, "url": url, "choices": choices, "doc": doc, "default_doc": default_doc}
     if factory is not None:
@@ -73,7 +71,6 @@ def _label_value(v):
 
 @dataclass(frozen=True)
 class DataConfig:
-    # A Path, or the str of a URL (gs://, s3://, ...): the reader reads it through tf.io.gfile.
     root: Path = _c(check=None, path=True, url=True,
                     doc="the data set's folder in the layout data.layout names: a local path or a URL "
                         "(gs://, s3://, hdfs://) read through tf.io.gfile",
@@ -114,7 +111,6 @@ class DataConfig:
                                 "skip drops it")
     cache: bool = _c(False, doc="keep each decoded image and label in memory after its first read "
                                 "(about 4 bytes per pixel)")
-    # Raw label values -> train ids (label_ids checks them against num_classes).
     label_map: Optional[typing.Union[dict[int, int], list[int]]] = _c(
         None, doc="raw label value (0..255) -> train id or data.ignore_label, as a mapping or a list",
         default_doc="null (the layout's: cityscapes' labelIds -> train ids, ade20k's 0 ignored)")
@@ -129,7 +125,6 @@ class DataConfig:
                                                     "~/.cache/seg-train/scans")
     format: str = _c("files", choices=("files", "tfrecord"),
                      doc="image and label files, or TFRecord shards written by seg-prepare tfrecords")
-    # Colour jitter of the training crops (reader.apply_photometric); null: off.
     photometric: Optional[dict[str, float]] = _c(None, check=_photometric,
                                                  doc="colour jitter of the training crops, keys brightness "
                                                      "(0, 255], contrast, saturation (0, 1], hue (0, 90]; null: off")
@@ -150,8 +145,7 @@ class ModelConfig:
                                          "moving statistics averaged)")
     bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)",
                             doc="momentum of every BN layer, in [0, 1)")
-    # The L2 term; None: 4e-5 with train.optimizer adam or sgd, 0 with adamw (resolve_defaults: AdamW decays
-    # the weights itself, train.weight_decay, and the two must not stack unasked).
+    # 0 with adamw: AdamW decays the weights itself (train.weight_decay), and the two must not stack unasked.
     weight_decay: Optional[float] = _c(None, check=_non_negative,
                                        doc="L2 coefficient on conv/dense kernels, added to the loss (adam, sgd); "
                                            "0 with adamw",
@@ -162,8 +156,7 @@ class ModelConfig:
     aspp_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s ASPP width")
     decoder_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s decoder width")
     low_level_channels: int = _c(48, check=_positive, doc="DeepLabV3+'s projection width of the stride-4 features")
-    # DeepLabV3+'s last decoder stride: 4 (DeepLab's), or 2 (a refinement stage on the backbone's
-    # stride-2 features: models/deeplabv3plus.py says why).
+    # Why a stride-2 refinement stage: models/deeplabv3plus.py.
     decoder_stride: int = _c(4, choices=(4, 2),
                              doc="DeepLabV3+'s last decoder stride: 4, or 2 with a refinement stage on "
                                  "stride-2 features")
@@ -180,11 +173,9 @@ class ModelConfig:
     segformer_channels: Optional[int] = _c(None, check=_positive, doc="the SegFormer head's width C",
                                            default_doc="with head segformer: 256 (mit_b0, mit_b1, others), "
                                                        "768 (mit_b2..mit_b5)")
-    # A keras-hub SegFormer preset directory: encoder and head (models/presets.py).
     init_weights: Optional[Path] = _c(None, path=True,
                                       doc="a keras-hub SegFormer preset directory: encoder and head start from it")
-    # Stochastic depth of the MiT blocks and the SegFormer head's dropout, drawn per sample (models/stochastic.py);
-    # None: SegFormer's 0.1 for the MiT backbones / the SegFormer head, else 0 (default_drop_path_rate, ...).
+    # Both drawn per sample (models/stochastic.py); None: filled by default_drop_path_rate, ...
     drop_path_rate: Optional[float] = _c(None, check=_fraction,
                                          doc="stochastic depth of the MiT's blocks, in [0, 1), rising to this "
                                              "at the last block; mit_* only",
@@ -195,7 +186,7 @@ class ModelConfig:
                                        default_doc="with head segformer: 0.1 (else null: none)")
 
 
-# train.allreduce_pack_mb's default, chosen by measurement (docs/PERFORMANCE.md, "packing").
+# train.allreduce_pack_mb's default (docs/PERFORMANCE.md, "packing", says why).
 PACK_MB_DEFAULT = 32.0
 
 
@@ -237,10 +228,9 @@ class TrainConfig:
                                         "uses it (null: off)")
     backbone_lr_multiplier: float = _c(1.0, check=_positive,
                                        doc="the backbone's variables learn at this multiple of the learning rate")
-    # The head's variables (everything outside the backbone) learn at this multiple of the learning rate.
+    # The head: everything outside the backbone.
     head_lr_multiplier: float = _c(1.0, check=_positive,
                                    doc="the head's variables learn at this multiple of the learning rate")
-    # AdamW's decoupled weight decay; None: 0.01 with train.optimizer adamw (SegFormer's), refused with the others.
     weight_decay: Optional[float] = _c(None, check=_non_negative,
                                        doc="AdamW's decoupled weight decay (kernels only); adamw only",
                                        default_doc="with adamw 0.01 (else null)")

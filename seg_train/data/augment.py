@@ -1,10 +1,7 @@
 """The training augmentation of one sample: random scale, mirror and crop, and data.photometric's colour jitter.
 
 Every draw comes from stateless RNG seeded by (seed, sample counter k), so a sample's augmentation is a
-pure function of the run's seed and its place in the stream (data/order.py). Only the crop is computed:
-`crop_plan` places the window in the source image's coordinates from the sample's draws (a `CropPlan`),
-and `crop` resamples it from the source pixels it reads, with ResizeBilinear's own arithmetic, so the crop
-is bit for bit the one cut from the whole scaled image (tests/test_crop_window.py).
+pure function of the run's seed and its place in the stream (data/order.py).
 """
 
 from __future__ import annotations
@@ -20,13 +17,8 @@ PHOTOMETRIC_ORDER = ("brightness", "contrast", "saturation", "hue")
 
 
 def photometric_draws(spec: dict, key) -> dict:
-    """data.photometric's random draws for one sample: {name: (applied, amount)} for the named steps.
-
-    Each step is applied with probability 1/2; its amount is uniform in [-v, v] for the configured v
-    (brightness: added to 0..255 values; contrast, saturation: the factor is 1 + amount; hue: on
-    OpenCV's 0..180 hue scale). `key`: the sample's stateless seed pair; each step draws from its own
-    split of it, so a step's draws do not depend on which other steps are on.
-    """
+    """data.photometric's draws for one sample: {name: (applied with p 1/2, amount in [-v, v])}. Each
+    step draws from its own split of `key`, so its draws do not depend on which other steps are on."""
     keys = tf.random.experimental.stateless_split(key, num=2 * len(PHOTOMETRIC_ORDER))
     draws = {}
     for i, name in enumerate(PHOTOMETRIC_ORDER):
@@ -37,12 +29,8 @@ def photometric_draws(spec: dict, key) -> dict:
 
 
 def apply_photometric(image, draws: dict):
-    """The colour jitter of one float32 RGB image in 0..255 for given draws (photometric_draws).
-
-    In this order, each step only where drawn, the result clipped to [0, 255] after each step:
-    brightness x + d; contrast x * (1 + a); saturation S * (1 + a) in HSV (S clipped to [0, 1]);
-    hue H + d / 180 of the hue circle, wrapping.
-    """
+    """The colour jitter of a float32 RGB image in 0..255 for `draws`, in PHOTOMETRIC_ORDER, clipped to
+    [0, 255] after each step; hue is on OpenCV's 0..180 scale."""
     for name in PHOTOMETRIC_ORDER:
         if name not in draws:
             continue
@@ -67,14 +55,8 @@ class Taps(NamedTuple):
 
 
 def bilinear_axis(out_index, in_size, out_size) -> Taps:
-    """Along one axis, the source pixels and weight of ResizeBilinear (half-pixel centres, no antialias)
-    for output pixels `out_index` of a resize from `in_size` to `out_size`.
-
-    TensorFlow's CPU kernel (resize_bilinear_op.cc, compute_interpolation_weights), in float32 as it
-    computes them: scale = in / out; p = (i + 0.5) * scale - 0.5; lower = max(floor(p), 0);
-    upper = min(ceil(p), in - 1); lerp = p - floor(p). At the edges lower == upper, so the weight,
-    whatever it is, changes nothing (the edge pixel is repeated, as the kernel does).
-    """
+    """Along one axis, ResizeBilinear's taps (half-pixel centres) for output pixels `out_index` of a resize
+    from `in_size` to `out_size`, in the CPU kernel's float32 arithmetic, so they match it to the bit."""
     scale = tf.cast(in_size, tf.float32) / tf.cast(out_size, tf.float32)
     p = (tf.cast(out_index, tf.float32) + 0.5) * scale - 0.5
     floor = tf.floor(p)
@@ -95,8 +77,8 @@ def nearest_axis(out_index, in_size, out_size):
 class CropPlan:
     """One sample's crop window, from its draws (`crop_plan`); int32 scalar tensors unless noted.
 
-    The window is (y, x) in the scaled, mirrored, padded frame; `rows`, `cols`: how many of its rows and
-    columns fall inside the scaled image of size h x w; x0: its first column in the unmirrored scaled image.
+    (y, x): the window in the scaled, mirrored, padded frame; rows, cols: its part inside the h x w
+    scaled image; x0: its first column in the unmirrored scaled image.
     """
     k: tf.Tensor  # the sample counter (int64), which photometric draws also key on
     flip: tf.Tensor  # bool: mirrored
@@ -117,12 +99,8 @@ class CropPlan:
 
 
 def crop_plan(cfg: DataConfig, seed: int, hw, k) -> CropPlan:
-    """The (seed, k) draws of a sample of source size `hw` and the crop window they give.
-
-    Draws, in this order, each from its own split of the sample's key: scale, mirror, y, x: the
-    order and the arithmetic of the whole-image augmentation this replaced, so the stream stays
-    what it was. The window's pixels are located in the SOURCE image (`bilinear_axis`, `nearest_axis`).
-    """
+    """The crop window of sample k of source size `hw`. Draws scale, mirror, y, x, each from its own
+    split of the key; this order and arithmetic define the stream: changing them changes every run."""
     seeds = tf.random.experimental.stateless_split(
         tf.stack([tf.constant(seed + 1, tf.int64), k]), num=4)
     hw = tf.cast(hw, tf.int32)
@@ -151,10 +129,8 @@ def crop_plan(cfg: DataConfig, seed: int, hw, k) -> CropPlan:
     by, bx = bilinear_axis(ys, hw[0], h), bilinear_axis(xs, hw[1], w)
     top, bottom = by.lower[0], by.upper[-1]
     left, right = tf.reduce_min(bx.lower), tf.reduce_max(bx.upper)
-    # Two ways to the same values, costed in pixels of work (their times on one core follow these
-    # counts within about 20%): 0: tf.image.resize of the whole image, where the window is most of
-    # the scaled image; 1: the window's own resampling (`crop`), which reads the box of source
-    # pixels around it, about 1.5 units per box pixel, and interpolates each window pixel.
+    # Two ways to the same values, costed in pixels of work: resize the whole image (h * w), or resample
+    # only the window (about 1.5 per pixel of the source box it reads, plus one per window pixel).
     band = tf.cast(bottom - top + 1, tf.float32) * tf.cast(right - left + 1, tf.float32)
     cost = tf.stack([tf.cast(h * w, tf.float32), 1.5 * band + tf.cast(rows * cols, tf.float32)])
     whole = tf.argmin(cost) == 0
@@ -168,8 +144,8 @@ def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
     pixels are the source image's pixel `origin` (the whole image at [0, 0], or a part of it holding
     at least plan.box of the image; the label is always whole). Normalised image, uint8 label.
 
-    Every element-wise step works on [rows, cols * 3] views, where TensorFlow broadcasts a row or a
-    column vector fast (a [3]-vector over [h, w, 3] is about six times slower).
+    Element-wise steps work on [rows, cols * 3] views: TensorFlow broadcasts row/column vectors much
+    faster than a [3]-vector over [h, w, 3].
     """
     ch, cw = cfg.crop_size
     top, left, bh, bw = tf.unstack(plan.box)
@@ -185,15 +161,13 @@ def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
         y, h, w = plan.y, plan.h, plan.w
 
         def whole():
-            # The whole scaled image, as the whole-image augmentation made it; then the window.
+            # The whole scaled image, then the window.
             scaled = tf.image.resize(image, [h, w], method="bilinear")
             return tf.reshape(mirrored(scaled[y:y + rows, x0:x0 + cols]), [rows, -1])
 
         def window():
-            # ResizeBilinear's arithmetic written out, in its order: along x within each source row,
-            # left + (right - left) * lerp, then along y, top + (bottom - top) * lerp. Along x on the
-            # transposed source, whose columns are rows: TensorFlow gathers whole rows several times
-            # faster than single pixels, and transposing costs less than the difference.
+            # ResizeBilinear's arithmetic in its order (along x, then y). x runs on the transposed
+            # source because gathering whole rows is much faster than single pixels.
             source = tf.reshape(tf.transpose(tf.cast(image, tf.float32), [1, 0, 2]), [bw, -1])
             a, b = tf.gather(source, x0s - left), tf.gather(source, x1s - left)
             along_x = a + (b - a) * wx[:, None]
@@ -209,15 +183,14 @@ def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
         image = tf.reshape(tf.cast(mirrored(image), tf.float32), [bh, -1])
         label = mirrored(label)
     # Pad to the crop size: image with the mean colour (zero after normalisation), label with
-    # ignore_label, so padding is never learned from; (x - mean) + mean as the whole-image
-    # augmentation computed it, so the values stay its values to the bit.
+    # ignore_label, so padding is never learned from; (x - mean) + mean keeps the values bit-exact.
     mean = tf.constant(cfg.mean, tf.float32)
     image = tf.pad(image - tf.tile(mean, [cols])[None], [[0, ch - rows], [0, 3 * (cw - cols)]])
     image = image + tf.tile(mean, [cw])[None]
     label = tf.pad(label, [[0, ch - rows], [0, cw - cols]], constant_values=cfg.ignore_label)
     if cfg.photometric:
         image = tf.reshape(image, [ch, cw, 3])
-        # Its own key, folded off this sample's: the four draws stay what they were.
+        # Its own key, folded off this sample's, so the crop draws do not depend on the jitter.
         key = tf.random.experimental.stateless_fold_in(
             tf.stack([tf.constant(seed + 1, tf.int64), plan.k]), 1)
         jittered = apply_photometric(image, photometric_draws(cfg.photometric, key))
@@ -233,15 +206,9 @@ def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
 def augment(cfg: DataConfig, seed: int, image, label, k):
     """Random scale, mirror and crop of one sample, drawn from stateless RNG seeded by (seed, k).
 
-    The definition: the image is scaled by s ~ U(data.random_scale) to round(s * size) (bilinear,
-    half-pixel centres: tf.image.resize; the label nearest-neighbour), mirrored with probability
-    1/2, padded at the bottom and right to at least data.crop_size (mean colour; ignore_label),
-    and a window of data.crop_size is cut at a uniform position. Only that window is computed
-    (`crop_plan`, `crop`): its pixels are resampled from the source rows and columns they
-    read, with ResizeBilinear's and ResizeNearestNeighbor's own index and weight arithmetic, so
-    the crop is the one cut from the whole scaled image bit for bit (tests/test_crop_window.py),
-    at a fraction of the cost: at scale 2 a 769x769 window of a 2048x1024 frame is 1.8 M values,
-    the whole scaled image 25 M.
+    The definition: scale by s ~ U(data.random_scale) (bilinear; the label nearest), mirror with p 1/2,
+    pad bottom/right to data.crop_size, cut a window at a uniform position. Only the window is computed,
+    equal bit for bit to the crop of the whole scaled image (tests/test_crop_window.py).
     """
     plan = crop_plan(cfg, seed, tf.shape(image)[:2], k)
     return crop(cfg, seed, image, label, plan, tf.zeros([2], tf.int32))

@@ -1,29 +1,16 @@
 """Decoding image and label files: TensorFlow's decoders in the graph, Pillow for what they get wrong.
 
-The reader's training and evaluation streams decode with TensorFlow's ops, which run without the
-GIL on tf.data's threads. Each file's header picks the decoder:
+TensorFlow's ops run off the GIL on tf.data's threads; each file's header picks the decoder:
 
-- images: JPEG -> `tf.io.decode_jpeg(dct_method="INTEGER_ACCURATE")`: libjpeg's accurate integer
-  IDCT, the one Pillow uses, so the pixels are Pillow's to the bit (TensorFlow's default, the fast
-  IDCT, differs by a few levels: data.cache, the pre-training scan and seg-predict decode with Pillow,
-  and all must see the same image). 8-bit grey/RGB/grey-alpha/RGBA PNG -> `tf.io.decode_png`.
-  Anything else (palette or 16-bit PNGs, BMP, GIF, TIFF, WebP) -> Pillow, as before.
-- labels: 8-bit single-channel PNG -> `tf.io.decode_png`. Palette ('P') PNGs such as PASCAL VOC's
-  -> Pillow: `tf.io.decode_png` expands a palette to colours (or, with channels=1, to luminance:
-  class 1 becomes 38), silently wrong classes. 16-bit and colour labels -> Pillow too, whose
-  `read_label` keeps or refuses them exactly as it always has. Anything else, a JPEG label above
-  all, -> `read_label`, which refuses a JPEG by its first bytes (lossy: its class values are damaged).
-  Never `tf.io.decode_jpeg` for a label: a greyscale JPEG decodes to values that mostly stay in the
-  class range, so no later check would notice.
+- images: JPEG -> `tf.io.decode_jpeg` with the accurate integer IDCT, Pillow's, so the pixels match
+  the Pillow paths (data.cache, the scan, seg-predict) to the bit; 8-bit non-palette PNG ->
+  `tf.io.decode_png`; anything else -> Pillow.
+- labels: 8-bit single-channel PNG -> `tf.io.decode_png`; everything else -> Pillow's `read_label`.
+  decode_png would turn a palette into colours (or luminance), silently wrong classes, and a
+  greyscale JPEG label's damaged values mostly stay in the class range, so never decode_jpeg a label.
 
-The training stream decodes a JPEG only around the source pixels its crop reads (`decode_jpeg_window`:
-`tf.image.decode_and_crop_jpeg`, the same IDCT, a margin that keeps the pixels those of the whole decode).
-
-A PNG's kind is in its first 26 bytes: the signature, then the IHDR chunk, whose data starts with
-width and height (4 bytes each), then the bit depth (byte 24) and the colour type (byte 25: 0 grey,
-2 RGB, 3 palette, 4 grey-alpha, 6 RGBA).
-
-The Pillow decoders here (`pillow_rgb`, `pillow_label`) are also what `reader.load_sample` uses.
+A PNG's kind is in its first 26 bytes: bit depth at byte 24, colour type at byte 25 (0 grey, 2 RGB,
+3 palette, 4 grey-alpha, 6 RGBA).
 """
 
 from __future__ import annotations
@@ -85,11 +72,8 @@ def decode_image(contents):
                         lambda: _with_pillow(pillow_rgb, contents, [None, None, 3])))
 
 
-# Rows and columns decoded around a JPEG window beyond those it reads. libjpeg-turbo's cropped decoding
-# (jpeg_crop_scanline) upsamples the chroma of the window's outermost column as if it were the image's
-# edge, so on 4:2:0 and 4:2:2 files a window starting on the 16-pixel iMCU grid differs from the whole
-# decode in that column by tens of levels; one more column makes it exact, and one iMCU costs nothing
-# more, as the decoder works in whole iMCUs anyway.
+# Rows and columns decoded around a JPEG window beyond those it reads: libjpeg-turbo's cropped decode
+# upsamples chroma at the window's edge column as if it were the image's edge, so decode one iMCU more.
 JPEG_WINDOW_MARGIN = 16
 
 
@@ -101,9 +85,7 @@ def is_jpeg(contents):
 def decode_jpeg_window(contents, box, size):
     """The pixels of a JPEG that `box` = [top, left, height, width] covers (and up to JPEG_WINDOW_MARGIN
     around it, within the image of `size` [height, width]): (uint8 [h, w, 3], the part's top-left pixel
-    [y, x] in the image). The pixels are those `decode_image` gives there (Pillow's), but only the
-    rows down to the box's last one are decoded and only the columns of the box get the IDCT:
-    `tf.image.decode_and_crop_jpeg` with the accurate integer IDCT.
+    [y, x] in the image), equal to `decode_image`'s there, decoding only down to the box's last row.
     """
     start = tf.maximum(box[:2] - JPEG_WINDOW_MARGIN, 0)
     end = tf.minimum(box[:2] + box[2:] + JPEG_WINDOW_MARGIN, size)
@@ -112,11 +94,8 @@ def decode_jpeg_window(contents, box, size):
 
 
 def decode_label(contents):
-    """Encoded label PNG bytes (scalar string tensor) -> uint8 [H, W] class indices as stored.
-
-    Raises (when run) an error for what `read_label` refuses (JPEG labels, colour labels, 16-bit values
-    above 255).
-    """
+    """Encoded label PNG bytes (scalar string tensor) -> uint8 [H, W] class indices as stored; fails
+    (when run) on what `read_label` refuses."""
     _, is_png, depth, colour = _header(contents)
     grey8 = is_png & tf.equal(depth, 8) & tf.equal(colour, _GREY)
     return tf.cond(grey8, lambda: tf.io.decode_png(contents, channels=1)[..., 0],

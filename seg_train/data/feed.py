@@ -1,24 +1,10 @@
 """Feed: a tf.data iterator (plain or distributed) owned for its lifetime and released without waiting.
 
-Why not let Python drop an iterator where it goes out of scope: TensorFlow's iterator destructor can
-block its thread for up to a minute with nothing left to do. Each iterator's root (RootDataset) runs
-an autotuning thread that sleeps between optimisations, the sleep doubling up to 60 s as the
-iterator lives on. The destructor cancels that thread and joins it; the cancellation wakes it, but
-TensorFlow marks the cancellation as done only after the wake-up call returns
-(tsl::CancellationManager::StartCancel), so a woken thread that runs first sees "not cancelled" and
-sleeps out the rest of its period (tensorflow::data::model::Model::OptimizeLoop). On idle cores the
-destroying thread nearly always gets there first; on busy ones the woken thread often does
-(docs/PERFORMANCE.md, "Last line to exit"; a distributed iterator on N towers is N + 1 such
-iterators). The destructor also waits for decode calls in flight, which a stop mid-stream (an error,
-a signal) leaves behind.
-
-So the last reference to the iterator is dropped on a thread of its own (`release`): the destructor
-cancels the pipeline's work at once and waits there, while the command goes on and ends (a command
-ends its process with os._exit, seg_train/cli/process.py, which does not wait for that thread). The iterator
-is released when its stream is exhausted, on `close()`, or when the Feed itself is dropped (any way
-out, an exception included): the Feed is the only owner of the iterator, and the frames of an
-exception raised by the iterator, which hold it as a local, are cleared before the exception leaves
-`__next__`.
+TensorFlow's iterator destructor can block for up to a minute: a race in cancelling the autotuning
+thread can leave it sleeping out its period, and it also waits for decode calls in flight. So the last
+reference is dropped on a thread of its own (`release`) while the command goes on and ends (with
+os._exit, which does not wait). The Feed is the iterator's only owner: it is released when exhausted,
+on `close()`, or when the Feed is dropped; an exception's frames, which hold it, are cleared in `__next__`.
 """
 
 from __future__ import annotations
@@ -32,10 +18,8 @@ JOIN_TIMEOUT_S = 300  # at interpreter exit, per release still running (TensorFl
 
 
 def release(box: list) -> None:
-    """Empties `box` on a thread of its own, so that objects only the box holds are destroyed there.
-
-    The caller must hold no other reference to them (pass them inside the list, not as a local).
-    """
+    """Empties `box` on a thread of its own, so objects only the box holds are destroyed there (the
+    caller must hold no other reference: pass them inside the list, not as a local)."""
     def drop():
         box.clear()
         _releasing.discard(threading.current_thread())
@@ -51,12 +35,9 @@ def release(box: list) -> None:
 
 @atexit.register
 def _join_releases() -> None:
-    """At the exit of a process that Python tears down (an in-process caller, e.g. the tests), waits for
-    the releases still running: Python ends a thread that asks for the GIL once its tear-down has begun,
-    and a release thread asks for it on its way out of TensorFlow's destructor, where being ended
-    aborts the process ("FATAL: exception not rethrown"). A command never waits here: registered when
-    seg_train/cli/process.py is imported, this hook runs after the command's own one (_end_process), which
-    ends the process first."""
+    """At the exit of a process Python tears down (e.g. the tests), waits for releases still running: a
+    release thread ended during tear-down aborts the process. A command never waits here: its own exit
+    hook runs first and ends the process."""
     for thread in list(_releasing):
         thread.join(JOIN_TIMEOUT_S)
 
@@ -71,11 +52,8 @@ def _clear_frames(exc: BaseException) -> None:
 
 
 class Feed:
-    """iter(dataset), owned: iterate it, `close()` it (or use it in a `with`); never waits for its end.
-
-    Args:
-      dataset: a tf.data.Dataset or a distributed dataset (strategy.distribute_datasets_from_function).
-    """
+    """iter(dataset) (plain or distributed), owned: iterate it, `close()` it (or use it in a `with`);
+    never waits for its end."""
 
     def __init__(self, dataset):
         self._it = iter(dataset)

@@ -1,9 +1,6 @@
-"""File access for the data: every read goes through `tf.io.gfile`, so a data root on any file system
-TensorFlow has a plugin for (gs://, s3://, hdfs://, the in-memory ram:// the tests use) reads like a
-local folder.
-
-Paths are plain strings joined with '/': `pathlib.Path` would turn `gs://bucket/x` into
-`gs:/bucket/x`.
+"""File access for the data through `tf.io.gfile`, so a data root on any TensorFlow file system (gs://,
+s3://, ram://) reads like a local folder. Paths are strings joined with '/': `pathlib.Path` would turn
+`gs://bucket/x` into `gs:/bucket/x`.
 """
 
 from __future__ import annotations
@@ -35,12 +32,7 @@ def is_file(path) -> bool:
 
 
 def read_bytes(path) -> bytes:
-    """The whole file in one read (Pillow then decodes from memory, not through many small reads).
-
-    Raises:
-      FileNotFoundError: no such file.
-      OSError: any other failure of the file system (a folder, no permission, a network error).
-    """
+    """The whole file in one read (not Pillow's many small reads); FileNotFoundError, else OSError."""
     try:
         with tf.io.gfile.GFile(str(path), "rb") as f:
             return f.read()

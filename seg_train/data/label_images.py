@@ -1,13 +1,9 @@
 """Label-image I/O and colour palettes (numpy/Pillow only, no TensorFlow).
 
-Segmentation labels are stored as PNGs whose pixel values are class indices:
-either palette ('P') images, where the stored value is the palette index and
-the palette only controls how viewers display it (the PASCAL VOC convention),
-or plain single-channel ('L') images.  Colour (RGB) label images are rejected
-because their pixel values are colours, not classes, and so are JPEGs, whatever
-their file name says: JPEG compression changes the values around every edge (a
-greyscale JPEG decodes as 'L', so without the check it would pass as class
-indices, most of its damaged values still in the class range).
+Labels are PNGs whose pixel values are class indices: palette ('P') images (the value is the palette
+index; the palette is only for display) or single-channel ('L'). RGB labels are rejected (colours, not
+classes), and so are JPEGs whatever their name: compression damages values at every edge, and a greyscale
+JPEG would otherwise pass as 'L'.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ from PIL import Image
 # Colour VOC uses for its "ignore" (void/boundary) value 255.
 VOID_COLOUR = (224, 224, 192)
 
-# A JPEG file starts with its start-of-image marker (FF D8), then the next marker's FF; Pillow and libjpeg
-# recognise a JPEG by the same bytes.
+# A JPEG's first bytes: start-of-image (FF D8), then the next marker's FF.
 JPEG_START = b"\xff\xd8\xff"
 # How a lossy label is named in messages (the pre-training scan counts its samples by this prefix).
 LOSSY_WHAT = "lossy JPEG label"
@@ -54,18 +49,7 @@ def _head(source, n: int) -> bytes:
 
 
 def voc_colormap(n: int = 256) -> np.ndarray:
-    """Return the standard PASCAL VOC colour map.
-
-    The colour of class ``i`` spreads the bits of ``i`` over the high bits of
-    R, G and B (bit 0 -> R, bit 1 -> G, bit 2 -> B, repeated for higher bits),
-    so that neighbouring class indices get very different colours.
-
-    Args:
-        n: number of entries.
-
-    Returns:
-        uint8 array of shape [n, 3]; e.g. 1 -> (128, 0, 0), 255 -> (224, 224, 192).
-    """
+    """The standard PASCAL VOC colour map: uint8 [n, 3]; e.g. 1 -> (128, 0, 0), 255 -> (224, 224, 192)."""
     cmap = np.zeros((n, 3), dtype=np.uint8)
     for i in range(n):
         c, r, g, b = i, 0, 0, 0
@@ -79,16 +63,8 @@ def voc_colormap(n: int = 256) -> np.ndarray:
 
 
 def colorize(label: np.ndarray, palette: np.ndarray, ignore_label: int = 255) -> np.ndarray:
-    """Turn a map of class indices into an RGB image for viewing.
-
-    Args:
-        label: integer array [H, W] of class indices.
-        palette: array [n, 3] of colours, one per class index.
-        ignore_label: value drawn white, whatever the palette says.
-
-    Returns:
-        uint8 array [H, W, 3]; indices outside [0, n) other than ``ignore_label`` are black.
-    """
+    """Class indices [H, W] -> uint8 RGB [H, W, 3] for viewing: ``ignore_label`` white, indices outside
+    the palette black."""
     label = np.asarray(label)
     if not np.issubdtype(label.dtype, np.integer):
         raise ValueError(f"label must hold integer class indices, got dtype {label.dtype}")
@@ -110,13 +86,7 @@ def _full_palette(palette: np.ndarray) -> np.ndarray:
 
 
 def save_index_png(path: str | Path, label: np.ndarray, palette: np.ndarray) -> None:
-    """Write class indices as a palette ('P') PNG.
-
-    Args:
-        path: output file.
-        label: array [H, W] of class indices in 0..255 (uint8, or any integer dtype in range).
-        palette: array [n, 3] of display colours; padded to 256 entries.
-    """
+    """Write class indices [H, W] in 0..255 as a palette ('P') PNG; `palette` [n, 3] is padded to 256."""
     label = np.asarray(label)
     if label.ndim != 2:
         raise ValueError(f"label must be 2-D [H, W], got shape {label.shape}")
@@ -132,23 +102,11 @@ def save_index_png(path: str | Path, label: np.ndarray, palette: np.ndarray) -> 
 
 
 def read_label(path, name: str | None = None) -> np.ndarray:
-    """Read a label PNG as class indices.
+    """Read a label PNG ('P', 'L', 'I;16' or 'I'; a path or binary file object) as uint8 class indices
+    [H, W]; for 'P' images the palette indices, never the colours.
 
-    For palette ('P') images the stored palette indices are returned, never
-    the colours they are displayed with.
-
-    Args:
-        path: a 'P', 'L' or 16/32-bit integer ('I;16', 'I') image: a file path
-            or a binary file object (e.g. the bytes of a file read elsewhere).
-        name: how messages name the file (default: ``path``; for a file object, its name if it has
-            one: never its repr).
-
-    Returns:
-        uint8 array [H, W].
-
-    Raises:
-        LossyLabel: for a JPEG (by its first bytes, whatever the name), before Pillow decodes anything.
-        ValueError: for colour images, or integer images with values outside 0..255.
+    `name`: how messages name the file (default: the path, or a file object's name, never its repr).
+    Raises LossyLabel for a JPEG (by its first bytes), ValueError for colour images or values outside 0..255.
     """
     if name is None:
         name = getattr(path, "name", "label image") if hasattr(path, "read") else path
@@ -181,18 +139,11 @@ def load_class_names(
     root: str | Path | None, num_classes: int, names: list[str] | None = None,
     classes_txt: str | None = None,
 ) -> list[str]:
-    """Return the names of the ``num_classes`` classes.
+    """The ``num_classes`` class names: ``names``, else ``root/classes.txt`` (one per non-empty line),
+    else ``class_0 .. class_{n-1}``; ValueError if the count differs.
 
-    Taken from ``names`` if given, else from ``root/classes.txt`` (one name per
-    non-empty line) if that exists, else ``class_0 .. class_{n-1}``.
-
-    Args:
-        classes_txt: the text of ``root/classes.txt`` when the caller has read it
-            (the reader reads it through tf.io.gfile: this module stays free of
-            TensorFlow); None: read it here from a local ``root``, if it exists.
-
-    Raises:
-        ValueError: if ``names`` or classes.txt does not have exactly ``num_classes`` names.
+    `classes_txt`: that file's text when the caller read it (through tf.io.gfile, which this module must
+    not import); None: read it here from a local ``root``.
     """
     if names is not None:
         names = [str(n) for n in names]

@@ -1,10 +1,6 @@
-"""What a raw label value means: the built-in layouts' class counts and label maps, and label_ids, the
-train id of each raw value 0..255 from data.label_map, data.reduce_zero_label, data.binary_threshold or the
-layout's own map.
-
-Pure Python, no TensorFlow: the config checks a label map with it when it loads, before TensorFlow starts;
-seg_train/data/labels.py applies the table. `data` below is a DataConfig (duck-typed: this module imports no
-config, which imports it).
+"""What a raw label value means: the built-in layouts' class counts and label maps, and label_ids (the
+train id of each raw value 0..255). Pure Python: the config checks a label map with it before TensorFlow
+starts. `data` below is a DataConfig, duck-typed because the config imports this module.
 """
 
 from __future__ import annotations
@@ -14,9 +10,7 @@ from typing import Optional
 
 from seg_train.util.errors import ConfigError
 
-# cityscapesScripts' helpers/labels.py, the official table: trainId of each labelId 0..33, None where
-# the table says 255 (not trained, not evaluated). A labelIds PNG holds nothing else (license plates,
-# id -1, are not drawn into it).
+# cityscapesScripts' official table: trainId of each labelId 0..33, None where it says 255.
 CITYSCAPES_TRAIN_IDS = (
     None, None, None, None, None, None, None,  # 0-6: unlabeled, ego vehicle, rectification border, out of roi,
                                                # static, dynamic, ground
@@ -93,14 +87,8 @@ def _check_user_map(mapping, data) -> dict[int, int]:
 
 
 def label_ids(data) -> Optional[list[int]]:
-    """The train id of each raw label value 0..255 (NO_ID: no mapping), or None for the identity (labels
-    already hold class indices, VOC's convention).
-
-    Raises:
-      ConfigError: more than one of data.label_map / reduce_zero_label / binary_threshold, binary_threshold
-        without num_classes 2, a key outside 0..255 or a value out of range in data.label_map, or a class
-        that no raw value maps to.
-    """
+    """The train id of each raw label value 0..255 (NO_ID: no mapping), or None for the identity (VOC's
+    convention); ConfigError for conflicting or out-of-range settings, or a class no raw value maps to."""
     given = label_map_keys(data)
     if len(given) > 1:
         raise ConfigError("more than one label map", ", ".join(given), "expected at most one of them")

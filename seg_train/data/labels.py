@@ -1,15 +1,9 @@
 """Label maps applied: raw label values (0..255, as stored in the label PNGs) -> training class ids.
 
-One representation: a 256-entry lookup table, table[raw] = train id, or NO_ID where the raw value has
-no mapping (a sample holding one is bad, and the message names the value). What the table holds is
-label_tables.label_ids's: data.label_map, data.reduce_zero_label, data.binary_threshold or the layout's own
-map (label_tables.LAYOUT_LABELS), checked when the config loads; None means the identity (labels already hold
-class indices, VOC's convention).
-
-load_sample (reader.py) applies it with numpy, so training, evaluation, --check-data, precise BN and
-the class-weight counts all see the same mapped values; `apply_tf` is the same lookup as a TensorFlow
-op, for a reader that decodes labels in the graph; `raw_ids` is its inverse, the raw values seg-predict
---label-ids writes. No TensorFlow at module level: seg-predict reads `raw_ids` before TensorFlow starts.
+A 256-entry lookup table, table[raw] = train id, NO_ID where unmapped (a sample holding one is bad);
+its contents are label_tables.label_ids's; None is the identity. `apply` is the numpy lookup, `apply_tf`
+the same in the graph, `raw_ids` the inverse for seg-predict --label-ids. No TensorFlow at module level:
+seg-predict reads `raw_ids` before TensorFlow starts.
 """
 
 from __future__ import annotations
@@ -57,12 +51,9 @@ def unmapped_counts(table: np.ndarray | None, label: np.ndarray) -> dict[int, in
 def raw_ids(data: DataConfig) -> np.ndarray:
     """Train id -> the raw label value seg-predict --label-ids writes for it (uint8 [num_classes]).
 
-    The inverse of `label_table`, so that reading the written PNG back through the same config gives the
-    predicted classes: Cityscapes' trainId t -> the labelId whose trainId is t, ADE20K's class k -> k + 1,
-    the identity (VOC) unchanged. Where several raw values map to one train id (a data.label_map of your
-    own), the lowest is written; a data.binary_threshold mask is written 0 / 255, the values a binary mask
-    usually holds (either reads back as the same class with any threshold in 1..255). A class no raw value
-    maps to would have nothing to write, but `label_table` already refuses such a config when it loads.
+    The inverse of `label_table`, so the written PNG reads back as the predicted classes. Where several
+    raw values map to one id the lowest is written; a binary_threshold mask is written 0 / 255, which
+    reads back the same with any threshold in 1..255.
     """
     table = label_table(data)
     if table is None:

@@ -1,15 +1,9 @@
 """Where a data set's files are, as each one ships (data.layout): voc, cityscapes, ade20k, pairs; every
 layout's listing, and the class names of the layouts that know them.
 
-A layout turns (data config, split) into samples (an image path and a label path each, or a TFRecord
-record with data.format: tfrecord). What a layout's label values mean (Cityscapes' labelIds -> the 19
-train ids, ADE20K's 0 = "other" and classes 1..150) is label_tables.LAYOUT_LABELS's, checked with the config;
-labels.py applies it. Every command lists a split through `list_samples` (by way of the front door,
-data/split.py) and asks `split_exists` before opening an optional one (the val split, the training
-split for precise BN).
-
-Every look at the data goes through tf.io.gfile (data/files.py), so data.root may be a URL (gs://...).
-Paths are strings: pathlib would mangle one.
+A layout turns (data config, split) into samples (image and label paths, or a TFRecord record). What
+its label values mean is label_tables.LAYOUT_LABELS's; labels.py applies it. Files are reached through
+tf.io.gfile (data/files.py), so data.root may be a URL; paths are strings, which pathlib would mangle.
 """
 
 from __future__ import annotations
@@ -75,7 +69,7 @@ _VOC_IMAGE_DIR, _VOC_LABEL_DIR, _VOC_SPLIT_DIR = "JPEGImages", "SegmentationClas
 
 
 def _sorted(paths) -> list[str]:
-    """Paths in pathlib's order (by their parts: 'a/x' before 'a-b/x'), the order samples always had."""
+    """Paths in pathlib's order (by their parts: 'a/x' before 'a-b/x'), so the sample order stays stable."""
     return sorted(paths, key=lambda p: p.split("/"))
 
 
@@ -86,10 +80,8 @@ def _folder(path: str, expected: str) -> str:
 
 
 def _check_label(label: str, present: set[str], data: DataConfig, expected: str) -> None:
-    """A missing label is named with its image at once (with on_bad_sample: skip, the scan drops the sample).
-
-    `present`: the label folder's files, listed once (one listing, not a look per file on remote storage).
-    """
+    """A missing label is named with its image at once (on_bad_sample: skip drops it in the scan).
+    `present`: the label folder's files, listed once (not a stat per file on remote storage)."""
     if data.on_bad_sample == "error" and label not in present:
         raise ConfigError("label not found", label, expected)
 
@@ -222,12 +214,8 @@ _LISTERS = {"voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": 
 
 
 def list_samples(data: DataConfig, split: str) -> list[Sample]:
-    """The samples of `split` in the configured layout (id, image path, label path; or the record).
-
-    Raises:
-      ConfigError: a missing root, split file, folder or list file, an empty split, a malformed list line,
-        or (with data.on_bad_sample: error) a label file the layout expects next to an image that is not there.
-    """
+    """The samples of `split` in the configured layout; ConfigError for a missing root, split, folder,
+    list file or (on_bad_sample: error) label, an empty split, or a malformed list line."""
     if data.format == "tfrecord":
         return _records(data, split)
     root = str(data.root)

@@ -1,33 +1,17 @@
 """ImageReader: a split (in any data.layout, layouts.py) -> tf.data pipelines of (image, label) batches.
 
-The assembly: decode -> augment -> per-tower batches, and the evaluation samples. The sample order is
-data/order.py's, the scale / mirror / crop and colour jitter data/augment.py's.
+decode -> augment (augment.py) -> per-tower batches, in order.py's sample order, and the evaluation samples.
 
-Design (why it looks like this):
-- The training stream is a pure function of (seed, sample counter k): epoch = k // n picks a
-  permutation seeded by (seed, epoch) (order.py), and sample k's augmentation (scale, mirror, crop)
-  draws from stateless RNG seeded by (seed, k) (augment.py). Nothing in the pipeline has state, so
-  a resumed run starts the stream at k = step * global_batch and continues exactly where the
-  interrupted run was; a distributed iterator could not be checkpointed anyway (TF refuses it).
-- The global batch for step s is samples k = s*B .. s*B+B-1 whatever the tower count; each input
-  pipeline (one per worker) emits its towers' slices of it in turn, which MirroredStrategy deals out
-  round-robin to its towers (tf.distribute's `distribute_datasets_from_function` contract).
-- Augmentation computes only the crop (augment.py): the window is placed in the source image's
-  coordinates from the sample's draws and resampled from the source pixels it reads, with
-  ResizeBilinear's own arithmetic, so the crop is bit for bit the one cut from the whole scaled image;
-  a JPEG is decoded only down to the window's last row (`training_sample`).
-- Files are decoded by TensorFlow's ops in the graph, off the GIL, with Pillow only where those ops
-  would give other pixels or classes than Pillow does (palette label PNGs such as PASCAL VOC's:
-  data/decode.py). A sample TensorFlow cannot decode or that fails a check (sizes, label map, label
-  values) is decoded again by `load_sample` (Pillow, full checks), which names the file in a BadSample
-  or, with data.on_bad_sample: skip, gives the stand-in. Every file is read through tf.io.gfile
-  (data/files.py), so data.root may be any file system TensorFlow has a plugin for.
-- The label map (labels.py: Cityscapes' ids, ADE20K's reduced zero, data.label_map) is applied in
-  `load_sample`, which the scan behind --check-data and the class weights and data.cache decode
-  through, and in `_decode_files` (the same table, in the graph), so all of them see the same train ids.
-
-A reader is made by the front door (data/split.py, `open_split`), which lists the split (layouts.py)
-and builds its label table; every command reads a split through it.
+- The training stream is a pure function of (seed, sample counter k), with no pipeline state, so a
+  resumed run restarts it at k = step * global_batch exactly (a distributed iterator cannot be
+  checkpointed anyway).
+- Step s's global batch is samples s*B .. s*B+B-1 whatever the tower count; each pipeline emits its
+  towers' slices in turn, as `distribute_datasets_from_function` deals them round-robin.
+- Files are decoded by TensorFlow's ops off the GIL (decode.py). A sample they fail on or that fails a
+  check is decoded again by `load_sample` (Pillow, full checks), which names the file in a BadSample or
+  gives the stand-in (data.on_bad_sample: skip).
+- The label map is applied both in `load_sample` and in the graph, from the same table, so every path
+  (scan, class weights, data.cache, training) sees the same train ids.
 """
 
 from __future__ import annotations
@@ -51,10 +35,8 @@ log = logging.getLogger("seg_train")
 
 
 class BadSample(ValueError):
-    """A sample that cannot be used; the message names the file.
-
-    `unmapped`: for a label holding raw values the label map does not cover, pixels per such value.
-    """
+    """A sample that cannot be used; the message names the file. `unmapped`: pixels per raw value the
+    label map does not cover."""
 
     def __init__(self, message: str, unmapped: dict[int, int] | None = None):
         super().__init__(message)
@@ -82,14 +64,11 @@ def load(sample: Sample, num_classes: int, ignore_label: int,
 def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label: int,
                 label_table: np.ndarray | None = None,
                 contents: tuple[bytes, bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Decodes one sample with Pillow, with full checks, the label through `label_table` (labels.py; None:
-    as stored). `contents`: the encoded image and label when they do not come from the two files (a
-    TFRecord's; the paths then only name the sample in messages).
-
-    Raises BadSample naming the file (and the raw values the table does not map).
+    """Decodes one sample with Pillow, with full checks, the label through `label_table` (None: as
+    stored); BadSample names the file. `contents`: the encoded image and label when not read from the
+    two files (a TFRecord's; the paths then only name the sample in messages).
     """
-    # Pillow decodes from memory here, so its own messages would name a BytesIO object (by its repr), not
-    # the file: the messages below are written out, naming the path.
+    # Pillow's own messages would name the in-memory BytesIO, so these messages name the path.
     try:
         image = decoders.pillow_rgb(contents[0] if contents else files.read_bytes(image_path))
     except FileNotFoundError:
@@ -134,16 +113,8 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
 
 
 class ImageReader:
-    """Reads one split of a data set into tf.data pipelines, labels mapped to train ids. Made by the
-    front door (split.open_split), which lists the samples and builds the table.
-
-    Args:
-      cfg: the data section of the config.
-      split: split name or list file.
-      seed: the run's seed (data order and augmentation).
-      samples: the split's samples (layouts.list_samples).
-      label_table: raw label value -> train id (labels.label_table), or None: labels hold train ids as stored.
-    """
+    """Reads one split into tf.data pipelines, labels mapped to train ids through `label_table` (None:
+    as stored); made by split.open_split."""
 
     def __init__(self, cfg: DataConfig, split: str, seed: int, samples: list[Sample], label_table):
         self.cfg, self.split, self.seed = cfg, split, seed
@@ -152,9 +123,8 @@ class ImageReader:
         self._warned: set[str] = set()
         self._fell_back = False
         self._lock = threading.Lock()
-        # data.cache: decoded (image, label) by sample index. Decoding is a pure function of the
-        # file, so a cached sample is the same array a fresh decode gives: the stream, resume and
-        # the random augmentation (keyed by the sample counter) do not change.
+        # data.cache: decoded (image, label) by sample index; identical to a fresh decode, so the
+        # stream and resume do not change.
         self._cache: dict[int, tuple[np.ndarray, np.ndarray]] | None = {} if cfg.cache else None
         self._sample_locks: dict[int, threading.Lock] = {}
 
@@ -223,11 +193,8 @@ class ImageReader:
         return self._decode_contents(tf.io.read_file(image_path), tf.io.read_file(label_path))
 
     def _read_record(self, index):
-        """The serialized record of sample `index` (data.format: tfrecord), read at its offset.
-
-        A numpy_function: TensorFlow has no op that reads a byte range of a file. It holds the GIL only
-        to start the read (tf.io.gfile's read releases it); parsing and decoding stay in the graph.
-        """
+        """Sample `index`'s record, parsed in the graph; read in a numpy_function, as TensorFlow has no op
+        that reads a byte range."""
         def read(i):
             return records.read_record(self.samples[int(i)].record)
 
@@ -246,12 +213,8 @@ class ImageReader:
             return tf.identity(image), tf.cast(ids, tf.uint8)
 
     def _train_ids(self, label):
-        """A decoded uint8 label -> (its train ids, whether all of them are classes or ignore_label).
-
-        The label map, then the range check: a raw value the map does not cover (NO_ID) fails it as
-        an out-of-range value does, and load_sample then names the file and the value. Without a map
-        the ids are the label itself, checked as uint8 (no int32 copy of a whole frame).
-        """
+        """A decoded uint8 label -> (its train ids, whether all are classes or ignore_label). An unmapped
+        value (NO_ID) fails the check; without a map the check runs on uint8 (no int32 copy)."""
         c, ignore = self.cfg.num_classes, self.cfg.ignore_label
         if self.label_table is None:
             valid = label == ignore
@@ -266,11 +229,8 @@ class ImageReader:
     def decode(self, index):
         """Sample `index` -> (uint8 image [H, W, 3], uint8 label [H, W]).
 
-        With data.cache: load_sample (Pillow) once per sample, then the cached arrays. Otherwise
-        TensorFlow's decoders, and load_sample only for a sample they fail on or that fails a check:
-        it then names the bad file in a BadSample, or gives the stand-in (data.on_bad_sample: skip).
-        The graph falls back through tf.data: an error empties the one-element dataset of the
-        TensorFlow decode (ignore_errors), and the load_sample dataset behind it is read instead.
+        With data.cache: load_sample once per sample. Otherwise TensorFlow's decoders; on an error the
+        fast one-element dataset empties (ignore_errors) and the load_sample one behind it is read.
         """
         if self._cache is not None:
             return self._decode_checked(index, fallback=False)
@@ -285,13 +245,8 @@ class ImageReader:
         return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
 
     def training_sample(self, k, index):
-        """Sample `index` decoded and augmented as the stream's sample k: `augment(*decode(index), k)`.
-
-        The same pixels, decoded more cheaply: a JPEG image decodes only the rows and columns its crop
-        reads (`_decode_crop`; its label is decoded whole, as the checks read all of it). What
-        TensorFlow fails on, or what fails a check, goes through load_sample as in `decode`, which
-        names the file (or gives the stand-in), and is cropped from the whole image.
-        """
+        """`augment(*decode(index), k)`, more cheaply: a JPEG decodes only what its crop reads (the label
+        whole, for the checks). Failures fall back to load_sample as in `decode`."""
         if self._cache is not None:
             return self.augment(*self._decode_checked(index, fallback=False), k)
         index = tf.cast(index, tf.int64)
@@ -364,15 +319,12 @@ class ImageReader:
           start_step: first step to produce (resume).
           num_replicas: towers in sync over all pipelines.
           pipeline_id, num_pipelines: this input pipeline (one per worker) among all.
-          end_step: the step to stop before (None: endless). A stream that ends with the run leaves
-            no decoding in flight to tear down at exit.
-          micro_batches: K micro-batches per step (train.accumulate_steps): step s consumes global
-            micro-batches s*K .. s*K+K-1 of the same stream, so K micro-batches of batch B on N
-            towers see exactly the samples of one step of batch K*B on K*N towers.
+          end_step: the step to stop before (None: endless), so no decoding is in flight at exit.
+          micro_batches: K (train.accumulate_steps): step s consumes micro-batches s*K .. s*K+K-1, so
+            K micro-batches of B on N towers see the samples of one step of K*B on K*N towers.
         Returns:
           Per-replica batches (image float32 [K*b, h, w, 3], label uint8 [K*b, h, w], micro-batch m
-          in rows m*b .. m*b+b-1); this pipeline's R = num_replicas / num_pipelines towers take
-          consecutive batches in turn.
+          in rows m*b .. m*b+b-1), taken by this pipeline's towers in turn.
         """
         per_replica = micro_batches * (global_batch // num_replicas)
 
@@ -388,11 +340,8 @@ class ImageReader:
 
     # ---- evaluation -------------------------------------------------------------------------------
     def eval_dataset(self, pad_to: int = 32, shard: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
-        """Full-resolution samples in split order: (image [1, H', W', 3], label [1, H', W'], index).
-
-        Images are padded to a multiple of `pad_to` (mean colour) and labels with ignore_label, so
-        padding is never counted.
-        """
+        """Full-resolution samples in split order: (image [1, H', W', 3], label [1, H', W'], index), padded
+        to a multiple of `pad_to` (labels with ignore_label, so padding is never counted)."""
         cfg = self.cfg
 
         def load(i):

@@ -1,24 +1,14 @@
 """TFRecord shards of a split: writing them, and reading any one record by its position.
 
-The reader's training stream is a pure function of (seed, sample counter): sample k of the stream is
-sample perm_epoch[k % n] of the split, and resume seeks to it without replaying anything. A TFRecord
-file is a sequence of records, but each record sits at a byte offset that a walk over the 12-byte
-record headers finds once, so the same design holds: a record is read by (shard, offset, length),
-in any order, by any worker. Consequences, on purpose:
-- the stream over TFRecords is the stream over the folder the records were written from (same
-  order, same augmentation, same batches), so a converted data set trains exactly as before;
-- each worker reads only the records its towers train on (per-worker sharding at the record level),
-  and reads are spread over all shards at once (the permutation interleaves them);
-- a resumed run reads nothing it does not train on (no `skip()` over the records of earlier steps).
+Records are read by (shard, offset, length), found once by walking the record headers, so the stream
+stays a pure function of (seed, sample counter) as over a folder: a converted data set trains on the same
+stream, each worker reads only what its towers train on, and resume replays nothing.
 
-TFRecord framing (TensorFlow's record_writer): uint64 length, uint32 masked CRC of the length, the
-data, uint32 masked CRC of the data; little-endian. The header walk reads only lengths; the data's CRC
-is not checked here (a damaged record fails in the protobuf or image decoder, which names the record).
+Framing (TensorFlow's record_writer, little-endian): uint64 length, uint32 masked CRC, data, uint32
+masked CRC. CRCs are not checked: a damaged record fails in the decoder, which names it.
 
-Feature names are those of TensorFlow's segmentation readers (DeepLab's build_data, Model Garden's
-segmentation decoder): `image/encoded`, `image/segmentation/class/encoded` (required), plus
-`image/format`, `image/height`, `image/width`, `image/channels`, `image/filename`, `image/source_id`
-and `image/segmentation/class/format`, written and used for names when present.
+Feature names are TensorFlow's segmentation readers' (DeepLab, Model Garden): `image/encoded` and
+`image/segmentation/class/encoded` required, the other `image/...` features written and used when present.
 """
 
 from __future__ import annotations
@@ -64,11 +54,8 @@ class ShardError(ValueError):
 
 
 def walk_shard(path: str) -> list[RecordRef]:
-    """The records of one TFRecord file, found by walking the record headers.
-
-    Raises ShardError naming the file and the record if the framing does not end exactly at the end of
-    the file (a truncated file, or not a TFRecord file).
-    """
+    """The records of one TFRecord file, by walking the record headers; ShardError if the framing does
+    not end exactly at the end of the file (truncated, or not a TFRecord file)."""
     gfile = _gfile()
     size = gfile.stat(path).length
     refs, pos = [], 0
@@ -156,9 +143,8 @@ def shard_paths(pattern: str) -> list[str]:
 def load_records(pattern: str) -> list[tuple[str, RecordRef]]:
     """(id, record) for every record of the shards matching `pattern`, in shard order.
 
-    Uses the index the writer put beside the shards when it matches the shards on disk (same files,
-    same sizes); otherwise walks the shards' record headers (TFRecords from another writer) and names
-    each record `<shard file>:<n>` (its id would cost a read of every record).
+    Uses the writer's index when it matches the shards on disk; otherwise walks the headers and names
+    each record `<shard file>:<n>` (its id would cost reading every record).
     """
     gfile = _gfile()
     shards = shard_paths(pattern)
@@ -231,10 +217,8 @@ def _image_format(data: bytes) -> str | None:
 def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
     """One sample as a serialized tf.train.Example.
 
-    A JPEG or PNG image is stored as its file's bytes (no re-encoding, no loss); any other format
-    Pillow reads is stored as PNG. The label is read as class indices (palette PNGs give their
-    indices: TensorFlow's decode_png would give colours) and stored as an 'L' PNG.
-    Raises ValueError naming the file that cannot be used.
+    A JPEG or PNG image is stored as its bytes, any other format as PNG. The label is stored as an 'L'
+    PNG of class indices (decode_png would read a palette PNG as colours). ValueError names a bad file.
     """
     from PIL import Image
 
@@ -269,7 +253,7 @@ def write_split(samples, output: str, prefix: str, num_shards: int, progress=Non
     """Writes `samples` ((id, image path, label path) triples) as `num_shards` TFRecord shards and an index.
 
     Samples go to shards in contiguous runs, in split order. Returns the index (also written to
-    `<output>/<prefix>.index.json`): every shard's file name, size and (id, offset, length) per record.
+    `<output>/<prefix>.index.json`).
     """
     import tensorflow as tf
 

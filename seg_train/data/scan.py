@@ -1,11 +1,8 @@
 """A scan of a split before training: every sample decoded and checked once, with a progress bar.
 
-Everything that can be found before training starts is found here (missing files, unreadable or
-truncated images, colour labels, JPEG labels, size mismatches, raw label values the label map does not
-cover, out-of-range label values), so a bad file is named in seconds instead of crashing a run hours
-later. JPEG labels are counted on their own: most of their damaged values still look like classes, so
-they are the bad samples a user would not find by looking at the values.
-The per-class histogram counts the labels after the label map: the train ids the model learns.
+Finds every bad file before training (missing, unreadable, colour or JPEG label, size mismatch,
+unmapped or out-of-range values), so it is named up front rather than crashing a run later. JPEG labels
+are counted apart: their damaged values still look like classes. The histogram counts train ids.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ class ScanReport:
     bad: list[tuple[Sample, str]] = field(default_factory=list)
     # Pixels per class; the last entry counts ignore_label pixels.
     histogram: np.ndarray | None = None
-    # Per class: the labelled (not ignore_label) pixels of the images where the class is present
-    # (the denominator of median frequency balancing, losses.median_frequency_weights).
+    # Per class: labelled pixels of the images where it is present (median frequency's denominator).
     image_pixels: np.ndarray | None = None
     seconds: float = 0.0
     # Raw label values the label map does not cover: pixels and samples per value (those samples are bad).
@@ -80,7 +76,7 @@ def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str =
          workers: int = 4, label_table: np.ndarray | None = None) -> ScanReport:
     """Decodes and checks every sample (threads: Pillow releases the GIL while decoding).
 
-    `label_table`: the reader's label map (labels.py; None: labels as stored), applied before counting.
+    `label_table`: the reader's label map (None: labels as stored), applied before counting.
     """
     t0 = time.perf_counter()
     report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64),
@@ -141,9 +137,8 @@ def _bad_positions(samples: list[Sample], bad: list[tuple[Sample, str]]) -> list
 
 def scan_cached(cfg: Config, reader: ImageReader, what: str, shard: tuple[int, int] = (0, 1),
                 refresh: bool = False) -> ScanReport:
-    """scan() of the reader's samples, or of a worker's share samples[i::W] (shard (i, W)), through the
-    scan cache (data.scan_cache, scan_cache.py): unchanged files under unchanged settings are not
-    decoded again. `refresh` scans even when the cache holds the result, and stores the new one."""
+    """scan() of the reader's samples, or of shard (i, W)'s samples[i::W], through the scan cache
+    (scan_cache.py). `refresh` scans even on a cache hit, and stores the new result."""
     d = cfg.data
     samples = reader.samples[shard[0]::shard[1]]
     folder = scan_cache.folder_for(d)
@@ -200,11 +195,8 @@ def apply_on_bad_sample(cfg: Config, reader: ImageReader, report: ScanReport, wh
 
 
 def scan_split(cfg: Config, reader: ImageReader, what: str):
-    """Checks every sample of the reader's split before training (or reads the result from the scan
-    cache); drops bad ones if on_bad_sample: skip.
-
-    Returns the scan's report (its per-class pixel counts give loss.class_weights: median_frequency).
-    """
+    """Checks every sample of the reader's split before training (or reads the scan cache); drops bad
+    ones if on_bad_sample: skip. Returns the scan's report."""
     report = scan_cached(cfg, reader, what)
     _log_scan(report, what)
     return apply_on_bad_sample(cfg, reader, report, what)
@@ -213,14 +205,10 @@ def scan_split(cfg: Config, reader: ImageReader, what: str):
 def scan_for_training(cfg: Config, splits: list[tuple[ImageReader, str]], strategy=None) -> list[ScanReport]:
     """The scan before training of each (reader, what), data.on_bad_sample applied; returns the reports.
 
-    With several workers (a MultiWorkerMirroredStrategy) each worker scans only its share
-    samples[i::W] of every split, and one all-reduce of (per-sample bad flags, pixel counts) gives
-    every worker the whole result. Why not the chief alone with the others waiting for it: they
-    would wait the whole scan inside a collective that train.collective_timeout bounds (a large set
-    on slow storage would time it out), and W workers scan W times faster. Every worker learns of
-    every bad sample from the all-reduce before anyone acts on it, so they all raise the same error
-    together (one worker raising alone would leave the others waiting in their next collective until
-    it timed out) or all drop the same samples (the data stream must be the same on every worker).
+    With several workers each scans its share samples[i::W] and one all-reduce gives all the whole
+    result: a chief-only scan would keep the others waiting in a collective that
+    train.collective_timeout bounds. All workers then raise together or drop the same samples, so none
+    hangs in its next collective and the stream stays the same on every worker.
     """
     position = _worker_position(strategy)
     if position is None:
@@ -240,8 +228,7 @@ def scan_for_training(cfg: Config, splits: list[tuple[ImageReader, str]], strate
 
 
 def _worker_position(strategy) -> tuple[int, int] | None:
-    """(this worker's index, number of workers) of a multi-worker strategy with several workers, else
-    None. The chief (task chief, else worker 0) is index 0, as replicas.is_chief has it."""
+    """(this worker's index, number of workers) with several workers, else None; the chief is index 0."""
     if strategy is None:
         return None
     import tensorflow as tf
@@ -302,8 +289,7 @@ def _combine(cfg: Config, strategy, splits, shares: list[ScanReport], index: int
         bad = []
         for i in np.flatnonzero(flags).tolist():
             sample, message = reader.samples[i], messages.get(i)
-            # Another worker's find: the chief, whose log the user reads, checks it again for the
-            # message when the message is shown (every one with skip, the first with error).
+            # Another worker's find: the chief, whose log the user reads, checks it again for the message.
             if message is None and index == 0 and (cfg.data.on_bad_sample == "skip" or not bad):
                 message = _check(sample, num_classes, ignore_label, reader.label_table)[1]
                 message = None if message is None else str(message)
@@ -317,9 +303,8 @@ def class_weights_for_split(cfg: Config, reader: ImageReader, report: ScanReport
                             class_names=None):
     """The loss.class_weights that seg-train and seg-bench train with on `reader`'s split (losses.class_weights_for).
 
-    `report`: the split's scan, when the caller has one (seg-train scans every split before training).
-    Without it the split is scanned here only if the weights need its pixel counts (median_frequency), so
-    seg-bench pays no scan for fixed weights or none.
+    `report`: the split's scan if the caller has one; without it the split is scanned only when the
+    weights need pixel counts (median_frequency).
     """
     if report is None and isinstance(cfg.loss.class_weights, str):
         report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, label_table=reader.label_table)

@@ -1,25 +1,18 @@
 """The pre-training scan's result kept between runs (data.scan_cache), so that a resume, a new run on
 the same data or another worker's restart decodes nothing.
 
-The scan's result (which samples are bad and why, the pixel counts per class) is a function of the
-files' bytes and of what the checks are. An entry is reused only when all of these are unchanged:
+An entry is reused only when all of these are unchanged:
 
-- every image and label path of the list, with each file's size, st_mtime_ns, st_ctime_ns and inode
-  (ctime and inode as well as mtime: `rsync -t`, `cp -p` or `tar x` can put new bytes behind an old
-  mtime and size, and chmod makes an unreadable file readable, but all of them change the ctime or
-  inode, which no user call can set back); a missing file is recorded as missing. On a TensorFlow
-  file system (data.root gs://..., s3://...) tf.io.gfile.stat gives the size and mtime only (an
-  upload there sets a new mtime);
-- data.num_classes, data.ignore_label and the reader's label table (label maps);
-- the checking code itself (the source of the functions that decode and check a sample) and the
-  versions of Pillow and TensorFlow, whose decoders decide what is readable;
-- the worker's share of the list (multi-worker runs scan samples[i::W]).
+- every path with its size, mtime, ctime and inode (`rsync -t`, `cp -p`, `tar x` can keep an old mtime
+  and size, and chmod changes readability; those change ctime or inode, which no user call can set
+  back); remote file systems give size and mtime only;
+- data.num_classes, data.ignore_label and the label table;
+- the checking code's source and the Pillow and TensorFlow versions;
+- the worker's share of the list.
 
-One entry per list of paths and share, named by a hash of them, so an entry out of date is
-overwritten instead of piling up. Entries are JSON (never pickle: the folder may be shared) written
-to a temporary file and renamed over the old one, so a reader sees the old entry or the new one,
-never half of one; anything unreadable or inconsistent in an entry is reported and ignored (the
-split is scanned again).
+One entry per (list, share), named by their hash, so a stale entry is overwritten. JSON (never pickle:
+the folder may be shared), written to a temporary file and renamed; an unreadable entry is reported and
+the split scanned again.
 """
 
 from __future__ import annotations
@@ -44,9 +37,8 @@ from seg_train.config import is_url
 log = logging.getLogger("seg_train")
 
 FORMAT = 1
-# A file modified this close to the scan may change again within the same timestamp tick (coarse
-# kernel clocks, 2 s on FAT, clock skew on network storage) without its size, mtime or ctime
-# telling: such a scan is not stored (git's "racily clean" index entries, the same problem).
+# A file modified this close to the scan may change again within the same timestamp tick without its
+# stat telling (git's "racily clean" problem): such a scan is not stored.
 RECENT_SECONDS = 2.0
 
 
@@ -65,8 +57,8 @@ def folder_for(data_cfg) -> Path | None:
 
 @functools.lru_cache(maxsize=None)
 def code_digest(functions: tuple) -> str:
-    """A hash of the source of `functions`, the code that decides a sample's result (the scan's, given by
-    scan.checker_digest), so that a changed check invalidates old entries."""
+    """A hash of the source of `functions` (the code that decides a sample's result), so a changed check
+    invalidates old entries."""
     h = hashlib.sha256()
     for fn in functions:
         try:

@@ -1,14 +1,10 @@
 """The front door of the data: a split opened for a config (`open_split`), and the dataset_fn that deals
 its training stream to the towers (`train_dataset_fn`).
 
-Every command reads its data through here: training (its training and val splits), seg-bench and
---verify-towers, --check-data, precise BN (the training split, also for seg-eval, seg-predict and
-seg-export), seg-eval (a checkpoint or a .tflite file), the int8 calibration of seg-export, and the
-scripts. Opening a split is, in this order: the synthetic demo set generated when data.synthetic asks
-for it and it is not complete; the label table built (labels.py); the samples listed in the configured
-layout (layouts.py); the reader made on them (reader.py). The class names (`class_names_of`) are read
-when first asked for: they belong to the config, not to a split, and seg-export needs them with no
-split at all.
+Every command reads its data through here. Opening a split: generate the synthetic set if asked for
+and incomplete; build the label table (labels.py); list the samples (layouts.py); make the reader
+(reader.py). Class names (`class_names_of`) are read lazily: they belong to the config, and seg-export
+needs them with no split.
 """
 
 from __future__ import annotations
@@ -58,13 +54,11 @@ def open_split(cfg: Config, split: str, optional: bool = False) -> Split | None:
     """Opens `split` of the configured data: THE way a command gets at a split.
 
     Args:
-      cfg: the resolved config: its data section, and its seed (the data order and augmentation).
-      split: a split name or list file (data.train_split, data.val_split, seg-eval's --split).
-      optional: give None when the split is not there (layouts.split_exists) instead of raising: the val
-        split during training and --check-data, the training split for precise BN.
+      cfg: the resolved config (its data section and seed).
+      split: a split name or list file.
+      optional: return None when the split is not there (layouts.split_exists) instead of raising.
     Raises:
-      ConfigError: a synthetic set that cannot be written, or what the layout's listing refuses (a missing
-        root, split or label, an empty split, a malformed list line).
+      ConfigError: a synthetic set that cannot be written, or what the layout's listing refuses.
     """
     _generate_synthetic(cfg)
     d = cfg.data
@@ -75,8 +69,7 @@ def open_split(cfg: Config, split: str, optional: bool = False) -> Split | None:
 
 
 def _generate_synthetic(cfg: Config) -> None:
-    """Generates the synthetic demo data set at data.root if the config asks for it (once: a complete set
-    is marked, and kept)."""
+    """Generates the synthetic demo data set at data.root if the config asks for it and it is incomplete."""
     if not cfg.data.synthetic:
         return
     preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
@@ -106,25 +99,18 @@ def class_names_of(cfg: Config) -> list[str]:
 def train_dataset_fn(reader: ImageReader, global_batch: int, *, start_step: int, end_step: int | None,
                      micro_batches: int = 1, shard_over_workers: bool = True):
     """The `dataset_fn` of strategy.distribute_datasets_from_function (TrainState.distribute) for `reader`'s
-    training stream: THE way a training stream is dealt to towers, by training, seg-bench, --verify-towers
-    and precise BN.
+    training stream: THE way a training stream is dealt to towers.
 
-    Each input pipeline (one per worker) reads its own towers' slices of every global batch
-    (ImageReader.train_dataset with the context's pipeline id and count), so that N towers on W workers
-    train on the one stream that 1 tower reads. With `shard_over_workers` False every worker reads the
-    whole stream itself, dealt to its own towers with the per-tower batch of training (precise BN: each
-    worker then computes the same statistics, with nothing to exchange).
-
-    Iterate the distributed dataset through a data.feed.Feed, whose iterator is released without waiting
-    for TensorFlow's teardown.
+    Each input pipeline (one per worker) reads its own towers' slices of every global batch, so N towers
+    on W workers train on the stream 1 tower reads. With `shard_over_workers` False every worker reads
+    the whole stream (precise BN: each worker computes the same statistics, nothing to exchange).
+    Iterate it through a data.feed.Feed, which releases the iterator without waiting for TensorFlow.
 
     Args:
-      reader: the split's reader (`open_split`).
-      global_batch: data.batch_size: the images of one micro-batch over all towers of all workers.
-      start_step: the stream's first step (a resumed run's step; precise BN's far-away window).
-      end_step: the step the stream ends before: where its use ends, so that nothing is decoded for
-        nothing and no decoding is left in flight when the stream is dropped. None only for a stream read
-        until its Feed is closed (seg-bench's timed runners).
+      global_batch: data.batch_size: one micro-batch over all towers of all workers.
+      start_step: the stream's first step.
+      end_step: the step the stream ends before, so no decoding is left in flight when it is dropped;
+        None only for a stream read until its Feed is closed.
       micro_batches: train.accumulate_steps.
     """
     def dataset_fn(ctx):

@@ -1,15 +1,8 @@
 """Synthetic PASCAL-VOC-layout data set for smoke tests and demos (numpy/Pillow only).
 
-Every image is a procedural scene: a smoothly varying textured background
-(class 0) with 1-4 objects drawn on top.  Each object class has its own shape,
-hue and texture, jittered per object and overlaid with a lighting gradient and
-Gaussian noise, so that the classes are learnable but not trivially separable
-by colour alone.  As in VOC, a thin band of ignore pixels (255) runs along
-object outlines.
-
-Usage:
-    python -m seg_train.data.synthetic OUT_DIR [--num-train 160] [--num-val 40]
-        [--size 96 96] [--num-classes 5] [--seed 0]
+Each image is a textured background (class 0) with 1-4 objects, each class with its own jittered shape,
+hue and texture plus lighting and noise: learnable, but not by colour alone. As in VOC, ignore pixels
+(255) outline the objects. Command line: `python -m seg_train.data.synthetic --help`.
 """
 
 from __future__ import annotations
@@ -126,16 +119,8 @@ def _outline(instances: np.ndarray, radius: int) -> np.ndarray:
 def render_scene(
     rng: np.random.Generator, size: tuple[int, int], num_classes: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Draw one random scene.
-
-    Args:
-        rng: random generator (the only source of randomness).
-        size: (height, width).
-        num_classes: classes including background 0; objects use 1..num_classes-1.
-
-    Returns:
-        (image uint8 [H, W, 3], label uint8 [H, W] with values 0..num_classes-1 and 255).
-    """
+    """One random scene of `size` (h, w) from `rng` alone: (image uint8 [H, W, 3], label uint8 [H, W]
+    in 0..num_classes-1 and 255); background is class 0."""
     height, width = size
     short = min(height, width)
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
@@ -168,7 +153,7 @@ def render_scene(
     image *= (1.0 + rng.uniform(0.2, 0.6) * ramp)[..., None]
     image += rng.normal(0.0, rng.uniform(4.0, 12.0), image.shape)
 
-    # VOC-style ignore band along visible outlines (~2 px at 96 px, scaling with size).
+    # VOC-style ignore band along visible outlines, its width scaling with the image size.
     border_width = max(1, round(2 * short / 96))
     label[_outline(instances, max(1, round(border_width / 2)))] = IGNORE_LABEL
     return np.clip(image, 0, 255).astype(np.uint8), label
@@ -229,20 +214,9 @@ def generate(
 ) -> Path:
     """Create the synthetic data set at ``root`` unless it is already complete there.
 
-    The data set is built in a sibling temporary directory and renamed into
-    place, so ``root`` is either absent or complete; the ``.complete`` marker
-    is written last.  An existing complete ``root`` is returned untouched
-    (whatever parameters it was generated with).
-
-    Args:
-        root: output directory.
-        num_train, num_val: number of images in each split.
-        size: (height, width) of the images.
-        num_classes: classes including background; 2..255 (255 is the ignore value).
-        seed: seed of ``np.random.default_rng``; the same seed gives the same labels.
-
-    Returns:
-        ``root`` as a Path.
+    Built in a sibling temporary directory and renamed into place (``.complete`` written last), so
+    ``root`` is absent or complete; a complete ``root`` is returned untouched, whatever its parameters.
+    `size`: (height, width); `num_classes`: 2..255, background included. Returns ``root`` as a Path.
     """
     root = Path(root)
     if (root / COMPLETE_MARKER).is_file():

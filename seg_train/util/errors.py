@@ -1,6 +1,5 @@
-"""The user's one-line errors: ConfigError (a mistake in the config, raised while it loads and wherever a
-key is checked later) and an exception's text made fit for that line. Imports nothing of seg_train, so the
-config and the pure tables it reads (data/label_tables.py) can all raise it."""
+"""The user's one-line errors: ConfigError, and an exception's text made fit for that line. Imports
+nothing of seg_train, so the config and the pure tables it reads can all raise it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Checks made before a command does any work, for what a plain install or an ordinary config can miss.
 
-Each check raises ConfigError (one line on stderr, exit 2) instead of letting the command fail part
-way through with an internal error. Nothing here imports TensorFlow or writes anything: the checks
-run before TensorFlow's slow start and leave the file system as they found it (a run directory is
-only created once training is known to start).
+Each raises ConfigError rather than letting the command fail part way through. Nothing here imports
+TensorFlow (the checks run before its slow start) or writes anything.
 """
 
 from __future__ import annotations
@@ -33,12 +31,8 @@ def _requirement(name: str) -> str:
 
 
 def check_summary_backend() -> None:
-    """TensorBoard's summary ops import, so tf.summary can write.
-
-    tf.summary.scalar/image live in the `tensorboard` package; without it TensorFlow only fails at
-    the first summary, a step into training, with its own TBNotInstalledError. The imports below are
-    the ones tf.summary makes, without importing TensorFlow.
-    """
+    """TensorBoard's summary ops import, so tf.summary can write (without the `tensorboard` package
+    TensorFlow fails only at the first summary, a step into training)."""
     pin = _requirement("tensorboard")
     try:
         import tensorboard  # noqa: F401
@@ -70,15 +64,8 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def check_creatable_dir(path: str | os.PathLike, what: str, hint: str) -> Path:
-    """`path` is a folder we can write in, or can be created as one; nothing is created.
-
-    Args:
-      path: the folder.
-      what: how the message names it ("run dir", ...).
-      hint: what to do instead, for the message.
-    Returns:
-      The absolute path.
-    """
+    """`path` (returned absolute) is a writable folder or can be created as one; nothing is created.
+    `what` names it in the message ("run dir", ...), `hint` says what to do instead."""
     path = Path(os.path.abspath(path))
     if path.exists():
         if not path.is_dir():

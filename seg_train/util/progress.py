@@ -12,11 +12,8 @@ def shown(enabled: bool = True) -> bool:
 
 def progress_bar(total: int, desc: str | None = None, unit: str = "img", initial: int = 0, leave: bool = False,
                  enabled: bool = True):
-    """A tqdm bar on stderr; a disabled one (updates are no-ops) unless `shown(enabled)`.
-
-    Log lines go through tqdm.write while a bar is on screen (seg_train/cli/process.py's handler), so they
-    don't tear it.
-    """
+    """A tqdm bar on stderr, disabled unless `shown(enabled)`; log lines go through tqdm.write while it
+    is on screen, so they don't tear it."""
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=sys.stderr,
                 leave=leave, disable=not shown(enabled))

@@ -1,8 +1,7 @@
 """seg-prepare's converters (voc.py, camvid.py, folder.py, tfrecords.py) and what the first three share.
 
-voc, camvid and folder convert a data set into the VOC layout seg-train reads. A problem with the input is a
-`PrepError`, reported as one line `error: <what> (<where>): <expected>` on stderr with exit code 2,
-the same form as seg-train's own user errors; `run_main` is that boundary. Standard library only.
+A problem with the input is a `PrepError`, reported by `run_main` as one line
+`error: <what> (<where>): <expected>` on stderr, like seg-train's user errors. Standard library only.
 """
 
 from __future__ import annotations
@@ -21,13 +20,8 @@ class PrepError(Exception):
 
 
 def run_main(prepare: Callable[[], str]) -> int:
-    """Runs a converter's work and returns its exit code.
-
-    Args:
-      prepare: does the work and returns the summary line, printed on stdout.
-    Returns:
-      0, or EXIT_INPUT_ERROR after printing a PrepError's one line on stderr (no traceback).
-    """
+    """Runs `prepare` (which returns the summary line for stdout); returns 0, or EXIT_INPUT_ERROR after
+    printing a PrepError's one line on stderr."""
     try:
         summary = prepare()
     except PrepError as exc:

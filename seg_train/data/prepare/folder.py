@@ -112,8 +112,7 @@ def map_colours(rgb: np.ndarray, colour_map: dict[tuple[int, int, int], int]) ->
 def read_label(path: Path, colour_map: dict | None) -> tuple[np.ndarray, int]:
     """Read a label image as uint8 class indices; return (indices, pixels of unknown colours).
 
-    A JPEG is refused (by its bytes, whatever its name), as seg-train refuses it: written out as a PNG
-    here, its damaged class values would pass every later check.
+    A JPEG is refused by its bytes: converted to PNG, its damaged class values would pass every later check.
     """
     with open(path, "rb") as f:
         if f.read(len(JPEG_START)) == JPEG_START:
