@@ -66,28 +66,22 @@ class TrainState:
                                              aggregation=only_first)
             self.optimizer = None
             if optimizer:
-                # Keras' optimizer holds the slots and the iteration count (checkpoint layout of
-                # every earlier version); the update itself is step.py's. The learning rate is fed
-                # per step.
+                # Keras' optimizer holds the slots and the iteration count (the checkpoint layout);
+                # the update itself is step.py's.
                 if t.optimizer == "adam":
                     self.optimizer = keras.optimizers.Adam(learning_rate=t.learning_rate)
                 elif t.optimizer == "adamw":
                     self.optimizer = keras.optimizers.AdamW(learning_rate=t.learning_rate, weight_decay=t.weight_decay)
-                    # Decoupled decay on the conv and dense kernels only, the set model.weight_decay's L2 term
-                    # uses: no decay on norms (LayerNorm, BN gamma/beta) and biases. The rule of timm and of
-                    # mmsegmentation's SegFormer configs (paramwise_cfg: decay_mult 0 for 'norm' and 'pos_block';
-                    # the MiT has no position embeddings). Kept in Keras' AdamW object, so Keras' own update on
-                    # it decays what seg-train's does (update.decoupled_decay reads it back).
+                    # Decay only the conv and dense kernels, not norms and biases (timm's and mmsegmentation's
+                    # rule); kept in Keras' AdamW object, where update.decoupled_decay reads it back.
                     decayed = {id(v) for v in losses.decay_variables(self.model)}
                     self.optimizer.exclude_from_weight_decay(
                         var_list=[v for v in self.model.trainable_variables if id(v) not in decayed])
                 else:
                     self.optimizer = keras.optimizers.SGD(learning_rate=t.learning_rate, momentum=t.momentum)
-                # Build the slots now: a checkpoint restored into an unbuilt optimizer silently
-                # skips its slots.
+                # Build the slots now: restoring into an unbuilt optimizer silently skips them.
                 self.optimizer.build(self.model.trainable_variables)
-            # train.ema_decay: the moving average of every trainable weight, starting at the weights.
-            # Inference builds it too, to read a training checkpoint's averages.
+            # Inference builds the EMA too, to read a training checkpoint's averages.
             self.ema, self.ema_restored = None, False
             if t.ema_decay:
                 self.ema = [tf.Variable(v.value, trainable=False, name=f"ema/{v.path}") for v in
@@ -141,8 +135,7 @@ class TrainState:
     def use_averaged_weights(self) -> None:
         """For evaluation, prediction and export: the model keeps the EMA weights from now on.
 
-        The BN statistics in a training checkpoint belong to the training weights, so they are
-        marked as not matching (bn_stats_step = -1) for eval.bn_reestimate_batches to redo.
+        The BN statistics belong to the training weights: bn_stats_step = -1 marks them for re-estimation.
         """
         for v, e in zip(self.variables, self.ema):
             v.assign(e)
@@ -152,10 +145,8 @@ class TrainState:
     def averaged_weights(self):
         """Within the block the model holds the EMA weights (train.ema_decay; a no-op without it).
 
-        The training weights, the BN moving statistics and bn_stats_step are put back exactly on
-        exit, so evaluating in the middle of a run leaves the run's state (and its next checkpoint)
-        as it was. The BN statistics inside the block are the training run's until re-estimated for
-        the averaged weights (bn_stats_step is set to -1 so precise BN redoes them).
+        The training weights, BN statistics and bn_stats_step are restored exactly on exit; inside,
+        bn_stats_step is -1 so precise BN re-estimates the statistics for the averaged weights.
         """
         if self.ema is None:
             yield
