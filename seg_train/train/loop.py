@@ -1,16 +1,11 @@
 """The step loop shared by seg-train (train.py) and seg-bench (bench.train_runner.TrainRunner).
 
-The host never waits for a step before dispatching the next one: step k's outputs (losses,
-finiteness, norms) are read after step k+1 has been dispatched, so a device is never idle between
-steps. The learning rate comes from the host's own step counter (reading the device's counter
-would make the host wait for the step before). Before a checkpoint, an evaluation, the last step
-or a stop, the caller drains the loop: it waits for the pending step and does its bookkeeping.
+Step k's outputs are read after step k+1 has been dispatched, so the device is never idle between
+steps; the learning rate comes from the host's own step counter for the same reason. Before a
+checkpoint, an evaluation, the last step or a stop, the caller drains the loop.
 
-Because seg-bench times this same loop, with the same per-step host work (`HostSide`:
-summaries, log lines, non-finite checks), its images/s is what seg-train delivers.
-
-The first step's cost goes to the log and, machine-readable, to RUN_DIR/first_step.json
-(rundir.FIRST_STEP_FILE), which seg-bench's fresh-process probes read.
+seg-bench times this same loop with the same host work (`HostSide`), so its images/s is seg-train's.
+The first step's cost goes to the log and to RUN_DIR/first_step.json (rundir.FIRST_STEP_FILE).
 """
 
 from __future__ import annotations
@@ -42,9 +37,9 @@ class StepLoop:
       train_step: a TrainStep (called per step; its state's learning_rate gives each step's rate).
       batches: an iterator over the distributed dataset.
       start: the step counter before the first dispatched step.
-      host: the host side of a step: `finish(pending, ended) -> bool` (whether the group asked to stop;
-        ended: when the step ended, perf_counter), and
-        optionally `before_step(step)`; pending is (step, outputs, batch, learning rate, want_images).
+      host: `finish(pending, ended) -> bool` (whether the group asked to stop; ended: perf_counter
+        time the step ended), optionally `before_step(step)`; pending is (step, outputs, batch, lr,
+        want_images).
       image_summary_every: train.image_summary_every (0: never); the first step always has images.
       stop_requested: () -> bool, the host's stop flag, fed to every step.
     """
@@ -93,10 +88,8 @@ class StepLoop:
         return self._finish(pending)
 
     def _finish(self, pending) -> bool:
-        # When did the step end? If reading an output waits, at the end of the wait (a device that
-        # runs the step after train_step returned); if not, the step had ended by the time train_step
-        # returned (a call that runs the whole step, as on CPU): then, not at this read, which comes
-        # after the next step's dispatch.
+        # The step ended at the end of the read if the read waited; else it had ended when its
+        # train_step call returned (on CPU the call runs the whole step).
         t0 = time.perf_counter()
         pending[1].stop.numpy()
         t1 = time.perf_counter()
@@ -141,8 +134,7 @@ class HostSide:
     def finish(self, pending, ended: float | None = None) -> bool:
         """Bookkeeping of one dispatched step; returns whether the group asked to stop after it.
 
-        ended: when the step ended (perf_counter; loop.StepLoop knows), if earlier than now: the loop
-        reads step k after dispatching step k+1, which on CPU has run step k+1 by then."""
+        ended: when the step ended (perf_counter, from StepLoop), if earlier than now."""
         step, out, dist_batch, lr, want_images = pending
         t_cfg = self.cfg.train
         applied = bool(out.applied)
@@ -158,8 +150,7 @@ class HostSide:
                 log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
                          "(%d overflow(s) so far)", step, used, float(out.loss_scale), self.overflows)
             else:
-                # The step applied nothing (see step.py): weights, optimizer slots and BN statistics
-                # are those of the step before.
+                # Nothing was applied: the state is that of the step before.
                 bad_grad = [i for i, f in enumerate(out.loss_grad_finite.numpy()) if not f]
                 bad_bn = [i for i, f in enumerate(out.bn_finite.numpy()) if not f]
                 if bad_grad or not bad_bn:
@@ -177,8 +168,7 @@ class HostSide:
                 self.skipped += 1
                 log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, self.skipped)
         if self.first:  # tracing and the first step never count towards throughput
-            # The first step's cost, as TensorFlow lets it be split: tracing (Python building the
-            # graph) before the loop, then graph optimisation + the first execution in the first call.
+            # Its cost as TensorFlow lets it be split: tracing, then optimisation + first execution.
             now = time.perf_counter()
             ended = now if ended is None else ended
             record = {"step": step, "first_step_s": seconds_since_launch() - (now - ended), "tracing_s": self.trace_s,
