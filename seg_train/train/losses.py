@@ -1,19 +1,12 @@
 """Loss pieces as pure functions; the cross-tower scaling is done by the train step, not here.
 
-The pixel loss (`pixel_loss_sum`) returns a SUM and a NORMALIZER instead of a mean: the train step
-divides the sum of all towers' (and micro-batches') sums by the sum of their normalizers, so the
-objective does not depend on how the global batch is split. Every normalizer is per pixel or per
-image, never per tower:
-
-- plain: cross-entropy summed over the valid pixels / the number of valid pixels;
-- `class_weights` (`loss.class_weights`): a weighted mean over the valid pixels;
-- `top_k` (`loss.top_k_percent_pixels`, hard-pixel mining): only the k largest losses of EACH IMAGE
-  count, k = round(top_k * that image's valid pixels), at least 1 / the number kept. DeepLab ranks a
-  tower's whole batch and truncates; ranking per image over valid pixels keeps the result independent
-  of the tower split, and rounding avoids 0.29 * 100 = 28.999... truncating to 28;
-- both: ranked on the WEIGHTED losses, normalized by the kept pixels' weights (this normalizer
-  depends on the logits, so it is all-reduced after the forward pass).
-Ties at the cut-off keep the lowest pixel index first (tf.math.top_k's order): deterministic.
+The losses return a SUM and a NORMALIZER, not a mean: the train step divides the sum of all towers'
+sums by the sum of their normalizers, so the objective does not depend on how the batch is split.
+Every normalizer is per pixel or per image, never per tower: the valid pixels (or their class
+weights); with `top_k` (`loss.top_k_percent_pixels`) the k = round(top_k * valid) largest
+(weighted) losses of EACH IMAGE, ties lowest index first. DeepLab ranks a tower's whole batch and
+truncates; per image the result is independent of the tower split, and rounding avoids
+0.29 * 100 = 28.999... truncating to 28.
 
 `ohem_threshold` (OHEM by probability) keeps per image the pixels below a true-class probability, at
 least `ohem_min_kept` of them. Lovász-softmax and Dice (`loss.type`, `loss.terms`) are per-image losses
@@ -63,9 +56,8 @@ def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k:
       class_weights: None, or C non-negative per-class weights (a list or numpy array).
       top_k: in (0, 1]; the fraction of each image's valid pixels kept (1.0: all).
     Returns:
-      (loss_sum, normalizer), float32 scalars. The objective is sum(loss_sum) / sum(normalizer)
-      over all towers and micro-batches; the normalizer is 0 when nothing counts (no valid pixel,
-      or only zero-weight classes), so divide with tf.math.divide_no_nan.
+      (loss_sum, normalizer), float32 scalars; the normalizer is 0 when nothing counts, so divide
+      with tf.math.divide_no_nan.
     """
     if not 0.0 < top_k <= 1.0:
         raise ValueError(f"top_k must be in (0, 1], got {top_k}")
@@ -174,10 +166,8 @@ DICE_SMOOTH = 1.0
 
 
 def dice_per_image(logits, labels, ignore_label: int, smooth: float = DICE_SMOOTH):
-    """Soft Dice loss of each image: [b], the mean over all C classes of
-    1 - (2 sum(p_c y_c) + smooth) / (sum(p_c) + sum(y_c) + smooth), sums over the valid pixels, p the
-    softmax probabilities and y the one-hot labels. `smooth` keeps a class absent from both the
-    labels and the prediction at ~0 loss; a class absent from the labels costs ~sum(p_c) / (sum(p_c) + 1).
+    """Soft Dice loss of each image: [b], the mean over all C classes of 1 - (2 sum(p_c y_c) + smooth) /
+    (sum(p_c) + sum(y_c) + smooth) over the valid pixels (`smooth`: a class absent from both costs ~0);
     0 for an image with no valid pixel."""
     probs, truth, valid = _probs_and_truth(logits, labels, ignore_label)
     mask = tf.cast(valid, tf.float32)[..., tf.newaxis]

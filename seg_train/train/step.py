@@ -1,29 +1,15 @@
 """The one-graph multi-tower train step on a TrainState (state.py): used by seg-train, seg-bench and tests.
 
-One step is one optimizer update, in ONE tf.function over the strategy. Each tower:
-  - tower pass (towers.py), for each of the K micro-batches (train.accumulate_steps) of its slice:
-    Keras' stateless_call forward (BN statistics come back as values, assigned only once the update
-    is known finite; dropout masks drawn per sample, models/stochastic.py), loss sum and normaliser
-    (losses.py), backward; gradients and BN statistics summed over the micro-batches;
-  - ONE all-reduce (SUM) of flat packs (train.allreduce_pack_mb): gradients, BN statistics / (K *
-    towers), and per-tower scalars in one-hot slots (loss sum, normaliser, squared norm, finite, stop);
-  - update (update.py): reduced sum / global normaliser + weight decay (once), clipping; if finite,
-    TensorFlow's fused update ops, the averaged BN statistics and the EMA assigned.
-Then step += 1, optimizer iterations += 1 if applied, and the dynamic loss scale (loss_scale.py).
+One step is one optimizer update in ONE tf.function over the strategy. Each tower runs the tower
+pass (towers.py): for each of its K micro-batches (train.accumulate_steps), a stateless forward (BN
+statistics come back as values, assigned only if the update is finite), the loss sum and normaliser
+(losses.py) and the backward pass. Then ONE all-reduce (SUM) of flat packs: gradients, BN statistics /
+(K * towers) and per-tower scalars (scalars.py); then the update (update.py), the same on every tower.
 
-Every micro-batch's loss sum is divided by the normaliser of ALL micro-batches on all towers, so K
-micro-batches on N towers equal one step on K x N towers (tests/test_gradients.py).
-
-Why this shape:
-- Our own single packed all-reduce and TensorFlow's fused ops: Keras' apply_gradients inside
-  strategy.run reduces again and clips each tower's partial gradient (update.py).
-- MirroredStrategy traces a replica function once per tower, so the tower pass is traced ONCE and
-  called by every tower with its own variable handles (towers.py).
-- Synchronized BN all-reduces inside the passes and needs each tower's replica context: the tower
-  pass is then traced per tower and micro-batches are unrolled in Python (MirroredStrategy refuses a
-  cross-tower reduction inside a tf.while_loop).
-- The apply decision is a tf.cond with no collective inside; its verdict comes from reduced values,
-  so it is the same on every tower.
+Every loss sum is divided by the normaliser of ALL micro-batches on all towers, so K micro-batches on
+N towers equal one step on K x N towers (tests/test_gradients.py). With synchronized BN the tower pass
+is traced per tower and micro-batches are unrolled in Python: MirroredStrategy refuses a cross-tower
+reduction inside a tf.while_loop.
 """
 from __future__ import annotations
 
@@ -131,9 +117,8 @@ class TrainStep:
 
     # ---- the tower: forward and backward over the micro-batches --------------------------------------
     def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids):
-        """One micro-batch on this tower: (gradients of loss_sum * scale, new BN statistics, loss_sum,
-        normalizer, preds). `sample_ids`: each row's global sample counter, from which the model's dropout
-        and drop path draw their masks (models/stochastic.py)."""
+        """One micro-batch: (gradients of loss_sum * scale, new BN statistics, loss_sum, normalizer, preds).
+        `sample_ids` seed each row's dropout masks (models/stochastic.py)."""
         cfg = self.cfg
         with tf.GradientTape() as tape, stochastic.per_sample(sample_ids, cfg.seed):
             tape.watch(tv)
@@ -211,8 +196,7 @@ class TrainStep:
         return shape
 
     def _trace(self, images) -> _Traced:
-        """The tower pass and the update for this per-tower input shape (module doc), traced in cross-replica
-        context; tf.function's own cache makes a second call for the same shape a lookup."""
+        """The tower pass and the update for this per-tower input shape, traced in cross-replica context."""
         shape = self._tower_shape(images)
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         tower = self._tower_pass.trace(tf.TensorSpec(shape, images.dtype), tf.TensorSpec(shape[:3], tf.uint8),
@@ -256,9 +240,8 @@ class TrainStep:
     def _finish_step(self, out: Reduced, preds, loss_scale_used) -> StepResult:
         """Cross-replica end of a step: counters, loss scale, and the outputs the host reads.
 
-        `loss_scale_used` is the scale this step's gradients were computed with: the host needs it
-        (not only the scale after the update) to tell a float16 overflow, which a smaller scale
-        cures, from a non-finite gradient at the scale's floor, which no scale cures.
+        The host needs `loss_scale_used` (the step's own scale) to tell a float16 overflow from a
+        non-finite gradient at the scale's floor (loss_scale.is_overflow).
         """
         s, st = self.strategy, self.state
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731  (identical on every tower)
@@ -301,13 +284,11 @@ class TrainStep:
 
     # ---- public ----------------------------------------------------------------------------------------
     def probe(self, batch) -> ProbeResult:
-        """The update's gradient, the BN statistics it would set, the loss and the global norm for one
-        distributed batch, computed as a step does; nothing is applied and no counter moves."""
+        """What a step on this batch would compute (gradient, BN statistics, loss, norm); nothing applied."""
         return self._probe_fn(batch)
 
     def concrete_function(self, element_spec):
-        """The traced train step (a ConcreteFunction) for a distributed dataset's element_spec; calls
-        reuse this trace. For inspecting the graph (determinism.check_graph) and tracing ahead."""
+        """The traced train step for a distributed dataset's element_spec (calls reuse it)."""
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         return self._step_fn.get_concrete_function(element_spec, scalar(tf.float32), scalar(tf.bool), scalar(tf.bool))
 
