@@ -96,13 +96,8 @@ def keep_best(run_dir: Path, state, step: int, metrics) -> bool:
     The checkpoint is written first, then best.json atomically: a crash in between leaves the better
     checkpoint with the older best.json, never a half-written file. `step` names the checkpoint.
 
-    Args:
-      run_dir: the run dir.
-      state: a `TrainState` (its model, step and bn_stats_step are saved).
-      step: the training step.
-      metrics: `metrics.SegMetrics` of this evaluation.
-    Returns:
-      True if mIoU improved and the checkpoint was written.
+    `state`: a TrainState (model, step and bn_stats_step saved); `metrics`: this evaluation's
+    SegMetrics. Returns True if mIoU improved and the checkpoint was written.
     """
     best_dir = Path(run_dir) / BEST_DIR
     best = read_best(run_dir)

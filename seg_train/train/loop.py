@@ -145,12 +145,10 @@ class HostSide:
             used = float(out.loss_scale_used)
             if loss_scale.is_overflow(t_cfg.precision == "mixed_float16", bool(out.loss_finite), used,
                                       out.bn_finite.numpy()):
-                # A float16 gradient overflow: the step was skipped and the loss scale halved.
                 self.overflows += 1
                 log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
                          "(%d overflow(s) so far)", step, used, float(out.loss_scale), self.overflows)
             else:
-                # Nothing was applied: the state is that of the step before.
                 bad_grad = [i for i, f in enumerate(out.loss_grad_finite.numpy()) if not f]
                 bad_bn = [i for i, f in enumerate(out.bn_finite.numpy()) if not f]
                 if bad_grad or not bad_bn:
@@ -213,7 +211,6 @@ class HostSide:
         if not math.isnan(self.images_per_sec):
             scalars["throughput/images_per_sec"] = self.images_per_sec
         self.summaries.scalars(step, scalars)
-        # The same values as one chart with a line per tower (RUN_DIR/towers/tower_<i>/).
         self.summaries.tower_scalars(step, "loss/tower", out.tower_ce.numpy())
         self.summaries.tower_scalars(step, "gradients/norm/tower", out.tower_grad_norm.numpy())
         t_cfg = self.cfg.train

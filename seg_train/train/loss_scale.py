@@ -14,12 +14,10 @@ GROWTH_INTERVAL = 2000  # applied steps in a row before the scale doubles
 
 
 class LossScale:
-    """The scale (`scale`, float32) and its counter of applied steps (`good_steps`, int64), built inside
-    `strategy.scope()`, one value for every tower.
+    """The scale (`scale`) and its count of applied steps (`good_steps`), built inside `strategy.scope()`.
 
     Args:
-      enabled: train.precision is mixed_float16; otherwise the scale stays 1.0, nothing updates it and
-        no checkpoint holds it.
+      enabled: train.precision is mixed_float16; otherwise the scale stays 1.0 and is not saved.
       aggregation: the variables' tf.VariableAggregation.
     """
 

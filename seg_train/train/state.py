@@ -29,18 +29,11 @@ class TrainState:
       optimizer: build Keras' optimizer with its slot variables (training); False for inference.
 
     Attributes:
-      model: the Keras model (models.build).
-      optimizer: Keras' Adam, AdamW or SGD, built (slots exist), or None.
       step: updates made so far (int64 variable; the data position is a pure function of it).
       bn_stats_step: the step at which the BN moving statistics were last re-estimated (-1: never).
-      loss_scaling: the dynamic loss scale of mixed_float16 (loss_scale.LossScale); loss_scale, good_steps:
-        its two variables.
       ema: the moving averages of the trainable weights (train.ema_decay), or None.
-      variables: model.trainable_variables at build time; non_trainable: model.non_trainable_variables.
-      bn_layers: every BN layer of the model; bn_positions: where the moving statistics the forward
-        pass updates sit in `non_trainable` (the order stateless_call returns them in).
-      per_tower_trace: a training-mode pass over the model is traced per tower (synchronized BN on
-        several towers, towers.py) instead of once for every tower.
+      bn_positions: where the moving statistics the forward pass updates sit in `non_trainable`.
+      per_tower_trace: a training-mode pass is traced per tower (towers.py).
     """
 
     def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, optimizer: bool = True):
@@ -60,14 +53,12 @@ class TrainState:
             self.loss_scaling = LossScale(t.precision == "mixed_float16", only_first)
             self.loss_scale, self.good_steps = self.loss_scaling.scale, self.loss_scaling.good_steps
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step", aggregation=only_first)
-            # The BN moving statistics match the weights only while bn_stats_step equals `step`
-            # (infer/precise_bn.py).
+            # The BN moving statistics match the weights only while bn_stats_step equals `step`.
             self.bn_stats_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bn_stats_step",
                                              aggregation=only_first)
             self.optimizer = None
             if optimizer:
-                # Keras' optimizer holds the slots and the iteration count (the checkpoint layout);
-                # the update itself is step.py's.
+                # Keras' optimizer holds the slots and iteration count (checkpoint layout); step.py updates.
                 if t.optimizer == "adam":
                     self.optimizer = keras.optimizers.Adam(learning_rate=t.learning_rate)
                 elif t.optimizer == "adamw":

@@ -28,9 +28,7 @@ class Summaries:
     """Writes event files under `run_dir`.
 
     Args:
-      run_dir: the run directory (TensorBoard's --logdir).
-      palette: colours [n, 3] by class index (palette.voc_colormap()).
-      ignore_label: drawn white in label panels.
+      palette: colours [n, 3] by class index.
       mean, std: the data normalisation, undone for the image panels.
       max_images: samples per tower in the image summaries.
     """
@@ -103,8 +101,7 @@ class Summaries:
           step: the training step.
           confusion_matrix: int [C, C], rows ground truth (SegMetrics.confusion_matrix).
           class_names: C names.
-          examples: (uint8 RGB image, label, prediction) of the same val images at every evaluation
-            (Evaluator.predict_examples, infer/evaluate.py); each becomes one image | label | prediction picture.
+          examples: (uint8 RGB image, label, prediction) of the same val images at every evaluation.
         """
         matrix, _ = plots.confusion_matrix_image(confusion_matrix, class_names, title=confusion_matrix_title(step))
         pictures = [plots.sample_panels(plots.fit(image, EVAL_EXAMPLE_SIDE, nearest=False),

@@ -169,8 +169,7 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("run dir is a file", str(run_dir), "a directory (or a path that does not exist yet)")
     chief = replicas.is_chief(strategy)
-    # Only the chief owns the run dir; other workers write to a throw-away folder (TensorFlow's
-    # multi-worker checkpointing needs every worker to save).
+    # Other workers write to a throw-away folder: multi-worker checkpointing needs every worker to save.
     lock = RunLock(run_dir) if chief else None
     if lock and run_dir.is_dir():
         lock.acquire()  # fail fast when another trainer owns the run dir
@@ -268,8 +267,6 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
              f" x {k_micro} micro-batches per update" if k_micro > 1 else "", start, cfg.train.num_steps, run_dir)
 
     # ---- loop ---------------------------------------------------------------------------------------
-    # loop.StepLoop (shared with seg-bench): step k's outputs are read after step k+1 is dispatched;
-    # it is drained before a checkpoint, an evaluation, the last step or a stop.
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
     loop = HostSide(cfg, state, summaries, bar, n, profiler, trace_s, first_step_path=write_dir / FIRST_STEP_FILE)

@@ -138,8 +138,7 @@ class Update:
         self._decay = [id(v) in decay_ids for v in state.variables]
         self.slots = slot_variables(state.optimizer, state.variables)
         self._decoupled = decoupled_decay(state.optimizer, state.variables)
-        # train.backbone_lr_multiplier and train.head_lr_multiplier scale the learning rate (not the gradient:
-        # Adam would undo that) of two disjoint sets, the backbone's variables and all others.
+        # The lr multipliers scale the learning rate, not the gradient (Adam would undo that).
         t = cfg.train
         self._lr_mult = [t.backbone_lr_multiplier if in_backbone else t.head_lr_multiplier
                          for in_backbone in models.backbone_variable_mask(state.model)]
