@@ -32,13 +32,9 @@ TF_VERSION = "2.21"
 class Entry:
     """One op type without a deterministic GPU kernel.
 
-    used_by: what creates it (in seg-train, or in general).
-    reason: why TensorFlow has no deterministic GPU kernel for it.
     alternative: what to do instead of `train.deterministic: false`.
-    applies: a test on the node (its attributes) for ops that refuse only in some configurations;
-      None: always.
-    xla_only: refuses only inside an XLA-compiled function (train.jit_compile).
-    any_device: refuses on CPUs too (XLA's own check, which does not look at the device).
+    applies: a test on the node for ops that refuse only in some configurations (None: always).
+    xla_only: refuses only inside an XLA-compiled function; any_device: on CPUs too (XLA's check).
     """
 
     used_by: str

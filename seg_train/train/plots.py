@@ -51,14 +51,8 @@ def sample_panels(image: np.ndarray, label: np.ndarray, pred: np.ndarray, palett
                   ignore_label: int, overlay: bool) -> np.ndarray:
     """image | label | prediction (| prediction over the image) for one sample.
 
-    Args:
-      image: uint8 RGB [h, w, 3] (already de-normalised).
-      label, pred: class indices [h, w].
-      palette: colours [n, 3] by class index.
-      ignore_label: drawn white in the label and prediction panels (the overlay shows every pixel).
-      overlay: add the fourth panel.
-    Returns:
-      uint8 [h, 3 w + 2 GAP, 3], or [h, 4 w + 3 GAP, 3] with the overlay.
+    `image` uint8 RGB [h, w, 3], `label` and `pred` class indices [h, w], `palette` colours [n, 3];
+    ignored pixels are white in the label and prediction panels (the overlay shows every pixel).
     """
     label = np.asarray(label)
     pred = np.asarray(pred)
@@ -181,13 +175,8 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
     the column's class. Rows without pixels are grey; each row ends with its pixel count, so a 100%
     from a handful of pixels is not mistaken for a reliable one.
 
-    Args:
-      cm: int [C, C], rows ground truth, columns prediction (e.g. SegMetrics.confusion_matrix).
-      class_names: C names (shortened to MAX_NAME characters).
-      title: text above the matrix, wrapped at spaces to the width of the grid (at least MIN_TITLE_WIDTH).
-      cell: cell side in pixels.
-    Returns:
-      (uint8 RGB image, MatrixLayout of its cells).
+    `cm`: int [C, C], rows ground truth; `title` is wrapped to the grid's width. Returns (uint8 RGB
+    image, MatrixLayout of its cells).
     """
     cm = np.asarray(cm)
     c = cm.shape[0]

@@ -21,10 +21,7 @@ class StepProfiler:
 
     The loop calls `before_step(n)`, `after_step(n)` once its results are fetched, and `close()` on
     the way out (a failed run still writes its trace).
-
-    Args:
-      logdir: the run directory (TensorBoard's --logdir).
-      steps: (a, b) from train.profile_steps, or None (then every call does nothing).
+    `steps`: (a, b) from train.profile_steps, or None (then every call does nothing).
     """
 
     def __init__(self, logdir: Path, steps: tuple[int, int] | None):

@@ -79,12 +79,8 @@ class TrainStep:
     """The compiled train step for a TrainState built with its optimizer.
 
     Calling it makes one update: `TrainStep(state)(batch, lr)`. Everything it holds is fixed when it
-    is built; nothing is set on it while tracing.
-
-    Args:
-      state: the TrainState (model, optimizer, counters, EMA, loss scale).
-      class_weights: the per-class loss weights (losses.class_weights_for), needed when
-        loss.class_weights is 'median_frequency' (computed from the train split's histogram).
+    is built; nothing is set on it while tracing. `class_weights`: losses.class_weights_for's, needed
+    when loss.class_weights names a scheme.
     """
 
     def __init__(self, state: TrainState, class_weights=None):
@@ -220,15 +216,12 @@ class TrainStep:
         """One update on a distributed global batch.
 
         Args:
-          batch: (images, labels) per tower, [K * b, h, w, 3] and [K * b, h, w] (ImageReader.train_dataset).
-          lr: this update's learning rate (computed on the host, see schedule.py).
+          batch: (images, labels) per tower, [K * b, h, w, 3] and [K * b, h, w].
           stop: this process's wish to stop after this step (signals); all-reduced.
-          want_images: also return the towers' predictions of their first micro-batch, and
-            per-variable gradient norms (image-summary steps only).
+          want_images: also return the first micro-batch's predictions and per-variable gradient norms.
         """
         images, labels = batch
         s, st = self.strategy, self.state
-        # Trace the shared functions here, in cross-replica context, not inside a tower's thread.
         traced = self._trace(s.experimental_local_results(images)[0])
         t = tf.cast(st.optimizer.iterations + 1, tf.float32)
         loss_scale = tf.identity(st.loss_scale)
@@ -295,11 +288,8 @@ class TrainStep:
     def __call__(self, batch, lr: float | None = None, stop=False, want_images=False) -> StepResult:
         """One update on a distributed global batch (see _train_step).
 
-        Args:
-          batch: an element of a distributed dataset (TrainState.distribute).
-          lr: TrainState.learning_rate(step), computed on the host so it never waits for the device;
-            default: read the counter and compute it.
-          stop, want_images: bools or bool tensors (see _train_step).
+        `lr`: TrainState.learning_rate(step), computed on the host so it never waits for the device
+        (default: read the counter and compute it).
         """
         if lr is None:
             lr = self.state.learning_rate()

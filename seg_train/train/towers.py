@@ -55,11 +55,8 @@ class TowerPass:
     Call `trace` in cross-replica context (inside the outer tf.function, before strategy.run), not
     inside a tower's thread; a second `trace` with the same specs is a cache lookup.
 
-    Args:
-      body: the pass over the model, on the variables' values (as Keras' stateless_call takes them).
-      variables, non_trainable: the model's variables in the order `body` takes their values.
-      per_tower: trace `body` in each tower instead (synchronized BN in training mode, `per_tower_trace`).
-      jit_compile: XLA-compile the shared trace (train.jit_compile).
+    `variables`, `non_trainable`: in the order `body` takes their values; `per_tower`: trace `body`
+    in each tower instead (`per_tower_trace`).
     """
 
     def __init__(self, body, variables, non_trainable, per_tower: bool = False, jit_compile=None):

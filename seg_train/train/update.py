@@ -124,10 +124,7 @@ def fused_update(optimizer, t):
 class Update:
     """The update from the reduced packs, traced once for every tower: `trace()` in cross-replica context.
 
-    Args:
-      state: the TrainState (built with its optimizer).
-      grad_layout, state_layout: the packing of the gradients and of the BN statistics
-        (collectives.pack_layout), as the tower pass packed them.
+    `grad_layout`, `state_layout`: how the tower pass packed gradients and BN statistics.
     """
 
     def __init__(self, state, grad_layout, state_layout):
