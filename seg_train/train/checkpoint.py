@@ -22,13 +22,7 @@ BEST_DIR, BEST_JSON = "best", "best.json"
 
 
 class Checkpointer:
-    """Saves and restores the training state under `directory`.
-
-    Args:
-      directory: RUN_DIR/checkpoints.
-      keep: checkpoints kept (the newest ones).
-      **objects: trackables to save (model=..., optimizer=..., step=...).
-    """
+    """Saves and restores the trackables `objects` under `directory`, keeping the newest `keep`."""
 
     def __init__(self, directory: Path, keep: int, **objects):
         self.directory = str(directory)

@@ -238,12 +238,8 @@ def find_nondeterministic(graphs) -> list[Finding]:
 def check_graph(graphs, device_kind: str) -> None:
     """Refuses op determinism for a traced step holding an op without a deterministic kernel on these devices.
 
-    Args:
-      graphs: ConcreteFunctions, tf.Graphs or GraphDefs (or one of them): the traced step(s).
-      device_kind: "GPU" or "CPU" (replicas.Devices.kind). On CPUs every TensorFlow kernel is
-        deterministic under op determinism: only XLA's own refusals (any_device) apply there.
-    Raises:
-      ConfigError naming the first such op (by op type), what uses it and what to do instead.
+    `graphs`: the traced step(s); `device_kind`: "GPU" or "CPU" (on CPUs only XLA's own refusals,
+    any_device, apply). Raises a ConfigError naming the first such op and what to do instead.
     """
     findings = [f for f in find_nondeterministic(graphs) if device_kind == "GPU" or f.entry.any_device]
     if not findings:

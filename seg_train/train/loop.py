@@ -34,14 +34,10 @@ class StepLoop:
     """Dispatches train steps and hands each step's outputs to `host.finish` one step late.
 
     Args:
-      train_step: a TrainStep (called per step; its state's learning_rate gives each step's rate).
-      batches: an iterator over the distributed dataset.
-      start: the step counter before the first dispatched step.
       host: `finish(pending, ended) -> bool` (whether the group asked to stop; ended: perf_counter
         time the step ended), optionally `before_step(step)`; pending is (step, outputs, batch, lr,
         want_images).
       image_summary_every: train.image_summary_every (0: never); the first step always has images.
-      stop_requested: () -> bool, the host's stop flag, fed to every step.
     """
 
     def __init__(self, train_step, batches, start: int, host, image_summary_every: int = 0,

@@ -15,10 +15,7 @@ GROWTH_INTERVAL = 2000  # applied steps in a row before the scale doubles
 
 class LossScale:
     """The scale (`scale`) and its count of applied steps (`good_steps`), built inside `strategy.scope()`.
-
-    Args:
-      enabled: train.precision is mixed_float16; otherwise the scale stays 1.0 and is not saved.
-      aggregation: the variables' tf.VariableAggregation.
+    `enabled`: train.precision is mixed_float16; otherwise the scale stays 1.0 and is not saved.
     """
 
     def __init__(self, enabled: bool, aggregation):

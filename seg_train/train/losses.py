@@ -212,12 +212,8 @@ def median_frequency_weights(class_pixels, image_pixels, class_names=None) -> np
     w_c = median_freq / freq_c, with freq_c = (pixels of class c) / (pixels of the images where c is
     present), LABELLED pixels only (ignore_label pixels count in neither). A class with no pixel gets
     weight 0 (with a warning) and takes no part in the median.
-
-    Args:
-      class_pixels: [C] pixels of each class over the split.
-      image_pixels: [C] for each class, the labelled pixels of the images that contain it.
-    Returns:
-      float32 [C] weights.
+    `class_pixels` [C]: each class's pixels over the split; `image_pixels` [C]: the labelled pixels
+    of the images that contain it. Returns float32 [C] weights.
     """
     class_pixels = np.asarray(class_pixels, np.float64)
     image_pixels = np.asarray(image_pixels, np.float64)

@@ -23,10 +23,7 @@ from seg_train.train.schedule import lr_at
 class TrainState:
     """The model and its companions, built inside `strategy.scope()`.
 
-    Args:
-      cfg: the resolved config.
-      strategy: a tf.distribute strategy (one replica per tower).
-      optimizer: build Keras' optimizer with its slot variables (training); False for inference.
+    `optimizer`: build Keras' optimizer with its slot variables (training); False for inference.
 
     Attributes:
       step: updates made so far (int64 variable; the data position is a pure function of it).

@@ -25,13 +25,7 @@ def confusion_matrix_title(step: int) -> str:
 
 
 class Summaries:
-    """Writes event files under `run_dir`.
-
-    Args:
-      palette: colours [n, 3] by class index.
-      mean, std: the data normalisation, undone for the image panels.
-      max_images: samples per tower in the image summaries.
-    """
+    """Writes event files under `run_dir`; `mean`, `std`: the data normalisation, undone for pictures."""
 
     def __init__(self, run_dir: Path, palette: np.ndarray, ignore_label: int, mean, std, max_images: int = 2):
         self.run_dir = Path(run_dir)
@@ -97,11 +91,7 @@ class Summaries:
                       examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = ()) -> None:
         """eval/confusion_matrix (rows normalised, class names on both axes) and eval/examples.
 
-        Args:
-          step: the training step.
-          confusion_matrix: int [C, C], rows ground truth (SegMetrics.confusion_matrix).
-          class_names: C names.
-          examples: (uint8 RGB image, label, prediction) of the same val images at every evaluation.
+        `examples`: (uint8 RGB image, label, prediction) of the same val images at every evaluation.
         """
         matrix, _ = plots.confusion_matrix_image(confusion_matrix, class_names, title=confusion_matrix_title(step))
         pictures = [plots.sample_panels(plots.fit(image, EVAL_EXAMPLE_SIDE, nearest=False),

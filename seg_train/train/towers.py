@@ -73,8 +73,7 @@ class TowerPass:
     def trace(self, *input_specs):
         """f(*inputs) for use inside strategy.run: `body` on the calling tower's variables.
 
-        Args:
-          input_specs: a tf.TensorSpec (or nest of them) per input of `body` after the values.
+        `input_specs`: a tf.TensorSpec (or nest) per input of `body` after the values.
         """
         if self.per_tower:
             return lambda *inputs: self.body(values(self.variables), values(self.non_trainable), *inputs)
