@@ -1,7 +1,5 @@
 """Devices and strategies: which devices the towers run on, the tf.distribute strategy (one machine,
 or several through TF_CONFIG), and which process is the chief.
-
-What runs inside the strategy lives in collectives.py, step.py and models/sync_bn.py.
 """
 
 from __future__ import annotations

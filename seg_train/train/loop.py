@@ -5,7 +5,6 @@ steps; the learning rate comes from the host's own step counter for the same rea
 checkpoint, an evaluation, the last step or a stop, the caller drains the loop.
 
 seg-bench times this same loop with the same host work (`HostSide`), so its images/s is seg-train's.
-The first step's cost goes to the log and to RUN_DIR/first_step.json (rundir.FIRST_STEP_FILE).
 """
 
 from __future__ import annotations

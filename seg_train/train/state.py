@@ -1,9 +1,8 @@
 """What a run is made of between steps: the model, the optimizer, the counters, the EMA weights and
 the loss scale, with the checkpoint objects they are saved as (the step itself is step.py).
 
-Training builds a `TrainState` with its optimizer; inference (seg-eval, seg-predict, seg-export,
-evaluation during training) builds one without (`optimizer=False`): no slot variables are made
-and only the weights, the counters and the EMA are read from a checkpoint (infer/load.py).
+Inference builds one with `optimizer=False`: no slot variables, and only the weights, counters and
+EMA are read from a checkpoint.
 """
 
 from __future__ import annotations

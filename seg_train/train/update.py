@@ -1,14 +1,12 @@
 """The train step's update after the all-reduce (step.py): normalise, decay, clip, then the fused optimizer
 ops, the BN statistics and the EMA (the dynamic loss scale of mixed_float16 is loss_scale.py's).
 
-One function traced once for every tower (towers.shared) on the tower's handles. Every tower computes
-it from the same reduced packs, so all reach the same verdict: no second all-reduce, and the apply
-decision can be a collective-free tf.cond in replica context.
+Traced once for every tower (towers.shared). Every tower computes it from the same reduced packs, so
+all reach the same verdict: no second all-reduce, and the apply decision is a collective-free tf.cond.
 
-Why fused ops on Keras' slots, not optimizer.apply_gradients: inside strategy.run Keras reduces the
-gradients a second time, clips each tower's partial gradient, and builds several graph ops per
-variable. ResourceApplyAdam / ResourceApplyKerasMomentum / ResourceApplyGradientDescent compute
-Keras' formulas in one op per variable, on Keras' own slots (checkpoints keep Keras' layout).
+Why fused ops (ResourceApplyAdam, ...) on Keras' own slots, not optimizer.apply_gradients: inside
+strategy.run Keras reduces the gradients again, clips each tower's partial gradient, and builds
+several ops per variable; the fused ops compute Keras' formulas in one op and keep its checkpoint layout.
 """
 
 from __future__ import annotations
