@@ -42,8 +42,7 @@ class Checkpointer:
         state = tf.train.get_checkpoint_state(self.directory)
         if state is None:
             return None
-        # Newest first: the state's newest entry, then every entry it lists (the manager's own list
-        # leaves out entries without timestamps).
+        # Newest first, from the state file itself (the manager's list skips entries without timestamps).
         paths = [state.model_checkpoint_path] + list(reversed(state.all_model_checkpoint_paths))
         candidates = dict.fromkeys(p if Path(p).is_absolute() else str(Path(self.directory) / p) for p in paths if p)
         for path in candidates:

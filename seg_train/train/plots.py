@@ -214,7 +214,6 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
     img.paste(gt, (pad, y0 + max(0, (c * cell - gt.height) // 2)))
 
     for i, name in enumerate(names):
-        # Row names right-aligned against the grid, column names bottom-aligned above it.
         w, h = _text_size(probe, name, label_font)
         draw.text((x0 - pad - w, y0 + i * cell + (cell - h) // 2), name, font=label_font, fill=INK)
         col = _vertical_text(name, label_font, INK, PAPER)

@@ -45,7 +45,6 @@ class TrainState:
                 self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
             finally:
                 keras.config.set_dtype_policy(previous)
-            # Dynamic loss scaling for float16 (bfloat16 has float32's range and needs none).
             self.loss_scaling = LossScale(t.precision == "mixed_float16", only_first)
             self.loss_scale, self.good_steps = self.loss_scaling.scale, self.loss_scaling.good_steps
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step", aggregation=only_first)
@@ -80,7 +79,6 @@ class TrainState:
         position = {id(v): i for i, v in enumerate(self.non_trainable)}
         self.bn_positions = [position[id(v)] for b in self.bn_layers if b.trainable
                              for v in (b.moving_mean, b.moving_variance)]
-        # Synchronized BN across towers needs each tower's replica context while tracing a training pass.
         self.per_tower_trace = towers.per_tower_trace(cfg.model.sync_batchnorm, self.num_replicas)
 
     @property

@@ -103,7 +103,6 @@ class TrainStep:
         pack_bytes = int(cfg.train.allreduce_pack_mb * 2 ** 20)
         self._grad_layout = collectives.pack_layout([v.shape for v in state.variables], pack_bytes)
         self._state_layout = collectives.pack_layout([v.shape for v in state.bn_variables], pack_bytes)
-        # Traced once for every tower; per tower with synchronized BN (module doc).
         self._tower_pass = TowerPass(functools.partial(self._tower, unrolled=state.per_tower_trace), state.variables,
                                      state.non_trainable, per_tower=state.per_tower_trace,
                                      jit_compile=cfg.train.jit_compile or None)

@@ -211,7 +211,6 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     build_cfg = config_lib.without_weight_files(cfg) if resuming else cfg
     state = TrainState(build_cfg, strategy)
     train_step = TrainStep(state, class_weights=class_weights)
-    # One Evaluator keeps the evaluations' compiled functions for the whole run.
     evaluator = evaluate.Evaluator(state, cfg.eval, score_offsets=modes.score_offsets(cfg.eval, class_weights))
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **state.checkpoint_objects())
     restored = ckpt.restore_latest()
