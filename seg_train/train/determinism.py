@@ -5,16 +5,12 @@ GPU kernel that can only sum in a nondeterministic order (atomic adds) raises `U
 when it RUNS, which a CPU never shows. `check_graph` walks the traced step (its graph and every
 library function: tower, apply, cond and while bodies) and refuses the run up front, naming the op.
 
-TABLE was read from TensorFlow's sources and binary (docs/DETERMINISM.md). Ops that look suspicious
-but are deterministic under op determinism:
-- DepthwiseConv2dNativeBackpropFilter: routed to cuDNN's deterministic grouped convolution.
-- UnsortedSegmentSum / SegmentSum: a sort-then-reduce kernel for float types.
-- ScatterNd and the resource-variable scatters (the top-k loss's gradient): computed on the host.
-- ResizeBilinearGrad, Conv2DBackpropFilter / Input, MaxPoolGrad (non-XLA), BiasAddGrad and
-  training-mode FusedBatchNormGradV3: deterministic kernels or algorithms are chosen.
-- (Sparse)SoftmaxCrossEntropyWithLogits: the Python API builds a log-softmax and a gather instead
-  when op determinism is enabled at TRACE time (train.py does); TABLE covers graphs traced before.
-Unseeded random ops and `Timestamp` raise on every device (seg-train seeds its ops); XLA
+TABLE was read from TensorFlow's sources and binary (docs/DETERMINISM.md). Not in it, because op
+determinism gives them a deterministic path: DepthwiseConv2dNativeBackpropFilter (cuDNN), the segment
+sums (sort-then-reduce), the resource-variable scatters (host), ResizeBilinearGrad, the Conv2D and
+non-XLA MaxPool gradients, BiasAddGrad and training-mode FusedBatchNormGradV3. The softmax
+cross-entropies are in it only for graphs traced before op determinism was enabled (train.py enables
+it first). Unseeded random ops raise on every device (seg-train seeds its own). XLA
 (train.jit_compile) has refusals of its own on every device: the xla_only entries.
 """
 

@@ -52,13 +52,10 @@ class _StopSignals:
     """SIGINT/SIGTERM: the first asks the loop to finish the current step, write a checkpoint and exit
     128 + its number; a second one (either signal) ends the process at once, exit 128 + its number.
 
-    Why not a plain Python handler: it runs only between bytecodes of the main thread, so never during
-    a TensorFlow call (a whole step), and two signals in one call look like one. Instead the C-level
-    handler writes each signal to a pipe (signal.set_wakeup_fd) read by a watcher thread, which runs at
-    once since TensorFlow releases the GIL. The Python-level handlers only keep the default action away.
-
-    os._exit on the second signal is safe for resuming: TensorFlow writes the `checkpoint` state file
-    last, and the kernel releases the run dir's flock.
+    Why not a plain Python handler: it runs only between the main thread's bytecodes, never during a
+    TensorFlow call, and two signals in one call look like one. Instead the C-level handler writes to
+    a pipe (signal.set_wakeup_fd) read by a watcher thread. os._exit on the second signal is safe to
+    resume from: the `checkpoint` state file is written last, and the kernel releases the flock.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
