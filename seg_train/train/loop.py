@@ -98,11 +98,8 @@ class NonFiniteError(RuntimeError):
 
 
 class HostSide:
-    """The host side of each step, seg-train's and seg-bench's: reads its outputs, logs, writes summaries,
-    decides on non-finite steps (StepLoop calls `finish` one step late, and `before_step`).
-
-    first_step_path: where the first step's record goes (RUN_DIR/first_step.json; None: nowhere);
-    `first_step_record` holds it once the first step has ended."""
+    """The host side of each step (seg-train's and seg-bench's): reads its outputs, logs, writes summaries,
+    decides on non-finite steps. The first step's record goes to `first_step_path` (None: nowhere)."""
 
     def __init__(self, cfg: Config, state: TrainState, summaries: Summaries, bar, num_towers: int, profiler,
                  trace_s: float = 0.0, log_level: int = logging.INFO, first_step_path: Path | None = None):

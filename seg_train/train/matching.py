@@ -2,11 +2,8 @@
 inside a traced train step (tf.function, strategy.run) without a host round trip.
 
 The shortest-augmenting-path Hungarian method with dual potentials (Crouse), as in
-scipy.optimize.linear_sum_assignment: cost [Q, G], Q >= G; each column is assigned by a Dijkstra search
-over the rows on the reduced costs, vectorised over Q, in tf.while_loops of static length.
-
-Float64 inside (exact for float32 costs), so the result is the exact minimum, ties included. Non-finite
-costs in a valid column raise InvalidArgumentError; padded columns are never read.
+scipy.optimize.linear_sum_assignment: cost [Q, G], Q >= G, one Dijkstra search per column. Float64
+inside, so the minimum is exact for float32 costs; non-finite costs in a valid column raise.
 """
 
 import tensorflow as tf

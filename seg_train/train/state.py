@@ -23,13 +23,9 @@ class TrainState:
     """The model and its companions, built inside `strategy.scope()`.
 
     `optimizer`: build Keras' optimizer with its slot variables (training); False for inference.
-
-    Attributes:
-      step: updates made so far (int64 variable; the data position is a pure function of it).
-      bn_stats_step: the step at which the BN moving statistics were last re-estimated (-1: never).
-      ema: the moving averages of the trainable weights (train.ema_decay), or None.
-      bn_positions: where the moving statistics the forward pass updates sit in `non_trainable`.
-      per_tower_trace: a training-mode pass is traced per tower (towers.py).
+    `step`: updates made so far (the data position is a pure function of it); `bn_stats_step`: the
+    step the BN statistics were last re-estimated at (-1: never); `bn_positions`: where the statistics
+    the forward pass updates sit in `non_trainable`.
     """
 
     def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, optimizer: bool = True):

@@ -41,10 +41,7 @@ class Summaries:
                 tf.summary.scalar(tag, float(value))
 
     def tower_scalars(self, step: int, tag: str, values) -> None:
-        """One value per tower under the same `tag`, tower i's in the run RUN_DIR/towers/tower_<i>.
-
-        TensorBoard overlays runs that share a tag: one chart with a line per tower.
-        """
+        """One value per tower under the same `tag`, tower i's in the run RUN_DIR/towers/tower_<i>."""
         for i, value in enumerate(np.asarray(values, np.float64).reshape(-1)):
             writer = self._tower_writers.get(i)
             if writer is None:

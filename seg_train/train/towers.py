@@ -1,15 +1,11 @@
 """Trace the tower pass once for every tower: the one implementation, used by the train step (step.py),
 evaluation (infer/evaluate.py) and precise BN (infer/precise_bn.py).
 
-Why: MirroredStrategy traces a replica function once per tower, so the step's graph would hold N
-copies of the network for graph optimisation to work through. Instead the pass over the model is a
-tf.function of (variable handles, inputs), traced ONCE in cross-replica context and called by every
-tower with its own handles; `_noinline` keeps it a function call, optimised once per device.
-
-The exception: synchronized BN on several towers in training mode all-reduces inside the passes,
-which needs the calling tower's replica context, so the body is traced per tower inside strategy.run
-(models/sync_bn.py keeps that trace cheap). Inference-mode BN reduces nothing: evaluation traces once.
-The update (update.py) is shared the same way (`shared`).
+Why: MirroredStrategy traces a replica function once per tower, so the graph would hold N copies of
+the network to optimise. Instead the pass is a tf.function of (variable handles, inputs), traced ONCE
+in cross-replica context and called by every tower with its own handles (`_noinline`: optimised once).
+The exception: training-mode synchronized BN on several towers all-reduces inside the pass, which
+needs the calling tower's replica context, so it is traced per tower inside strategy.run.
 """
 
 from __future__ import annotations

@@ -123,11 +123,10 @@ def open_val(cfg: Config) -> ImageReader | None:
 
 def run_evaluation(cfg: Config, evaluator: evaluate.Evaluator, reader: ImageReader, names: list[str],
                    summaries: Summaries, run_dir: Path, step: int, progress: bool) -> None:
-    """Evaluates evaluator.state on the val split (BN statistics re-estimated first if configured), logs,
-    keeps the best.
+    """Evaluates evaluator.state on the val split, logs, keeps the best.
 
-    With train.ema_decay the averaged weights are evaluated (and kept in best/), with BN statistics
-    re-estimated for them; the training weights and statistics are back in place afterwards.
+    With train.ema_decay the averaged weights are evaluated (and kept in best/); the training weights
+    and statistics are back in place afterwards.
     """
     state = evaluator.state
     with state.averaged_weights():
