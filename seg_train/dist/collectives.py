@@ -1,16 +1,12 @@
 """In-graph cross-tower arithmetic: the all-reduces of the train step and of synchronized BN.
 
-Everything here runs inside a replica function (`strategy.run`). Device selection and the strategy
-itself live in replicas.py.
+Everything here runs inside a replica function (`strategy.run`); the strategy itself is replicas.py's.
 
-Why not `tf.distribute.get_replica_context().all_reduce` as it is: for SUM and MEAN it wraps the
-reduction in `tf.custom_gradient` so that it can be differentiated, and in graph mode
-`custom_gradient` walks the graph backwards from the result to find the variables involved. Under
-MirroredStrategy the reduction's result depends on every tower's input, so each walk crosses into
-the other towers' graphs: with ~60 synchronized BN layers x 3 all-reduces x 4 towers, tracing
-the step took longer than 17 minutes. Nothing here is differentiated through (synchronized BN
-writes its gradient out, models/sync_bn.py), so `all_reduce_sum` calls the strategy's reduction
-directly and no walk happens.
+Why not the replica context's `all_reduce` as it is: it wraps SUM and MEAN in `tf.custom_gradient`,
+whose graph-mode walk back from the result crosses into every other tower's graph under
+MirroredStrategy, making tracing with synchronized BN impractically slow. Nothing here is
+differentiated through (synchronized BN writes its gradient out), so `all_reduce_sum` calls the
+strategy's reduction directly.
 """
 
 from __future__ import annotations
@@ -37,8 +33,8 @@ def replica_id():
 def all_reduce_sum(values: list):
     """SUM of each tensor in `values` over all towers, from inside a replica function; no gradient.
 
-    Returns a list of the same length. One call is one batched reduction (the strategy may still
-    reduce tensor by tensor: pack first (`pack_layout`, `pack`) to avoid that; the train step does).
+    One call is one batched reduction, though the strategy may still reduce tensor by tensor: pack
+    first (`pack_layout`, `pack`) to avoid that.
     """
     values = list(values)
     ctx = tf.distribute.get_replica_context()
@@ -53,22 +49,18 @@ def all_reduce_sum(values: list):
                     tf.distribute.ReduceOp.SUM, [(v, v) for v in per_replica])
 
             return list(ctx.merge_call(merge_fn, args=tuple(values)))
-        # MultiWorkerMirroredStrategy: collective ops in replica context. Their results depend on the
-        # other towers only through the collective runtime, not through graph edges, so the
-        # custom_gradient walk of the public API stays inside this tower.
+        # MultiWorkerMirroredStrategy: collectives link towers through the runtime, not graph edges,
+        # so the public API's custom_gradient walk stays inside this tower.
         return list(ctx.all_reduce(tf.distribute.ReduceOp.SUM, values))
 
 
 def pack_layout(shapes: list, pack_bytes: int):
     """How float32 tensors of these shapes are grouped into flat packs of at most `pack_bytes`.
 
-    Consecutive tensors share a pack until it would exceed the bound; a tensor larger than the
-    bound gets a pack of its own (tensors are never split). Returns None for `pack_bytes` 0 (no
-    packing: one tensor per all-reduce), else a list of packs, each a list of (index, shape).
-
-    Why pack: strategies that reduce tensor by tensor (ReductionToOneDevice, the logical-CPU default)
-    pay a fixed cost per tensor, and a MobileNetV2 DeepLabV3+ has ~260 gradients, most of them tiny
-    (tf_cnn_benchmarks' `agg_small_grads_max_bytes` idea, with one size bound).
+    Consecutive tensors share a pack up to the bound; a larger tensor gets its own (never split).
+    Returns None for `pack_bytes` 0 (no packing), else a list of packs, each a list of (index, shape).
+    Why: strategies that reduce tensor by tensor (ReductionToOneDevice) pay a fixed cost per tensor,
+    and a model has hundreds of mostly tiny gradients.
     """
     if pack_bytes <= 0:
         return None
@@ -115,8 +107,7 @@ def unpack(packs: list, layout) -> list:
 def one_hot_row(values, index, size: int):
     """A [size * k] vector with `values` (k floats) at block `index`, zeros elsewhere.
 
-    Summed over the towers, each tower's block lands in its own slot: an all-gather of a few
-    scalars per tower that rides in the same all-reduce as the gradients.
+    Summed over the towers: an all-gather that rides in the gradients' all-reduce.
     """
     values = tf.reshape(tf.cast(values, tf.float32), [1, -1])
     mask = tf.reshape(tf.one_hot(index, size, dtype=tf.float32), [size, 1])

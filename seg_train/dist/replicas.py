@@ -1,9 +1,5 @@
 """Devices and strategies: which devices the towers run on, the tf.distribute strategy (one machine,
 or several through TF_CONFIG), and which process is the chief.
-
-What runs inside the strategy lives elsewhere: the in-graph cross-tower arithmetic (all-reduces,
-packing) in collectives.py, the train step that uses it in step.py, synchronized BN in
-models/sync_bn.py.
 """
 
 from __future__ import annotations
@@ -32,9 +28,8 @@ class Devices:
 def setup_devices(num_towers: int) -> Devices:
     """Picks the devices for `num_towers` towers; must run before TensorFlow creates its context.
 
-    With at least `num_towers` GPUs, GPUs 0..N-1. With none, the CPU is split into N logical devices
-    (the way TensorFlow and Keras test their distribution code), so the same graph runs anywhere.
-    With 1..N-1 GPUs it is an error: silently falling back to CPU towers would be a surprise.
+    With at least `num_towers` GPUs, GPUs 0..N-1; with none, N logical CPU devices, so the same graph
+    runs anywhere; with 1..N-1 GPUs an error rather than a silent fall-back to CPU towers.
     """
     if num_towers < 1:
         raise ConfigError("invalid --gpus", "--gpus", f"expected a positive number of towers, got {num_towers}")
@@ -80,12 +75,9 @@ def strategy_for(train_cfg, devices: Devices, towers: int | None = None) -> tf.d
 def make_strategy(devices: Devices, allreduce: str = "auto", num_packs: int = 1) -> tf.distribute.Strategy:
     """One MirroredStrategy over the chosen devices: one set of variables, one replica per tower.
 
-    `allreduce` picks TensorFlow's cross-device implementation. On logical CPU devices `auto` means
-    ReductionToOneDevice rather than collective ops: the towers share memory, so a copy-and-add is
-    all a reduction needs, and collectives keep runtime state keyed by instance numbers that clash
-    between two strategies in one process (seen here: "Shape mismatch in the collective instance"
-    when a second 4-tower strategy ran after the first, as bench and the tests do). GPUs keep
-    TensorFlow's default (NCCL) for `auto`.
+    `allreduce` picks TensorFlow's cross-device implementation; `auto` is NCCL on GPUs and
+    ReductionToOneDevice on logical CPU devices: they share memory, and collectives' instance keys
+    clash between two strategies in one process (as bench and the tests build).
     """
     if allreduce == "ring":
         raise ConfigError("invalid combination", "train.allreduce",
@@ -140,9 +132,8 @@ def set_cluster(workers: str, index: int) -> None:
 def make_multiworker_strategy(num_gpus: int, allreduce: str, pack_mb: float, timeout: float, num_packs: int = 1):
     """TensorFlow's MultiWorkerMirroredStrategy from TF_CONFIG; returns (strategy, message).
 
-    Each worker uses its first `num_gpus` GPUs; without GPUs, MultiWorkerMirroredStrategy uses one
-    CPU device per worker. TensorFlow's health checks abort the collectives
-    within seconds when a peer dies, and `timeout` bounds any collective that waits for a peer.
+    Each worker uses its first `num_gpus` GPUs, else one CPU device. `timeout` bounds any collective
+    waiting for a peer.
     """
     if allreduce in ("hierarchical_copy", "reduction_to_one_device"):
         raise ConfigError("invalid combination", "train.allreduce",

@@ -1,14 +1,8 @@
 """Checkpoints of a run: the training state under RUN_DIR/checkpoints/, the best weights under RUN_DIR/best/.
 
-A training checkpoint (`Checkpointer`, a tf.train.CheckpointManager) holds what
-`TrainState.checkpoint_objects` lists: model, optimizer (built, slots included), step, bn_stats_step
-(the step the BN moving statistics were last re-estimated at), and with train.precision
-mixed_float16 also the dynamic loss scale's `loss_scale` and `good_steps`. The data pipeline's
-position needs no state of its own: the stream is a pure function of (seed, step) (see reader.py),
-so the step restores it.
-
-The best checkpoint (`keep_best`) holds model, step and bn_stats_step only (no optimizer), with
-best.json beside it.
+A training checkpoint (`Checkpointer`) holds `TrainState.checkpoint_objects`; the data position
+needs no state, being a pure function of (seed, step) (reader.py). The best checkpoint
+(`keep_best`) holds model, step and bn_stats_step only, with best.json beside it.
 """
 
 from __future__ import annotations
@@ -28,13 +22,7 @@ BEST_DIR, BEST_JSON = "best", "best.json"
 
 
 class Checkpointer:
-    """Saves and restores the training state under `directory`.
-
-    Args:
-      directory: RUN_DIR/checkpoints.
-      keep: checkpoints kept (the newest ones).
-      **objects: trackables to save (model=..., optimizer=..., step=...).
-    """
+    """Saves and restores the trackables `objects` under `directory`, keeping the newest `keep`."""
 
     def __init__(self, directory: Path, keep: int, **objects):
         self.directory = str(directory)
@@ -48,23 +36,18 @@ class Checkpointer:
     def restore_latest(self) -> str | None:
         """Restores the newest readable checkpoint, if any; returns its path.
 
-        TensorFlow writes a checkpoint's files first and the `checkpoint` state file last (atomically),
-        so a process killed mid-write leaves the state pointing at the previous, complete checkpoint.
-        A checkpoint that is still unreadable (truncated files after a full disk) is skipped with a
-        warning in favour of the one before it; if checkpoints exist but none is readable, that is
-        an error rather than a silent restart from step 0.
+        An unreadable checkpoint (e.g. truncated by a full disk) is skipped with a warning for the one
+        before it; if none is readable that is an error, not a silent restart from step 0.
         """
         state = tf.train.get_checkpoint_state(self.directory)
         if state is None:
             return None
-        # Newest first: the state's newest entry, then every entry it lists (the manager's own list
-        # leaves out entries without timestamps).
+        # Newest first, from the state file itself (the manager's list skips entries without timestamps).
         paths = [state.model_checkpoint_path] + list(reversed(state.all_model_checkpoint_paths))
         candidates = dict.fromkeys(p if Path(p).is_absolute() else str(Path(self.directory) / p) for p in paths if p)
         for path in candidates:
             try:
-                # assert_existing_objects_matched: every object we built must find its values, so an
-                # optimizer whose slots were not built (keras#19389) fails loudly instead of silently.
+                # Every object we built must find its values: an optimizer without built slots fails loudly.
                 self.checkpoint.restore(path).assert_existing_objects_matched()
                 return path
             except (tf.errors.OpError, IndexError, ValueError, AssertionError) as e:
@@ -103,20 +86,11 @@ def read_best(run_dir: Path) -> dict | None:
 def keep_best(run_dir: Path, state, step: int, metrics) -> bool:
     """Saves the weights under RUN_DIR/best/ if mIoU beats the best so far.
 
-    The checkpoint (model, step, bn_stats_step; no optimizer) is written first (CheckpointManager:
-    data files, then its state file, then the previous best is deleted), then best.json atomically
-    (`rundir.write_json`). A crash in between leaves the better checkpoint with the older best.json,
-    never a half-written file. `resolve(RUN_DIR/best)` and `TrainState.restore_weights` read it back.
-    `step` names the checkpoint; the step saved inside it is state.step (the same value during
-    training).
+    The checkpoint is written first, then best.json atomically: a crash in between leaves the better
+    checkpoint with the older best.json, never a half-written file. `step` names the checkpoint.
 
-    Args:
-      run_dir: the run dir.
-      state: a `TrainState` (its model, step and bn_stats_step are saved).
-      step: the training step.
-      metrics: `metrics.SegMetrics` of this evaluation.
-    Returns:
-      True if mIoU improved and the checkpoint was written.
+    `state`: a TrainState (model, step and bn_stats_step saved); `metrics`: this evaluation's
+    SegMetrics. Returns True if mIoU improved and the checkpoint was written.
     """
     best_dir = Path(run_dir) / BEST_DIR
     best = read_best(run_dir)

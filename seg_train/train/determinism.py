@@ -1,38 +1,17 @@
 """Which ops of a traced step have no deterministic GPU kernel in TensorFlow 2.21, and the refusal.
 
 `train.deterministic: true` calls `tf.config.experimental.enable_op_determinism()`. From then on a
-GPU kernel that can only sum in a nondeterministic order (atomic adds from many threads) raises
-`UnimplementedError` when it RUNS, not when the graph is built, and none of it shows on a CPU:
-the CPU kernels of the same ops are deterministic (XLA's refusals aside, see the end). A user
-would meet it on their GPU box after the data checks, the model build and a long first trace.
-`check_graph` walks the traced step instead
-(its graph and every function of its library: the tower and apply functions, conds and while
-bodies are library functions) and refuses the run up front with one line naming the op.
+GPU kernel that can only sum in a nondeterministic order (atomic adds) raises `UnimplementedError`
+when it RUNS, which a CPU never shows. `check_graph` walks the traced step (its graph and every
+library function: tower, apply, cond and while bodies) and refuses the run up front, naming the op.
 
-What is and is not in TABLE was read from TensorFlow's own sources and its 2.21 binary (the error
-strings compiled into libtensorflow_cc.so.2 name each op that refuses); docs/DETERMINISM.md lists
-the evidence. Ops that look suspicious but are deterministic under op determinism in 2.21:
-- DepthwiseConv2dNativeBackpropFilter (MobileNetV2's depthwise-conv filter gradient): TF's own
-  kernel sums with atomics, so under op determinism TensorFlow always routes it to cuDNN's grouped
-  convolution with a deterministic algorithm. It raises only in a TensorFlow built with cuDNN
-  older than 7.6.3, which no 2.21 build is. (Older TensorFlow versions did raise here: users'
-  reports of "A deterministic GPU implementation of DepthwiseConvBackpropFilter is not currently
-  available" come from before this cuDNN route.)
-- UnsortedSegmentSum / SegmentSum (the gradient of a gather; the loss's gradient under op
-  determinism): a sort-then-reduce kernel replaces the atomic one for float types.
-- ScatterNd and the other scatter ops on resource variables (the top-k pixel loss's gradient):
-  computed on the host under op determinism; slower, but deterministic.
-- ResizeBilinearGrad (the decoder's and the logits' upsampling): a dedicated deterministic kernel.
-- Conv2DBackpropFilter / Conv2DBackpropInput, MaxPoolGrad (non-XLA), BiasAddGrad: cuDNN's
-  deterministic algorithms and a deterministic reduction are chosen.
-- FusedBatchNormGradV3 with is_training=true (every training-mode BN layer).
-- SparseSoftmaxCrossEntropyWithLogits / SoftmaxCrossEntropyWithLogits: the GPU kernels raise, but
-  `tf.nn.sparse_softmax_cross_entropy_with_logits` builds a log-softmax and a gather instead when
-  op determinism is already enabled at TRACE time (train.py enables it before building the
-  trainer). They are in TABLE for graphs traced before determinism was switched on.
-Not here, because they are not about kernels: random ops without a seed and `Timestamp` raise on
-every device under op determinism (seg-train seeds its random ops). XLA (train.jit_compile) has
-refusals of its own, on every device: the XLA-only entries below.
+TABLE was read from TensorFlow's sources and binary (docs/DETERMINISM.md). Not in it, because op
+determinism gives them a deterministic path: DepthwiseConv2dNativeBackpropFilter (cuDNN), the segment
+sums (sort-then-reduce), the resource-variable scatters (host), ResizeBilinearGrad, the Conv2D and
+non-XLA MaxPool gradients, BiasAddGrad and training-mode FusedBatchNormGradV3. The softmax
+cross-entropies are in it only for graphs traced before op determinism was enabled (train.py enables
+it first). Unseeded random ops raise on every device (seg-train seeds its own). XLA
+(train.jit_compile) has refusals of its own on every device: the xla_only entries.
 """
 
 from __future__ import annotations
@@ -49,13 +28,9 @@ TF_VERSION = "2.21"
 class Entry:
     """One op type without a deterministic GPU kernel.
 
-    used_by: what creates it (in seg-train, or in general).
-    reason: why TensorFlow has no deterministic GPU kernel for it.
     alternative: what to do instead of `train.deterministic: false`.
-    applies: a test on the node (its attributes) for ops that refuse only in some configurations;
-      None: always.
-    xla_only: refuses only inside an XLA-compiled function (train.jit_compile).
-    any_device: refuses on CPUs too (XLA's own check, which does not look at the device).
+    applies: a test on the node for ops that refuse only in some configurations (None: always).
+    xla_only: refuses only inside an XLA-compiled function; any_device: on CPUs too (XLA's check).
     """
 
     used_by: str
@@ -118,9 +93,7 @@ TABLE: dict[str, Entry] = {
         used_by="the gradient of tf.nn.max_pool_with_argmax",
         reason="scatters into the input through the argmax indices with atomic adds",
         alternative="tf.nn.max_pool (its gradient runs on cuDNN's deterministic max pooling)"),
-    # TensorFlow's XLA lowering of these refuses under op determinism whatever the device ("GPU
-    # MaxPool gradient ops do not yet have a deterministic XLA implementation" was raised by a
-    # ResNet-50 step with train.jit_compile on logical CPU towers).
+    # TensorFlow's XLA lowering of these refuses under op determinism whatever the device.
     "MaxPoolGrad": Entry(
         used_by="the gradient of max pooling (ResNet's stem) in an XLA-compiled tower",
         reason="TensorFlow's XLA lowering has no deterministic select-and-scatter for it",
@@ -211,9 +184,8 @@ def _callees(node, library: dict) -> list[str]:
 def _walk(graph_def) -> Iterable[tuple[object, str, bool]]:
     """(node, function name, inside XLA) for every node of the graph and of every library function.
 
-    A function is inside XLA when it, or a call on the way to it, carries `_XlaMustCompile`
-    (tf.function(jit_compile=True)). Library functions reached by no call are walked too, as not
-    XLA-compiled.
+    Inside XLA: it, or a call on the way to it, carries `_XlaMustCompile`. Uncalled library functions
+    are walked too, as not XLA-compiled.
     """
     library = {f.signature.name: f for f in graph_def.library.function}
     seen: set[tuple[str, bool]] = set()
@@ -247,11 +219,8 @@ def op_types(graphs) -> set[str]:
 
 
 def find_nondeterministic(graphs) -> list[Finding]:
-    """The nodes of the graphs (and their libraries) whose op has no deterministic GPU kernel in
-    TensorFlow 2.21 under the node's attributes, whatever device the graphs were traced for.
-
-    Sorted by op type, then function and node name, one finding per (op, function, node).
-    """
+    """The nodes of the graphs (and their libraries) whose op has no deterministic GPU kernel under
+    the node's attributes, whatever the device; sorted by (op, function, node)."""
     found = {}
     for gd in _graph_defs(graphs):
         for node, fname, xla in _walk(gd):
@@ -265,12 +234,8 @@ def find_nondeterministic(graphs) -> list[Finding]:
 def check_graph(graphs, device_kind: str) -> None:
     """Refuses op determinism for a traced step holding an op without a deterministic kernel on these devices.
 
-    Args:
-      graphs: ConcreteFunctions, tf.Graphs or GraphDefs (or one of them): the traced step(s).
-      device_kind: "GPU" or "CPU" (replicas.Devices.kind). On CPUs every TensorFlow kernel is
-        deterministic under op determinism: only XLA's own refusals (any_device) apply there.
-    Raises:
-      ConfigError naming the first such op (by op type), what uses it and what to do instead.
+    `graphs`: the traced step(s); `device_kind`: "GPU" or "CPU" (on CPUs only XLA's own refusals,
+    any_device, apply). Raises a ConfigError naming the first such op and what to do instead.
     """
     findings = [f for f in find_nondeterministic(graphs) if device_kind == "GPU" or f.entry.any_device]
     if not findings:

@@ -25,9 +25,8 @@ def _source_config(prefix: str) -> config_lib.Config:
 def load_weights(model, path: str) -> tuple[int, list[str]]:
     """Copies weights from the checkpoint at `path` (prefix, checkpoints/ folder or run dir) into `model`.
 
-    The source model is rebuilt from the config saved beside the checkpoint (object-based checkpoints
-    are keyed by object graph, not by name), then weights are matched by Keras variable path.
-    Returns (number of variables loaded, paths skipped because their shapes differ or are missing).
+    The source model is rebuilt from its saved config (checkpoints are keyed by object graph, not
+    name), then weights are matched by Keras variable path. Returns (loaded count, skipped paths).
     """
     prefix = ckpt_lib.resolve(path)
     src_cfg = _source_config(prefix)

@@ -1,16 +1,10 @@
 """The step loop shared by seg-train (train.py) and seg-bench (bench.train_runner.TrainRunner).
 
-The host never waits for a step before dispatching the next one: step k's outputs (losses,
-finiteness, norms) are read after step k+1 has been dispatched, so a device is never idle between
-steps. The learning rate comes from the host's own step counter (reading the device's counter
-would make the host wait for the step before). Before a checkpoint, an evaluation, the last step
-or a stop, the caller drains the loop: it waits for the pending step and does its bookkeeping.
+Step k's outputs are read after step k+1 has been dispatched, so the device is never idle between
+steps; the learning rate comes from the host's own step counter for the same reason. Before a
+checkpoint, an evaluation, the last step or a stop, the caller drains the loop.
 
-Because seg-bench times this same loop, with the same per-step host work (`HostSide`:
-summaries, log lines, non-finite checks), its images/s is what seg-train delivers.
-
-The first step's cost goes to the log and, machine-readable, to RUN_DIR/first_step.json
-(rundir.FIRST_STEP_FILE), which seg-bench's fresh-process probes read.
+seg-bench times this same loop with the same host work (`HostSide`), so its images/s is seg-train's.
 """
 
 from __future__ import annotations
@@ -39,14 +33,10 @@ class StepLoop:
     """Dispatches train steps and hands each step's outputs to `host.finish` one step late.
 
     Args:
-      train_step: a TrainStep (called per step; its state's learning_rate gives each step's rate).
-      batches: an iterator over the distributed dataset.
-      start: the step counter before the first dispatched step.
-      host: the host side of a step: `finish(pending, ended) -> bool` (whether the group asked to stop;
-        ended: when the step ended, perf_counter), and
-        optionally `before_step(step)`; pending is (step, outputs, batch, learning rate, want_images).
+      host: `finish(pending, ended) -> bool` (whether the group asked to stop; ended: perf_counter
+        time the step ended), optionally `before_step(step)`; pending is (step, outputs, batch, lr,
+        want_images).
       image_summary_every: train.image_summary_every (0: never); the first step always has images.
-      stop_requested: () -> bool, the host's stop flag, fed to every step.
     """
 
     def __init__(self, train_step, batches, start: int, host, image_summary_every: int = 0,
@@ -93,10 +83,8 @@ class StepLoop:
         return self._finish(pending)
 
     def _finish(self, pending) -> bool:
-        # When did the step end? If reading an output waits, at the end of the wait (a device that
-        # runs the step after train_step returned); if not, the step had ended by the time train_step
-        # returned (a call that runs the whole step, as on CPU): then, not at this read, which comes
-        # after the next step's dispatch.
+        # The step ended at the end of the read if the read waited; else it had ended when its
+        # train_step call returned (on CPU the call runs the whole step).
         t0 = time.perf_counter()
         pending[1].stop.numpy()
         t1 = time.perf_counter()
@@ -110,11 +98,8 @@ class NonFiniteError(RuntimeError):
 
 
 class HostSide:
-    """The host side of each step, seg-train's and seg-bench's: reads its outputs, logs, writes summaries,
-    decides on non-finite steps (StepLoop calls `finish` one step late, and `before_step`).
-
-    first_step_path: where the first step's record goes (RUN_DIR/first_step.json; None: nowhere);
-    `first_step_record` holds it once the first step has ended."""
+    """The host side of each step (seg-train's and seg-bench's): reads its outputs, logs, writes summaries,
+    decides on non-finite steps. The first step's record goes to `first_step_path` (None: nowhere)."""
 
     def __init__(self, cfg: Config, state: TrainState, summaries: Summaries, bar, num_towers: int, profiler,
                  trace_s: float = 0.0, log_level: int = logging.INFO, first_step_path: Path | None = None):
@@ -141,8 +126,7 @@ class HostSide:
     def finish(self, pending, ended: float | None = None) -> bool:
         """Bookkeeping of one dispatched step; returns whether the group asked to stop after it.
 
-        ended: when the step ended (perf_counter; loop.StepLoop knows), if earlier than now: the loop
-        reads step k after dispatching step k+1, which on CPU has run step k+1 by then."""
+        ended: when the step ended (perf_counter, from StepLoop), if earlier than now."""
         step, out, dist_batch, lr, want_images = pending
         t_cfg = self.cfg.train
         applied = bool(out.applied)
@@ -153,13 +137,10 @@ class HostSide:
             used = float(out.loss_scale_used)
             if loss_scale.is_overflow(t_cfg.precision == "mixed_float16", bool(out.loss_finite), used,
                                       out.bn_finite.numpy()):
-                # A float16 gradient overflow: the step was skipped and the loss scale halved.
                 self.overflows += 1
                 log.info("loss-scale overflow at step %d (scale %g): update skipped, loss scale now %g "
                          "(%d overflow(s) so far)", step, used, float(out.loss_scale), self.overflows)
             else:
-                # The step applied nothing (see step.py): weights, optimizer slots and BN statistics
-                # are those of the step before.
                 bad_grad = [i for i, f in enumerate(out.loss_grad_finite.numpy()) if not f]
                 bad_bn = [i for i, f in enumerate(out.bn_finite.numpy()) if not f]
                 if bad_grad or not bad_bn:
@@ -177,8 +158,7 @@ class HostSide:
                 self.skipped += 1
                 log.warning("%s: update skipped (train.on_nan: skip_step; %d skipped so far)", msg, self.skipped)
         if self.first:  # tracing and the first step never count towards throughput
-            # The first step's cost, as TensorFlow lets it be split: tracing (Python building the
-            # graph) before the loop, then graph optimisation + the first execution in the first call.
+            # Its cost as TensorFlow lets it be split: tracing, then optimisation + first execution.
             now = time.perf_counter()
             ended = now if ended is None else ended
             record = {"step": step, "first_step_s": seconds_since_launch() - (now - ended), "tracing_s": self.trace_s,
@@ -223,7 +203,6 @@ class HostSide:
         if not math.isnan(self.images_per_sec):
             scalars["throughput/images_per_sec"] = self.images_per_sec
         self.summaries.scalars(step, scalars)
-        # The same values as one chart with a line per tower (RUN_DIR/towers/tower_<i>/).
         self.summaries.tower_scalars(step, "loss/tower", out.tower_ce.numpy())
         self.summaries.tower_scalars(step, "gradients/norm/tower", out.tower_grad_norm.numpy())
         t_cfg = self.cfg.train

@@ -1,11 +1,8 @@
 """The dynamic loss scale of train.precision mixed_float16: its variables, its update rule and the host's
 verdict on a skipped step (bfloat16 has float32's range and needs no scale).
 
-The towers differentiate loss * scale (step.py) and the update divides it out again (update.py); a step
-whose scaled float16 gradient overflowed is skipped and the scale halved, and the scale doubles after
-GROWTH_INTERVAL applied steps in a row (Keras' defaults). The scale is never halved below FLOOR
-(TensorFlow's LossScaleOptimizer's floor): a gradient still non-finite with the loss unscaled is a
-non-finite step, not a float16 overflow (`is_overflow`).
+An overflowed step is skipped and the scale halved (never below the floor, where a non-finite gradient
+is a real non-finite step: `is_overflow`); it doubles after GROWTH_INTERVAL applied steps (Keras' rule).
 """
 
 from __future__ import annotations
@@ -17,13 +14,8 @@ GROWTH_INTERVAL = 2000  # applied steps in a row before the scale doubles
 
 
 class LossScale:
-    """The scale (`scale`, float32) and its counter of applied steps (`good_steps`, int64), built inside
-    `strategy.scope()`, one value for every tower.
-
-    Args:
-      enabled: train.precision is mixed_float16; otherwise the scale stays 1.0, nothing updates it and
-        no checkpoint holds it.
-      aggregation: the variables' tf.VariableAggregation.
+    """The scale (`scale`) and its count of applied steps (`good_steps`), built inside `strategy.scope()`.
+    `enabled`: train.precision is mixed_float16; otherwise the scale stays 1.0 and is not saved.
     """
 
     def __init__(self, enabled: bool, aggregation):
@@ -37,10 +29,7 @@ class LossScale:
         return {"loss_scale": self.scale, "good_steps": self.good_steps} if self.enabled else {}
 
     def update(self, applied) -> None:
-        """After a step (cross-replica context): grow after GROWTH_INTERVAL applied steps, halve on a skipped one.
-
-        A no-op when disabled.
-        """
+        """After a step (cross-replica context): grow after GROWTH_INTERVAL applied steps, halve on a skipped one."""
         if not self.enabled:
             return
         scale, good = self.scale, self.good_steps
@@ -63,9 +52,8 @@ class LossScale:
 def is_overflow(enabled: bool, loss_finite: bool, scale_used: float, bn_finite) -> bool:
     """Whether a skipped step was a float16 overflow (skipped by design, the scale halved), not a non-finite step.
 
-    An overflow has a finite loss, a scale above the floor (at the floor the loss is no longer scaled up, so
-    halving cures nothing) and finite BN statistics (float32 and unscaled: not the scale's doing).
-    `scale_used`: the scale the step's gradients were computed with; `bn_finite`: per tower.
+    An overflow has a finite loss, a scale above the floor (where halving cures nothing) and finite BN
+    statistics (float32, unscaled). `scale_used`: the step's scale; `bn_finite`: per tower.
     """
     return enabled and loss_finite and scale_used > LOSS_SCALE_FLOOR \
         and all(bn_finite)

@@ -1,32 +1,16 @@
 """Loss pieces as pure functions; the cross-tower scaling is done by the train step, not here.
 
-The pixel loss (`pixel_loss_sum`) returns a SUM and a NORMALIZER instead of a mean: the train step
-divides the sum over all towers (and micro-batches) of the sums by the sum of the normalizers, so
-the objective is the same however the global batch is split. Everything a normalizer depends on is
-per pixel or per image (never per tower), which is what makes 1 tower equal N towers:
+The losses return a SUM and a NORMALIZER, not a mean: the train step divides the sum of all towers'
+sums by the sum of their normalizers, so the objective does not depend on how the batch is split.
+Every normalizer is per pixel or per image, never per tower: the valid pixels (or their class
+weights); with `top_k` (`loss.top_k_percent_pixels`) the k = round(top_k * valid) largest
+(weighted) losses of EACH IMAGE, ties lowest index first. DeepLab ranks a tower's whole batch and
+truncates; per image the result is independent of the tower split, and rounding avoids
+0.29 * 100 = 28.999... truncating to 28.
 
-- plain: cross-entropy summed over the valid pixels / the number of valid pixels;
-- `class_weights` (`loss.class_weights`): each pixel's loss times its class's weight / the sum of
-  the weights of the valid pixels (a weighted mean);
-- `top_k` (`loss.top_k_percent_pixels`, DeepLab's and Model Garden's hard-pixel mining): only the
-  k pixels with the largest loss of EACH IMAGE count, k = round(top_k * that image's valid pixels)
-  (halves up, at least 1 when the image has a valid pixel) / the number of pixels kept. DeepLab and
-  Model Garden rank the whole batch of a tower at once and truncate top_k * (all pixels, ignored
-  ones included); ranking per image over its valid pixels keeps the result independent of how the
-  batch is split over towers and of how much of an image is ignored, and rounding to the nearest
-  integer is not thrown off by products like 0.29 * 100 = 28.999... that truncation turns into 28;
-- both: the ranking is on the WEIGHTED per-pixel losses (as DeepLab and Model Garden mine), and
-  the normalizer is the sum of the weights of the kept pixels. This one normalizer depends on the
-  logits (which pixels are kept), so the train step must all-reduce it after the forward pass;
-  in every other case it depends on the labels alone.
-Equal losses at the cut-off are kept lowest pixel index first (tf.math.top_k's order), so the
-choice is deterministic.
-
-`ohem_threshold` (OHEM by probability) keeps per image the pixels below a true-class probability,
-at least `ohem_min_kept` of them; like top-k with class weights, its normalizer depends on the
-logits. Lovász-softmax and Dice (`loss.type`, `loss.terms`) are per-image losses weighted by each
-image's share of the cross-entropy's normalizer (`objective_sum`): still one sum and one
-normalizer per tower, every part per image, so 1 tower equals N towers for them too.
+`ohem_threshold` (OHEM by probability) keeps per image the pixels below a true-class probability, at
+least `ohem_min_kept` of them. Lovász-softmax and Dice (`loss.type`, `loss.terms`) are per-image losses
+weighted by each image's share of the cross-entropy's normalizer (`objective_sum`).
 """
 
 from __future__ import annotations
@@ -44,8 +28,7 @@ log = logging.getLogger("seg_train")
 def keep_counts(valid_counts, top_k: float):
     """Pixels kept per image: round(top_k * valid) (halves up), at least 1 if valid > 0, at most valid.
 
-    Computed in float64, so any count a float32 holds exactly gives the exact rounding.
-    """
+    Float64, so the rounding is exact for any count a float32 holds."""
     n = tf.cast(valid_counts, tf.float64)
     k = tf.floor(n * float(top_k) + 0.5)
     return tf.minimum(tf.maximum(k, tf.minimum(n, 1.0)), n)
@@ -73,9 +56,8 @@ def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k:
       class_weights: None, or C non-negative per-class weights (a list or numpy array).
       top_k: in (0, 1]; the fraction of each image's valid pixels kept (1.0: all).
     Returns:
-      (loss_sum, normalizer), float32 scalars. The objective is sum(loss_sum) / sum(normalizer)
-      over all towers and micro-batches; the normalizer is 0 when nothing counts (no valid pixel,
-      or only zero-weight classes), so divide with tf.math.divide_no_nan.
+      (loss_sum, normalizer), float32 scalars; the normalizer is 0 when nothing counts, so divide
+      with tf.math.divide_no_nan.
     """
     if not 0.0 < top_k <= 1.0:
         raise ValueError(f"top_k must be in (0, 1], got {top_k}")
@@ -89,8 +71,7 @@ def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k:
     weight = tf.reshape(weight, [batch, pixels])
     valid = tf.reshape(valid, [batch, pixels])
     k = tf.cast(keep_counts(tf.reduce_sum(tf.cast(valid, tf.int32), axis=1), top_k), tf.float32)
-    # Every image's pixels ranked by loss, ignored pixels last (losses are >= 0): a full per-image
-    # sort, since the number kept differs between images. The gradient flows through the values.
+    # A full per-image sort (the number kept differs by image), ignored pixels last (losses are >= 0).
     ranked, order = tf.math.top_k(tf.where(valid, loss, -tf.ones_like(loss)), k=pixels, sorted=True)
     keep = tf.cast(tf.range(pixels)[tf.newaxis, :], tf.float32) < k[:, tf.newaxis]
     keep = tf.cast(keep, tf.float32)
@@ -103,10 +84,7 @@ def pixel_loss_sum(logits, labels, ignore_label: int, class_weights=None, top_k:
 def pixel_cross_entropy_sum(logits, labels, ignore_label: int):
     """Softmax cross-entropy summed over the valid pixels, and the number of valid pixels.
 
-    Returning (sum, count) rather than a mean lets the caller normalise by the GLOBAL valid-pixel
-    count of the step: a per-tower mean would give towers with many ignored pixels more weight.
-    `pixel_loss_sum` with neither class weights nor mining.
-    """
+    (sum, count) so the caller normalises by the step's GLOBAL count (module doc)."""
     return pixel_loss_sum(logits, labels, ignore_label)
 
 
@@ -118,11 +96,9 @@ def cross_entropy_per_image(logits, labels, ignore_label: int, class_weights=Non
                             ohem_threshold: float | None = None, ohem_min_kept: int = 0):
     """The cross-entropy term per image: (sums [b], normalizers [b]), as pixel_loss_sum defines them.
 
-    Summed over the images, the two are what pixel_loss_sum returns (same kept pixels, same
-    normalizer). `ohem_threshold` (OHEM by probability): each image keeps its valid pixels whose
-    softmax probability of their true class is below the threshold, and at least its
-    min(ohem_min_kept, valid) pixels of lowest probability (ties: lowest pixel index first); the
-    normalizer is the number, or with class weights the weight sum, of the kept pixels.
+    Summed over the images, they are what pixel_loss_sum returns. `ohem_threshold`: each image keeps
+    its valid pixels whose true-class probability is below it, and at least min(ohem_min_kept, valid)
+    of lowest probability; normalizer: the count (or weight sum) of the kept pixels.
     """
     logits = tf.cast(logits, tf.float32)
     labels = tf.cast(labels, tf.int32)
@@ -164,12 +140,9 @@ def _probs_and_truth(logits, labels, ignore_label: int):
 def lovasz_softmax_per_image(logits, labels, ignore_label: int):
     """Lovász-softmax (Berman et al. 2018) of each image: [b].
 
-    For each class c present in the image's valid labels: the pixels' errors |1[y = c] - p_c|
-    sorted in decreasing order, dotted with the discrete gradient of the Jaccard loss
-    1 - |y_c n pred| / |y_c u pred| along that order (the Lovász extension, whose gradient with
-    respect to the errors is that vector); averaged over the present classes. Ignored pixels count
-    in no class: their errors sort last as -1 and are multiplied by 0. 0 for an image with no valid
-    pixel.
+    For each class c present in the image: the errors |1[y = c] - p_c| sorted decreasing, dotted with
+    the discrete gradient of the Jaccard loss along that order; averaged over the present classes.
+    Ignored pixels sort last as -1 and are multiplied by 0. 0 for an image with no valid pixel.
     """
     probs, truth, valid = _probs_and_truth(logits, labels, ignore_label)
     mask = tf.cast(valid, tf.float32)[..., tf.newaxis]
@@ -193,10 +166,8 @@ DICE_SMOOTH = 1.0
 
 
 def dice_per_image(logits, labels, ignore_label: int, smooth: float = DICE_SMOOTH):
-    """Soft Dice loss of each image: [b], the mean over all C classes of
-    1 - (2 sum(p_c y_c) + smooth) / (sum(p_c) + sum(y_c) + smooth), sums over the valid pixels, p the
-    softmax probabilities and y the one-hot labels. `smooth` keeps a class absent from both the
-    labels and the prediction at ~0 loss; a class absent from the labels costs ~sum(p_c) / (sum(p_c) + 1).
+    """Soft Dice loss of each image: [b], the mean over all C classes of 1 - (2 sum(p_c y_c) + smooth) /
+    (sum(p_c) + sum(y_c) + smooth) over the valid pixels (`smooth`: a class absent from both costs ~0);
     0 for an image with no valid pixel."""
     probs, truth, valid = _probs_and_truth(logits, labels, ignore_label)
     mask = tf.cast(valid, tf.float32)[..., tf.newaxis]
@@ -211,14 +182,10 @@ def objective_sum(logits, labels, ignore_label: int, class_weights=None, top_k: 
                   ohem_threshold: float | None = None, ohem_min_kept: int = 0):
     """The configured loss as (sum, normalizer) for the train step (the module doc for the cross-entropy).
 
-    `terms`: {type: weight} (LossConfig.term_weights; None: cross-entropy alone). Cross-entropy alone
-    without OHEM is pixel_loss_sum, unchanged. Otherwise, per image i: n_i is the cross-entropy's
-    normalizer of that image (its valid pixels, their weight sum, or its kept pixels' count or weight
-    sum), or its valid pixel count when there is no cross_entropy term; the Lovász and Dice terms are
-    per-image losses L_i weighted by n_i. So the objective is
+    `terms`: {type: weight} (LossConfig.term_weights; None: cross-entropy alone, pixel_loss_sum). Else,
+    with n_i image i's cross-entropy normalizer (its valid pixel count without a cross_entropy term),
+    the objective over all images of all towers is
         (w_ce * sum_i ce_sum_i + sum_t w_t * sum_i n_i L_t,i) / sum_i n_i
-    over all images of all towers: one normalizer, every part per image, so 1 tower = N towers.
-    With n_i equal (full crops, no class weights or mining) a term is the plain mean over images.
     """
     terms = terms or {"cross_entropy": 1.0}
     if set(terms) == {"cross_entropy"} and ohem_threshold is None:
@@ -243,15 +210,10 @@ def median_frequency_weights(class_pixels, image_pixels, class_names=None) -> np
     """SegNet's median frequency balancing (Badrinarayanan et al. 2017, after Eigen & Fergus 2015).
 
     w_c = median_freq / freq_c, with freq_c = (pixels of class c) / (pixels of the images where c is
-    present) and median_freq the median of the freq_c. Pixels are LABELLED pixels here: ignore_label
-    pixels are not pixels of any class the loss sees, so they count in neither number. A class with
-    no pixel has no frequency: weight 0 (with a warning), and it takes no part in the median.
-
-    Args:
-      class_pixels: [C] pixels of each class over the split.
-      image_pixels: [C] for each class, the labelled pixels of the images that contain it.
-    Returns:
-      float32 [C] weights.
+    present), LABELLED pixels only (ignore_label pixels count in neither). A class with no pixel gets
+    weight 0 (with a warning) and takes no part in the median.
+    `class_pixels` [C]: each class's pixels over the split; `image_pixels` [C]: the labelled pixels
+    of the images that contain it. Returns float32 [C] weights.
     """
     class_pixels = np.asarray(class_pixels, np.float64)
     image_pixels = np.asarray(image_pixels, np.float64)
@@ -286,10 +248,7 @@ def class_weights_for(cfg, scan_report, class_names=None) -> np.ndarray | None:
     except ValueError:
         raise ConfigError("no labelled pixels to balance", "loss.class_weights",
                           f"a train split with labelled pixels for '{weights}' (or a list of weights)") from None
-    # 'sqrt_median_frequency': the square root of SegNet's weights, a milder balancing. On CamVid at
-    # 2000 steps the full weights moved too many pixels into the rare classes (val -1.6 mIoU: Building
-    # and Pedestrian lost more than Pole, Car and Bicyclist gained) while the square roots gained
-    # +2.2 val / +0.9 test mIoU over no weights (docs/ACCURACY.md).
+    # 'sqrt_median_frequency': a milder balancing; the full weights push too many pixels into rare classes.
     return np.sqrt(w).astype(np.float32) if weights == "sqrt_median_frequency" else w
 
 

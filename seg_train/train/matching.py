@@ -1,15 +1,9 @@
 """Minimum-cost assignment of predicted queries to ground-truth masks, in TensorFlow ops only, so it runs
 inside a traced train step (tf.function, strategy.run) without a host round trip.
 
-The algorithm is the shortest-augmenting-path Hungarian method with dual potentials (Crouse, "On implementing
-2D rectangular assignment algorithms", 2016), the one scipy.optimize.linear_sum_assignment uses. The cost is
-[Q, G] with Q >= G (queries x ground-truth masks); the G columns are assigned one at a time, each by a
-Dijkstra search over the Q rows on the reduced costs cost - u - v, vectorised over Q. Every loop is a
-tf.while_loop over tensors of static length, so the result has static shapes [G] and [Q].
-
-Arithmetic is float64 inside (the float32 costs are exact in it), so the assignment is the exact minimum of
-the given float32 costs, ties included. Non-finite costs (NaN, +inf, -inf) in a valid column are refused
-with an InvalidArgumentError; entries of invalid (padded) columns are never read and may be anything.
+The shortest-augmenting-path Hungarian method with dual potentials (Crouse), as in
+scipy.optimize.linear_sum_assignment: cost [Q, G], Q >= G, one Dijkstra search per column. Float64
+inside, so the minimum is exact for float32 costs; non-finite costs in a valid column raise.
 """
 
 import tensorflow as tf
@@ -80,8 +74,7 @@ def _assign(cost, valid):
             open_dist = tf.where(seen_rows, inf, dist)
             min_val = tf.reduce_min(open_dist)
             nearest = tf.equal(open_dist, min_val)
-            # Of equally near rows a free one ends the search at once: with ties (integer costs, equal
-            # costs) the first index would walk through every matched row first.
+            # Prefer a free row among equally near ones, else ties walk through every matched row.
             nearest_free = nearest & (col_of_row < 0)
             nearest = tf.where(tf.reduce_any(nearest_free), nearest_free, nearest)
             j = tf.cast(tf.argmax(tf.cast(nearest, tf.int32)), tf.int32)

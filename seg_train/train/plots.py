@@ -1,8 +1,7 @@
 """Pictures for TensorBoard, drawn with numpy and Pillow: side-by-side panels and the confusion matrix.
 
-No plotting library on purpose: these are a few rectangles and labels, and Pillow (already a
-dependency) draws text with its built-in font (a scalable one when Pillow has FreeType, else a
-small bitmap font; both are measured before anything is placed, so the layout holds either way).
+No plotting library: a few rectangles and labels, text in Pillow's built-in font (scalable or bitmap:
+text is measured before anything is placed, so the layout holds either way).
 """
 
 from __future__ import annotations
@@ -52,15 +51,8 @@ def sample_panels(image: np.ndarray, label: np.ndarray, pred: np.ndarray, palett
                   ignore_label: int, overlay: bool) -> np.ndarray:
     """image | label | prediction (| prediction over the image) for one sample.
 
-    Args:
-      image: uint8 RGB [h, w, 3] (already de-normalised).
-      label, pred: class indices [h, w].
-      palette: colours [n, 3] by class index.
-      ignore_label: drawn white in the label and, at the same pixels, in the prediction panel, so
-        the two panels line up; the overlay shows the model's prediction everywhere.
-      overlay: add the fourth panel.
-    Returns:
-      uint8 [h, 3 w + 2 GAP, 3], or [h, 4 w + 3 GAP, 3] with the overlay.
+    `image` uint8 RGB [h, w, 3], `label` and `pred` class indices [h, w], `palette` colours [n, 3];
+    ignored pixels are white in the label and prediction panels (the overlay shows every pixel).
     """
     label = np.asarray(label)
     pred = np.asarray(pred)
@@ -104,8 +96,7 @@ MAX_NAME = 20  # characters of a class name before it is shortened with an ellip
 
 
 def shade(fraction: float) -> float:
-    """0..1 darkness of a cell holding `fraction` of its row. The square root lifts the small
-    off-diagonal confusions (a few percent) that a linear scale leaves near-white."""
+    """0..1 darkness of a cell holding `fraction` of its row (square root: small confusions stay visible)."""
     return float(np.sqrt(np.clip(fraction, 0.0, 1.0)))
 
 
@@ -180,18 +171,12 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
                            cell: int = CELL) -> tuple[np.ndarray, MatrixLayout]:
     """The confusion matrix as a picture: rows normalised, class names on both axes.
 
-    Each cell shows the percentage of the row's (the ground-truth class's) pixels predicted as the
-    column's class, and is shaded by it; the diagonal is each class's accuracy (recall). Rows with
-    no ground-truth pixels are grey. Each row ends with its number of ground-truth pixels, so a
-    100% from a handful of pixels is not mistaken for a reliable one.
+    Each cell shows, and is shaded by, the percentage of the row's ground-truth pixels predicted as
+    the column's class. Rows without pixels are grey; each row ends with its pixel count, so a 100%
+    from a handful of pixels is not mistaken for a reliable one.
 
-    Args:
-      cm: int [C, C], rows ground truth, columns prediction (e.g. SegMetrics.confusion_matrix).
-      class_names: C names (shortened to MAX_NAME characters).
-      title: text above the matrix, wrapped at spaces to the width of the grid (at least MIN_TITLE_WIDTH).
-      cell: cell side in pixels.
-    Returns:
-      (uint8 RGB image, MatrixLayout of its cells).
+    `cm`: int [C, C], rows ground truth; `title` is wrapped to the grid's width. Returns (uint8 RGB
+    image, MatrixLayout of its cells).
     """
     cm = np.asarray(cm)
     c = cm.shape[0]
@@ -229,7 +214,6 @@ def confusion_matrix_image(cm: np.ndarray, class_names: Sequence[str], title: st
     img.paste(gt, (pad, y0 + max(0, (c * cell - gt.height) // 2)))
 
     for i, name in enumerate(names):
-        # Row names right-aligned against the grid, column names bottom-aligned above it.
         w, h = _text_size(probe, name, label_font)
         draw.text((x0 - pad - w, y0 + i * cell + (cell - h) // 2), name, font=label_font, fill=INK)
         col = _vertical_text(name, label_font, INK, PAPER)

@@ -1,9 +1,7 @@
 """train.profile_steps: a TensorFlow profiler trace of training steps a..b for TensorBoard's Profile tab.
 
-tf.profiler.experimental.start(logdir) writes RUN_DIR/plugins/profile/<timestamp>/<host>.xplane.pb,
-where the Profile tab (pip install tensorboard-plugin-profile) looks when TensorBoard's --logdir is
-RUN_DIR or a folder above it. Each step is marked with a profiler step trace, so the Profile tab's
-overview and trace viewer split the time by step.
+Written under RUN_DIR/plugins/profile/ (needs tensorboard-plugin-profile); each step is marked with a
+step trace so the Profile tab splits the time by step.
 """
 
 from __future__ import annotations
@@ -21,13 +19,9 @@ log = logging.getLogger("seg_train")
 class StepProfiler:
     """Starts the profiler before step a and stops it after step b (steps counted from 1).
 
-    The loop calls `before_step(n)` just before the step that will be number n, `after_step(n)`
-    once that step is done (its results fetched), and `close()` on the way out (an interrupted or
-    failed run still writes what was traced). A resumed run traces the part of a..b it runs.
-
-    Args:
-      logdir: the run directory (TensorBoard's --logdir).
-      steps: (a, b) from train.profile_steps, or None (then every call does nothing).
+    The loop calls `before_step(n)`, `after_step(n)` once its results are fetched, and `close()` on
+    the way out (a failed run still writes its trace).
+    `steps`: (a, b) from train.profile_steps, or None (then every call does nothing).
     """
 
     def __init__(self, logdir: Path, steps: tuple[int, int] | None):

@@ -43,8 +43,7 @@ _ABSENT = "<absent>"
 def write_atomic(path: Path, write) -> None:
     """Calls write(tmp) on a temporary name beside `path`, then renames it to `path` (os.replace).
 
-    Readers never see half a file, and an interrupted or failed write leaves neither a truncated
-    `path` nor the temporary file behind.
+    Readers never see half a file; a failed write leaves neither a truncated `path` nor the temporary.
     """
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -65,8 +64,7 @@ def write_json(path: Path, obj) -> None:
 
 
 CLASS_WEIGHTS_FILE = "class_weights.json"
-# RUN_DIR/first_step.json: when the run segment's first step ended, seconds from launch (loop.HostSide),
-# and the run's peak resident memory once it is done (train.py); seg-bench's probes read it.
+# RUN_DIR/first_step.json: the first step's timing (loop.HostSide) and peak memory (train.py), for seg-bench.
 FIRST_STEP_FILE = "first_step.json"
 
 
@@ -114,8 +112,8 @@ def _default_of(key: str):
 class RunLock:
     """An exclusive flock on RUN_DIR/train.lock, released by the kernel when the process dies.
 
-    A lock left by a killed trainer is therefore taken over without any stale-lock heuristics.
-    The file stays (holding the last owner's pid), so checking a run dir never creates files in it.
+    So a killed trainer's lock is taken over with no stale-lock heuristics. The file stays (holding
+    the last owner's pid).
     """
 
     def __init__(self, run_dir: Path):
@@ -185,8 +183,7 @@ def check_resume_config(cfg: Config, run_dir: Path, allow_change: bool) -> None:
     changed = []
     for k in sorted(set(saved) | set(new)):
         old_value, new_value = saved.get(k, _ABSENT), new.get(k, _ABSENT)
-        # A key added by a newer seg-train is absent from an older run's config.yaml: the older run
-        # behaved as its default, so the default is no change (a run dir survives an upgrade).
+        # A key newer than the run's config.yaml: its default is what the run used, so no change.
         if old_value == _ABSENT and new_value == _default_of(k):
             continue
         if old_value != new_value:

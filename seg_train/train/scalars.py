@@ -1,9 +1,7 @@
 """The few scalars each tower sends along with its gradients in the step's one all-reduce (step.py, update.py).
 
-Each tower packs its own `TowerScalars` into its one-hot block of a flat vector (collectives.one_hot_row):
-summed over the towers, every tower's values land in their own slot, an all-gather that rides in the same
-all-reduce as the gradients. `unpack` reads the reduced vector back by field name, one [towers] column each.
-The field order is the packing order.
+Each tower packs its `TowerScalars` into its own one-hot block (collectives.one_hot_row), so the sum over
+towers is an all-gather riding in the gradients' all-reduce. The field order is the packing order.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Poly learning-rate schedule with optional linear warmup, a pure function of the step.
 
-The train step receives the learning rate as an input computed here on the host from the step
-counter, instead of reading a schedule evaluated on the device: reading a device value back every
-step would make the host wait for the step to finish before it could dispatch the next one.
+Computed on the host from its step counter: reading a device value would make the host wait for each step.
 """
 
 from __future__ import annotations
@@ -12,8 +10,7 @@ def lr_at(step: int, base: float, num_steps: int, power: float = 0.9, warmup_ste
     """Learning rate of the update made at `step` (0-based), as a Python float.
 
     Warmup: base * (step + 1) / warmup_steps for step < warmup_steps. Then Keras' PolynomialDecay
-    with end rate 0: base * (1 - min(step, num_steps) / num_steps) ** power (the same formula,
-    evaluated in float64; tests/test_schedule.py checks it against Keras to float32 precision).
+    with end rate 0: base * (1 - min(step, num_steps) / num_steps) ** power.
     """
     if warmup_steps > 0 and step < warmup_steps:
         return base * (step + 1.0) / float(warmup_steps)

@@ -1,9 +1,8 @@
 """What a run is made of between steps: the model, the optimizer, the counters, the EMA weights and
 the loss scale, with the checkpoint objects they are saved as (the step itself is step.py).
 
-Training builds a `TrainState` with its optimizer; inference (seg-eval, seg-predict, seg-export,
-evaluation during training) builds one without (`optimizer=False`): no slot variables are made
-and only the weights, the counters and the EMA are read from a checkpoint (infer/load.py).
+Inference builds one with `optimizer=False`: no slot variables, and only the weights, counters and
+EMA are read from a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,24 +22,10 @@ from seg_train.train.schedule import lr_at
 class TrainState:
     """The model and its companions, built inside `strategy.scope()`.
 
-    Args:
-      cfg: the resolved config.
-      strategy: a tf.distribute strategy (one replica per tower).
-      optimizer: build Keras' optimizer with its slot variables (training); False for inference.
-
-    Attributes:
-      model: the Keras model (models.build).
-      optimizer: Keras' Adam, AdamW or SGD, built (slots exist), or None.
-      step: updates made so far (int64 variable; the data position is a pure function of it).
-      bn_stats_step: the step at which the BN moving statistics were last re-estimated (-1: never).
-      loss_scaling: the dynamic loss scale of mixed_float16 (loss_scale.LossScale); loss_scale, good_steps:
-        its two variables.
-      ema: the moving averages of the trainable weights (train.ema_decay), or None.
-      variables: model.trainable_variables at build time; non_trainable: model.non_trainable_variables.
-      bn_layers: every BN layer of the model; bn_positions: where the moving statistics the forward
-        pass updates sit in `non_trainable` (the order stateless_call returns them in).
-      per_tower_trace: a training-mode pass over the model is traced per tower (synchronized BN on
-        several towers, towers.py) instead of once for every tower.
+    `optimizer`: build Keras' optimizer with its slot variables (training); False for inference.
+    `step`: updates made so far (the data position is a pure function of it); `bn_stats_step`: the
+    step the BN statistics were last re-estimated at (-1: never); `bn_positions`: where the statistics
+    the forward pass updates sit in `non_trainable`.
     """
 
     def __init__(self, cfg: Config, strategy: tf.distribute.Strategy, optimizer: bool = True):
@@ -56,38 +41,29 @@ class TrainState:
                 self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
             finally:
                 keras.config.set_dtype_policy(previous)
-            # Dynamic loss scaling for float16 (bfloat16 has float32's range and needs none).
             self.loss_scaling = LossScale(t.precision == "mixed_float16", only_first)
             self.loss_scale, self.good_steps = self.loss_scaling.scale, self.loss_scaling.good_steps
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step", aggregation=only_first)
-            # The BN moving statistics match the weights only while bn_stats_step equals `step`
-            # (infer/precise_bn.py).
+            # The BN moving statistics match the weights only while bn_stats_step equals `step`.
             self.bn_stats_step = tf.Variable(-1, dtype=tf.int64, trainable=False, name="bn_stats_step",
                                              aggregation=only_first)
             self.optimizer = None
             if optimizer:
-                # Keras' optimizer holds the slots and the iteration count (checkpoint layout of
-                # every earlier version); the update itself is step.py's. The learning rate is fed
-                # per step.
+                # Keras' optimizer holds the slots and iteration count (checkpoint layout); step.py updates.
                 if t.optimizer == "adam":
                     self.optimizer = keras.optimizers.Adam(learning_rate=t.learning_rate)
                 elif t.optimizer == "adamw":
                     self.optimizer = keras.optimizers.AdamW(learning_rate=t.learning_rate, weight_decay=t.weight_decay)
-                    # Decoupled decay on the conv and dense kernels only, the set model.weight_decay's L2 term
-                    # uses: no decay on norms (LayerNorm, BN gamma/beta) and biases. The rule of timm and of
-                    # mmsegmentation's SegFormer configs (paramwise_cfg: decay_mult 0 for 'norm' and 'pos_block';
-                    # the MiT has no position embeddings). Kept in Keras' AdamW object, so Keras' own update on
-                    # it decays what seg-train's does (update.decoupled_decay reads it back).
+                    # Decay only the conv and dense kernels, not norms and biases (timm's and mmsegmentation's
+                    # rule); kept in Keras' AdamW object, where update.decoupled_decay reads it back.
                     decayed = {id(v) for v in losses.decay_variables(self.model)}
                     self.optimizer.exclude_from_weight_decay(
                         var_list=[v for v in self.model.trainable_variables if id(v) not in decayed])
                 else:
                     self.optimizer = keras.optimizers.SGD(learning_rate=t.learning_rate, momentum=t.momentum)
-                # Build the slots now: a checkpoint restored into an unbuilt optimizer silently
-                # skips its slots.
+                # Build the slots now: restoring into an unbuilt optimizer silently skips them.
                 self.optimizer.build(self.model.trainable_variables)
-            # train.ema_decay: the moving average of every trainable weight, starting at the weights.
-            # Inference builds it too, to read a training checkpoint's averages.
+            # Inference builds the EMA too, to read a training checkpoint's averages.
             self.ema, self.ema_restored = None, False
             if t.ema_decay:
                 self.ema = [tf.Variable(v.value, trainable=False, name=f"ema/{v.path}") for v in
@@ -99,7 +75,6 @@ class TrainState:
         position = {id(v): i for i, v in enumerate(self.non_trainable)}
         self.bn_positions = [position[id(v)] for b in self.bn_layers if b.trainable
                              for v in (b.moving_mean, b.moving_variance)]
-        # Synchronized BN across towers needs each tower's replica context while tracing a training pass.
         self.per_tower_trace = towers.per_tower_trace(cfg.model.sync_batchnorm, self.num_replicas)
 
     @property
@@ -141,8 +116,7 @@ class TrainState:
     def use_averaged_weights(self) -> None:
         """For evaluation, prediction and export: the model keeps the EMA weights from now on.
 
-        The BN statistics in a training checkpoint belong to the training weights, so they are
-        marked as not matching (bn_stats_step = -1) for eval.bn_reestimate_batches to redo.
+        The BN statistics belong to the training weights: bn_stats_step = -1 marks them for re-estimation.
         """
         for v, e in zip(self.variables, self.ema):
             v.assign(e)
@@ -152,10 +126,8 @@ class TrainState:
     def averaged_weights(self):
         """Within the block the model holds the EMA weights (train.ema_decay; a no-op without it).
 
-        The training weights, the BN moving statistics and bn_stats_step are put back exactly on
-        exit, so evaluating in the middle of a run leaves the run's state (and its next checkpoint)
-        as it was. The BN statistics inside the block are the training run's until re-estimated for
-        the averaged weights (bn_stats_step is set to -1 so precise BN redoes them).
+        The training weights, BN statistics and bn_stats_step are restored exactly on exit; inside,
+        bn_stats_step is -1 so precise BN re-estimates the statistics for the averaged weights.
         """
         if self.ema is None:
             yield

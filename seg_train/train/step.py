@@ -1,44 +1,15 @@
 """The one-graph multi-tower train step on a TrainState (state.py): used by seg-train, seg-bench and tests.
 
-One step is one optimizer update, in ONE tf.function over the strategy:
+One step is one optimizer update in ONE tf.function over the strategy. Each tower runs the tower
+pass (towers.py): for each of its K micro-batches (train.accumulate_steps), a stateless forward (BN
+statistics come back as values, assigned only if the update is finite), the loss sum and normaliser
+(losses.py) and the backward pass. Then ONE all-reduce (SUM) of flat packs: gradients, BN statistics /
+(K * towers) and per-tower scalars (scalars.py); then the update (update.py), the same on every tower.
 
-  each tower (replica function):
-    tower pass (traced once for every tower, towers.py): for each of the K micro-batches
-        (train.accumulate_steps) of its slice: forward pass (Keras' stateless_call: BN moving
-        statistics come back as values, so nothing is assigned before the update is known to be
-        finite; dropout and drop path masks drawn per row from its global sample counter,
-        models/stochastic.py), loss sum and normaliser (losses.py), backward pass; gradients and new
-        BN statistics summed over the micro-batches
-    ONE all-reduce (SUM) of flat packs (train.allreduce_pack_mb) holding: the gradients, the BN
-        statistics / (K * towers), and a few scalars per tower in one-hot slots (loss sum,
-        normaliser, squared gradient norm, finiteness, the stop request)
-    update (update.py, also traced once for every tower): gradient = reduced sum / global normaliser
-        + L2 weight decay (once), global norm, clipping (train.clip_global_norm); if finite (a verdict
-        computed from reduced values, so identical on every tower), TensorFlow's fused update ops on
-        Keras' slot variables, the averaged BN statistics and the EMA assigned
-  then: step += 1, optimizer iterations += 1 if applied, dynamic loss scale (float16, loss_scale.py)
-
-The maths is that of "K x N towers" (K micro-batches on N towers): every micro-batch's loss sum is
-divided by the normaliser of ALL micro-batches on all towers (the valid pixels, or the weights of
-the kept pixels with loss options), weight decay is counted once per update, each micro-batch's
-BN update starts from the same statistics and the K x N results are averaged. So K micro-batches
-on N towers equal one step on K x N towers (tests/test_gradients.py, test_accumulation_equals_towers).
-
-Why it is built this way (each point measured on MobileNetV2 DeepLabV3+, 64x64 crops, global
-batch 8, 2-core CPU, 4 logical towers; docs/PERFORMANCE.md):
-- The reduction is ours, one packed all-reduce and never a second one, and the update is
-  TensorFlow's fused ops: Keras' optimizer.apply_gradients inside strategy.run reduces again, clips
-  each tower's partial gradient and builds more graph than the towers' passes (update.py).
-- Under MirroredStrategy a replica function is traced once per tower; the tower pass is therefore
-  traced ONCE and called by every tower with its own variable handles (towers.py, docs/SCALING.md
-  "One trace for every tower": the first step at 4 towers in about a third of the time).
-- With synchronized BN on several towers the BN layers all-reduce inside the forward and backward
-  passes, which needs each tower's own replica context: the tower pass is then traced per tower
-  (towers.py; models/sync_bn.py keeps that trace cheap), and micro-batches are unrolled in Python,
-  because a cross-tower reduction inside a tf.while_loop is refused by MirroredStrategy.
-- The apply decision is a tf.cond in replica context with no collective inside (all-reduces
-  inside control flow of a replica function are not allowed); the verdict is identical on every
-  tower because it is computed from reduced values.
+Every loss sum is divided by the normaliser of ALL micro-batches on all towers, so K micro-batches on
+N towers equal one step on K x N towers (tests/test_gradients.py). With synchronized BN the tower pass
+is traced per tower and micro-batches are unrolled in Python: MirroredStrategy refuses a cross-tower
+reduction inside a tf.while_loop.
 """
 from __future__ import annotations
 
@@ -97,10 +68,9 @@ class _Traced(NamedTuple):
 def pixel_scale(b: int, h: int, w: int) -> float:
     """P: a power of two near one micro-batch's pixel count on one tower.
 
-    Each tower differentiates loss_sum * loss_scale / P; the reduced sum is multiplied back by
-    P / loss_scale / (global normaliser). Any P common to all towers gives the same maths; a
-    power of two makes the two scalings exact in floating point, and a P near the pixel count
-    keeps the backward pass's magnitudes those of a mean (float16 needs that).
+    Each tower differentiates loss_sum * loss_scale / P; the reduced sum is scaled back by
+    P / loss_scale / (global normaliser). A power of two keeps both scalings exact; near the pixel
+    count, the backward pass's magnitudes stay those of a mean (float16 needs that).
     """
     return float(2.0 ** round(math.log2(max(b * h * w, 1))))
 
@@ -108,14 +78,9 @@ def pixel_scale(b: int, h: int, w: int) -> float:
 class TrainStep:
     """The compiled train step for a TrainState built with its optimizer.
 
-    Calling it makes one update: `TrainStep(state)(batch, lr)`. It holds what the step's functions
-    need (pack layouts, class weights, the tower pass and the update, update.Update); all of it is
-    fixed when it is built, nothing is set on it while tracing.
-
-    Args:
-      state: the TrainState (model, optimizer, counters, EMA, loss scale).
-      class_weights: the per-class loss weights (losses.class_weights_for), needed when
-        loss.class_weights is 'median_frequency' (computed from the train split's histogram).
+    Calling it makes one update: `TrainStep(state)(batch, lr)`. Everything it holds is fixed when it
+    is built; nothing is set on it while tracing. `class_weights`: losses.class_weights_for's, needed
+    when loss.class_weights names a scheme.
     """
 
     def __init__(self, state: TrainState, class_weights=None):
@@ -138,8 +103,6 @@ class TrainStep:
         pack_bytes = int(cfg.train.allreduce_pack_mb * 2 ** 20)
         self._grad_layout = collectives.pack_layout([v.shape for v in state.variables], pack_bytes)
         self._state_layout = collectives.pack_layout([v.shape for v in state.bn_variables], pack_bytes)
-        # The forward and backward pass, traced once for every tower (towers.py); with synchronized BN
-        # across towers traced per tower, its micro-batches unrolled (module doc).
         self._tower_pass = TowerPass(functools.partial(self._tower, unrolled=state.per_tower_trace), state.variables,
                                      state.non_trainable, per_tower=state.per_tower_trace,
                                      jit_compile=cfg.train.jit_compile or None)
@@ -149,9 +112,8 @@ class TrainStep:
 
     # ---- the tower: forward and backward over the micro-batches --------------------------------------
     def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids):
-        """One micro-batch on this tower: (gradients of loss_sum * scale, new BN statistics, loss_sum,
-        normalizer, preds). `sample_ids`: each row's global sample counter, from which the model's dropout
-        and drop path draw their masks (models/stochastic.py)."""
+        """One micro-batch: (gradients of loss_sum * scale, new BN statistics, loss_sum, normalizer, preds).
+        `sample_ids` seed each row's dropout masks (models/stochastic.py)."""
         cfg = self.cfg
         with tf.GradientTape() as tape, stochastic.per_sample(sample_ids, cfg.seed):
             tape.watch(tv)
@@ -205,13 +167,10 @@ class TrainStep:
         grad_packs = collectives.pack(grads, self._grad_layout)
         grad_sq = tf.add_n([tf.reduce_sum(tf.square(p)) for p in grad_packs])
         finite = tf.cast(tf.math.is_finite(grad_sq) & tf.math.is_finite(loss_sum), tf.float32)
-        # BN statistics: the mean over micro-batches and towers of each one's updated statistics
-        # (with synchronized BN the towers' values are already equal, and their mean is that value),
-        # scaled pack by pack.
+        # BN statistics: the mean over micro-batches and towers of each one's updated statistics.
         bn_packs = [p * (1.0 / (k * n)) for p in collectives.pack(bn, self._state_layout)]
-        # A moving statistic can turn non-finite while the loss and gradient stay finite (the
-        # batch statistics are finite, the moving update is not): assigning it would poison every
-        # later evaluation, so it vetoes the update like a non-finite gradient does.
+        # A moving statistic can turn non-finite while loss and gradient stay finite; assigning it
+        # would poison every later evaluation, so it vetoes the update too.
         bn_finite = tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(p)) for p in bn_packs]), tf.float32) \
             if bn_packs else tf.constant(1.0)
         row = TowerScalars(loss_sum, norm, grad_sq, finite, bn_finite).pack(tower_index, n)
@@ -222,10 +181,8 @@ class TrainStep:
     def _tower_shape(self, images) -> tf.TensorShape:
         """One tower's image shape with its batch dimension known.
 
-        Under MultiWorkerMirroredStrategy (TF 2.21) the distributed dataset's per-tower tensors come
-        without a static batch size, although the reader batches with drop_remainder; the tower
-        graph needs it (the pixel scale and the micro-batch reshape are static), and it
-        is the reader's per-tower batch: K micro-batches of data.batch_size / towers images.
+        MultiWorkerMirroredStrategy's per-tower tensors lack a static batch size, which the pixel
+        scale and the micro-batch reshape need: K micro-batches of data.batch_size / towers images.
         """
         shape = images.shape
         if shape[0] is None:
@@ -234,8 +191,7 @@ class TrainStep:
         return shape
 
     def _trace(self, images) -> _Traced:
-        """The tower pass and the update for this per-tower input shape (module doc), traced in cross-replica
-        context; tf.function's own cache makes a second call for the same shape a lookup."""
+        """The tower pass and the update for this per-tower input shape, traced in cross-replica context."""
         shape = self._tower_shape(images)
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         tower = self._tower_pass.trace(tf.TensorSpec(shape, images.dtype), tf.TensorSpec(shape[:3], tf.uint8),
@@ -259,15 +215,12 @@ class TrainStep:
         """One update on a distributed global batch.
 
         Args:
-          batch: (images, labels) per tower, [K * b, h, w, 3] and [K * b, h, w] (ImageReader.train_dataset).
-          lr: this update's learning rate (computed on the host, see schedule.py).
+          batch: (images, labels) per tower, [K * b, h, w, 3] and [K * b, h, w].
           stop: this process's wish to stop after this step (signals); all-reduced.
-          want_images: also return the towers' predictions of their first micro-batch, and
-            per-variable gradient norms (image-summary steps only).
+          want_images: also return the first micro-batch's predictions and per-variable gradient norms.
         """
         images, labels = batch
         s, st = self.strategy, self.state
-        # Trace the shared functions here, in cross-replica context, not inside a tower's thread.
         traced = self._trace(s.experimental_local_results(images)[0])
         t = tf.cast(st.optimizer.iterations + 1, tf.float32)
         loss_scale = tf.identity(st.loss_scale)
@@ -279,9 +232,8 @@ class TrainStep:
     def _finish_step(self, out: Reduced, preds, loss_scale_used) -> StepResult:
         """Cross-replica end of a step: counters, loss scale, and the outputs the host reads.
 
-        `loss_scale_used` is the scale this step's gradients were computed with: the host needs it
-        (not only the scale after the update) to tell a float16 overflow, which a smaller scale
-        cures, from a non-finite gradient at the scale's floor, which no scale cures.
+        The host needs `loss_scale_used` (the step's own scale) to tell a float16 overflow from a
+        non-finite gradient at the scale's floor (loss_scale.is_overflow).
         """
         s, st = self.strategy, self.state
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731  (identical on every tower)
@@ -324,25 +276,19 @@ class TrainStep:
 
     # ---- public ----------------------------------------------------------------------------------------
     def probe(self, batch) -> ProbeResult:
-        """The update's gradient, the BN statistics it would set, the loss and the global norm for one
-        distributed batch, computed as a step does; nothing is applied and no counter moves."""
+        """What a step on this batch would compute (gradient, BN statistics, loss, norm); nothing applied."""
         return self._probe_fn(batch)
 
     def concrete_function(self, element_spec):
-        """The traced train step (a ConcreteFunction) for a distributed dataset's element_spec; calls
-        reuse this trace. For inspecting the graph (determinism.check_graph) and tracing ahead."""
+        """The traced train step for a distributed dataset's element_spec (calls reuse it)."""
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         return self._step_fn.get_concrete_function(element_spec, scalar(tf.float32), scalar(tf.bool), scalar(tf.bool))
 
     def __call__(self, batch, lr: float | None = None, stop=False, want_images=False) -> StepResult:
         """One update on a distributed global batch (see _train_step).
 
-        Args:
-          batch: an element of a distributed dataset (TrainState.distribute).
-          lr: the learning rate of this update: TrainState.learning_rate(step), computed on the host
-            (so the host never waits for the device to read the step counter); default: read the
-            counter and compute it (the loop passes it).
-          stop, want_images: bools or bool tensors (see _train_step).
+        `lr`: TrainState.learning_rate(step), computed on the host so it never waits for the device
+        (default: read the counter and compute it).
         """
         if lr is None:
             lr = self.state.learning_rate()

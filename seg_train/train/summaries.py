@@ -1,11 +1,8 @@
 """TensorBoard summaries: scalars, per-tower curves in one chart, sample pictures, evaluation
 pictures and the run's config (the tags are part of the CLI contract, see README).
 
-Layout under RUN_DIR (the --logdir):
-  .                  every tag below except the per-tower runs' own;
-  towers/tower_<i>/  one run per tower holding tags such as `loss/tower`: TensorBoard draws a tag
-                     shared by several runs as one chart with a line per run, so the towers'
-                     curves overlay (a tower drifting from the others shows at a glance).
+Layout under RUN_DIR (the --logdir): every tag at the top, except towers/tower_<i>/, one run per
+tower, whose shared tags (`loss/tower`) TensorBoard overlays in one chart with a line per tower.
 """
 
 from __future__ import annotations
@@ -28,15 +25,7 @@ def confusion_matrix_title(step: int) -> str:
 
 
 class Summaries:
-    """Writes event files under `run_dir`.
-
-    Args:
-      run_dir: the run directory (TensorBoard's --logdir).
-      palette: colours [n, 3] by class index (palette.voc_colormap()).
-      ignore_label: drawn white in label panels.
-      mean, std: the data normalisation, undone for the image panels.
-      max_images: samples per tower in the image summaries.
-    """
+    """Writes event files under `run_dir`; `mean`, `std`: the data normalisation, undone for pictures."""
 
     def __init__(self, run_dir: Path, palette: np.ndarray, ignore_label: int, mean, std, max_images: int = 2):
         self.run_dir = Path(run_dir)
@@ -52,12 +41,7 @@ class Summaries:
                 tf.summary.scalar(tag, float(value))
 
     def tower_scalars(self, step: int, tag: str, values) -> None:
-        """One value per tower under the same `tag`, tower i's in the run RUN_DIR/towers/tower_<i>.
-
-        TensorBoard overlays runs that share a tag, so `tag` shows as one chart with a line per tower
-        (in Time Series and Scalars). Any tag and any number of towers, e.g.
-        `tower_scalars(step, "loss/tower", tower_losses)` or `(step, "gradients/norm/tower", norms)`.
-        """
+        """One value per tower under the same `tag`, tower i's in the run RUN_DIR/towers/tower_<i>."""
         for i, value in enumerate(np.asarray(values, np.float64).reshape(-1)):
             writer = self._tower_writers.get(i)
             if writer is None:
@@ -69,9 +53,8 @@ class Summaries:
     def config_text(self, step: int, cfg, towers: int | None = None) -> None:
         """The resolved config as YAML under the text tag `config`.
 
-        Called at the first step of every run segment (a start or a resume), so each segment's
-        settings stay visible next to its curves, harmless changes on resume included.
-        """
+        Called at the first step of every run segment (start or resume), so each segment's settings
+        show next to its curves."""
         body = yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None).rstrip("\n")
         head = f"resolved config at step {step}" + (f", {towers} tower(s)" if towers else "")
         # Indented four spaces: a Markdown code block, so TensorBoard keeps the YAML's layout.
@@ -83,9 +66,8 @@ class Summaries:
     def triplets(self, step: int, towers: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
         """towers[i] = (normalised images [b,h,w,3], labels [b,h,w], predictions [b,h,w]) of tower i.
 
-        Writes tower_<i>/image, tower_<i>/label, tower_<i>/prediction (one picture each) and
-        tower_<i>/triplet: image | label | prediction | prediction over the image, one picture per
-        sample, so the views of a sample are never separated in the grid.
+        Writes tower_<i>/image, /label, /prediction and /triplet (all panels of a sample in one
+        picture, so they are never separated in the grid).
         """
         with self.writer.as_default(step=step):
             for i, (images, labels, preds) in enumerate(towers):
@@ -106,12 +88,7 @@ class Summaries:
                       examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = ()) -> None:
         """eval/confusion_matrix (rows normalised, class names on both axes) and eval/examples.
 
-        Args:
-          step: the training step.
-          confusion_matrix: int [C, C], rows ground truth (SegMetrics.confusion_matrix).
-          class_names: C names.
-          examples: (uint8 RGB image, label, prediction) of the same val images at every evaluation
-            (Evaluator.predict_examples, infer/evaluate.py); each becomes one image | label | prediction picture.
+        `examples`: (uint8 RGB image, label, prediction) of the same val images at every evaluation.
         """
         matrix, _ = plots.confusion_matrix_image(confusion_matrix, class_names, title=confusion_matrix_title(step))
         pictures = [plots.sample_panels(plots.fit(image, EVAL_EXAMPLE_SIDE, nearest=False),

@@ -1,23 +1,11 @@
 """Trace the tower pass once for every tower: the one implementation, used by the train step (step.py),
 evaluation (infer/evaluate.py) and precise BN (infer/precise_bn.py).
 
-Why: under MirroredStrategy a replica function is traced once per tower, so a model called inside it
-is traced N times and the step's graph holds N copies of the network, which TensorFlow's graph
-optimisation then works through as one graph N times the size. Instead the pass over the model
-(forward, and backward in training) is a tf.function of (variable handles, inputs), traced ONCE in
-cross-replica context and called by every tower with its own variable handles: the graph holds the
-network once. It is marked `_noinline`, so it stays a function call and TensorFlow optimises its
-body once per device (docs/SCALING.md, "One trace for every tower": the first step at 4 towers in
-about a third of the time).
-
-The exception: synchronized BN on several towers in training mode. Its layers all-reduce inside the
-forward and backward passes, which needs the calling tower's own replica context (a function traced
-outside every tower has no tower to reduce over): then the body is traced per tower, inside
-strategy.run, on that tower's variable values (models/sync_bn.py keeps that trace cheap). In
-inference mode BN uses its moving statistics and reduces nothing, so evaluation always traces once.
-
-The train step's update after the all-reduce (update.py) is traced once for every tower the same way
-(`shared`), on handles of the variables, slots and averages it writes.
+Why: MirroredStrategy traces a replica function once per tower, so the graph would hold N copies of
+the network to optimise. Instead the pass is a tf.function of (variable handles, inputs), traced ONCE
+in cross-replica context and called by every tower with its own handles (`_noinline`: optimised once).
+The exception: training-mode synchronized BN on several towers all-reduces inside the pass, which
+needs the calling tower's replica context, so it is traced per tower inside strategy.run.
 """
 
 from __future__ import annotations
@@ -60,15 +48,11 @@ def shared(python_function, jit_compile=None):
 class TowerPass:
     """`body(trainable_values, non_trainable_values, *inputs)` as the function every tower calls.
 
-    Build it once and call `trace` in cross-replica context (inside the outer tf.function, before
-    strategy.run), so the trace is not made inside a tower's thread; tf.function's cache makes a
-    second `trace` with the same input specs a lookup.
+    Call `trace` in cross-replica context (inside the outer tf.function, before strategy.run), not
+    inside a tower's thread; a second `trace` with the same specs is a cache lookup.
 
-    Args:
-      body: the pass over the model, on the variables' values (as Keras' stateless_call takes them).
-      variables, non_trainable: the model's variables in the order `body` takes their values.
-      per_tower: trace `body` in each tower instead (synchronized BN in training mode, `per_tower_trace`).
-      jit_compile: XLA-compile the shared trace (train.jit_compile).
+    `variables`, `non_trainable`: in the order `body` takes their values; `per_tower`: trace `body`
+    in each tower instead (`per_tower_trace`).
     """
 
     def __init__(self, body, variables, non_trainable, per_tower: bool = False, jit_compile=None):
@@ -85,8 +69,7 @@ class TowerPass:
     def trace(self, *input_specs):
         """f(*inputs) for use inside strategy.run: `body` on the calling tower's variables.
 
-        Args:
-          input_specs: a tf.TensorSpec (or nest of them) per input of `body` after the values.
+        `input_specs`: a tf.TensorSpec (or nest) per input of `body` after the values.
         """
         if self.per_tower:
             return lambda *inputs: self.body(values(self.variables), values(self.non_trainable), *inputs)

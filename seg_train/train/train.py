@@ -52,18 +52,10 @@ class _StopSignals:
     """SIGINT/SIGTERM: the first asks the loop to finish the current step, write a checkpoint and exit
     128 + its number; a second one (either signal) ends the process at once, exit 128 + its number.
 
-    Why not a plain Python handler: Python runs signal handlers in the main thread between bytecodes
-    only, so none runs while the main thread is inside one TensorFlow call (a whole train step, an
-    evaluation, a checkpoint write), and two signals during one call would be seen as one, after it.
-    Instead CPython's C-level handler writes each signal's number to a pipe the moment it arrives
-    (signal.set_wakeup_fd), and a watcher thread reads the pipe: TensorFlow releases the GIL while it
-    computes, so the watcher runs at once. The Python-level handlers only keep the default action
-    (and KeyboardInterrupt) away.
-
-    The second signal ends the process with os._exit: no checkpoint for the step in progress, no
-    clean-up. The newest complete checkpoint stays usable (TensorFlow writes the `checkpoint` state
-    file last); the kernel releases the run dir's flock, whose file keeps this pid until the next run
-    takes the lock over.
+    Why not a plain Python handler: it runs only between the main thread's bytecodes, never during a
+    TensorFlow call, and two signals in one call look like one. Instead the C-level handler writes to
+    a pipe (signal.set_wakeup_fd) read by a watcher thread. os._exit on the second signal is safe to
+    resume from: the `checkpoint` state file is written last, and the kernel releases the flock.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -131,11 +123,10 @@ def open_val(cfg: Config) -> ImageReader | None:
 
 def run_evaluation(cfg: Config, evaluator: evaluate.Evaluator, reader: ImageReader, names: list[str],
                    summaries: Summaries, run_dir: Path, step: int, progress: bool) -> None:
-    """Evaluates evaluator.state on the val split (BN statistics re-estimated first if configured), logs,
-    keeps the best.
+    """Evaluates evaluator.state on the val split, logs, keeps the best.
 
-    With train.ema_decay the averaged weights are evaluated (and kept in best/), with BN statistics
-    re-estimated for them; the training weights and statistics are back in place afterwards.
+    With train.ema_decay the averaged weights are evaluated (and kept in best/); the training weights
+    and statistics are back in place afterwards.
     """
     state = evaluator.state
     with state.averaged_weights():
@@ -174,8 +165,7 @@ def train(cfg: Config, strategy: tf.distribute.Strategy, init_from: str | None =
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("run dir is a file", str(run_dir), "a directory (or a path that does not exist yet)")
     chief = replicas.is_chief(strategy)
-    # Only the chief owns the run dir. Other workers run the same program but write to a
-    # throw-away folder (TensorFlow's multi-worker checkpointing needs every worker to save).
+    # Other workers write to a throw-away folder: multi-worker checkpointing needs every worker to save.
     lock = RunLock(run_dir) if chief else None
     if lock and run_dir.is_dir():
         lock.acquire()  # fail fast when another trainer owns the run dir
@@ -213,12 +203,10 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     if stop.signum is not None:  # signalled during the checks: nothing written yet, nothing to save
         log.warning("interrupted by %s before training started", signal.Signals(stop.signum).name)
         return exit_codes.signalled(stop.signum)
-    # Resuming: the checkpoint holds every weight, so the ImageNet file or preset the run started from is not
-    # read again (it may have moved since).
+    # Resuming: the checkpoint holds every weight; the start weights' file may have moved since.
     build_cfg = config_lib.without_weight_files(cfg) if resuming else cfg
     state = TrainState(build_cfg, strategy)
     train_step = TrainStep(state, class_weights=class_weights)
-    # The evaluations during training: one Evaluator keeps their compiled functions for the whole run.
     evaluator = evaluate.Evaluator(state, cfg.eval, score_offsets=modes.score_offsets(cfg.eval, class_weights))
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **state.checkpoint_objects())
     restored = ckpt.restore_latest()
@@ -247,8 +235,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     step_graph = train_step.concrete_function(dist_data.element_spec)
     trace_s = time.perf_counter() - t_trace
     if cfg.train.deterministic:
-        # On a GPU, an op without a deterministic kernel would raise only when it runs: look at the
-        # traced step now, before anything is written.
+        # Such an op would raise only when it runs: refuse now, before anything is written.
         kind = "GPU" if any("GPU" in d.upper() for d in strategy.extended.worker_devices) else "CPU"
         determinism.check_graph(step_graph, kind)
 
@@ -275,9 +262,6 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
              f" x {k_micro} micro-batches per update" if k_micro > 1 else "", start, cfg.train.num_steps, run_dir)
 
     # ---- loop ---------------------------------------------------------------------------------------
-    # loop.StepLoop (shared with seg-bench, so that its images/s is this loop's): step k's outputs are
-    # read after step k+1 has been dispatched; before a checkpoint, an evaluation, the last step or a
-    # stop the loop is drained (waits for the step itself).
     bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
     loop = HostSide(cfg, state, summaries, bar, n, profiler, trace_s, first_step_path=write_dir / FIRST_STEP_FILE)
@@ -288,8 +272,7 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
     status, saved_at = EXIT_OK, None
 
     def save_checked(at: int) -> str:
-        # The loss and gradients were finite, but an update can still overflow (a huge learning
-        # rate or weight decay): never write such a state.
+        # An update of finite gradients can still overflow: never write such a state.
         if not bool(state_finite()):
             raise NonFiniteError(f"non-finite weights or optimizer state after the update of step {at}")
         return ckpt.save(at)
@@ -302,15 +285,13 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
             evaluate_now = val_reader is not None and ((t_cfg.eval_every and step % t_cfg.eval_every == 0)
                                                        or step == t_cfg.num_steps)
             checkpoint_now = step % t_cfg.checkpoint_every == 0 or step == t_cfg.num_steps
-            # On one machine the host's own flag is enough (no peer to agree with); with several
-            # workers the all-reduced flag decides, so that every worker stops after the same step.
+            # With several workers only the all-reduced flag decides, so all stop after the same step.
             stopping = group_stop or (stop.signum is not None and not multiworker)
             if not (evaluate_now or checkpoint_now or stopping):
                 continue
             group_stop = steps.drain() or group_stop
             stopping = group_stop or (stop.signum is not None and not multiworker)
-            # Evaluate before checkpointing: re-estimating BN statistics changes them, and a run
-            # resumed from this step's checkpoint must hold the same values as one that went on.
+            # Evaluate first: BN re-estimation changes the statistics, and a resumed run must match.
             if evaluate_now:
                 run_evaluation(cfg, evaluator, val_reader, names, summaries, write_dir, step, bar is not None)
                 loop.restart_clock()  # evaluation is not training time

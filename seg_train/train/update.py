@@ -1,20 +1,12 @@
 """The train step's update after the all-reduce (step.py): normalise, decay, clip, then the fused optimizer
 ops, the BN statistics and the EMA (the dynamic loss scale of mixed_float16 is loss_scale.py's).
 
-The update is one function traced once for every tower (towers.shared) on the tower's handles of the
-variables, Keras' slot variables and the averages it writes. Every tower computes it from the same
-reduced packs, so every tower reaches the same verdict and writes the same values: no second
-all-reduce, and the apply decision can be a tf.cond in replica context (collectives are not allowed
-inside a replica function's control flow; none is inside this one).
+Traced once for every tower (towers.shared). Every tower computes it from the same reduced packs, so
+all reach the same verdict: no second all-reduce, and the apply decision is a collective-free tf.cond.
 
-Why fused ops on Keras' slots, not optimizer.apply_gradients (measured, docs/PERFORMANCE.md): inside
-strategy.run Keras SUMs the towers' gradients itself (a second reduction), clips each tower's partial
-gradient (clipnorm / global_clipnorm), and builds ~25 graph ops per variable per tower, more graph
-than the towers' forward and backward passes. TensorFlow's ResourceApplyAdam /
-ResourceApplyKerasMomentum / ResourceApplyGradientDescent compute exactly Keras' Adam / SGD formulas,
-one op per variable, on Keras' own slot variables (so checkpoints keep Keras' layout); AdamW is Keras'
-decoupled decay (a gradient-descent op on the weight itself) then ResourceApplyAdam, two ops.
-`fused_update` is the one place that picks the op per optimizer.
+Why fused ops (ResourceApplyAdam, ...) on Keras' own slots, not optimizer.apply_gradients: inside
+strategy.run Keras reduces the gradients again, clips each tower's partial gradient, and builds
+several ops per variable; the fused ops compute Keras' formulas in one op and keep its checkpoint layout.
 """
 
 from __future__ import annotations
@@ -51,9 +43,8 @@ class Reduced(NamedTuple):
 def _fused_kind(optimizer) -> str:
     """Which fused op makes `optimizer`'s update: "adam", "adamw", "momentum" (SGD with momentum) or "sgd".
 
-    Exact classes, not isinstance: keras.optimizers.AdamW subclasses Adam, and its decoupled weight
-    decay is not ResourceApplyAdam's update alone. A new optimizer gets its kind here, its slots in
-    `slot_variables` and its op in `fused_update`.
+    Exact classes, not isinstance: AdamW subclasses Adam but adds decoupled decay. A new optimizer gets
+    its kind here, its slots in `slot_variables` and its op in `fused_update`.
     """
     if type(optimizer) is keras.optimizers.Adam:
         return "adam"
@@ -67,9 +58,8 @@ def _fused_kind(optimizer) -> str:
 def slot_variables(optimizer, variables) -> list:
     """Keras' own slot variables of each variable, in the order the fused op (`fused_update`) takes them.
 
-    Adam and AdamW: [m, v]; SGD with momentum: [momentum]; plain SGD (momentum 0): [] (Keras keeps none).
-    The one place that reads Keras' private slot lists (Keras 3 has no public per-variable lookup);
-    tests/test_trainer_slots.py holds the mapping to what Keras' own update writes.
+    Adam and AdamW: [m, v]; SGD with momentum: [momentum]; plain SGD: []. The one place that reads
+    Keras' private slot lists (no public per-variable lookup; tests/test_trainer_slots.py holds it).
     """
     index, kind = optimizer._get_variable_index, _fused_kind(optimizer)
     if kind in ("adam", "adamw"):
@@ -82,8 +72,8 @@ def slot_variables(optimizer, variables) -> list:
 def decoupled_decay(optimizer, variables) -> list[bool]:
     """For each variable: whether `optimizer` decays it itself (AdamW's decoupled weight decay).
 
-    Read from Keras' AdamW object (its `exclude_from_weight_decay` list, set in state.py), so Keras' own
-    update on the same object decays the same variables; every variable False for the other optimizers.
+    Read from Keras' AdamW object (`exclude_from_weight_decay`, set in state.py), so Keras' own update
+    would decay the same variables; all False for the other optimizers.
     """
     if _fused_kind(optimizer) != "adamw":
         return [False] * len(variables)
@@ -93,12 +83,10 @@ def decoupled_decay(optimizer, variables) -> list[bool]:
 def fused_update(optimizer, t):
     """`apply(var, slots, grad, lr, decay_lr)`: the fused TensorFlow ops making `optimizer`'s update of one variable.
 
-    The one place that picks the op per optimizer. `var` and `slots` are resource handles (slots as
-    `slot_variables` orders them), `lr` the variable's own learning rate (its multiplier applied), `t`
-    the 1-based update count (Adam's bias correction), computed once per update, not per variable;
-    `decay_lr` (AdamW only): the rate of the variable's decoupled weight decay, which Keras and PyTorch
-    take to be its learning rate, or None for a variable not decayed (`decoupled_decay`). Each op is held
-    to Keras' own update by tests/test_optimizer_reference.py.
+    `var` and `slots` are resource handles (slots as `slot_variables` orders them), `lr` the variable's
+    learning rate (multiplier applied), `t` the 1-based update count (Adam's bias correction);
+    `decay_lr` (AdamW only): its decoupled decay rate (its learning rate, as in Keras and PyTorch), or
+    None if not decayed. Held to Keras' update by tests/test_optimizer_reference.py.
     """
     kind = _fused_kind(optimizer)
     if kind in ("adam", "adamw"):
@@ -117,8 +105,7 @@ def fused_update(optimizer, t):
         def adamw(var, slots, grad, lr, decay_lr=None):
             if decay_lr is None:
                 return adam(var, slots, grad, lr)
-            # Keras' AdamW (base_optimizer._apply_weight_decay): w -= w * wd * lr BEFORE the Adam step, with the
-            # learning rate the variable's update uses (PyTorch's AdamW does the same with each param group's).
+            # Keras' AdamW: w -= w * wd * lr BEFORE the Adam step, with the variable's own learning rate.
             w = tf.raw_ops.ReadVariableOp(resource=var, dtype=tf.float32)
             decay = tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=decay_lr, delta=w * wd)
             with tf.control_dependencies([decay]):
@@ -135,10 +122,7 @@ def fused_update(optimizer, t):
 class Update:
     """The update from the reduced packs, traced once for every tower: `trace()` in cross-replica context.
 
-    Args:
-      state: the TrainState (built with its optimizer).
-      grad_layout, state_layout: the packing of the gradients and of the BN statistics
-        (collectives.pack_layout), as the tower pass packed them.
+    `grad_layout`, `state_layout`: how the tower pass packed gradients and BN statistics.
     """
 
     def __init__(self, state, grad_layout, state_layout):
@@ -149,8 +133,7 @@ class Update:
         self._decay = [id(v) in decay_ids for v in state.variables]
         self.slots = slot_variables(state.optimizer, state.variables)
         self._decoupled = decoupled_decay(state.optimizer, state.variables)
-        # train.backbone_lr_multiplier and train.head_lr_multiplier scale the learning rate (not the gradient:
-        # Adam would undo that) of two disjoint sets, the backbone's variables and all others.
+        # The lr multipliers scale the learning rate, not the gradient (Adam would undo that).
         t = cfg.train
         self._lr_mult = [t.backbone_lr_multiplier if in_backbone else t.head_lr_multiplier
                          for in_backbone in models.backbone_variable_mask(state.model)]
@@ -176,8 +159,7 @@ class Update:
                want_details, apply_update) -> Reduced:
         """Turns the reduced packs into the update and applies it on this tower's variables (traced once).
 
-        The arithmetic runs on the flat packs (a handful of ops per pack, not per variable): graph
-        size is what tracing and TensorFlow's graph optimisation pay for. `scale_back` is the
+        Arithmetic on the flat packs, not per variable, to keep the graph small. `scale_back` is the
         towers' pixel scale P (step.pixel_scale).
         """
         cfg, n, variables = self.cfg, self.state.num_replicas, self.state.variables
@@ -187,8 +169,7 @@ class Update:
         table = TowerScalars.table(scalars[:-1], n)
         towers = TowerScalars.unpack(table)
         loss_total, norm_total = tf.reduce_sum(towers.loss_sum), tf.reduce_sum(towers.normalizer)
-        # The normaliser is a pixel count, or a sum of class weights (which may be below 1): 0 only
-        # when nothing counts, and then the loss gradient is 0, not a division by zero.
+        # The normaliser is 0 only when nothing counts; the gradient is then 0.
         to_mean = tf.math.divide_no_nan(scale_back / loss_scale, norm_total)
         coeff = cfg.model.weight_decay or 0.0  # the L2 term (0 with AdamW: config/resolve.py)
         # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
