@@ -9,12 +9,15 @@ config's; a head's BN built as Keras' own layer whatever model.sync_batchnorm sa
 under the SegFormer head.
 """
 
+import keras
+import numpy as np
 import pytest
+import tensorflow as tf
 
 from seg_train import models
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.train.state import TrainState
-from tests.helpers import tiny_config
+from tests.helpers import random_batch, tiny_config
 from tests.helpers import strategy
 
 MOMENTUM = 0.7  # the default is 0.9
@@ -55,3 +58,115 @@ def test_drop_path_rate_reaches_the_mit_under_each_head(tmp_path, head):
     model = TrainState(cfg, strategy(1), optimizer=False).model
     rates = [layer.rate for layer in models.backbone_of(model).layers if isinstance(layer, DropPath)]
     assert len(rates) == 14 and max(rates) == pytest.approx(0.3), rates
+
+
+
+# ---- train keys through each family: one SGD step from the same start ---------------------------------------
+# Each head on the tiny backbone; SegFormer also on the MiT (B0) where its LayerNorm matters (weight decay,
+# mixed precision).
+FAMILIES = {"deeplabv3plus": {}, "lraspp": {"lraspp_channels": 5},
+            "segformer": {"segformer_channels": 6, "drop_path_rate": 0.0, "head_dropout": 0.0}}
+ON_MIT = {"deeplabv3plus": {}, "lraspp": {}, "segformer": {"backbone": "mit_b0"}}
+LR, DECAY = 0.5, 0.05
+# Plain SGD, because its step is lr * multiplier * gradient: a multiplier shows up as that exact factor on
+# the move. Adam divides the gradient by its own running scale, so its first step is ~lr whatever the
+# multiplier does to the gradient's size (the code scales the rate, but a test through Adam could not tell
+# a scaled rate from a scaled gradient); one SGD step from zero momentum is the same with or without it.
+SGD = {"optimizer": "sgd", "momentum": 0.0, "learning_rate": LR}
+
+
+def _trainer(tmp_path, head, model=None, train=None):
+    from seg_train.train.step import TrainStep
+
+    cfg = tiny_config(tmp_path, model={"head": head, **FAMILIES[head], "weight_decay": 0.0,
+                                       "sync_batchnorm": False, **(model or {})},
+                      train={**SGD, **(train or {})})
+    return TrainStep(TrainState(cfg, strategy(1)))
+
+
+def _step(trainer, ignore_all=False):
+    """One step on a fixed batch from a fixed start: (start, move per trainable variable, the step's output).
+
+    The start is every trainable variable moved off its initial value by fixed-seed noise (biases and
+    betas start at 0, where a decay on them would not show), the same in every trainer of a family.
+    `ignore_all`: every label 255, so the loss has no gradient and the move is the weight decay's alone.
+    """
+    rng = np.random.default_rng(5)
+    for v in trainer.state.model.trainable_variables:
+        v.assign(np.asarray(v) + rng.normal(0, 0.05, v.shape).astype(np.float32))
+    start = [np.asarray(v) for v in trainer.state.model.trainable_variables]
+    images, labels = random_batch(batch=4, size=32, seed=1, ignore_rows=[32] * 4 if ignore_all else None)
+    dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    out = trainer(next(iter(dist)), lr=LR)
+    return start, [np.asarray(v) - w for v, w in zip(trainer.state.model.trainable_variables, start)], out
+
+
+def _in_backbone(model):
+    backbone = {id(v) for v in models.backbone_of(model).trainable_variables}
+    return [id(v) in backbone for v in model.trainable_variables]
+
+
+@pytest.mark.slow  # two trained tiny models, ~3-8 s
+@pytest.mark.parametrize("head", list(FAMILIES))
+def test_lr_multipliers_scale_the_backbone_and_head_moves_of_each_family(tmp_path, head):
+    """train.backbone_lr_multiplier 0.25 and train.head_lr_multiplier 4: from the same start on the same
+    batch, each backbone variable moves exactly 0.25 times, each head variable 4 times, its move at 1.0.
+    Wrong answers: a multiplier ignored (or swapped) in one family, 4x or 16x off."""
+    _, ref_moves, _ = _step(_trainer(tmp_path / "ref", head))
+    trainer = _trainer(tmp_path / "mult", head, train={"backbone_lr_multiplier": 0.25, "head_lr_multiplier": 4.0})
+    start, moves, _ = _step(trainer)
+    model = trainer.state.model
+    in_backbone = _in_backbone(model)
+    assert 0 < sum(in_backbone) < len(in_backbone)
+    for v, w, move, ref, bb in zip(model.trainable_variables, start, moves, ref_moves, in_backbone):
+        # Tolerance: float32 rounding of the weights themselves, a few ulps of |w|.
+        np.testing.assert_allclose(move, (0.25 if bb else 4.0) * ref, rtol=1e-3,
+                                   atol=4e-7 * (1 + np.abs(w).max()), err_msg=v.path)
+    assert max(np.abs(m).max() for m, bb in zip(ref_moves, in_backbone) if bb) > 1e-3
+    assert max(np.abs(m).max() for m, bb in zip(ref_moves, in_backbone) if not bb) > 1e-3
+
+
+# The head's decayed kernels, written by hand from each head's conv and dense layers (the classifiers
+# included).
+HEAD_DECAYED = {
+    "deeplabv3plus": ["aspp_pool_conv", "aspp0_conv", "aspp1_conv", "aspp2_conv", "aspp3_conv", "aspp_proj_conv",
+                      "decoder_low_conv", "decoder_conv1_conv", "decoder_conv2_conv", "logits"],
+    "lraspp": ["lraspp_cbr_conv", "lraspp_scale_conv", "lraspp_low_logits", "lraspp_high_logits"],
+    "segformer": ["segformer_linear1", "segformer_linear2", "segformer_linear3", "segformer_linear4",
+                  "segformer_fuse_conv", "logits"],
+}
+# The backbones' by layer type: weight decay is for the kernels of convolutions (depthwise included) and
+# dense layers; never a bias, a BN or LayerNorm scale or offset.
+DECAYED_TYPES = (keras.layers.Conv2D, keras.layers.DepthwiseConv2D, keras.layers.Dense)
+
+
+def _layers(model):
+    for layer in model.layers:
+        yield layer
+        if isinstance(layer, keras.Model):
+            yield from _layers(layer)
+
+
+@pytest.mark.slow  # a trained model, the MiT's ~10 s
+@pytest.mark.parametrize("head", list(FAMILIES))
+def test_weight_decay_applies_to_the_kernels_of_each_family_and_nothing_else(tmp_path, head):
+    """model.weight_decay 0.05 on a batch whose labels are all ignored (no loss gradient): each variable's
+    move is -lr * 0.05 * w on exactly the conv/dense kernels (the head's listed by hand), 0 on every bias,
+    BN gamma/beta and the MiT's LayerNorm gamma/beta. Wrong answers: one family decaying its biases or
+    norms, or leaving a kernel undecayed."""
+    trainer = _trainer(tmp_path, head, model={**ON_MIT[head], "weight_decay": DECAY})
+    start, moves, out = _step(trainer, ignore_all=True)
+    model = trainer.state.model
+    kernels = {id(w) for layer in _layers(model) if isinstance(layer, DECAYED_TYPES)
+               for w in layer.trainable_weights if w.name in ("kernel", "depthwise_kernel")}
+    in_backbone = _in_backbone(model)
+    head_kernels = [v.path.split("/")[0] for v, bb in zip(model.trainable_variables, in_backbone)
+                    if id(v) in kernels and not bb]
+    assert sorted(head_kernels) == sorted(HEAD_DECAYED[head])
+    assert any(id(v) in kernels for v, bb in zip(model.trainable_variables, in_backbone) if bb)
+    names = {v.name for v in model.trainable_variables}
+    assert {"bias", "gamma", "beta"} <= names, names  # every kind is there to be left alone
+    assert float(out.weight_decay) > 0
+    for v, w, move in zip(model.trainable_variables, start, moves):
+        want = -LR * DECAY * w if id(v) in kernels else np.zeros_like(w)
+        np.testing.assert_allclose(move, want, rtol=1e-3, atol=4e-7 * (1 + np.abs(w).max()), err_msg=v.path)
