@@ -170,3 +170,60 @@ def test_weight_decay_applies_to_the_kernels_of_each_family_and_nothing_else(tmp
     for v, w, move in zip(model.trainable_variables, start, moves):
         want = -LR * DECAY * w if id(v) in kernels else np.zeros_like(w)
         np.testing.assert_allclose(move, want, rtol=1e-3, atol=4e-7 * (1 + np.abs(w).max()), err_msg=v.path)
+
+
+@pytest.mark.slow  # a trained model, the MiT's several seconds
+@pytest.mark.parametrize("head", list(FAMILIES))
+def test_mixed_float16_computes_in_half_and_keeps_float32_where_promised_in_each_family(tmp_path, head):
+    """train.precision mixed_float16 through each family: every conv and dense layer computes in float16
+    on float32 variables; the logits leave the model in float32 (the softmax and cross-entropy run on
+    them); the MiT's LayerNorm takes moments in float32 (a float16 input of |x| ~ 400, whose squares
+    overflow float16, gives a finite output); a step from the seeded model is finite. Wrong answers: a
+    head's logits left in float16 (its loss computed in half), a family built in float32 whatever the key."""
+    from seg_train.models.mit import LayerNorm
+
+    trainer = _trainer(tmp_path, head, model=ON_MIT[head], train={"precision": "mixed_float16"})
+    model = trainer.state.model
+    computing = [layer for layer in _layers(model) if isinstance(layer, DECAYED_TYPES)]
+    assert computing and all(layer.compute_dtype == "float16" for layer in computing), \
+        {layer.name: layer.compute_dtype for layer in computing if layer.compute_dtype != "float16"}
+    assert {v.dtype for v in model.variables} == {"float32"}
+    assert model.outputs[0].dtype == "float32"
+    norms = [layer for layer in _layers(model) if isinstance(layer, LayerNorm)]
+    assert bool(norms) == (head == "segformer")  # the MiT's
+    rng = np.random.default_rng(0)
+    for layer in norms:
+        y = layer(tf.constant(rng.normal(5.0, 400.0, (1, 4, 4, layer.gamma.shape[0])), tf.float16))
+        assert y.dtype == tf.float16 and np.isfinite(y.numpy()).all(), layer.name
+    images, labels = random_batch(batch=4, size=32, seed=1)
+    dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    out = trainer(next(iter(dist)), lr=LR)
+    assert out.loss.dtype == tf.float32 and np.isfinite(float(out.loss)) and bool(out.applied)
+    assert all(np.isfinite(np.asarray(v)).all() for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("head", list(FAMILIES))
+def test_head_dropout_is_the_segformer_heads_and_refused_by_the_others(tmp_path, head):
+    """model.head_dropout 0.3: under SegFormer a channel dropout at that rate right before the classifier
+    (a training pass changes), 0.1 when not given; under DeepLabV3+ and Lite R-ASPP,
+    which have no such layer, a user error rather than a key silently dropped."""
+    from seg_train.config import ConfigError
+    from seg_train.models import stochastic
+    from seg_train.models.stochastic import ChannelDropout
+
+    model_keys = {k: v for k, v in FAMILIES[head].items() if k != "head_dropout"}
+    if head != "segformer":
+        with pytest.raises(ConfigError, match="model.head_dropout"):
+            tiny_config(tmp_path, model={"head": head, **model_keys, "head_dropout": 0.3})
+        return
+    for rate, given in ((0.3, {"head_dropout": 0.3}), (0.1, {})):
+        cfg = tiny_config(tmp_path / str(rate), model={"head": head, **model_keys, **given})
+        model = TrainState(cfg, strategy(1), optimizer=False).model
+        drops = [layer for layer in _layers(model) if isinstance(layer, ChannelDropout)]
+        assert [(layer.name, layer.rate) for layer in drops] == [("segformer_dropout", pytest.approx(rate))]
+        assert model.get_layer("logits").input is drops[0].output
+    # The train step draws the masks per sample (stochastic.per_sample); outside it the layer passes through.
+    x = tf.constant(random_batch(batch=2, size=32)[0])
+    with stochastic.per_sample(tf.constant([0, 1], tf.int64), seed=0):
+        dropped = model(x, training=True)
+    assert not np.allclose(dropped, model(x, training=True))
