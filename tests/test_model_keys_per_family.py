@@ -2,11 +2,13 @@
 config: the real build path), not only through DeepLabV3+: model.bn_momentum and model.sync_batchnorm reach
 every BN layer of DeepLabV3+, Lite R-ASPP and the SegFormer head (on the tiny backbone, so each build is
 cheap). The momentum is set away from its default, so a head built with the default passes nowhere.
-model.drop_path_rate reaches the MiT under each of the three heads.
+model.drop_path_rate reaches the MiT under each of the three heads. The train keys after them go through
+each family by one SGD step: the backbone and head learning-rate multipliers, the weight decay's set of
+variables, train.precision mixed_float16; and model.head_dropout, SegFormer's alone.
 
 Wrong answers these catch: a head whose BN is built with a fixed momentum (or Keras' default) instead of the
 config's; a head's BN built as Keras' own layer whatever model.sync_batchnorm says; drop path applied only
-under the SegFormer head.
+under the SegFormer head; a multiplier, a decay exclusion or the float32 logits lost in one family only.
 """
 
 import keras
