@@ -121,6 +121,13 @@ WIRED = {
         "tests/test_presets.py::test_segformer_preset_gives_keras_hubs_levels_and_logits_classifier_kept",
     # TrainState from a config file: the MiT's DropPath layers at keras-hub's rate for each block, and the head's
     # dropout; the masks they draw in the step are tests/test_segformer.py's 4-towers test (with vs without).
+    "model.vit_layers": "tests/test_vit_wiring.py::test_vit_layers_and_neck_channels_reach_the_model",
+    "model.neck": "unobservable: its one value, simple_pyramid, is also what a per-pixel head on a ViT gets without "
+                  "it; the pyramid's layers in the run's model are "
+                  "tests/test_vit_wiring.py::test_vit_layers_and_neck_channels_reach_the_model's",
+    "model.neck_channels": "tests/test_vit_wiring.py::test_vit_layers_and_neck_channels_reach_the_model",
+    "model.freeze_backbone": "tests/test_vit_wiring.py::test_frozen_backbone_has_no_gradient_no_slots_and_stays_put",
+    "train.layer_decay": "tests/test_vit_wiring.py::test_layer_decay_rates_are_the_hand_table",
     "model.drop_path_rate": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
     "model.head_dropout": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
     # Three TrainStep updates built from a config file (AdamW at decay 0.5, the head at 10x) held to Keras' AdamW:

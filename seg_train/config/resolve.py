@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 
-from seg_train.config.backbones import BACKBONE_NORMALIZATION, MIT_BACKBONES, MIT_MIN_SIZE
+from seg_train.config.backbones import BACKBONE_NORMALIZATION, DINO_BACKBONES, MIT_BACKBONES, MIT_MIN_SIZE
 from seg_train.config.schema import Config, ModelConfig, replace
 from seg_train.data.label_tables import LAYOUT_LABELS, label_ids, label_map_keys
 from seg_train.util.errors import ConfigError
 
 
-def default_output_stride(backbone: str) -> int:
-    """model.output_stride when not given: 32 for the MiT backbones (fixed), else 16."""
-    return 32 if backbone in MIT_BACKBONES else 16
+def default_output_stride(backbone: str, head: str = "deeplabv3plus") -> int:
+    """model.output_stride when not given: 32 for the MiT backbones (fixed) and for the SegFormer head on a ViT's
+    pyramid (its four levels, as on a MiT), else 16."""
+    return 32 if backbone in MIT_BACKBONES or (backbone in DINO_BACKBONES and head == "segformer") else 16
+
+
+def default_vit_layers(depth: int, head: str) -> list[int]:
+    """model.vit_layers when not given: for the linear head four blocks evenly spaced, the last included
+    (3, 6, 9, 12 of 12: DINOv2's "+ms", ViTDet's), fewer when depth < 4; under a neck, the last block."""
+    if head != "linear":
+        return [depth]
+    return sorted({max(1, depth * k // 4) for k in range(1, 5)})
 
 
 # SegFormer's published regularisation and decays (drop path over the MiT's blocks, dropout before the
@@ -22,9 +31,10 @@ SEGFORMER_DROP_PATH, SEGFORMER_DROPOUT = 0.1, 0.1
 L2_DEFAULT, ADAMW_DECAY_DEFAULT = 4e-5, 0.01
 
 
-def default_drop_path_rate(backbone: str) -> float:
-    """model.drop_path_rate when not given: SegFormer's 0.1 for the MiT backbones, else 0 (no blocks to drop)."""
-    return SEGFORMER_DROP_PATH if backbone in MIT_BACKBONES else 0.0
+def default_drop_path_rate(backbone: str, frozen: bool = False) -> float:
+    """model.drop_path_rate when not given: SegFormer's 0.1 for the MiT backbones, else 0 (no blocks to drop,
+    or a frozen backbone, which runs as in inference)."""
+    return SEGFORMER_DROP_PATH if backbone in MIT_BACKBONES and not frozen else 0.0
 
 
 def default_head_dropout(head: str) -> float:
@@ -108,14 +118,19 @@ def model_defaults(m: ModelConfig) -> ModelConfig:
     mit = m.backbone in MIT_BACKBONES
     filled = {}
     if m.output_stride is None:
-        filled["output_stride"] = default_output_stride(m.backbone)
+        filled["output_stride"] = default_output_stride(m.backbone, m.head)
+    if m.backbone in DINO_BACKBONES:
+        if m.vit_layers is None:
+            filled["vit_layers"] = default_vit_layers(DINO_BACKBONES[m.backbone][1], m.head)
+        if m.neck is None and m.head != "linear":
+            filled["neck"] = "simple_pyramid"
     # Filled only for the head that uses it, so a run dir's config resolves unchanged
     # (rundir.check_resume_config).
     if m.segformer_channels is None and m.head == "segformer":
         filled["segformer_channels"] = default_segformer_channels(m.backbone)
     # Likewise the regularisation of SegFormer's recipe: filled for the MiT / the SegFormer head only.
     if m.drop_path_rate is None and mit:
-        filled["drop_path_rate"] = default_drop_path_rate(m.backbone)
+        filled["drop_path_rate"] = default_drop_path_rate(m.backbone, m.freeze_backbone)
     if m.head_dropout is None and m.head == "segformer":
         filled["head_dropout"] = default_head_dropout(m.head)
     return dataclasses.replace(m, **filled) if filled else m
@@ -130,14 +145,19 @@ def _resolve_model(cfg: Config) -> Config:
         raise ConfigError("not available for this backbone", "model.output_stride",
                           f"expected 32 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer's "
                           f"stages have no dilated form, got {m.output_stride}")
-    elif not mit and m.output_stride == 32:
+    elif not mit and m.backbone not in DINO_BACKBONES and m.output_stride == 32:
         raise ConfigError("not available for this backbone", "model.output_stride",
                           f"expected one of 8, 16 (or no value) with model.backbone {m.backbone!r} (32 is the "
                           f"MiT backbones' fixed stride), got 32")
-    if m.drop_path_rate and not mit:
+    if m.drop_path_rate and not mit and m.backbone not in DINO_BACKBONES:
         raise ConfigError("not available for this backbone", "model.drop_path_rate",
-                          f"0 (or no value) with model.backbone {m.backbone!r}: drop path skips the Mix Transformer's "
-                          f"residual blocks (mit_b0..mit_b5), got {m.drop_path_rate}")
+                          f"0 (or no value) with model.backbone {m.backbone!r}: drop path skips a transformer's "
+                          f"residual blocks (mit_*, dinov3_*, dinov2_*), got {m.drop_path_rate}")
+    if m.drop_path_rate and m.freeze_backbone:
+        raise ConfigError("not available with a frozen backbone", "model.drop_path_rate",
+                          f"0 (or no value) with model.freeze_backbone: true (a frozen backbone runs as in "
+                          f"inference), got {m.drop_path_rate}")
+    cfg = _check_vit(cfg)
     if m.head_dropout and m.head != "segformer":
         raise ConfigError("not available for this head", "model.head_dropout",
                           f"0 (or no value) with model.head {m.head!r}: it is the SegFormer head's dropout before "
@@ -162,6 +182,42 @@ def _resolve_model(cfg: Config) -> Config:
                                   f"expected at least {MIT_MIN_SIZE} pixels per side with model.backbone "
                                   f"{m.backbone!r} (its first stage's 8x8 spatial reduction at stride 4), "
                                   f"got {list(size)}")
+    return cfg
+
+
+def _check_vit(cfg: Config) -> Config:
+    """The ViT keys (model.vit_layers, model.neck, model.head linear, train.layer_decay) need a dinov*_ backbone;
+    with one, the blocks must exist, the neck suit the head and the training crop be whole patches."""
+    m = cfg.model
+    if m.backbone not in DINO_BACKBONES:
+        given = {"model.vit_layers": m.vit_layers is not None, "model.neck": m.neck is not None,
+                 "model.head": m.head == "linear", "train.layer_decay": cfg.train.layer_decay is not None}
+        for key, on in given.items():
+            if on:
+                raise ConfigError("not available for this backbone", key,
+                                  f"a ViT backbone (dinov3_*, dinov2_*) for this key, got model.backbone "
+                                  f"{m.backbone!r}")
+        return cfg
+    patch, depth = DINO_BACKBONES[m.backbone]
+    if m.vit_layers is not None and max(m.vit_layers) > depth:
+        raise ConfigError("no such block", "model.vit_layers",
+                          f"block numbers 1..{depth} (model.backbone {m.backbone!r}), got {list(m.vit_layers)}")
+    if m.head == "linear" and m.neck is not None:
+        raise ConfigError("not available for this head", "model.neck",
+                          f"no value with model.head linear (it reads the patch maps themselves), got {m.neck!r}")
+    if m.decoder_stride != 4:
+        raise ConfigError("not available for this backbone", "model.decoder_stride",
+                          f"expected 4 (or no value) with model.backbone {m.backbone!r}: the pyramid's finest "
+                          f"level is stride 4, got {m.decoder_stride}")
+    if m.head == "lraspp" and m.output_stride == 8:
+        raise ConfigError("not available for this head", "model.output_stride",
+                          "16 or 32 with model.head lraspp on a ViT (its low-level features are the stride-8 "
+                          "level), got 8")
+    crop = cfg.data.crop_size
+    if any(c % patch for c in crop):
+        raise ConfigError("not whole patches", "data.crop_size",
+                          f"multiples of {patch} with model.backbone {m.backbone!r} (its patch size), got "
+                          f"{list(crop)}")
     return cfg
 
 

@@ -133,14 +133,17 @@ class DataConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     backbone: str = _c("mobilenetv2", choices=BACKBONES,
-                       doc="the backbone; mit_b0..mit_b5: the Mix Transformer, SegFormer's encoder")
-    head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp", "segformer"),
-                   doc="the head: DeepLabV3+, Lite R-ASPP or SegFormer's all-MLP decoder")
+                       doc="the backbone; mit_b0..mit_b5: the Mix Transformer, SegFormer's encoder; dinov3_*, "
+                           "dinov2_*: the DINO ViTs (patch 16 / 14)")
+    head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp", "segformer", "linear"),
+                   doc="the head: DeepLabV3+, Lite R-ASPP, SegFormer's all-MLP decoder, or linear (BN + 1x1 conv "
+                       "on a ViT's patch features, the DINO papers' protocol)")
     # None: the backbone's (default_output_stride); resolve_defaults fills it and checks it against the backbone.
     output_stride: Optional[int] = _c(None, choices=(8, 16, 32),
                                       doc="the backbone's output stride: 8 or 16 (dilated last stages); "
-                                          "32 for mit_* (fixed)",
-                                      default_doc="16; 32 for mit_*")
+                                          "32 for mit_* (fixed); dinov*_: the neck's level the head reads "
+                                          "last (8, 16, 32 = patch / 2, patch, 2 x patch)",
+                                      default_doc="16; 32 for mit_* and for dinov*_ with head segformer")
     sync_batchnorm: bool = _c(False, doc="synchronized BN across the towers (else per-tower statistics, "
                                          "moving statistics averaged)")
     bn_momentum: float = _c(0.9, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)",
@@ -152,7 +155,8 @@ class ModelConfig:
                                        default_doc="4e-5; 0 with train.optimizer adamw")
     backbone_weights: Optional[Path] = _c(None, path=True,
                                           doc="the backbone's Keras ImageNet .h5 file (mit_*: a keras-hub MiT "
-                                              "preset directory)")
+                                              "preset directory; dinov*_: a keras-hub DINOv3 / DINOv2 preset "
+                                              "directory)")
     aspp_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s ASPP width")
     decoder_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s decoder width")
     low_level_channels: int = _c(48, check=_positive, doc="DeepLabV3+'s projection width of the stride-4 features")
@@ -177,13 +181,28 @@ class ModelConfig:
                                       doc="a keras-hub SegFormer preset directory: encoder and head start from it")
     # Both drawn per sample (models/stochastic.py); None: filled by default_drop_path_rate, ...
     drop_path_rate: Optional[float] = _c(None, check=_fraction,
-                                         doc="stochastic depth of the MiT's blocks, in [0, 1), rising to this "
-                                             "at the last block; mit_* only",
+                                         doc="stochastic depth of the transformer blocks, in [0, 1): mit_* and "
+                                             "dinov3_* rising to this at the last block, dinov2_* this in every "
+                                             "block; not with model.freeze_backbone",
                                          default_doc="with mit_*: 0.1 (else null: none)")
     head_dropout: Optional[float] = _c(None, check=_fraction,
                                        doc="channel dropout before the SegFormer head's classifier, in [0, 1); "
                                            "segformer only",
                                        default_doc="with head segformer: 0.1 (else null: none)")
+    # The ViT keys (models/vit.py, models/neck.py).
+    vit_layers: Optional[list[int]] = _c(None, check=lambda v: None if v and all(i >= 1 for i in v) and
+                                         list(v) == sorted(set(v)) else "increasing block numbers >= 1",
+                                         doc="dinov*_: the blocks (1-based, increasing) whose patch tokens the "
+                                             "head reads; the neck reads the last",
+                                         default_doc="head linear: the last 4 evenly spaced (e.g. 3, 6, 9, 12); "
+                                                     "with a neck: the last block")
+    neck: Optional[str] = _c(None, choices=("simple_pyramid",),
+                             doc="dinov*_: simple_pyramid (ViTDet's: 4 levels from the last block) under the "
+                                 "deeplabv3plus, lraspp or segformer head",
+                             default_doc="with dinov*_ and a head other than linear: simple_pyramid")
+    neck_channels: int = _c(256, check=_positive, doc="the simple pyramid's width per level")
+    freeze_backbone: bool = _c(False, doc="no gradient through the backbone: no backward pass, no optimizer "
+                                          "slots, its BN in inference mode; its weights stay as loaded")
 
 
 # train.allreduce_pack_mb's default (docs/PERFORMANCE.md, "packing", says why).
@@ -231,6 +250,9 @@ class TrainConfig:
     # The head: everything outside the backbone.
     head_lr_multiplier: float = _c(1.0, check=_positive,
                                    doc="the head's variables learn at this multiple of the learning rate")
+    layer_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
+                                      doc="dinov*_: layer-wise learning-rate decay; block i of L learns at "
+                                          "decay^(L - i), the embeddings at decay^L, the head at 1 (null: off)")
     weight_decay: Optional[float] = _c(None, check=_non_negative,
                                        doc="AdamW's decoupled weight decay (kernels only); adamw only",
                                        default_doc="with adamw 0.01 (else null)")

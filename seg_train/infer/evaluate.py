@@ -18,6 +18,7 @@ import itertools
 import tensorflow as tf
 
 from seg_train.util.progress import progress_bar
+from seg_train import models
 from seg_train.infer import modes
 from seg_train.config import Config, ConfigError
 from seg_train.infer.examples import NUM_EXAMPLES, predict_examples
@@ -50,12 +51,13 @@ def _make_eval_step(state, eval_cfg, offsets):
     """A tf.function (N images, N labels; one per tower) -> int64 counts [C * C] summed over the towers."""
     model, strategy = state.model, state.strategy
     c, ignore = state.cfg.data.num_classes, state.cfg.data.ignore_label
+    pad_to = models.input_multiple(model)
 
     def body(tv, st, image, label):
         def model_fn(x):
             return model.stateless_call(tv, st, x, training=False)[0]
 
-        scores = modes.class_scores(model_fn, image, eval_cfg, c, offsets=offsets)
+        scores = modes.class_scores(model_fn, image, eval_cfg, c, pad_to=pad_to, offsets=offsets)
         pred = tf.argmax(scores, axis=-1, output_type=tf.int32)
         return confusion_counts(label, pred, c, ignore)
 

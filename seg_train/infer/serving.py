@@ -18,11 +18,13 @@ def serving_module(model, mean, std, eval_cfg=None, offsets=None):
     """
     import tensorflow as tf
 
+    from seg_train import models
     from seg_train.infer import modes
     from seg_train.config import EvalConfig
 
     eval_cfg = EvalConfig() if eval_cfg is None else eval_cfg
     num_classes = model.output_shape[-1]
+    pad_to = models.input_multiple(model)
     module = tf.Module()
     module.model = model  # tracked: its variables are saved with the module
     mean = tf.constant(mean, tf.float32)
@@ -32,7 +34,7 @@ def serving_module(model, mean, std, eval_cfg=None, offsets=None):
     def serve(image):
         x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
         scores = modes.class_scores(lambda t: model(t, training=False), x[None], eval_cfg, num_classes,
-                                     offsets=offsets)[0]
+                                     pad_to=pad_to, offsets=offsets)[0]
         return {"classes": tf.argmax(scores, axis=-1, output_type=tf.int32),
                 "probabilities": modes.probabilities(scores, eval_cfg)}
 

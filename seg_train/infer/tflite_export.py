@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from seg_train.config import Config, ConfigError, without_reprs
+from seg_train.config.backbones import DINO_BACKBONES
 
 log = logging.getLogger("seg_train")
 
@@ -52,9 +53,15 @@ def input_size(cfg: Config, flag) -> tuple[int, int]:
         h, w = flag
         if h < 8 or w < 8:
             raise ConfigError("invalid --input-size", "--input-size", f"height and width of at least 8, got {h} {w}")
-        return int(h), int(w)
-    size = cfg.eval.crop_size or cfg.data.crop_size
-    return int(size[0]), int(size[1])
+    else:
+        h, w = cfg.eval.crop_size or cfg.data.crop_size
+    patch = DINO_BACKBONES.get(cfg.model.backbone, (1,))[0]
+    if h % patch or w % patch:
+        # The file has one fixed input (no padding inside), and a ViT takes whole patches only.
+        raise ConfigError("not whole patches", "--input-size",
+                          f"height and width multiples of {patch} for model.backbone {cfg.model.backbone!r}, "
+                          f"got {h} {w}")
+    return int(h), int(w)
 
 
 def app_function(model, mean, std, height: int, width: int, probabilities: bool = False, offsets=None):

@@ -5,20 +5,26 @@ from __future__ import annotations
 import keras
 
 from seg_train.config import ModelConfig
+from seg_train.config.backbones import DINO_BACKBONES
 from seg_train.config.resolve import model_defaults
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 from seg_train.models.layer_choice import LayerChoice
 from seg_train.models.lraspp import lraspp
+from seg_train.models.neck import SimplePyramid, linear_head
 from seg_train.models.presets import check_segformer_preset, load_segformer_preset
+from seg_train.models.presets_vit import check_dino_preset, load_dino_preset
 from seg_train.models.segformer import segformer
+from seg_train.models.vit import PatchGrid, dino_encoder
 
-__all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm"]
+__all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm",
+           "input_multiple"]
 
 
 def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
-    """The configured head (DeepLabV3+, LR-ASPP or SegFormer) on the configured backbone; call inside
-    `strategy.scope()` for one set of variables.
+    """The configured head (DeepLabV3+, LR-ASPP, SegFormer or linear) on the configured backbone (a DINO ViT
+    under a per-pixel head through the simple pyramid, models/neck.py); call inside `strategy.scope()` for one
+    set of variables.
 
     The seed fixes the initial weights; `cfg.init_weights` (a keras-hub SegFormer preset) then
     overwrites them. With `cfg.freeze_batchnorm` the backbone's BN layers are frozen before anything
@@ -38,10 +44,22 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         low_strides = tuple(s for s in (4, 8, 16) if s < output_stride)
     else:
         low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
-    drop_path = cfg.drop_path_rate or 0.0
-    backbone = build_backbone(cfg.backbone, output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
-                              low_strides, drop_path)
-    if cfg.head == "lraspp":
+    # A frozen backbone runs as in inference: no residual branch dropped (config/resolve.py refuses a rate).
+    drop_path = 0.0 if cfg.freeze_backbone else (cfg.drop_path_rate or 0.0)
+    if cfg.backbone in DINO_BACKBONES:
+        if cfg.backbone_weights is not None:
+            check_dino_preset(cfg.backbone_weights, cfg.backbone)  # a wrong preset refused before building
+        encoder = dino_encoder(cfg.backbone, tuple(cfg.vit_layers), drop_path)
+        if cfg.backbone_weights is not None:
+            load_dino_preset(encoder, cfg.backbone_weights, cfg.backbone)
+        backbone = encoder if cfg.head == "linear" else \
+            SimplePyramid(encoder, low_strides + (output_stride,), cfg.neck_channels)
+    else:
+        backbone = build_backbone(cfg.backbone, output_stride, cfg.bn_momentum, choice, cfg.backbone_weights,
+                                  low_strides, drop_path)
+    if cfg.head == "linear":
+        model = linear_head(backbone, num_classes, choice, cfg.bn_momentum)
+    elif cfg.head == "lraspp":
         model = lraspp(backbone, num_classes, choice, cfg.lraspp_channels, cfg.bn_momentum)
     elif cfg.head == "segformer":
         dropout = cfg.head_dropout
@@ -53,8 +71,19 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     if cfg.init_weights is not None:
         load_segformer_preset(model, backbone, cfg.backbone, cfg.init_weights, num_classes, channels)
     if cfg.freeze_batchnorm:
-        freeze_batchnorm(backbone)
+        freeze_batchnorm(backbone_of(model))
+    if cfg.freeze_backbone:
+        # Its variables leave model.trainable_variables: no gradient, no optimizer slot, no update; its BN
+        # layers run on their moving statistics (Keras 3's frozen BN).
+        backbone_of(model).trainable = False
     return model
+
+
+def input_multiple(model: keras.Model) -> int:
+    """What every input side must be a multiple of: a ViT's patch size, else 32 (the conv backbones' and
+    MiT's deepest stride, so whole images keep their features aligned); inference pads to it."""
+    grids = [layer.patch for layer in backbone_of(model).layers if isinstance(layer, PatchGrid)]
+    return grids[0] if grids else 32
 
 
 def freeze_batchnorm(backbone: keras.Model) -> int:

@@ -17,8 +17,7 @@ import keras
 import tensorflow as tf
 
 from seg_train.dist import collectives
-from seg_train.train import losses
-from seg_train import models
+from seg_train.train import losses, param_groups
 from seg_train.train.scalars import TowerScalars
 from seg_train.train.towers import handles, read_handle, shared
 
@@ -135,8 +134,8 @@ class Update:
         self._decoupled = decoupled_decay(state.optimizer, state.variables)
         # The lr multipliers scale the learning rate, not the gradient (Adam would undo that).
         t = cfg.train
-        self._lr_mult = [t.backbone_lr_multiplier if in_backbone else t.head_lr_multiplier
-                         for in_backbone in models.backbone_variable_mask(state.model)]
+        self._lr_mult = param_groups.lr_multipliers(state.model, t.backbone_lr_multiplier, t.head_lr_multiplier,
+                                                    t.layer_decay)
         self._function = shared(self._apply)
 
     def trace(self):
