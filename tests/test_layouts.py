@@ -249,3 +249,15 @@ def test_shipped_configs_load():
         assert (c.model.drop_path_rate, c.model.head_dropout, c.model.weight_decay) == (0.1, 0.1, 0.0)
         assert c.model.backbone_weights.parent == folder.parent / "presets"
     assert (cfgs["cityscapes_segformer"].eval.mode, cfgs["cityscapes_segformer"].eval.stride) == ("slide", (768, 768))
+    # DINOv3's linear protocol (its model card's numbers) and the fine-tuned ViT-B/16 recipe.
+    lin, ft = cfgs["ade20k_dinov3_linear"], cfgs["cityscapes_dinov3"]
+    assert (lin.model.backbone, lin.model.head, lin.model.vit_layers, lin.model.freeze_backbone) == \
+        ("dinov3_vits16", "linear", [12], True)
+    assert (lin.data.crop_size, lin.data.batch_size, lin.train.num_steps, lin.train.learning_rate) == \
+        ((512, 512), 16, 40000, 1e-3)
+    assert (lin.eval.mode, lin.eval.crop_size, lin.eval.stride) == ("slide", (512, 512), (341, 341))
+    assert (ft.model.backbone, ft.model.neck, ft.model.head, ft.data.crop_size, ft.train.layer_decay) == \
+        ("dinov3_vitb16", "simple_pyramid", "segformer", (1024, 1024), 0.8)
+    assert not ft.model.freeze_backbone and ft.model.drop_path_rate == 0.1
+    for c in (lin, ft):
+        assert c.model.backbone_weights.parent == folder.parent / "presets"
