@@ -360,3 +360,46 @@ def test_mobilenetv3_int8_runs_whole_in_xnnpack():
     interpreter.allocate_tensors()
     ops = [op["op_name"] for op in interpreter._get_ops_details()]
     assert "HARD_SWISH" not in ops and ops.count("DELEGATE") == 1, sorted(set(ops))
+
+
+@pytest.mark.parametrize("backbone, size", [("dinov3_vits16", (32, 48)), ("dinov2_vits14_reg", (28, 42))])
+def test_vit_file_is_builtins_and_predicts_what_keras_does(backbone, size):
+    """A DINO ViT + linear head (one block) converts to builtin ops only (no Flex: the rotary table, the resized
+    position embeddings and the attention are all TFLite builtins, computed for the file's fixed size), and
+    LiteRT's float32 file predicts Keras' argmax; its int8 file mostly agrees (random weights, so only a loose
+    bound)."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    from seg_train import models
+    from seg_train.config import ModelConfig
+    from seg_train.infer.tflite_export import app_function, convert, frozen_function
+
+    model = models.build(ModelConfig(backbone=backbone, head="linear", vit_layers=[1]), 3)
+    rng = np.random.default_rng(0)
+    h, w = size
+    images = rng.integers(0, 256, (4, h, w, 3), dtype=np.uint8)
+    mean, std = [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]
+    x = (images.astype(np.float32) - np.float32(mean)) / np.float32(std)
+    for _ in range(10):  # the head's BN statistics of these images
+        model(x, training=True)
+    logits = model(x, training=False).numpy()
+    reference, top2 = logits.argmax(-1), np.sort(logits, -1)[..., -2:]
+    clear = top2[..., 1] - top2[..., 0] > 1e-3
+    assert len(np.unique(reference)) >= 2 and clear.mean() > 0.9
+    fn = frozen_function(app_function(model, mean, std, h, w))
+    for q in ("none", "int8"):
+        content = convert(fn, q, lambda: ([im[None]] for im in images))
+        it = Interpreter(model_content=content)
+        it.allocate_tensors()
+        ops = {op["op_name"] for op in it._get_ops_details()}
+        assert not [op for op in ops if op.startswith("Flex") or op == "CUSTOM"], ops
+        got = []
+        for im in images:
+            it.set_tensor(it.get_input_details()[0]["index"], im[None])
+            it.invoke()
+            got.append(it.get_tensor(it.get_output_details()[0]["index"])[0])
+        got = np.stack(got)
+        if q == "none":
+            np.testing.assert_array_equal(got[clear], reference[clear])
+        else:
+            assert (got == reference).mean() > 0.6
