@@ -259,11 +259,17 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
     """The loss's numerators and denominators per layer (module doc).
 
     predictions: a list of (class_logits [b, Q, K+1], mask_logits [b, Q, h, w]), the final layer last; h, w
-      static. labels: int [b, H, W] (any resolution). seeds: int32 [b, 2], one per sample (unused with
+      static; Q >= K (every class may be present: the target slots are K, the matcher needs Q >= K).
+    labels: int [b, H, W] (any resolution). seeds: int32 [b, 2], one per sample (unused with
       random_points=False).
     Returns {name: float32 [L]} for the names in TERMS; with return_matches, also the matched query of
     every target slot per layer, int32 [L, b, G] (-1 in padding slots; slots as `semantic_targets`).
     """
+    for class_logits, mask_logits in predictions:
+        q, k1 = class_logits.shape[1], class_logits.shape[2]
+        if (k1 is not None and k1 != opts.num_classes + 1) or (q is not None and q < opts.num_classes):
+            raise ValueError(f"eomt_loss_terms: class logits of shape {class_logits.shape} for {opts.num_classes} "
+                             f"classes; expected [batch, queries >= {opts.num_classes}, {opts.num_classes + 1}]")
     classes, num_valid = semantic_targets(labels, opts.num_classes)
     per_layer, matches = [], []
     for layer, (class_logits, mask_logits) in enumerate(predictions):
