@@ -36,8 +36,8 @@ def seeds_for(rows, salt=0):
 
 def test_grid_matches_are_the_references():
     """Full-grid mode: each layer's matched (query, mask) pairs are the reference matcher's. Fails for a cost
-    weight swapped, the class cost on log-probabilities, a dice cost without its +1, points read with x and y
-    swapped, targets in another order than ascending class."""
+    weight changed (the class cost at weight 1), the class cost on log-probabilities, targets in another order
+    than ascending class."""
     f, preds, labels = fixture()
     opts = E.EomtLossOptions(num_classes=5, random_points=False)
     _, matches = E.eomt_loss_terms(preds, labels, seeds_for(2), opts, return_matches=True)
@@ -61,8 +61,7 @@ def test_grid_terms_are_the_references():
 def test_random_sampling_agrees_with_the_reference_in_distribution():
     """The reference's own sampling on (uniform matching points, importance-sampled loss points): each term's
     mean over SEEDS seeds within Z standard errors of the reference's mean over its runs. Fails for no
-    oversampling, another importance ratio, the most certain points taken instead of the uncertain ones,
-    the matching drawing no points of its own."""
+    oversampling, another importance ratio, the most certain points taken instead of the uncertain ones."""
     f, preds, labels = fixture()
     opts = E.EomtLossOptions(num_classes=5, num_points=int(f["random_points"]))
     b = labels.shape[0]
