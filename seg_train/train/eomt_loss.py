@@ -39,8 +39,12 @@ Returned (`eomt_loss_terms`): per layer, numerators and denominators, float32 [L
   mask_count                the number of target masks
 Sum each over towers (or batch halves), then `losses_from_terms`: loss_cross_entropy = class_sum /
 class_weight, loss_mask = mask_sum / max(mask_count, 1), loss_dice = dice_sum / max(mask_count, 1), the
-reference's loss_cross_entropy_l, loss_mask_l, loss_dice_l on one process for the whole batch; its total
-is sum over layers of class_weight_opt * ce + mask_weight * mask + dice_weight * dice.
+reference's loss_cross_entropy, loss_mask, loss_dice of layer l on one process for the whole batch (its
+max(num_masks, 1) included); its total is the sum over layers of class_weight * loss_cross_entropy +
+mask_weight * loss_mask + dice_weight * loss_dice. The denominators carry no gradient.
+
+Shapes are static: the loss points are drawn and sampled for all K slots, padding included,
+b * K * (int(3.0 P) + P - int(0.75 P)) points per layer at the defaults (P = num_points).
 """
 
 from __future__ import annotations
