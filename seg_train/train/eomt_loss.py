@@ -1,0 +1,297 @@
+"""EoMT's training loss (Mask2Former's: Hungarian matching of queries to masks, then class and mask terms) in
+TensorFlow ops, traceable inside the train step (no host round trip, no numpy at run time). Held to Hugging
+Face transformers' EomtLoss / EomtHungarianMatcher (scripts/reference_eomt_loss.py, tests/test_eomt_loss.py).
+
+Targets: each image's semantic label map gives one binary mask per class present, in ascending class order,
+in the first `num_valid` of G = num_classes slots (`semantic_targets`). Dense masks are never built: a mask's
+value at a point is read from the label map directly (`_sample_labels`), which equals bilinear sampling of
+the binary mask.
+
+Per prediction layer (a list of (class_logits [b, Q, K+1], mask_logits [b, Q, h, w]), the final one last; each
+layer matched on its own, as the reference's deep supervision does):
+  matching   cost = class_weight * (-softmax prob of the target class) + mask_weight * sigmoid BCE
+             + dice_weight * dice, the mask costs on one set of `num_points` uniform random points per image
+             shared by every query and mask; no gradient; NaN / inf costs become float32 max (the reference's
+             nan_to_num).
+  class      softmax cross-entropy of every query, unmatched queries' target the no-object class K, weighted
+             `no_object_weight` (the other classes 1).
+  mask, dice on each matched (query, mask) pair's own points: int(num_points * oversample_ratio) uniform points,
+             the int(num_points * importance_sample_ratio) most uncertain of them (smallest |logit| of the
+             prediction), plus the rest of num_points uniform; BCE as its mean over the points, dice as
+             1 - (2 sum(p t) + 1) / (sum p + sum t + 1), p the sigmoid, t the target.
+Point sampling: bilinear, align_corners=False, zero padding (torch's grid_sample as the reference's
+point_sample uses it): a point (x, y) in [0, 1]^2 reads pixel coordinates (x W - 0.5, y H - 0.5) of an H x W
+grid; prediction logits and label maps are sampled at the same normalised points.
+
+Ignored pixels: the reference has no mask there (every class's target is 0). Here a point LANDS ON an ignored
+pixel when a label pixel with a positive bilinear weight in its footprint (the up to 4 pixels interpolated) is
+`ignore_label`; such a point counts in neither the BCE (mean over the other points), the dice sums nor the
+matching costs. With no ignored pixel the numbers are the reference's.
+
+Randomness is keyed: seeds int32 [b, 2], one per sample; each draw is stateless (Philox) from that sample's
+seed folded with the layer index and the purpose (MATCHING, LOSS), so a sample's points do not depend on the
+tower, its batch position or its neighbours. `random_points=False` samples no points at random: every pixel
+centre of the prediction grid, for matching and for both mask terms (importance sampling off).
+
+Returned (`eomt_loss_terms`): per layer, numerators and denominators, float32 [L] each:
+  class_sum, class_weight   sum over queries of weight x CE, and the sum of the weights
+  mask_sum, dice_sum        sums over the matched masks of the per-mask BCE and dice
+  mask_count                the number of target masks
+Sum each over towers (or batch halves), then `losses_from_terms`: loss_cross_entropy = class_sum /
+class_weight, loss_mask = mask_sum / max(mask_count, 1), loss_dice = dice_sum / max(mask_count, 1), the
+reference's loss_cross_entropy, loss_mask, loss_dice of layer l on one process for the whole batch (its
+max(num_masks, 1) included); its total is the sum over layers of class_weight * loss_cross_entropy +
+mask_weight * loss_mask + dice_weight * loss_dice. The denominators carry no gradient.
+
+Shapes are static: the loss points are drawn and sampled for all K slots, padding included,
+b * K * (int(3.0 P) + P - int(0.75 P)) points per layer at the defaults (P = num_points).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from seg_train.train.matching import batched_linear_sum_assignment
+
+MATCHING, LOSS = 0, 1  # the purposes folded into a sample's seed
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+@dataclasses.dataclass(frozen=True)
+class EomtLossOptions:
+    """The loss's parameters; the defaults are the reference's (EomtConfig)."""
+    num_classes: int
+    ignore_label: int = 255
+    class_weight: float = 2.0        # matching cost and loss weight of the class term
+    mask_weight: float = 5.0         # ... of the sigmoid BCE
+    dice_weight: float = 5.0         # ... of the dice
+    no_object_weight: float = 0.1    # the no-object class's weight in the cross-entropy (eos_coef)
+    num_points: int = 12544
+    oversample_ratio: float = 3.0
+    importance_sample_ratio: float = 0.75
+    random_points: bool = True       # False: every pixel centre of the prediction grid, no draw
+
+
+def semantic_targets(labels, num_classes: int):
+    """The classes present in each label map [b, H, W]: (classes int32 [b, G], num_valid int32 [b]), G =
+    num_classes; the first num_valid[i] slots hold image i's present classes ascending (the reference's
+    torch.unique order), the rest the absent classes (padding). Labels outside [0, num_classes) (the
+    ignore label among them) belong to no class."""
+    labels = tf.cast(labels, tf.int32)
+    flat = tf.reshape(labels, [tf.shape(labels)[0], -1])
+    flat = tf.where((flat >= 0) & (flat < num_classes), flat, num_classes)
+    counts = tf.math.bincount(flat, minlength=num_classes + 1, maxlength=num_classes + 1, axis=-1)
+    present = counts[:, :num_classes] > 0
+    k = tf.range(num_classes)
+    classes = tf.argsort(tf.where(present, k, k + num_classes), axis=-1, stable=True)
+    return tf.cast(classes, tf.int32), tf.reduce_sum(tf.cast(present, tf.int32), axis=-1)
+
+
+def target_masks(labels, classes, num_valid):
+    """Dense binary masks float32 [b, G, H, W] of the slots (zeros in padding slots); for inspection and
+    tests, the loss never builds them."""
+    labels = tf.cast(labels, tf.int32)
+    g = tf.shape(classes)[1]
+    valid = tf.range(g)[tf.newaxis, :] < num_valid[:, tf.newaxis]
+    hit = tf.equal(labels[:, tf.newaxis], classes[:, :, tf.newaxis, tf.newaxis])
+    return tf.cast(hit & valid[:, :, tf.newaxis, tf.newaxis], tf.float32)
+
+
+def grid_points(height: int, width: int):
+    """Every pixel centre of a height x width grid as normalised points float32 [height * width, 2] (x, y),
+    row-major."""
+    ys = (tf.range(height, dtype=tf.float32) + 0.5) / height
+    xs = (tf.range(width, dtype=tf.float32) + 0.5) / width
+    y, x = tf.meshgrid(ys, xs, indexing="ij")
+    return tf.reshape(tf.stack([x, y], -1), [-1, 2])
+
+
+def _footprint(points, height, width):
+    """Bilinear footprint of points [..., 2] on a height x width grid (align_corners=False, zero padding):
+    the 4 corners' flat indices int32 [..., 4] (0 outside the grid) and weights float32 [..., 4] (0 outside)."""
+    x = points[..., 0] * tf.cast(width, tf.float32) - 0.5
+    y = points[..., 1] * tf.cast(height, tf.float32) - 0.5
+    x0, y0 = tf.floor(x), tf.floor(y)
+    fx, fy = x - x0, y - y0
+    x0, y0 = tf.cast(x0, tf.int32), tf.cast(y0, tf.int32)
+    index, weight = [], []
+    for dy, wy in ((0, 1.0 - fy), (1, fy)):
+        for dx, wx in ((0, 1.0 - fx), (1, fx)):
+            xi, yi = x0 + dx, y0 + dy
+            inside = (xi >= 0) & (xi < width) & (yi >= 0) & (yi < height)
+            index.append(tf.where(inside, yi * width + xi, 0))
+            weight.append(tf.where(inside, wy * wx, 0.0))
+    return tf.stack(index, -1), tf.stack(weight, -1)
+
+
+def _sample_logits(logits, points):
+    """Bilinear samples float32 [b, R, N] of logits [b, R, h, w] at points [b, N, 2] (shared by the rows) or
+    [b, R, N, 2] (each row its own). One corner at a time, so no [b, R, N, 4] tensor is held."""
+    h, w = tf.shape(logits)[2], tf.shape(logits)[3]
+    flat = tf.reshape(logits, [tf.shape(logits)[0], tf.shape(logits)[1], -1])
+    index, weight = _footprint(points, h, w)
+    shared = points.shape.rank == 3
+    out = 0.0
+    for c in range(4):
+        if shared:  # [b, N] indices for every row
+            v = tf.gather(flat, index[..., c], axis=2, batch_dims=1)
+            out += v * weight[:, tf.newaxis, :, c]
+        else:
+            out += tf.gather(flat, index[..., c], axis=2, batch_dims=2) * weight[..., c]
+    return out
+
+
+def _sample_labels(labels, classes, num_valid, points, ignore_label: int):
+    """The slots' target masks sampled bilinearly (as the dense binary masks would be) at points [b, N, 2]
+    (shared) or [b, G, N, 2] (per slot): (targets float32 [b, G, N], kept float32 [b, N] or [b, G, N]: 0 where
+    the point lands on an ignored pixel, module doc)."""
+    labels = tf.cast(labels, tf.int32)
+    h, w = tf.shape(labels)[1], tf.shape(labels)[2]
+    flat = tf.reshape(labels, [tf.shape(labels)[0], -1])
+    index, weight = _footprint(points, h, w)
+    shared = points.shape.rank == 3
+    corner = tf.gather(flat, index, batch_dims=1)  # labels of the corners, [b, (G,) N, 4]
+    if shared:
+        corner, weight = corner[:, tf.newaxis], weight[:, tf.newaxis]  # [b, 1, N, 4]
+    hit = tf.equal(corner, classes[:, :, tf.newaxis, tf.newaxis])
+    slot_valid = tf.range(tf.shape(classes)[1])[tf.newaxis, :] < num_valid[:, tf.newaxis]
+    targets = tf.reduce_sum(tf.where(hit, weight, 0.0), -1) * tf.cast(slot_valid, tf.float32)[:, :, tf.newaxis]
+    ignored = tf.reduce_any(tf.equal(corner, ignore_label) & (weight > 0.0), -1)
+    kept = 1.0 - tf.cast(ignored, tf.float32)
+    return targets, (kept[:, 0] if shared else kept)
+
+
+def _draw(seeds, layer: int, purpose: int, shape):
+    """U[0, 1) of shape [b, *shape], row i from seeds[i] folded with (layer, purpose); Philox, stateless."""
+    def one(seed):
+        seed = tf.random.experimental.stateless_fold_in(seed, layer, alg="philox")
+        seed = tf.random.experimental.stateless_fold_in(seed, purpose, alg="philox")
+        return tf.random.stateless_uniform(shape, seed, alg="philox")
+    seeds = tf.convert_to_tensor(seeds)
+    if seeds.shape[0] is not None:  # a static batch (the train step's): one draw per row, unrolled
+        return tf.stack([one(s) for s in tf.unstack(tf.cast(seeds, tf.int32))])
+    return tf.map_fn(one, tf.cast(seeds, tf.int32), fn_output_signature=tf.TensorSpec(shape, tf.float32))
+
+
+def _match(class_logits, mask_logits, labels, classes, num_valid, points, opts: EomtLossOptions):
+    """The reference matcher's assignment: (row_of_col [b, G], col_of_row [b, Q]) of
+    batched_linear_sum_assignment on its cost, points [b, N, 2] shared by an image's queries and masks."""
+    class_logits, mask_logits = tf.stop_gradient(class_logits), tf.stop_gradient(mask_logits)
+    probs = tf.nn.softmax(class_logits, axis=-1)
+    cost_class = -tf.gather(probs, classes, axis=2, batch_dims=1)  # [b, Q, G]
+    pred = _sample_logits(mask_logits, points)  # [b, Q, N]
+    target, kept = _sample_labels(labels, classes, num_valid, points, opts.ignore_label)  # [b, G, N], [b, N]
+    kept = kept[:, tf.newaxis, :]
+    n = tf.maximum(tf.reduce_sum(kept, -1, keepdims=True), 1.0)  # [b, 1, 1]
+    pos = tf.nn.softplus(-pred) * kept / n  # BCE against 1
+    neg = tf.nn.softplus(pred) * kept / n   # BCE against 0
+    cost_mask = tf.matmul(pos, target, transpose_b=True) + tf.matmul(neg, 1.0 - target, transpose_b=True)
+    p = tf.sigmoid(pred) * kept
+    t = target * kept
+    numerator = 2.0 * tf.matmul(p, t, transpose_b=True)
+    denominator = tf.reduce_sum(p, -1)[:, :, tf.newaxis] + tf.reduce_sum(t, -1)[:, tf.newaxis, :]
+    cost_dice = 1.0 - (numerator + 1.0) / (denominator + 1.0)
+    cost = opts.mask_weight * cost_mask + opts.class_weight * cost_class + opts.dice_weight * cost_dice
+    cost = tf.where(tf.math.is_finite(cost), cost, _FLOAT32_MAX)
+    return batched_linear_sum_assignment(cost, num_valid)
+
+
+def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
+    """Each slot's points [b, G, num_points, 2]: the most uncertain of the oversampled ones, then uniform
+    ones (the reference's sample_points_using_uncertainty). pred: the slots' matched logits [b, G, h, w]."""
+    g = opts.num_classes
+    sampled = int(opts.num_points * opts.oversample_ratio)
+    uncertain = int(opts.importance_sample_ratio * opts.num_points)
+    uniform = opts.num_points - uncertain
+    draws = _draw(seeds, layer, LOSS, [g, sampled + uniform, 2])
+    over, rest = draws[:, :, :sampled], draws[:, :, sampled:]
+    uncertainty = -tf.abs(_sample_logits(tf.stop_gradient(pred), over))  # [b, G, sampled]
+    top = tf.math.top_k(uncertainty, k=uncertain, sorted=False).indices
+    return tf.concat([tf.gather(over, top, axis=2, batch_dims=2), rest], axis=2)
+
+
+def _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, layer: int,
+                 opts: EomtLossOptions):
+    """One prediction layer's (class_sum, class_weight, mask_sum, dice_sum, mask_count) and its matching."""
+    class_logits = tf.cast(class_logits, tf.float32)
+    mask_logits = tf.cast(mask_logits, tf.float32)
+    b = tf.shape(mask_logits)[0]
+    h, w = mask_logits.shape[2], mask_logits.shape[3]
+    if opts.random_points:
+        match_points = _draw(seeds, layer, MATCHING, [opts.num_points, 2])
+    else:
+        grid = grid_points(h, w)
+        match_points = tf.broadcast_to(grid, [b, h * w, 2])
+    row_of_col, col_of_row = _match(class_logits, mask_logits, labels, classes, num_valid, match_points, opts)
+
+    # Class term: every query, the matched ones their mask's class, the others no-object (class K).
+    k = opts.num_classes
+    matched_class = tf.gather(classes, tf.maximum(col_of_row, 0), batch_dims=1)
+    target = tf.where(col_of_row >= 0, matched_class, k)
+    weight = tf.where(target == k, opts.no_object_weight, 1.0)
+    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=target, logits=class_logits)
+    class_sum = tf.reduce_sum(weight * ce)
+    class_weight = tf.reduce_sum(weight)
+
+    # Mask terms: each slot's matched query, padding slots weighted 0.
+    slot_valid = tf.cast(tf.range(tf.shape(classes)[1])[tf.newaxis, :] < num_valid[:, tf.newaxis], tf.float32)
+    pred = tf.gather(mask_logits, tf.maximum(row_of_col, 0), batch_dims=1)  # [b, G, h, w]
+    g = opts.num_classes
+    if opts.random_points:
+        points = _loss_points(pred, seeds, layer, opts)
+    else:
+        points = tf.broadcast_to(grid_points(h, w), [b, g, h * w, 2])
+    logits = _sample_logits(pred, points)  # [b, G, N]
+    target, kept = _sample_labels(labels, classes, num_valid, points, opts.ignore_label)
+    bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits) * kept
+    bce = tf.reduce_sum(bce, -1) / tf.maximum(tf.reduce_sum(kept, -1), 1.0)
+    p = tf.sigmoid(logits) * kept
+    t = target * kept
+    dice = 1.0 - (2.0 * tf.reduce_sum(p * t, -1) + 1.0) / (tf.reduce_sum(p, -1) + tf.reduce_sum(t, -1) + 1.0)
+    mask_sum = tf.reduce_sum(bce * slot_valid)
+    dice_sum = tf.reduce_sum(dice * slot_valid)
+    mask_count = tf.cast(tf.reduce_sum(num_valid), tf.float32)
+    return (class_sum, class_weight, mask_sum, dice_sum, mask_count), row_of_col
+
+
+TERMS = ("class_sum", "class_weight", "mask_sum", "dice_sum", "mask_count")
+
+
+def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_matches: bool = False):
+    """The loss's numerators and denominators per layer (module doc).
+
+    predictions: a list of (class_logits [b, Q, K+1], mask_logits [b, Q, h, w]), the final layer last; h, w
+      static; Q >= K (every class may be present: the target slots are K, the matcher needs Q >= K).
+    labels: int [b, H, W] (any resolution). seeds: int32 [b, 2], one per sample (unused with
+      random_points=False).
+    Returns {name: float32 [L]} for the names in TERMS; with return_matches, also the matched query of
+    every target slot per layer, int32 [L, b, G] (-1 in padding slots; slots as `semantic_targets`).
+    """
+    for class_logits, mask_logits in predictions:
+        q, k1 = class_logits.shape[1], class_logits.shape[2]
+        if (k1 is not None and k1 != opts.num_classes + 1) or (q is not None and q < opts.num_classes):
+            raise ValueError(f"eomt_loss_terms: class logits of shape {class_logits.shape} for {opts.num_classes} "
+                             f"classes; expected [batch, queries >= {opts.num_classes}, {opts.num_classes + 1}]")
+    classes, num_valid = semantic_targets(labels, opts.num_classes)
+    per_layer, matches = [], []
+    for layer, (class_logits, mask_logits) in enumerate(predictions):
+        terms, row_of_col = _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, layer,
+                                         opts)
+        per_layer.append(terms)
+        matches.append(row_of_col)
+    out = {name: tf.stack([t[i] for t in per_layer]) for i, name in enumerate(TERMS)}
+    return (out, tf.stack(matches)) if return_matches else out
+
+
+def losses_from_terms(terms, opts: EomtLossOptions):
+    """The reference's numbers from (summed) terms: {"loss_cross_entropy", "loss_mask", "loss_dice"}: [L]
+    each (unweighted, as EomtLoss returns them), and "loss": the weighted total over layers (a scalar)."""
+    count = tf.maximum(terms["mask_count"], 1.0)
+    out = {"loss_cross_entropy": terms["class_sum"] / terms["class_weight"],
+           "loss_mask": terms["mask_sum"] / count,
+           "loss_dice": terms["dice_sum"] / count}
+    out["loss"] = tf.reduce_sum(opts.class_weight * out["loss_cross_entropy"] + opts.mask_weight * out["loss_mask"]
+                                + opts.dice_weight * out["loss_dice"])
+    return out
