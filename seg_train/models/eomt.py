@@ -61,10 +61,9 @@ def _dense(units: int, name: str, activation=None) -> layers.Dense:
                         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
 
-def _to_patch_grid(mask_logits, grid_h, grid_w):
+def _to_patch_grid(mask_logits, grid_h, grid_w, q: int):
     """Mask logits [b, Q, h, w] -> [b, Q, gh * gw] resized bilinearly (half-pixel centres, no antialias: torch's
     F.interpolate(mode="bilinear"))."""
-    q = mask_logits.shape[1]
     small = tf.image.resize(tf.transpose(mask_logits, [0, 2, 3, 1]), (grid_h, grid_w), method="bilinear")
     return tf.transpose(tf.reshape(small, [tf.shape(mask_logits)[0], -1, q]), [0, 2, 1])
 
@@ -81,12 +80,11 @@ def mask_keeps(seeds, block: int, prob, queries: int):
     return u < tf.cast(prob, tf.float32)
 
 
-def attention_bias(mask_logits, keeps, grid_h, grid_w, prefix: int, tokens):
-    """float32 [b, T, T] added to the attention logits of a block on T tokens [queries, CLS, registers,
+def attention_bias(mask_logits, keeps, grid_h, grid_w, q: int, prefix: int, tokens):
+    """float32 [b, T, T] added to the attention logits of a block on T tokens [q queries, CLS, registers,
     patches]: MASKED where a query that keeps its mask (`keeps` [b, Q]) meets a patch whose mask logit at the
     patch grid is <= 0; 0 elsewhere (patches and CLS attend to everything). `prefix`: CLS and registers."""
-    q = mask_logits.shape[1]
-    blocked = (_to_patch_grid(mask_logits, grid_h, grid_w) <= 0.0) & keeps[:, :, None]
+    blocked = (_to_patch_grid(mask_logits, grid_h, grid_w, q) <= 0.0) & keeps[:, :, None]
     bias = tf.where(blocked, tf.constant(MASKED, tf.float32), tf.constant(0.0, tf.float32))
     return tf.pad(bias, [[0, 0], [0, tokens - q], [q + prefix, 0]])
 
@@ -139,7 +137,7 @@ class EoMT(keras.Model):
     def _predict(self, normed, grid_h, grid_w):
         """(class logits, mask logits) in float32 from tokens [b, Q + 1 + R + N, C] after the final LayerNorm."""
         q, prefix = self.num_queries, 1 + self.spec.registers
-        queries = normed[:, :q]
+        queries = tf.ensure_shape(normed[:, :q], [None, q, normed.shape[-1]])  # Q static in a trace
         class_logits = tf.cast(self.class_head(queries), tf.float32)
         pixels = tf.reshape(normed[:, q + prefix:], [tf.shape(normed)[0], grid_h, grid_w, normed.shape[-1]])
         for layer in self.upscale:
@@ -176,7 +174,7 @@ class EoMT(keras.Model):
                 if mask_probs is not None:
                     j = i - self.first_eomt_block
                     keeps = mask_keeps(seeds, j, mask_probs[j], q)
-                    bias = attention_bias(out[-1][1], keeps, grid_h, grid_w, prefix, tf.shape(tokens)[1])
+                    bias = attention_bias(out[-1][1], keeps, grid_h, grid_w, q, prefix, tf.shape(tokens)[1])
             tokens = run_block(block_layers_of(bb, f"block{i}"), tokens, rope, bias=bias,
                                prefix=q + prefix if eomt else None, training=training)
         out.append(self._predict(norm(tokens), grid_h, grid_w))
