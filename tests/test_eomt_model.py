@@ -106,8 +106,8 @@ def test_one_trace_serves_two_sizes(ref):
 
 def test_mask_probability_zero_is_no_masking(ref):
     """p = 0 in every block: the training pass's predictions are those without mask_probs, and its final one
-    the reference's unmasked prediction. Fails for: a kept mask drawn as u >= p (or u > p: every mask kept at
-    p = 0 with u = 0), or the bias added where no mask is kept."""
+    the reference's unmasked prediction. Fails for: the keep test inverted (u >= p: every mask kept at p = 0),
+    the bias added whatever the draw."""
     model, z = ref
     seeds = _seeds([5, 6], [7, 8])
     zero = model.predictions(z["images"], [0.0] * BLOCKS, seeds, training=True)

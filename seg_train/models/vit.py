@@ -113,7 +113,8 @@ def resize_positions(pos, grid_h, grid_w, antialias: bool, cls: bool = True):
     c, first = pos.shape[-1], int(cls)
     g = int(round((pos.shape[1] - first) ** 0.5))
     grid = tf.reshape(tf.cast(pos[:, first:], tf.float32), [1, g, g, c])
-    grid = tf.reshape(tf.image.resize(grid, (grid_h, grid_w), method="bicubic", antialias=antialias), [1, -1, c])
+    grid = tf.image.resize(grid, (grid_h, grid_w), method="bicubic", antialias=antialias)
+    grid = tf.reshape(grid, [1, -1, c])
     return tf.concat([tf.cast(pos[:, :1], tf.float32), grid], axis=1) if cls else grid
 
 
