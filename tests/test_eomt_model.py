@@ -119,6 +119,7 @@ def test_mask_probability_zero_is_no_masking(ref):
     _close(zero[-1][0], z["eval_class"][0])
 
 
+@pytest.mark.slow  # seven training passes: ~2-4 s
 def test_mask_draw_is_a_function_of_seed_and_block(ref):
     """At p = 0.5: the same seeds give the same output; a batch gives what its samples give alone (1 tower =
     N towers); a sample's result does not depend on the other sample; another seed changes it. mask_keeps
@@ -220,3 +221,18 @@ def test_mixed_precision_and_drop_path(ref):
         plain = model.predictions(z["images"], None, None, training=True)[-1][1]
         drawn = dropped.predictions(z["images"], None, None, training=True)[-1][1]
     assert np.max(np.abs(np.asarray(drawn) - np.asarray(plain))) > 1e-3
+
+
+@pytest.mark.slow  # a model built and run in both modes: ~3 s alone
+def test_dinov3_encoder_rotates_the_patches_behind_the_queries():
+    """On a DINOv3 encoder (rotary positions, no position embedding) the rotary table covers the patches after
+    the queries, CLS and registers: both passes run and give their shapes. Fails for: the rotation's prefix
+    left at CLS + registers once the queries are in (the table no longer lines up with the patches)."""
+    from seg_train.models.vit import Variant
+
+    spec = Variant("dinov3", 16, 32, 3, 2, 64, registers=2, key_bias=False)
+    model = eomt(spec, 4, queries=5, eomt_blocks=2)
+    x = np.random.default_rng(0).normal(0, 1, (1, 32, 48, 3)).astype("float32")
+    assert tuple(model(x).shape) == (1, 32, 48, 4)
+    got = model.predictions(x, [1.0, 0.5], _seeds([1, 2]), training=True)
+    assert [(tuple(c.shape), tuple(m.shape)) for c, m in got] == [((1, 5, 5), (1, 5, 8, 12))] * 3

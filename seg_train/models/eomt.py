@@ -70,8 +70,8 @@ def _to_patch_grid(mask_logits, grid_h, grid_w, q: int):
 
 def mask_keeps(seeds, block: int, prob, queries: int):
     """bool [b, Q]: which (sample, query) keeps its attention mask in EoMT block `block` (0-based): u < prob,
-    u ~ U[0, 1) drawn per sample from its seed [2] folded with the block index (Philox: the same numbers on
-    every device). prob 0 keeps none, 1 all."""
+    u ~ U[0, 1) drawn per sample from its seed [2] folded with the block index (Philox named rather than the
+    device's automatic choice). prob 0 keeps none, 1 all."""
     def draw(seed):
         key = tf.random.experimental.stateless_fold_in(seed, block, alg="philox")
         return tf.random.stateless_uniform([queries], key, alg="philox")
