@@ -161,6 +161,19 @@ def test_one_backbone_and_every_variable_made_at_construction(ref):
     assert len(model.weights) == before
     with pytest.raises(ValueError, match="eomt_blocks 6"):
         eomt(model.spec, 5, queries=8, eomt_blocks=6)
+    with pytest.raises(ValueError, match=r"one probability per EoMT block, \[3\]"):
+        model.predictions(z["images"][:1], [1.0, 1.0], _seeds([1, 2]), training=True)
+
+
+def test_training_pass_reaches_every_variable(ref):
+    """A loss on every prediction of a masked training pass has a gradient for each trainable variable. Fails
+    for: a variable outside the training graph (a head used only at inference, queries not joined)."""
+    model, z = ref
+    with tf.GradientTape() as tape:
+        got = model.predictions(z["images"], [0.5] * BLOCKS, _seeds([1, 2], [3, 4]), training=True)
+        loss = tf.add_n([tf.reduce_sum(c ** 2) + tf.reduce_sum(tf.sigmoid(m)) for c, m in got])
+    grads = tape.gradient(loss, model.trainable_variables)
+    assert [v.path for v, g in zip(model.trainable_variables, grads) if g is None] == []
 
 
 @pytest.mark.slow

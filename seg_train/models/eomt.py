@@ -162,6 +162,9 @@ class EoMT(keras.Model):
             if seeds is None:
                 raise ValueError("EoMT.predictions: mask_probs given without seeds (int32 [batch, 2])")
             mask_probs = tf.convert_to_tensor(mask_probs, tf.float32)
+            if mask_probs.shape.rank != 1 or mask_probs.shape[0] not in (None, self.eomt_blocks):
+                raise ValueError(f"EoMT.predictions: mask_probs of shape {mask_probs.shape}: expected one "
+                                 f"probability per EoMT block, [{self.eomt_blocks}]")
         out = []
         for i in range(1, spec.depth + 1):
             eomt = i >= self.first_eomt_block
