@@ -873,3 +873,72 @@ PUBLISHED_FILES = {
     "resnet50": "resnet50_weights_tf_dim_ordering_tf_kernels_notop.h5",
     "resnet101": "resnet101_weights_tf_dim_ordering_tf_kernels_notop.h5",
 }
+
+
+EOMT_FIXTURE = Path(__file__).parent / "fixtures" / "eomt_model.npz"
+
+
+def eomt_from_reference(path: Path = EOMT_FIXTURE):
+    """(model, fixture): seg-train's EoMT (models/eomt.py) built with the config numbers of the fixture that
+    scripts/reference_eomt_model.py writes, every weight mapped from its transformers name onto ours (each
+    fixture weight used exactly once, each of our variables set exactly once)."""
+    from seg_train.models.eomt import eomt
+    from seg_train.models.vit import Variant
+
+    z = np.load(path)
+    cfg = {k[len("config/"):]: z[k].item() for k in z.files if k.startswith("config/")}
+    c, depth = cfg["hidden_size"], cfg["num_hidden_layers"]
+    spec = Variant("dinov2", cfg["patch_size"], c, depth, cfg["num_attention_heads"], c * cfg["mlp_ratio"],
+                   registers=cfg["num_register_tokens"], layer_scale=cfg["layerscale_value"],
+                   pos_grid=cfg["image_size"] // cfg["patch_size"], cls_position=False)
+    assert spec.epsilon == cfg["layer_norm_eps"]
+    model = eomt(spec, cfg["num_labels"], queries=cfg["num_queries"], eomt_blocks=cfg["num_blocks"],
+                 upscale_blocks=cfg["num_upscale_blocks"])
+    theirs = {k[len("w/"):]: z[k] for k in z.files if k.startswith("w/")}
+    ours = {v.path: v for v in model.weights}
+    pairs = {}
+
+    def put(mine: str, name: str, convert=lambda a: a):
+        assert mine not in pairs and name in theirs, (mine, name)
+        pairs[mine] = (name, convert(theirs[name]))
+
+    linear = np.transpose
+    put("patch_embed/kernel", "embeddings.patch_embeddings.projection.weight", lambda a: a.transpose(2, 3, 1, 0))
+    put("patch_embed/bias", "embeddings.patch_embeddings.projection.bias")
+    put("tokens/cls_token", "embeddings.cls_token")
+    put("tokens/register_tokens", "embeddings.register_tokens")
+    put("tokens/position_embeddings", "embeddings.position_embeddings.weight", lambda a: a[None])
+    for i in range(depth):
+        hf, me = f"layers.{i}", f"block{i + 1}"
+        for norm in ("norm1", "norm2"):
+            put(f"{me}_{norm}/gamma", f"{hf}.{norm}.weight")
+            put(f"{me}_{norm}/beta", f"{hf}.{norm}.bias")
+        for mine, name in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "out_proj")):
+            put(f"{me}_attn_{mine}/kernel", f"{hf}.attention.{name}.weight", linear)
+            put(f"{me}_attn_{mine}/bias", f"{hf}.attention.{name}.bias")
+        for mine, name in (("up", "fc1"), ("down", "fc2")):
+            put(f"{me}_mlp_{mine}/kernel", f"{hf}.mlp.{name}.weight", linear)
+            put(f"{me}_mlp_{mine}/bias", f"{hf}.mlp.{name}.bias")
+        put(f"{me}_ls1/gamma", f"{hf}.layer_scale1.lambda1")
+        put(f"{me}_ls2/gamma", f"{hf}.layer_scale2.lambda1")
+    put("norm/gamma", "layernorm.weight")
+    put("norm/beta", "layernorm.bias")
+    put("eomt/queries", "query.weight")
+    put("class_head/kernel", "class_predictor.weight", linear)
+    put("class_head/bias", "class_predictor.bias")
+    for i in range(1, 4):
+        put(f"mask_mlp{i}/kernel", f"mask_head.fc{i}.weight", linear)
+        put(f"mask_mlp{i}/bias", f"mask_head.fc{i}.bias")
+    for i in range(cfg["num_upscale_blocks"]):
+        hf, me = f"upscale_block.block.{i}", f"upscale{i + 1}"
+        # ConvTranspose2d [in, out, kh, kw] -> [kh, kw, out, in]; depthwise [C, 1, 3, 3] -> [3, 3, C, 1].
+        put(f"{me}_deconv/kernel", f"{hf}.conv1.weight", lambda a: a.transpose(2, 3, 1, 0))
+        put(f"{me}_deconv/bias", f"{hf}.conv1.bias")
+        put(f"{me}_dwconv/kernel", f"{hf}.conv2.weight", lambda a: a.transpose(2, 3, 0, 1))
+        put(f"{me}_norm/gamma", f"{hf}.layernorm2d.weight")
+        put(f"{me}_norm/beta", f"{hf}.layernorm2d.bias")
+    assert sorted(pairs) == sorted(ours), set(pairs) ^ set(ours)
+    assert sorted(name for name, _ in pairs.values()) == sorted(theirs)
+    for mine, (_, array) in pairs.items():
+        ours[mine].assign(array)
+    return model, z

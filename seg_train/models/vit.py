@@ -44,6 +44,8 @@ class Variant:
     rope_theta: float = 100.0  # DINOv3
     pos_grid: int = 37        # DINOv2: the position embedding's grid (position_embedding_shape / patch)
     antialias: bool = False   # DINOv2: antialias_in_interpolation (True in the register presets)
+    cls_position: bool = True  # DINOv2: the position embedding has a CLS entry (keras-hub's); False: the
+    #                            patches' grid only, CLS without one (transformers' EoMT, models/eomt.py)
 
     @property
     def epsilon(self) -> float:
@@ -104,14 +106,16 @@ def rope_tables(grid_h, grid_w, head_dim: int, theta: float):
     return tf.cos(angles), tf.sin(angles)
 
 
-def resize_positions(pos, grid_h, grid_w, antialias: bool):
-    """DINOv2's position embedding [1, 1 + G*G, C] for a grid_h x grid_w patch grid: the CLS entry kept,
-    the grid resized bicubically in float32 (tf.image.resize: keras.ops.image.resize refuses a dynamic size)."""
-    c = pos.shape[-1]
-    g = int(round((pos.shape[1] - 1) ** 0.5))
-    grid = tf.reshape(tf.cast(pos[:, 1:], tf.float32), [1, g, g, c])
+def resize_positions(pos, grid_h, grid_w, antialias: bool, cls: bool = True):
+    """DINOv2's position embedding [1, 1 + G*G, C] (`cls` false: [1, G*G, C]) for a grid_h x grid_w patch
+    grid: the CLS entry kept, the grid resized bicubically in float32 (tf.image.resize: keras.ops.image.resize
+    refuses a dynamic size; at the G x G grid the resize is the identity)."""
+    c, first = pos.shape[-1], int(cls)
+    g = int(round((pos.shape[1] - first) ** 0.5))
+    grid = tf.reshape(tf.cast(pos[:, first:], tf.float32), [1, g, g, c])
     grid = tf.image.resize(grid, (grid_h, grid_w), method="bicubic", antialias=antialias)
-    return tf.concat([tf.cast(pos[:, :1], tf.float32), tf.reshape(grid, [1, -1, c])], axis=1)
+    grid = tf.reshape(grid, [1, -1, c])
+    return tf.concat([tf.cast(pos[:, :1], tf.float32), grid], axis=1) if cls else grid
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -141,12 +145,15 @@ class Tokens(layers.Layer):
     """The patch map [b, gh, gw, C] -> the token sequence [b, 1 + R + gh * gw, C]: CLS, R registers, patches.
 
     DINOv2 (`pos_grid` > 0): the position embedding (CLS entry, then the grid resized to gh x gw) is added
-    to CLS and the patches before the registers go in, as the reference does.
+    to CLS and the patches before the registers go in, as the reference does; without `cls_position` it has
+    no CLS entry and is added to the patches only.
     """
 
-    def __init__(self, registers: int, pos_grid: int = 0, antialias: bool = False, **kwargs):
+    def __init__(self, registers: int, pos_grid: int = 0, antialias: bool = False, cls_position: bool = True,
+                 **kwargs):
         super().__init__(**kwargs)
         self.registers, self.pos_grid, self.antialias = registers, pos_grid, antialias
+        self.cls_position = cls_position
 
     def build(self, shape):
         c = shape[-1]
@@ -154,7 +161,8 @@ class Tokens(layers.Layer):
         self.cls_token = self.add_weight(shape=(1, 1, c), initializer=init, name="cls_token")
         self.register_tokens = self.add_weight(shape=(1, self.registers, c), initializer=init,
                                                name="register_tokens") if self.registers else None
-        self.position_embeddings = self.add_weight(shape=(1, 1 + self.pos_grid ** 2, c), initializer=init,
+        entries = int(self.cls_position) + self.pos_grid ** 2
+        self.position_embeddings = self.add_weight(shape=(1, entries, c), initializer=init,
                                                    name="position_embeddings") if self.pos_grid else None
 
     def call(self, x):
@@ -162,9 +170,13 @@ class Tokens(layers.Layer):
         b, c = shape[0], x.shape[-1]
         patches = tf.reshape(x, [b, -1, c])
         cls = tf.tile(tf.cast(self.cls_token, x.dtype), [b, 1, 1])
-        tokens = tf.concat([cls, patches], axis=1)
         if self.pos_grid:
-            pos = resize_positions(self.position_embeddings, shape[1], shape[2], self.antialias)
+            pos = resize_positions(self.position_embeddings, shape[1], shape[2], self.antialias,
+                                   self.cls_position)
+            if not self.cls_position:
+                patches = patches + tf.cast(pos, x.dtype)
+        tokens = tf.concat([cls, patches], axis=1)
+        if self.pos_grid and self.cls_position:
             tokens = tokens + tf.cast(pos, x.dtype)
         if self.registers:
             reg = tf.tile(tf.cast(self.register_tokens, x.dtype), [b, 1, 1])
@@ -176,7 +188,7 @@ class Tokens(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "registers": self.registers, "pos_grid": self.pos_grid,
-                "antialias": self.antialias}
+                "antialias": self.antialias, "cls_position": self.cls_position}
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -200,15 +212,19 @@ class RopeTables(layers.Layer):
 
 @keras.saving.register_keras_serializable(package="seg_train")
 class Attention(layers.Layer):
-    """Multi-head softmax(q k^T / sqrt(d)) v over a token sequence [b, T, C]; with (cos, sin) the tokens after
-    the first `prefix` get rotary embeddings on q and k (rotate-half form). RoPE, logits and softmax in
-    float32; no weights (the projections are the Dense layers around it)."""
+    """Multi-head softmax(q k^T / sqrt(d) + bias) v over a token sequence [b, T, C]; with (cos, sin) the
+    tokens after the first `prefix` get rotary embeddings on q and k (rotate-half form). RoPE, logits and
+    softmax in float32; no weights (the projections are the Dense layers around it).
+
+    At call: `bias` (float32 [b, T, T], added to every head's logits; EoMT's masked attention) and `prefix`
+    (instead of the constructor's: EoMT's queries come before CLS and the registers).
+    """
 
     def __init__(self, heads: int, prefix: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.heads, self.prefix = heads, prefix
 
-    def call(self, q, k, v, cos=None, sin=None):
+    def call(self, q, k, v, cos=None, sin=None, bias=None, prefix=None):
         c = q.shape[-1]
         d = c // self.heads
         shape = tf.shape(q)
@@ -218,14 +234,17 @@ class Attention(layers.Layer):
 
         q, k = split(tf.cast(q, tf.float32)), split(tf.cast(k, tf.float32))
         if cos is not None:
-            q, k = (self._rotate(t, tf.cast(cos, tf.float32), tf.cast(sin, tf.float32)) for t in (q, k))
+            first = self.prefix if prefix is None else prefix
+            q, k = (self._rotate(t, tf.cast(cos, tf.float32), tf.cast(sin, tf.float32), first) for t in (q, k))
         logits = tf.matmul(q, k, transpose_b=True) * (d ** -0.5)
+        if bias is not None:
+            logits = logits + tf.cast(bias, tf.float32)[:, None]
         weights = tf.nn.softmax(logits, axis=-1)
         out = tf.matmul(tf.cast(weights, v.dtype), split(v))
         return tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [shape[0], -1, c])
 
-    def _rotate(self, t, cos, sin):
-        head, patches = t[:, :, :self.prefix], t[:, :, self.prefix:]
+    def _rotate(self, t, cos, sin, prefix: int):
+        head, patches = t[:, :, :prefix], t[:, :, prefix:]
         half = t.shape[-1] // 2
         rotated = tf.concat([-patches[..., half:], patches[..., :half]], axis=-1)
         return tf.concat([head, patches * cos + rotated * sin], axis=2)
@@ -295,38 +314,71 @@ def _dense(units: int, name: str, use_bias: bool = True, activation=None) -> lay
                         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
 
-def _mlp(x, spec: Variant, name: str):
+def _block_layers(spec: Variant, name: str, drop_path: float) -> dict:
+    """One block's layers by role; each named f"{name}_{role}" (the names presets are loaded by)."""
     c = spec.width
+    out = {"norm1": LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm1"),
+           "attn_q": _dense(c, f"{name}_attn_q"),
+           "attn_k": _dense(c, f"{name}_attn_k", use_bias=spec.key_bias),
+           "attn_v": _dense(c, f"{name}_attn_v"),
+           "attn": Attention(spec.heads, 1 + spec.registers, name=f"{name}_attn"),
+           "attn_out": _dense(c, f"{name}_attn_out"),
+           "ls1": LayerScale(spec.layer_scale, name=f"{name}_ls1"),
+           "add1": layers.Add(name=f"{name}_add1"),
+           "norm2": LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm2")}
     if spec.family == "dinov2" and spec.gated:
-        x = _dense(2 * swiglu_width(spec.mlp), f"{name}_mlp_in")(x)
-        return _dense(c, f"{name}_mlp_out")(SwiGLU(name=f"{name}_mlp_swiglu")(x))
-    if spec.gated:
-        gate = _dense(spec.mlp, f"{name}_mlp_gate", activation=spec.activation)(x)
-        up = _dense(spec.mlp, f"{name}_mlp_up")(x)
-        return _dense(c, f"{name}_mlp_down")(layers.Multiply(name=f"{name}_mlp_mul")([gate, up]))
-    x = _dense(spec.mlp, f"{name}_mlp_up", activation=spec.activation)(x)
-    return _dense(c, f"{name}_mlp_down")(x)
+        out.update(mlp_in=_dense(2 * swiglu_width(spec.mlp), f"{name}_mlp_in"),
+                   mlp_swiglu=SwiGLU(name=f"{name}_mlp_swiglu"), mlp_out=_dense(c, f"{name}_mlp_out"))
+    elif spec.gated:
+        out.update(mlp_gate=_dense(spec.mlp, f"{name}_mlp_gate", activation=spec.activation),
+                   mlp_up=_dense(spec.mlp, f"{name}_mlp_up"), mlp_down=_dense(c, f"{name}_mlp_down"),
+                   mlp_mul=layers.Multiply(name=f"{name}_mlp_mul"))
+    else:
+        out.update(mlp_up=_dense(spec.mlp, f"{name}_mlp_up", activation=spec.activation),
+                   mlp_down=_dense(c, f"{name}_mlp_down"))
+    out.update(ls2=LayerScale(spec.layer_scale, name=f"{name}_ls2"), add2=layers.Add(name=f"{name}_add2"))
+    if drop_path:
+        out.update(drop_path1=DropPath(drop_path, name=f"{name}_drop_path1"),
+                   drop_path2=DropPath(drop_path, name=f"{name}_drop_path2"))
+    return out
+
+
+def block_layers_of(model: keras.Model, name: str) -> dict:
+    """The layers of block `name` (e.g. "block3") in an encoder from `dino_encoder`, by role (`run_block`)."""
+    prefix = f"{name}_"
+    return {layer.name[len(prefix):]: layer for layer in model.layers if layer.name.startswith(prefix)}
+
+
+def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None):
+    """One block on the tokens x [b, T, C] (symbolic while an encoder is built, or tensors: models/eomt.py),
+    with `parts` from `_block_layers` / `block_layers_of`; each residual branch dropped per sample (DropPath).
+    `bias`, `prefix`: Attention's call arguments."""
+    y = parts["norm1"](x)
+    q, k, v = parts["attn_q"](y), parts["attn_k"](y), parts["attn_v"](y)
+    extra = {} if bias is None and prefix is None else {"bias": bias, "prefix": prefix}
+    drop = {} if training is None else {"training": training}
+    y = parts["attn"](q, k, v, *rope, **extra)
+    y = parts["ls1"](parts["attn_out"](y))
+    if "drop_path1" in parts:
+        y = parts["drop_path1"](y, **drop)
+    x = parts["add1"]([x, y])
+
+    y = parts["norm2"](x)
+    if "mlp_in" in parts:
+        y = parts["mlp_out"](parts["mlp_swiglu"](parts["mlp_in"](y)))
+    elif "mlp_gate" in parts:
+        y = parts["mlp_down"](parts["mlp_mul"]([parts["mlp_gate"](y), parts["mlp_up"](y)]))
+    else:
+        y = parts["mlp_down"](parts["mlp_up"](y))
+    y = parts["ls2"](y)
+    if "drop_path2" in parts:
+        y = parts["drop_path2"](y, **drop)
+    return parts["add2"]([x, y])
 
 
 def _block(x, rope, spec: Variant, name: str, drop_path: float):
     """One block on the tokens x [b, T, C]; each residual branch dropped per sample with `drop_path`."""
-    y = LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm1")(x)
-    q = _dense(spec.width, f"{name}_attn_q")(y)
-    k = _dense(spec.width, f"{name}_attn_k", use_bias=spec.key_bias)(y)
-    v = _dense(spec.width, f"{name}_attn_v")(y)
-    y = Attention(spec.heads, 1 + spec.registers, name=f"{name}_attn")(q, k, v, *rope)
-    y = _dense(spec.width, f"{name}_attn_out")(y)
-    y = LayerScale(spec.layer_scale, name=f"{name}_ls1")(y)
-    if drop_path:
-        y = DropPath(drop_path, name=f"{name}_drop_path1")(y)
-    x = layers.Add(name=f"{name}_add1")([x, y])
-
-    y = LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm2")(x)
-    y = _mlp(y, spec, name)
-    y = LayerScale(spec.layer_scale, name=f"{name}_ls2")(y)
-    if drop_path:
-        y = DropPath(drop_path, name=f"{name}_drop_path2")(y)
-    return layers.Add(name=f"{name}_add2")([x, y])
+    return run_block(_block_layers(spec, name, drop_path), x, rope)
 
 
 def drop_path_rates(spec: Variant, rate: float) -> list[float]:
@@ -351,7 +403,7 @@ def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: fl
     grid = keras.layers.Conv2D(spec.width, spec.patch, strides=spec.patch, name="patch_embed",
                                kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))(x)
     v2 = spec.family == "dinov2"
-    x = Tokens(spec.registers, spec.pos_grid if v2 else 0, spec.antialias, name="tokens")(grid)
+    x = Tokens(spec.registers, spec.pos_grid if v2 else 0, spec.antialias, spec.cls_position, name="tokens")(grid)
     rope = () if v2 else RopeTables(spec.width // spec.heads, spec.rope_theta, name="rope")(grid)
     final = LayerNorm(epsilon=spec.epsilon, name="norm") if norm else None
     found = {}
