@@ -128,6 +128,10 @@ WIRED = {
     "model.neck_channels": "tests/test_vit_wiring.py::test_vit_layers_and_neck_channels_reach_the_model",
     "model.freeze_backbone": "tests/test_vit_wiring.py::test_frozen_backbone_has_no_gradient_no_slots_and_stays_put",
     "train.layer_decay": "tests/test_vit_wiring.py::test_layer_decay_rates_are_the_hand_table",
+    "model.num_queries": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
+    "model.eomt_blocks": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
+    "loss.mask_points": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
+    "train.mask_annealing": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
     "model.drop_path_rate": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
     "model.head_dropout": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
     # Three TrainStep updates built from a config file (AdamW at decay 0.5, the head at 10x) held to Keras' AdamW:

@@ -261,3 +261,11 @@ def test_shipped_configs_load():
     assert not ft.model.freeze_backbone and ft.model.drop_path_rate == 0.1
     for c in (lin, ft):
         assert c.model.backbone_weights.parent == folder.parent / "presets"
+    # EoMT's recipe (the numbers: AdamW 1e-4, layer decay 0.8, decay 0.05, poly 0.9, batch 16, 640 / 1024).
+    for name, crop, queries in (("ade20k_eomt", (640, 640), 200), ("cityscapes_eomt", (1024, 1024), 100)):
+        c = cfgs[name]
+        t = c.train
+        assert (c.model.head, c.model.num_queries, c.data.crop_size, c.data.batch_size) == ("eomt", queries, crop, 16)
+        assert (t.optimizer, t.learning_rate, t.layer_decay, t.weight_decay, t.lr_power) == ("adamw", 1e-4, 0.8,
+                                                                                             0.05, 0.9)
+        assert len(t.mask_annealing) == 4 and t.mask_annealing[-1][1] == t.num_steps

@@ -364,7 +364,7 @@ def test_defaults_resolved_from_the_backbone():
      "error: out of range (model.segformer_channels): expected a positive number, got 0"),
     ({"model": {"drop_path_rate": 0.1}},
      "error: not available for this backbone (model.drop_path_rate): 0 (or no value) with model.backbone "
-     "'mobilenetv2': drop path skips the Mix Transformer's residual blocks (mit_b0..mit_b5), got 0.1"),
+     "'mobilenetv2': drop path skips a transformer's residual blocks (mit_*, dinov3_*, dinov2_*), got 0.1"),
     ({"model": {"backbone": "mit_b0", "head_dropout": 0.1}},
      "error: not available for this head (model.head_dropout): 0 (or no value) with model.head 'deeplabv3plus': it "
      "is the SegFormer head's dropout before its classifier, got 0.1"),

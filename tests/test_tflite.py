@@ -362,19 +362,22 @@ def test_mobilenetv3_int8_runs_whole_in_xnnpack():
     assert "HARD_SWISH" not in ops and ops.count("DELEGATE") == 1, sorted(set(ops))
 
 
-@pytest.mark.parametrize("backbone, size", [("dinov3_vits16", (32, 48)), ("dinov2_vits14_reg", (28, 42))])
-def test_vit_file_is_builtins_and_predicts_what_keras_does(backbone, size):
-    """A DINO ViT + linear head (one block) converts to builtin ops only (no Flex: the rotary table, the resized
-    position embeddings and the attention are all TFLite builtins, computed for the file's fixed size), and
-    LiteRT's float32 file predicts Keras' argmax; its int8 file mostly agrees (random weights, so only a loose
-    bound)."""
+@pytest.mark.parametrize("backbone, head, size", [("dinov3_vits16", "linear", (32, 48)),
+                                                  ("dinov2_vits14_reg", "linear", (28, 42)),
+                                                  ("dinov3_vits16", "eomt", (32, 48))])
+def test_vit_file_is_builtins_and_predicts_what_keras_does(backbone, head, size):
+    """A DINO ViT + linear head (one block), and EoMT, convert to builtin ops only (no Flex: the rotary table, the
+    resized position embeddings, the attention and EoMT's semantic sum are all TFLite builtins, computed for the
+    file's fixed size), and LiteRT's float32 file predicts Keras' argmax; its int8 file mostly agrees (random
+    weights, so only a loose bound)."""
     from ai_edge_litert.interpreter import Interpreter
 
     from seg_train import models
     from seg_train.config import ModelConfig
     from seg_train.infer.tflite_export import app_function, convert, frozen_function
 
-    model = models.build(ModelConfig(backbone=backbone, head="linear", vit_layers=[1]), 3)
+    keys = {"vit_layers": [1]} if head == "linear" else {"num_queries": 4, "eomt_blocks": 1}
+    model = models.build(ModelConfig(backbone=backbone, head=head, **keys), 3)
     rng = np.random.default_rng(0)
     h, w = size
     images = rng.integers(0, 256, (4, h, w, 3), dtype=np.uint8)

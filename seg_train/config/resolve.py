@@ -119,7 +119,7 @@ def model_defaults(m: ModelConfig) -> ModelConfig:
     filled = {}
     if m.output_stride is None:
         filled["output_stride"] = default_output_stride(m.backbone, m.head)
-    if m.backbone in DINO_BACKBONES:
+    if m.backbone in DINO_BACKBONES and m.head != "eomt":
         if m.vit_layers is None:
             filled["vit_layers"] = default_vit_layers(DINO_BACKBONES[m.backbone][1], m.head)
         if m.neck is None and m.head != "linear":
@@ -158,6 +158,8 @@ def _resolve_model(cfg: Config) -> Config:
                           f"0 (or no value) with model.freeze_backbone: true (a frozen backbone runs as in "
                           f"inference), got {m.drop_path_rate}")
     cfg = _check_vit(cfg)
+    if m.head != "eomt":
+        cfg = _check_eomt(cfg)
     if m.head_dropout and m.head != "segformer":
         raise ConfigError("not available for this head", "model.head_dropout",
                           f"0 (or no value) with model.head {m.head!r}: it is the SegFormer head's dropout before "
@@ -191,7 +193,7 @@ def _check_vit(cfg: Config) -> Config:
     m = cfg.model
     if m.backbone not in DINO_BACKBONES:
         given = {"model.vit_layers": m.vit_layers is not None, "model.neck": m.neck is not None,
-                 "model.head": m.head == "linear", "train.layer_decay": cfg.train.layer_decay is not None}
+                 "model.head": m.head in ("linear", "eomt"), "train.layer_decay": cfg.train.layer_decay is not None}
         for key, on in given.items():
             if on:
                 raise ConfigError("not available for this backbone", key,
@@ -218,6 +220,55 @@ def _check_vit(cfg: Config) -> Config:
         raise ConfigError("not whole patches", "data.crop_size",
                           f"multiples of {patch} with model.backbone {m.backbone!r} (its patch size), got "
                           f"{list(crop)}")
+    return _check_eomt(cfg) if m.head == "eomt" else cfg
+
+
+def default_mask_annealing(num_steps: int, blocks: int) -> list[tuple[int, int]]:
+    """train.mask_annealing when not given: the EoMT reference's stagger, block k (1-based) of n annealed over
+    steps k T / (n + 1) .. (k + 1) T / (n + 1), so the last block's masks are gone at the last step."""
+    return [(k * num_steps // (blocks + 1), (k + 1) * num_steps // (blocks + 1)) for k in range(1, blocks + 1)]
+
+
+def _check_eomt(cfg: Config) -> Config:
+    """The EoMT head: a ViT under it, enough queries, the loss it trains with (its own), the annealing windows."""
+    m, t, loss = cfg.model, cfg.train, cfg.loss
+    if m.head != "eomt":
+        if t.mask_annealing is not None:
+            raise ConfigError("not available for this head", "train.mask_annealing",
+                              f"no value with model.head {m.head!r}: it anneals EoMT's masked attention")
+        if loss.mask_points != 12544:
+            raise ConfigError("not available for this head", "loss.mask_points",
+                              f"no value with model.head {m.head!r}: it is EoMT's point count")
+        return cfg
+    depth = DINO_BACKBONES[m.backbone][1]
+    if m.eomt_blocks > depth:
+        raise ConfigError("no such block", "model.eomt_blocks",
+                          f"at most {depth} (the blocks of model.backbone {m.backbone!r}), got {m.eomt_blocks}")
+    if m.vit_layers is not None or m.neck is not None:
+        key = "model.vit_layers" if m.vit_layers is not None else "model.neck"
+        raise ConfigError("not available for this head", key,
+                          "no value with model.head eomt (its queries read the last block's tokens)")
+    if m.num_queries < cfg.data.num_classes:
+        raise ConfigError("fewer queries than classes", "model.num_queries",
+                          f"at least data.num_classes ({cfg.data.num_classes}): each class present in an image is "
+                          f"matched to its own query, got {m.num_queries}")
+    refused = {"loss.type": loss.type != "cross_entropy", "loss.terms": loss.terms is not None,
+               "loss.class_weights": loss.class_weights is not None,
+               "loss.top_k_percent_pixels": loss.top_k_percent_pixels < 1.0,
+               "loss.ohem_threshold": loss.ohem_threshold is not None}
+    for key, on in refused.items():
+        if on:
+            raise ConfigError("not available for this head", key,
+                              "its default with model.head eomt: EoMT trains with its own mask-classification loss "
+                              "(matched class cross-entropy, mask BCE and dice), not a per-pixel one")
+    if t.jit_compile:
+        raise ConfigError("not available for this head", "train.jit_compile",
+                          "false with model.head eomt (its matcher's loops are not built for XLA here)")
+    if t.mask_annealing is None:
+        return replace(cfg, "train.mask_annealing", default_mask_annealing(t.num_steps, m.eomt_blocks))
+    if len(t.mask_annealing) != m.eomt_blocks:
+        raise ConfigError("one window per EoMT block", "train.mask_annealing",
+                          f"{m.eomt_blocks} [start, end] pairs (model.eomt_blocks), got {len(t.mask_annealing)}")
     return cfg
 
 

@@ -135,9 +135,10 @@ class ModelConfig:
     backbone: str = _c("mobilenetv2", choices=BACKBONES,
                        doc="the backbone; mit_b0..mit_b5: the Mix Transformer, SegFormer's encoder; dinov3_*, "
                            "dinov2_*: the DINO ViTs (patch 16 / 14)")
-    head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp", "segformer", "linear"),
-                   doc="the head: DeepLabV3+, Lite R-ASPP, SegFormer's all-MLP decoder, or linear (BN + 1x1 conv "
-                       "on a ViT's patch features, the DINO papers' protocol)")
+    head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp", "segformer", "linear", "eomt"),
+                   doc="the head: DeepLabV3+, Lite R-ASPP, SegFormer's all-MLP decoder, linear (BN + 1x1 conv "
+                       "on a ViT's patch features, the DINO papers' protocol) or eomt (mask classification "
+                       "inside a ViT's last blocks)")
     # None: the backbone's (default_output_stride); resolve_defaults fills it and checks it against the backbone.
     output_stride: Optional[int] = _c(None, choices=(8, 16, 32),
                                       doc="the backbone's output stride: 8 or 16 (dilated last stages); "
@@ -201,6 +202,9 @@ class ModelConfig:
                                  "deeplabv3plus, lraspp or segformer head",
                              default_doc="with dinov*_ and a head other than linear: simple_pyramid")
     neck_channels: int = _c(256, check=_positive, doc="the simple pyramid's width per level")
+    num_queries: int = _c(100, check=_positive, doc="eomt: learned queries (masks predicted per image), at least "
+                                                   "data.num_classes; the reference's 200 for ADE20K")
+    eomt_blocks: int = _c(4, check=_positive, doc="eomt: the ViT's last blocks the queries go through")
     freeze_backbone: bool = _c(False, doc="no gradient through the backbone: no backward pass, no optimizer "
                                           "slots, its BN in inference mode; its weights stay as loaded")
 
@@ -250,6 +254,12 @@ class TrainConfig:
     # The head: everything outside the backbone.
     head_lr_multiplier: float = _c(1.0, check=_positive,
                                    doc="the head's variables learn at this multiple of the learning rate")
+    mask_annealing: Optional[list[tuple[int, int]]] = _c(
+        None, check=lambda v: None if all(0 <= a < b for a, b in v) else "[start, end] steps with 0 <= start < end",
+        doc="eomt: per EoMT block (first first) the [start, end] steps over which its masked attention's "
+            "probability falls from 1 to 0 as (1 - progress)^0.9",
+        default_doc="with head eomt: the reference's stagger, block k of n over steps [k, k + 1] x "
+                    "num_steps / (n + 1)")
     layer_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
                                       doc="dinov*_: layer-wise learning-rate decay; block i of L learns at "
                                           "decay^(L - i), the embeddings at decay^L, the head at 1 (null: off)")
@@ -312,6 +322,9 @@ class LossConfig:
                                          doc="OHEM: only pixels whose true-class probability is below this, in "
                                              "(0, 1), count")
     ohem_min_kept: int = _c(0, check=_non_negative, doc="with ohem_threshold: pixels each image keeps at least")
+    mask_points: int = _c(12544, check=_positive,
+                          doc="model.head eomt: points per image sampled for the matching and per mask for its "
+                              "BCE and dice (the reference's 12544 = 112 x 112)")
 
     def term_weights(self) -> dict[str, float]:
         """The loss as {type: weight}: loss.terms, or loss.type with weight 1."""

@@ -9,6 +9,7 @@ from seg_train.config.backbones import DINO_BACKBONES
 from seg_train.config.resolve import model_defaults
 from seg_train.models.backbones import build_backbone
 from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
+from seg_train.models.eomt import eomt
 from seg_train.models.layer_choice import LayerChoice
 from seg_train.models.lraspp import lraspp
 from seg_train.models.neck import SimplePyramid, linear_head
@@ -46,6 +47,15 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
     # A frozen backbone runs as in inference: no residual branch dropped (config/resolve.py refuses a rate).
     drop_path = 0.0 if cfg.freeze_backbone else (cfg.drop_path_rate or 0.0)
+    if cfg.head == "eomt":
+        if cfg.backbone_weights is not None:
+            check_dino_preset(cfg.backbone_weights, cfg.backbone)
+        model = eomt(cfg.backbone, num_classes, cfg.num_queries, cfg.eomt_blocks, drop_path_rate=drop_path)
+        if cfg.backbone_weights is not None:
+            load_dino_preset(model.backbone, cfg.backbone_weights, cfg.backbone)
+        if cfg.freeze_backbone:
+            model.backbone.trainable = False
+        return model
     if cfg.backbone in DINO_BACKBONES:
         if cfg.backbone_weights is not None:
             check_dino_preset(cfg.backbone_weights, cfg.backbone)  # a wrong preset refused before building

@@ -197,6 +197,11 @@ class EoMT(keras.Model):
     def compute_output_shape(self, shape):
         return (*shape[:3], self.num_classes)
 
+    @property
+    def output_shape(self):
+        """The semantic logits' shape, as a functional model reports it (serving and export read the classes)."""
+        return (None, None, None, self.num_classes)
+
 
 def eomt(name, num_classes: int, queries: int = 100, eomt_blocks: int = 4, upscale_blocks: int = 2,
          drop_path_rate: float = 0.0) -> EoMT:

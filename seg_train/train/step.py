@@ -7,7 +7,8 @@ statistics come back as values, assigned only if the update is finite), the loss
 (K * towers) and per-tower scalars (scalars.py); then the update (update.py), the same on every tower.
 
 Every loss sum is divided by the normaliser of ALL micro-batches on all towers, so K micro-batches on
-N towers equal one step on K x N towers (tests/test_gradients.py). With synchronized BN the tower pass
+N towers equal one step on K x N towers (tests/test_gradients.py). The EoMT head's loss (eomt_step.py)
+divides by label totals of the whole global batch, all-reduced before the tower pass. With synchronized BN the tower pass
 is traced per tower and micro-batches are unrolled in Python: MirroredStrategy refuses a cross-tower
 reduction inside a tf.while_loop.
 """
@@ -24,6 +25,7 @@ from seg_train.dist import collectives
 from seg_train.train import losses
 from seg_train.config import ConfigError
 from seg_train.models import stochastic
+from seg_train.train.eomt_step import EomtObjective
 from seg_train.train.scalars import TowerScalars
 from seg_train.train.state import TrainState
 from seg_train.train.towers import TowerPass
@@ -107,20 +109,27 @@ class TrainStep:
                                      state.non_trainable, per_tower=state.per_tower_trace,
                                      jit_compile=cfg.train.jit_compile or None)
         self._update = Update(state, self._grad_layout, self._state_layout)
+        self._eomt = EomtObjective(state.model, cfg) if cfg.model.head == "eomt" else None
         self._step_fn = tf.function(self._train_step)
         self._probe_fn = tf.function(self._probe)
 
     # ---- the tower: forward and backward over the micro-batches --------------------------------------
-    def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids):
+    def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids, step, totals):
         """One micro-batch: (gradients of loss_sum * scale, new BN statistics, loss_sum, normalizer, preds).
-        `sample_ids` seed each row's dropout masks (models/stochastic.py)."""
+        `sample_ids` seed each row's dropout masks (models/stochastic.py); `step` and `totals` (the global
+        label totals, eomt_step.py) serve the EoMT head."""
         cfg = self.cfg
         with tf.GradientTape() as tape, stochastic.per_sample(sample_ids, cfg.seed):
             tape.watch(tv)
-            logits, new_state = self.state.model.stateless_call(tv, st, images, training=True)
-            loss_sum, normalizer = losses.objective_sum(
-                logits, labels, cfg.data.ignore_label, self.class_weights, cfg.loss.top_k_percent_pixels,
-                cfg.loss.term_weights(), cfg.loss.ohem_threshold, cfg.loss.ohem_min_kept)
+            if self._eomt is not None:
+                loss_sum, normalizer, new_state, logits_fn = self._eomt.micro(tv, st, images, labels, sample_ids,
+                                                                              step, totals)
+            else:
+                logits, new_state = self.state.model.stateless_call(tv, st, images, training=True)
+                logits_fn = lambda: logits  # noqa: E731
+                loss_sum, normalizer = losses.objective_sum(
+                    logits, labels, cfg.data.ignore_label, self.class_weights, cfg.loss.top_k_percent_pixels,
+                    cfg.loss.term_weights(), cfg.loss.ohem_threshold, cfg.loss.ohem_min_kept)
             scaled = loss_sum * scale
         grads = tape.gradient(scaled, tv, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = [tf.cast(g, tf.float32) for g in grads]
@@ -128,11 +137,12 @@ class TrainStep:
         if want_preds is None:
             preds = None
         else:
-            preds = tf.cond(want_preds, lambda: tf.cast(tf.argmax(logits, axis=-1), tf.uint8),
+            preds = tf.cond(want_preds, lambda: tf.cast(tf.argmax(logits_fn(), axis=-1), tf.uint8),
                             lambda: tf.zeros(tf.shape(labels), tf.uint8))
         return grads, bn, loss_sum, normalizer, preds
 
-    def _tower(self, tv, st, images, labels, loss_scale, tower_index, stop, want_preds, step, unrolled: bool):
+    def _tower(self, tv, st, images, labels, loss_scale, tower_index, stop, want_preds, step, totals,
+               unrolled: bool):
         """One tower's share of the update: the flat packs to all-reduce, and its predictions.
 
         images [K * b, h, w, 3], labels [K * b, h, w]: micro-batch m is rows m*b .. m*b+b-1. `step`: the
@@ -148,10 +158,11 @@ class TrainStep:
         def ids(m):
             return stochastic.sample_ids(step, m, tower_index, b, n, k)
 
-        grads, bn, loss_sum, norm, preds = self._micro(tv, st, images[0], labels[0], scale, want_preds, ids(0))
+        grads, bn, loss_sum, norm, preds = self._micro(tv, st, images[0], labels[0], scale, want_preds, ids(0),
+                                                       step, totals)
         if k > 1:
             def body(m, grads, bn, loss_sum, norm):
-                g, s, micro_loss, z, _ = self._micro(tv, st, images[m], labels[m], scale, None, ids(m))
+                g, s, micro_loss, z, _ = self._micro(tv, st, images[m], labels[m], scale, None, ids(m), step, totals)
                 return (m + 1, [a + x for a, x in zip(grads, g)], [a + x for a, x in zip(bn, s)],
                         loss_sum + micro_loss,
                         norm + z)
@@ -196,7 +207,7 @@ class TrainStep:
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         tower = self._tower_pass.trace(tf.TensorSpec(shape, images.dtype), tf.TensorSpec(shape[:3], tf.uint8),
                                        scalar(tf.float32), scalar(tf.int32), scalar(tf.bool), scalar(tf.bool),
-                                       scalar(tf.int64))
+                                       scalar(tf.int64), tf.TensorSpec([2], tf.float32))
         k = self.accumulate
         return _Traced(tower, self._update.trace(), pixel_scale(shape[0] // k, shape[1], shape[2]))
 
@@ -205,7 +216,11 @@ class TrainStep:
         """One tower's part of the step (replica context): (its update.Reduced, its predictions)."""
         shape = self._tower_shape(images)
         images, labels = tf.ensure_shape(images, shape), tf.ensure_shape(labels, shape[:3])
-        packs, preds = traced.tower(images, labels, loss_scale, collectives.replica_id(), stop, want_images, step)
+        # EoMT's loss divides by label totals of the whole global batch: summed over the towers first (eomt_step.py).
+        totals = collectives.all_reduce_sum([self._eomt.local_totals(labels)])[0] if self._eomt is not None \
+            else tf.zeros([2])
+        packs, preds = traced.tower(images, labels, loss_scale, collectives.replica_id(), stop, want_images, step,
+                                    totals)
         packs = collectives.all_reduce_sum(packs)
         out = traced.update(packs, lr, t, loss_scale, tf.constant(traced.pixel_scale, tf.float32), want_images,
                             tf.constant(apply_update))

@@ -1,0 +1,90 @@
+"""EoMT's part of the train step (step.py calls it in place of the per-pixel loss): the masked-attention
+probabilities of the step, each sample's seeds, the forward pass with every intermediate prediction, and the
+mask-classification loss (eomt_loss.py) as the tower's share of the global loss.
+
+Exact over towers and micro-batches: the loss is sum over layers of 2 * class_sum / class_weight + 5 * (mask_sum +
+dice_sum) / mask_count, each a sum over the WHOLE global batch divided by a whole-batch total. Both totals
+depend on the labels only (mask_count: the classes present per image; class_weight: 1 per matched query, which
+is every target, and the no-object weight for the other queries), so the step all-reduces them from the labels
+BEFORE any forward pass (`local_totals`, one tiny collective), and each tower differentiates its own numerators
+over the global totals: the sum of the towers' gradients is the gradient of the global loss, whatever the split.
+(transformers' EomtLoss all-reduces the mask count the same way; its class term is a per-process mean, which
+is not split-invariant; on one process both agree.)
+
+Randomness: the masked attention's keep draws and the loss's point draws come from each sample's global counter
+(stochastic.sample_ids) and the run seed, salted apart; the annealed probability is a pure function of the
+step. So 1 tower = N towers and a resumed run draws what the uninterrupted one drew.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from seg_train.models.eomt import semantic_logits
+from seg_train.models.stochastic import _salt
+from seg_train.train.eomt_loss import EomtLossOptions, eomt_loss_terms, semantic_targets
+
+# The EoMT reference's annealing curve: p = (1 - progress) ** POWER over a block's window.
+POWER = 0.9
+
+
+def mask_probabilities(step, windows) -> tf.Tensor:
+    """float32 [n]: block k's masked-attention probability at `step`: 1 before its window [start, end), 0 from its
+    end, (1 - (step - start) / (end - start)) ** 0.9 inside."""
+    step = tf.cast(step, tf.float32)
+    out = []
+    for start, end in windows:
+        progress = tf.clip_by_value((step - float(start)) / float(end - start), 0.0, 1.0)
+        out.append(tf.pow(1.0 - progress, POWER))
+    return tf.stack(out)
+
+
+def sample_seeds(sample_ids, seed: int, purpose: str) -> tf.Tensor:
+    """int32 [b, 2]: (the sample's global counter mod 2^31, a 31-bit salt of the run seed and `purpose`)."""
+    ids = tf.cast(tf.math.floormod(tf.cast(sample_ids, tf.int64), 2 ** 31), tf.int32)
+    salt = tf.fill(tf.shape(ids), tf.constant(_salt(seed, f"eomt/{purpose}") % 2 ** 31, tf.int32))
+    return tf.stack([ids, salt], axis=1)
+
+
+class EomtObjective:
+    """The EoMT loss of one model and config, for the train step."""
+
+    def __init__(self, model, cfg):
+        self.model, self.seed = model, cfg.seed
+        self.windows = [tuple(w) for w in cfg.train.mask_annealing]
+        self.queries = cfg.model.num_queries
+        self.opts = EomtLossOptions(num_classes=cfg.data.num_classes, ignore_label=cfg.data.ignore_label,
+                                    num_points=cfg.loss.mask_points)
+
+    def local_totals(self, labels) -> tf.Tensor:
+        """float32 [2]: (target masks, images) in this tower's labels [rows, H, W] (all its micro-batches)."""
+        _, num_valid = semantic_targets(labels, self.opts.num_classes)
+        return tf.stack([tf.cast(tf.reduce_sum(num_valid), tf.float32), tf.cast(tf.shape(labels)[0], tf.float32)])
+
+    def micro(self, tv, st, images, labels, sample_ids, step, totals):
+        """One micro-batch: (loss_sum, normalizer, new non-trainable values, a function giving its semantic
+        logits: the image summaries' predictions, computed only when asked).
+
+        `totals`: `local_totals` summed over every tower. loss_sum / normalizer summed over the towers and
+        micro-batches is the global loss: loss_sum = (this micro-batch's share) x (global images), normalizer =
+        its rows (module doc)."""
+        model = self.model
+        mapping = list(zip(model.trainable_variables, tv)) + list(zip(model.non_trainable_variables, st))
+        probs = mask_probabilities(step, self.windows)
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            predictions = model.predictions(images, probs, sample_seeds(sample_ids, self.seed, "mask"),
+                                            training=True)
+        new_state = [scope.get_current_value(v) if scope.get_current_value(v) is not None else value
+                     for v, value in zip(model.non_trainable_variables, st)]
+        terms = eomt_loss_terms(predictions, labels, sample_seeds(sample_ids, self.seed, "points"), self.opts)
+        masks, images_total = totals[0], totals[1]
+        o = self.opts
+        class_total = o.no_object_weight * (images_total * self.queries - masks) + masks
+        count = tf.maximum(masks, 1.0)
+        share = tf.reduce_sum(o.class_weight * terms["class_sum"] / class_total
+                              + (o.mask_weight * terms["mask_sum"] + o.dice_weight * terms["dice_sum"]) / count)
+        rows = tf.cast(tf.shape(labels)[0], tf.float32)
+        class_logits, mask_logits = predictions[-1]
+        return (share * images_total, rows, new_state,
+                lambda: semantic_logits(class_logits, mask_logits, tf.shape(images)[1:3]))
