@@ -7,8 +7,8 @@ statistics come back as values, assigned only if the update is finite), the loss
 (K * towers) and per-tower scalars (scalars.py); then the update (update.py), the same on every tower.
 
 Every loss sum is divided by the normaliser of ALL micro-batches on all towers, so K micro-batches on
-N towers equal one step on K x N towers (tests/test_gradients.py). The EoMT head's loss (eomt_step.py)
-divides by label totals of the whole global batch, all-reduced before the tower pass. With synchronized BN the tower pass
+N towers equal one step on K x N towers (tests/test_gradients.py). The EoMT head's loss
+(eomt_step.py) divides by label totals of the whole global batch, all-reduced before the tower pass. With synchronized BN the tower pass
 is traced per tower and micro-batches are unrolled in Python: MirroredStrategy refuses a cross-tower
 reduction inside a tf.while_loop.
 """
