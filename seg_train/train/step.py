@@ -9,8 +9,8 @@ statistics come back as values, assigned only if the update is finite), the loss
 Every loss sum is divided by the normaliser of ALL micro-batches on all towers, so K micro-batches on
 N towers equal one step on K x N towers (tests/test_gradients.py). The EoMT head's loss
 (eomt_step.py) divides by label totals of the whole global batch, all-reduced before the tower pass.
-With synchronized BN the tower pass is traced per tower and micro-batches are unrolled in Python: MirroredStrategy refuses a cross-tower
-reduction inside a tf.while_loop.
+With synchronized BN the tower pass is traced per tower and micro-batches are unrolled in Python:
+MirroredStrategy refuses a cross-tower reduction inside a tf.while_loop.
 """
 from __future__ import annotations
 
