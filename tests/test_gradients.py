@@ -36,11 +36,13 @@ def data_root(tmp_path_factory):
 
 
 def run(cfg, towers, steps):
-    """`steps` updates through the real reader stream, as train.py feeds them."""
+    """`steps` updates through the real reader stream, as train.py feeds them; also the state before the first
+    (the same seed builds the same weights, so it stands for a fresh model of this config)."""
     trainer = TrainStep(TrainState(cfg, strategy(towers)))
+    start = state(trainer)
     it = train_batches(trainer.state, open_reader(cfg, cfg.data.train_split))
     outs = [trainer(next(it)) for _ in range(steps)]
-    return trainer, outs
+    return trainer, outs, start
 
 
 def state(trainer):
@@ -61,27 +63,39 @@ def assert_states_close(a, b, atol=None, rtol=None):
             np.testing.assert_allclose(a[key], b[key], atol=atol, err_msg=key)
 
 
+ACC_COMMON = {"model": {"sync_batchnorm": False, "bn_momentum": 0.5, "weight_decay": 0.05}}
+ACC_SGD = {"optimizer": "sgd", "learning_rate": 0.1}
+
+
+@pytest.fixture(scope="module")
+def accumulation_reference(tmp_path_factory, data_root):
+    """The reference of both accumulation cases: 2 steps of batch 8 on 4 towers, and the state it started from
+    (read only by the tests)."""
+    cfg = tiny_config(tmp_path_factory.mktemp("ref"), data_root=data_root, data={"batch_size": 8}, train=ACC_SGD,
+                      **ACC_COMMON)
+    ref, ref_out, start = run(cfg, 4, 2)
+    return state(ref), ref_out, start
+
+
 @pytest.mark.parametrize("towers, k, batch", [(1, 4, 2), (2, 2, 4)])
-def test_accumulation_equals_towers(tmp_path, data_root, towers, k, batch):
+def test_accumulation_equals_towers(tmp_path, data_root, accumulation_reference, towers, k, batch):
     """K micro-batches of batch B on T towers == one step of batch K*B on K*T towers (no sync BN).
 
     SGD with momentum: Adam's first steps are lr * g / |g| elementwise, which turns float rounding
     in near-zero gradient elements into O(lr) differences and would hide the comparison.
     """
-    common = dict(data_root=data_root, model={"sync_batchnorm": False, "bn_momentum": 0.5, "weight_decay": 0.05})
-    sgd = {"optimizer": "sgd", "learning_rate": 0.1}
-    ref_cfg = tiny_config(tmp_path / "ref", data={"batch_size": 8}, train=sgd, **common)
-    acc_cfg = tiny_config(tmp_path / "acc", data={"batch_size": batch}, train={**sgd, "accumulate_steps": k}, **common)
-    ref, ref_out = run(ref_cfg, 4, 2)
-    acc, acc_out = run(acc_cfg, towers, 2)
-    assert_states_close(state(ref), state(acc), atol=1e-5)
+    ref_state, ref_out, start = accumulation_reference
+    acc_cfg = tiny_config(tmp_path / "acc", data_root=data_root, data={"batch_size": batch},
+                          train={**ACC_SGD, "accumulate_steps": k}, **ACC_COMMON)
+    acc, acc_out, acc_start = run(acc_cfg, towers, 2)
+    acc_state = state(acc)
+    assert_states_close(ref_state, acc_state, atol=1e-5)
     for a, b in zip(ref_out, acc_out):
         np.testing.assert_allclose(float(a.loss), float(b.loss), rtol=1e-5)
         np.testing.assert_allclose(float(a.global_norm), float(b.global_norm), rtol=1e-4)
-    # It trained (an equality of two no-ops proves nothing), and the BN statistics moved.
-    fresh = TrainStep(TrainState(ref_cfg, strategy(1)))
-    moved = max(float(np.abs(np.asarray(v) - np.asarray(w)).max())
-                for v, w in zip(fresh.state.model.weights, acc.state.model.weights))
+    # It trained (an equality of two no-ops proves nothing), and the BN statistics moved (from the same start).
+    assert_states_close(start, acc_start, atol=0)
+    moved = max(float(np.abs(acc_state[v.path] - start[v.path]).max()) for v in acc.state.model.weights)
     assert moved > 1e-3
 
 
@@ -90,12 +104,13 @@ def test_accumulation_equals_towers_mobilenetv2(tmp_path, data_root):
     common = dict(data_root=data_root, model={"backbone": "mobilenetv2", "aspp_channels": 16, "decoder_channels": 16,
                                               "low_level_channels": 8, "weight_decay": 1e-4},
                   train={"optimizer": "sgd", "learning_rate": 0.05})
-    ref = run(tiny_config(tmp_path / "ref", data={"batch_size": 4}, **common), 4, 1)[0]
+    # 2 micro-batches on 1 tower against 2 towers: the cross-tower sum with accumulation is the tiny model's
+    # case above; here the deep net's own layers (depthwise convs, BN throughout) go through accumulation.
+    ref, _, fresh = run(tiny_config(tmp_path / "ref", data={"batch_size": 4}, **common), 2, 1)
     acc = run(tiny_config(tmp_path / "acc", data={"batch_size": 2},
-                          **{**common, "train": {**common["train"], "accumulate_steps": 2}}), 2, 1)[0]
+                          **{**common, "train": {**common["train"], "accumulate_steps": 2}}), 1, 1)[0]
     a, b = state(ref), state(acc)
     num = sum(float(np.sum((a[k] - b[k]) ** 2)) for k in a)
-    fresh = state(TrainStep(TrainState(tiny_config(tmp_path / "f", data={"batch_size": 4}, **common), strategy(1))))
     step = sum(float(np.sum((a[k] - fresh[k]) ** 2)) for k in a)
     assert step > 0 and num / step < 1e-4  # the two updates agree to 1% of the update (relative L2)
 
@@ -118,39 +133,52 @@ def plain_gradient(cfg, images, labels):
     return grads, float(tf.linalg.global_norm(grads))
 
 
-def test_global_norm_is_the_plain_tape_norm_on_any_tower_count(tmp_path):
-    cfg = tiny_config(tmp_path, model={"sync_batchnorm": True, "weight_decay": 0.05})
+CLIP = 0.5
+
+
+@pytest.fixture(scope="module")
+def clipped_steps(tmp_path_factory):
+    """One step with clipping (train.clip_global_norm 0.5, plain SGD, synchronized BN, weight decay) on 1 and on
+    4 towers from the same seeded weights and batch, and the plain tape's gradient and norm on that batch;
+    read only by the global-norm and the clipping tests (the norm is taken before clipping either way)."""
+    cfg = tiny_config(tmp_path_factory.mktemp("clip"), model={"sync_batchnorm": True, "weight_decay": 0.05},
+                      train={"optimizer": "sgd", "learning_rate": 0.5, "clip_global_norm": CLIP})
     images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
-    _, expected = plain_gradient(cfg, images, labels)
+    grads, norm = plain_gradient(cfg, images, labels)
+    trainers, starts, outs = [], [], []
     for n in (1, 4):
         trainer = TrainStep(TrainState(cfg, strategy(n)))
+        starts.append([v.numpy() for v in trainer.state.model.trainable_variables])
         dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-        out = trainer(next(iter(dist)))
+        outs.append(trainer(next(iter(dist))))
+        trainers.append(trainer)
+    return {"cfg": cfg, "images": images, "labels": labels, "grads": grads, "norm": norm, "trainers": trainers,
+            "starts": starts, "outs": outs}
+
+
+def test_global_norm_is_the_plain_tape_norm_on_any_tower_count(clipped_steps):
+    expected = clipped_steps["norm"]
+    for n, out in zip((1, 4), clipped_steps["outs"]):
         np.testing.assert_allclose(float(out.global_norm), expected, rtol=1e-5)
         # Each tower's share before the all-reduce: shares add up to the cross-entropy gradient.
         assert out.tower_grad_norm.shape == (n,) and np.all(out.tower_grad_norm.numpy() > 0)
 
 
-def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(tmp_path):
-    clip = 0.5
-    cfg = tiny_config(tmp_path, model={"sync_batchnorm": True, "weight_decay": 0.05},
-                      train={"optimizer": "sgd", "learning_rate": 0.5, "clip_global_norm": clip})
-    images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
-    grads, norm = plain_gradient(cfg, images, labels)
+def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(clipped_steps):
+    clip = CLIP
+    cfg, images, labels = clipped_steps["cfg"], clipped_steps["images"], clipped_steps["labels"]
+    grads, norm = clipped_steps["grads"], clipped_steps["norm"]
+    results, starts = clipped_steps["trainers"], clipped_steps["starts"]
     assert norm > 4 * clip  # clipping really happens
-    results = []
-    for n in (1, 4):
-        trainer = TrainStep(TrainState(cfg, strategy(n)))
-        dist = trainer.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-        out = trainer(next(iter(dist)))
-        assert bool(out.clipped)
-        results.append(trainer)
+    assert all(bool(out.clipped) for out in clipped_steps["outs"])
     for a, b in zip(results[0].state.model.weights, results[1].state.model.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=a.path)
-    # SGD's first step is -lr * clipped gradient: check the clipped update against the plain tape's.
-    fresh = TrainStep(TrainState(cfg, strategy(1)))
-    for g, v0, v1 in zip(grads, fresh.state.model.trainable_variables, results[0].state.model.trainable_variables):
-        np.testing.assert_allclose(v1.numpy() - v0.numpy(), -0.5 * g.numpy() * clip / norm, atol=1e-6)
+    # SGD's first step is -lr * clipped gradient: check the clipped update against the plain tape's (both
+    # tower counts started from the same weights, the plain tape's too: the same seed).
+    for v0, v4 in zip(*starts):
+        np.testing.assert_array_equal(v0, v4)
+    for g, v0, v1 in zip(grads, starts[0], results[0].state.model.trainable_variables):
+        np.testing.assert_allclose(v1.numpy() - v0, -0.5 * g.numpy() * clip / norm, atol=1e-6)
 
     # Keras' global_clipnorm under a strategy clips each tower's partial gradient before its own
     # all-reduce: the same step on 4 towers then moves the weights differently.
@@ -231,24 +259,34 @@ def test_backbone_lr_multiplier_scales_only_the_backbone_step(tmp_path):
 
 # Top-k alone is the combined case with unit weights; the combined case also checks the weighted
 # normaliser of the kept pixels (it depends on the logits).
+@pytest.fixture(scope="module")
+def plain_loss(tmp_path_factory):
+    """The loss without loss options on the batch of test_loss_options_tower_invariant (1 tower)."""
+    images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    _, _, base = probe(tiny_config(tmp_path_factory.mktemp("plain"), model={"sync_batchnorm": True}), 1, images,
+                       labels)
+    return float(base.loss)
+
+
 @pytest.mark.parametrize("loss_cfg", [{"class_weights": [0.2, 1.0, 3.0]},
                                       {"class_weights": [0.2, 1.0, 3.0], "top_k_percent_pixels": 0.3}])
-def test_loss_options_tower_invariant(tmp_path, loss_cfg):
+def test_loss_options_tower_invariant(tmp_path, plain_loss, loss_cfg):
     cfg = tiny_config(tmp_path, model={"sync_batchnorm": True}, loss=loss_cfg)
     images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    # 2 towers of 2 images (synchronized BN traces the pass once per tower): the towers' valid-pixel counts
+    # differ (20 and 5 ignored rows), and a tower ranks 2 images together, so a normaliser or a top-k
+    # ranking per tower batch instead of per image shows (with 1 image per tower the ranking could not).
     _, _, one = probe(cfg, 1, images, labels)
-    _, _, four = probe(cfg, 4, images, labels)
-    np.testing.assert_allclose(float(one.loss), float(four.loss), rtol=1e-5)
+    _, _, two = probe(cfg, 2, images, labels)
+    np.testing.assert_allclose(float(one.loss), float(two.loss), rtol=1e-5)
     g1 = np.concatenate([g.numpy().ravel() for g in one.gradients])
-    g4 = np.concatenate([g.numpy().ravel() for g in four.gradients])
+    g2 = np.concatenate([g.numpy().ravel() for g in two.gradients])
     # Relative L2: with top-k, pixels whose losses tie at the cut-off to float precision may be
     # kept on one tower count and not the other (a few gradient elements); ranking per tower batch
     # instead of per image would change the kept set wholesale (tens of %).
-    assert np.linalg.norm(g1 - g4) / np.linalg.norm(g1) < 1e-3
+    assert np.linalg.norm(g1 - g2) / np.linalg.norm(g1) < 1e-3
     # And the option changes the loss (it is really on).
-    plain = tiny_config(tmp_path / "plain", model={"sync_batchnorm": True})
-    _, _, base = probe(plain, 1, images, labels)
-    assert abs(float(base.loss) - float(one.loss)) > 1e-3
+    assert abs(plain_loss - float(one.loss)) > 1e-3
 
 
 def test_keras_gradient_accumulation_is_not_usable_with_towers():

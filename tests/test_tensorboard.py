@@ -3,7 +3,9 @@ real command (2 towers, a profile of steps 2..3, an evaluation at the end), resu
 second run segment. Plus the pictures' own geometry and colours, in-process."""
 
 import io
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,10 +48,50 @@ def run(tmp_path_factory):
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(raw))
     first = _cli(["--config", "cfg.yaml", "--gpus", str(TOWERS)], tmp)
     assert first.returncode == 0, first.stderr
+    # The first segment's record (the second segment writes its own first step there).
+    first_step = json.loads((tmp / "run" / "first_step.json").read_text())
+    latest = tf.train.latest_checkpoint(str(tmp / "run" / "checkpoints"))
     second = _cli(["--config", "cfg.yaml", "--gpus", str(TOWERS), "--set", "train.num_steps=5"], tmp)
     assert second.returncode == 0, second.stderr
     assert "resumed from step 4" in second.stderr
-    return {"dir": tmp / "run", "root": root, "log": first.stderr}
+    return {"dir": tmp / "run", "root": root, "log": first.stderr, "first_step": first_step,
+            "first_latest": latest, "second_log": second.stderr}
+
+
+@pytest.mark.slow
+def test_train_log_first_step_tags_and_resume(run):
+    """The command's log line, RUN_DIR/first_step.json (what seg-bench's probes read) agreeing with the log's
+    first step, the checkpoints, the scalar and picture tags of both towers, the poly decay, and the extended
+    run resuming from its last step with the schedule continued."""
+    log = run["log"]
+    assert "logical CPU devices" in log
+    assert re.search(r"step 4/4  loss [0-9.]+  gnorm [0-9.e+-]+  lr ", log), log  # the log line
+    first = re.search(r"first step done ([0-9.]+)s after launch: tracing ([0-9.]+)s", log)
+    assert first, log
+    record = run["first_step"]
+    assert record["step"] == 1 and record["first_step_s"] > record["tracing_s"] > 0, record
+    assert (f"{record['first_step_s']:.1f}", f"{record['tracing_s']:.1f}") == first.groups(), (record, first)
+    assert record["peak_rss_mb"] > 0, record
+    assert (run["dir"] / "config.yaml").is_file()
+    assert run["first_latest"].endswith("ckpt-4")
+    acc = _acc(run["dir"])
+    tags = acc.Tags()
+    scalars = set(tags["tensors"]) | set(tags["scalars"])
+    images = set(tags["images"]) | {t for t in tags["tensors"] if t.startswith("tower_")}
+    for tag in ["loss/total", "loss/weight_decay", "loss/tower_0", "loss/tower_1", "learning_rate",
+                "throughput/images_per_sec", "gradients/global_norm", "gradients/norm/tower_0",
+                "gradients/norm/tower_1", "gradients/clipped"]:
+        assert tag in scalars, (tag, scalars)
+    for i in range(TOWERS):
+        for kind in ("image", "label", "prediction"):
+            assert f"tower_{i}/{kind}" in images, images
+    lrs = _scalars(acc, "learning_rate")
+    assert [s for s, _ in lrs] == [1, 2, 3, 4, 5]
+    assert lrs[0][1] > lrs[3][1] > 0  # poly decay over the first segment's 4 steps
+    # Extended to 5 steps: resumed from the saved step (the fixture checks the log) and the schedule continues
+    # from there, to the new end.
+    assert lrs[3][1] > lrs[4][1]
+    assert tf.train.latest_checkpoint(str(run["dir"] / "checkpoints")).endswith("ckpt-5")
 
 
 def _acc(path):
