@@ -131,6 +131,18 @@ def test_parse_towers():
             parse_towers(bad)
 
 
+def test_flops_key_takes_a_vit_config():
+    """A ViT's model section holds a list (model.vit_layers): seg-bench's FLOP-count key must still hash,
+    and tell two block choices apart."""
+    from seg_train import config as config_lib
+    from seg_train.bench.runner import flops_key
+    vit = ["model.backbone=dinov3_vits16", "model.head=linear", "data.crop_size=[64,64]"]
+    last = config_lib.load(ROOT / "configs" / "demo.yaml", vit + ["model.vit_layers=[12]"])
+    four = config_lib.load(ROOT / "configs" / "demo.yaml", vit + ["model.vit_layers=[3,6,9,12]"])
+    counts = {flops_key(last): 1}
+    assert flops_key(last) in counts and flops_key(four) not in counts
+
+
 def test_bench_input_only_with_cache(tiny_cfg):
     r = run_bench(["--config", str(tiny_cfg), "--input-only", "--set", "data.cache=true", "--steps", "2",
                    "--windows", "2", "--warmup", "1", "--json"], tiny_cfg.parent)

@@ -301,3 +301,22 @@ def test_real_size_preset_loads_by_name(tmp_path):
         _close(got, theirs[i])
     with pytest.raises(ConfigError, match="use_gated_mlp True \\(got False\\)"):
         check_dino_preset(tmp_path / "preset", "dinov3_vits16plus")
+
+
+def test_rope_converts_to_int8_without_a_negation():
+    """DINOv3's rotary embedding in a full-integer int8 TFLite file: no NEG op (TFLite has no int8 kernel for
+    it, so each of q's and k's rotations would leave int8 for a DEQUANTIZE, NEG, QUANTIZE). Fails for the
+    rotate-half written as concat(-x2, x1)."""
+    pytest.importorskip("ai_edge_litert")
+    from seg_train.infer.tflite_export import app_function, convert, describe, frozen_function
+
+    enc = dino_encoder(V3, layers=(V3.depth,))
+    inp = keras.Input((None, None, 3))
+    out = enc(inp)
+    model = keras.Model(inp, keras.layers.Conv2D(3, 1)(out[0] if isinstance(out, (list, tuple)) else out))
+    images = np.random.default_rng(2).integers(0, 256, (3, 1, 32, 48, 3), dtype=np.uint8)
+    content = convert(frozen_function(app_function(model, [127.5] * 3, [64.0] * 3, 32, 48)), "int8",
+                      lambda: ([image] for image in images))
+    ops, float_ops, _, _ = describe(content)
+    assert "NEG" not in ops, (ops, float_ops)
+    assert float_ops.get("CONCATENATION", 0) == 0, float_ops

@@ -122,10 +122,17 @@ def _measure_peaks(variants: list[Variant], device: str) -> dict[str, dict]:
     return peaks
 
 
+def flops_key(vcfg: Config) -> tuple:
+    """What a train step's FLOP count depends on, hashable: the model section by its repr, since some of its
+    keys are lists (model.vit_layers)."""
+    return (repr(vcfg.model), vcfg.data.crop_size, vcfg.data.batch_size, vcfg.data.num_classes,
+            vcfg.train.accumulate_steps)
+
+
 def _count_flops(vcfg: Config, counts: dict[tuple, dict]) -> dict:
     """The FLOPs of vcfg's train step, counted the first time its shapes are met (`counts` keeps them)."""
     k = vcfg.train.accumulate_steps
-    key = (vcfg.model, vcfg.data.crop_size, vcfg.data.batch_size, vcfg.data.num_classes, k)
+    key = flops_key(vcfg)
     if key not in counts:
         log.info("counting the FLOPs of the train step")
         one = count_train_flops(vcfg, vcfg.data.batch_size)

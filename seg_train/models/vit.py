@@ -193,7 +193,9 @@ class Tokens(layers.Layer):
 
 @keras.saving.register_keras_serializable(package="seg_train")
 class RopeTables(layers.Layer):
-    """The patch map [b, gh, gw, C] -> DINOv3's rotary (cos, sin), each [gh * gw, head_dim] (`rope_tables`)."""
+    """The patch map [b, gh, gw, C] -> DINOv3's rotary (cos, signed sin), each [gh * gw, head_dim]: `rope_tables`
+    with the sine's first half negated, once for every block, so that the rotation needs no negated activations
+    (a NEG op has no int8 kernel in TFLite: each would take the attention out of int8)."""
 
     def __init__(self, head_dim: int, theta: float, **kwargs):
         super().__init__(**kwargs)
@@ -201,7 +203,9 @@ class RopeTables(layers.Layer):
 
     def call(self, x):
         shape = tf.shape(x)
-        return rope_tables(shape[1], shape[2], self.head_dim, self.theta)
+        cos, sin = rope_tables(shape[1], shape[2], self.head_dim, self.theta)
+        half = self.head_dim // 2
+        return cos, sin * tf.constant([-1.0] * half + [1.0] * half, tf.float32)
 
     def compute_output_shape(self, shape):
         return (None, self.head_dim), (None, self.head_dim)
@@ -213,8 +217,9 @@ class RopeTables(layers.Layer):
 @keras.saving.register_keras_serializable(package="seg_train")
 class Attention(layers.Layer):
     """Multi-head softmax(q k^T / sqrt(d) + bias) v over a token sequence [b, T, C]; with (cos, sin) the
-    tokens after the first `prefix` get rotary embeddings on q and k (rotate-half form). RoPE, logits and
-    softmax in float32; no weights (the projections are the Dense layers around it).
+    tokens after the first `prefix` get rotary embeddings on q and k (rotate-half form; `sin` is RopeTables'
+    signed sine). RoPE, logits and softmax in float32; no weights (the projections are the Dense layers
+    around it).
 
     At call: `bias` (float32 [b, T, T], added to every head's logits; EoMT's masked attention) and `prefix`
     (instead of the constructor's: EoMT's queries come before CLS and the registers).
@@ -246,8 +251,9 @@ class Attention(layers.Layer):
     def _rotate(self, t, cos, sin, prefix: int):
         head, patches = t[:, :, :prefix], t[:, :, prefix:]
         half = t.shape[-1] // 2
-        rotated = tf.concat([-patches[..., half:], patches[..., :half]], axis=-1)
-        return tf.concat([head, patches * cos + rotated * sin], axis=2)
+        # rotate_half(x) * sin = [-x2, x1] * [s1, s2] = [x2, x1] * [-s1, s2]: the same products, no negation.
+        swapped = tf.concat([patches[..., half:], patches[..., :half]], axis=-1)
+        return tf.concat([head, patches * cos + swapped * sin], axis=2)
 
     def compute_output_shape(self, q_shape, *_):
         return q_shape
