@@ -340,4 +340,4 @@ def print_json(record: dict) -> None:
 
 
 # The model families every command trains, evaluates, predicts with or exports (model.head / model.backbone).
-MODEL_FAMILIES = "DeepLabV3+, LR-ASPP or SegFormer (MiT)"
+MODEL_FAMILIES = "DeepLabV3+, LR-ASPP, SegFormer (MiT), DINOv3 / DINOv2 ViTs or EoMT"
