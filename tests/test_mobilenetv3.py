@@ -228,7 +228,7 @@ def test_head_and_backbone_choices(tmp_path):
     path.write_text(yaml.safe_dump({**base, "run_dir": str(tmp_path / "run")}))
     for override, line in [
         ("model.head=lrasp", "error: invalid value (model.head): expected one of deeplabv3plus, lraspp, segformer, "
-         "got 'lrasp'"),
+         "linear, eomt, got 'lrasp'"),
         ("model.backbone=mobilenetv3", "error: invalid value (model.backbone): expected one of tiny, mobilenetv2, "
          "mobilenetv3_large, mobilenetv3_small, resnet50, resnet101, mit_b0, mit_b1, mit_b2, mit_b3, mit_b4, mit_b5, "
          "got 'mobilenetv3'"),
