@@ -432,6 +432,35 @@ def rewind(run_dir: Path, step: int) -> None:
     tf.compat.v1.train.update_checkpoint_state(str(d), kept[-1], kept)
 
 
+def resume_bitwise(config: Path, base: Path, towers: int = 2, step: int = 2, last: int = 4) -> list[str]:
+    """seg-train `config` on `towers` towers into base/run; a copy rewound to ckpt-`step` (killed after it) and
+    the same command run again into base/resumed; asserts the resumed log says so and every tensor of
+    ckpt-`last` is bitwise the uninterrupted run's (the object graph and save counter aside: in one process
+    Keras numbers the second run's objects on). Returns the checkpoint's keys."""
+    from contextlib import redirect_stderr
+    from seg_train import cli
+
+    def train(run_dir):
+        err = io.StringIO()
+        with redirect_stderr(err):
+            rc = cli.train_main(["--config", str(config), "--gpus", str(towers), "--run-dir", str(run_dir)])
+        assert rc == 0, err.getvalue()
+        return err.getvalue()
+
+    train(base / "run")
+    shutil.copytree(base / "run", base / "resumed")
+    rewind(base / "resumed", step)
+    log = train(base / "resumed")
+    assert f"resumed from step {step} " in log, log
+    a, b = (tf.train.load_checkpoint(str(base / d / "checkpoints" / f"ckpt-{last}")) for d in ("run", "resumed"))
+    keys = sorted(k for k in a.get_variable_to_shape_map() if k != "_CHECKPOINTABLE_OBJECT_GRAPH")
+    assert keys == sorted(k for k in b.get_variable_to_shape_map() if k != "_CHECKPOINTABLE_OBJECT_GRAPH")
+    for k in keys:
+        if not k.startswith("save_counter/"):
+            assert np.asarray(a.get_tensor(k)).tobytes() == np.asarray(b.get_tensor(k)).tobytes(), k
+    return keys
+
+
 def truncate(path: Path, fraction=0.5) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * fraction)])

@@ -13,7 +13,6 @@ per call (a resumed run or 4 towers draw others); per-pixel loss keys silently i
 from __future__ import annotations
 
 import io
-import shutil
 from contextlib import redirect_stderr, redirect_stdout
 
 import keras
@@ -30,7 +29,7 @@ from seg_train.train.eomt_loss import EomtLossOptions, eomt_loss_terms, losses_f
 from seg_train.train.eomt_step import mask_probabilities, sample_seeds
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import rewind, strategy, tiny_config
+from tests.helpers import resume_bitwise, strategy, tiny_config
 
 
 def _raw(model=None, train=None, loss=None, classes=3):
@@ -173,25 +172,8 @@ def test_resumed_eomt_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root):
            "loss": {"mask_points": 64},
            "eval": {"bn_reestimate_batches": 0}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
-
-    def train(run_dir):
-        err = io.StringIO()
-        with redirect_stderr(err):
-            rc = cli.train_main(["--config", str(tmp_path / "cfg.yaml"), "--gpus", "2", "--run-dir", str(run_dir)])
-        assert rc == 0, err.getvalue()
-        return err.getvalue()
-
-    train(tmp_path / "run")
-    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-    rewind(tmp_path / "resumed", 2)
-    assert "resumed from step 2 " in train(tmp_path / "resumed")
-    a, b = (tf.train.load_checkpoint(str(tmp_path / d / "checkpoints" / "ckpt-4")) for d in ("run", "resumed"))
-    keys = sorted(k for k in a.get_variable_to_shape_map() if k != "_CHECKPOINTABLE_OBJECT_GRAPH")
-    assert keys == sorted(k for k in b.get_variable_to_shape_map() if k != "_CHECKPOINTABLE_OBJECT_GRAPH")
+    keys = resume_bitwise(tmp_path / "cfg.yaml", tmp_path)
     assert any("queries" in k for k in keys)
-    for k in keys:
-        if not k.startswith("save_counter/"):
-            assert np.asarray(a.get_tensor(k)).tobytes() == np.asarray(b.get_tensor(k)).tobytes(), k
     # seg-eval on the val images (whole, unpadded 40x48 images: padded to whole patches per pass).
     out = io.StringIO()
     with redirect_stderr(out), redirect_stdout(out):

@@ -12,9 +12,6 @@ decaying position embeddings, tokens or layer scales; the config's DINO table ou
 
 from __future__ import annotations
 
-import io
-import shutil
-from contextlib import redirect_stderr
 
 import keras
 import numpy as np
@@ -22,7 +19,7 @@ import pytest
 import tensorflow as tf
 import yaml
 
-from seg_train import cli, models
+from seg_train import models
 from seg_train.config import ConfigError, from_dict
 from seg_train.config.backbones import DINO_BACKBONES
 from seg_train.data import synthetic
@@ -33,7 +30,7 @@ from seg_train.train import losses
 from seg_train.train.state import TrainState
 from seg_train.train.step import TrainStep
 from seg_train.train.update import decoupled_decay
-from tests.helpers import rewind, strategy, tiny_config
+from tests.helpers import resume_bitwise, strategy, tiny_config
 
 
 def _raw(**model):
@@ -277,24 +274,7 @@ def test_resumed_vit_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, f
         raw["model"]["drop_path_rate"] = 0.5
         raw["train"]["layer_decay"] = 0.7
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
-
-    def train(run_dir):
-        err = io.StringIO()
-        with redirect_stderr(err):
-            rc = cli.train_main(["--config", str(tmp_path / "cfg.yaml"), "--gpus", "2", "--run-dir", str(run_dir)])
-        assert rc == 0, err.getvalue()
-        return err.getvalue()
-
-    train(tmp_path / "run")
-    shutil.copytree(tmp_path / "run", tmp_path / "resumed")
-    rewind(tmp_path / "resumed", 2)
-    assert "resumed from step 2 " in train(tmp_path / "resumed")
-    a, b = (tf.train.load_checkpoint(str(tmp_path / d / "checkpoints" / "ckpt-4")) for d in ("run", "resumed"))
-    keys = sorted(k for k in a.get_variable_to_shape_map() if k != "_CHECKPOINTABLE_OBJECT_GRAPH")
-    assert keys == sorted(k for k in b.get_variable_to_shape_map() if k != "_CHECKPOINTABLE_OBJECT_GRAPH")
-    for k in keys:
-        if not k.startswith("save_counter/"):
-            assert np.asarray(a.get_tensor(k)).tobytes() == np.asarray(b.get_tensor(k)).tobytes(), k
+    resume_bitwise(tmp_path / "cfg.yaml", tmp_path)
     if frozen:
         cfg = from_dict(raw, tmp_path)
         keras.utils.set_random_seed(0)
