@@ -12,6 +12,7 @@ decaying position embeddings, tokens or layer scales; the config's DINO table ou
 
 from __future__ import annotations
 
+import dataclasses
 
 import keras
 import numpy as np
@@ -291,3 +292,47 @@ def test_resumed_vit_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, f
         assert len(slots) == 2 * len(state.model.trainable_variables)
         assert set(slots) <= {tuple(v.shape) for v in state.model.trainable_variables}
         assert (16, 16, 3, 384) not in slots  # the patch embedding's
+
+
+@pytest.fixture(scope="module")
+def vits16_preset(tmp_path_factory):
+    """keras-hub's DINOV3Backbone at dinov3_vits16's sizes (random weights, LayerNorm gammas off 1), saved as a
+    preset directory as users download them."""
+    import keras_hub
+
+    hub = keras_hub.models.DINOV3Backbone(
+        patch_size=16, num_layers=12, hidden_dim=384, num_heads=6, intermediate_dim=1536, num_register_tokens=4,
+        layer_scale_init_value=1.0, use_gated_mlp=False, hidden_activation="gelu", use_key_bias=False,
+        rope_theta=100.0, layer_norm_eps=1e-5, image_shape=(32, 32, 3))
+    rng = np.random.default_rng(0)
+    for v in hub.weights:
+        if len(v.shape) == 1 and "gamma" in v.path:
+            v.assign((1.0 + rng.normal(0, 0.1, v.shape)).astype("float32"))
+    path = tmp_path_factory.mktemp("preset") / "dinov3_vits16"
+    hub.save_to_preset(str(path))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["linear", "eomt"])
+def test_backbone_weights_reach_the_runs_vit(tmp_path, vits16_preset, head):
+    """model.backbone_weights (a keras-hub DINOv3 preset directory) through the config and TrainState: every
+    backbone variable of the run's model is what load_dino_preset (held to keras-hub's own backbone in
+    tests/test_dino.py) reads from the directory, under the linear head and inside EoMT; dropping the key leaves
+    the seeded initialisation, which differs."""
+    from seg_train.models.presets_vit import load_dino_preset
+    from seg_train.models.vit import dino_encoder
+
+    keys = {"vit_layers": [12]} if head == "linear" else {"num_queries": 3, "eomt_blocks": 1}
+    cfg = tiny_config(tmp_path, data={"crop_size": [32, 48]},
+                      model={"backbone": "dinov3_vits16", "head": head, "backbone_weights": str(vits16_preset),
+                             **keys})
+    got = models.backbone_of(TrainState(cfg, strategy(1), optimizer=False).model)
+    want = dino_encoder("dinov3_vits16", layers=(12,))
+    load_dino_preset(want, vits16_preset, "dinov3_vits16")
+    assert len(got.weights) == len(want.weights)
+    for a, b in zip(got.weights, want.weights):
+        assert a.numpy().tobytes() == b.numpy().tobytes(), a.path
+    seeded = models.backbone_of(models.build(dataclasses.replace(cfg.model, backbone_weights=None), 3))
+    assert any(a.numpy().tobytes() != b.numpy().tobytes() for a, b in zip(seeded.weights, want.weights)
+               if "norm" in a.path and "gamma" in a.path)

@@ -47,21 +47,13 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
     # A frozen backbone runs as in inference: no residual branch dropped (config/resolve.py refuses a rate).
     drop_path = 0.0 if cfg.freeze_backbone else (cfg.drop_path_rate or 0.0)
+    dino = cfg.backbone in DINO_BACKBONES
+    if dino and cfg.backbone_weights is not None:
+        check_dino_preset(cfg.backbone_weights, cfg.backbone)  # a wrong preset refused before building
     if cfg.head == "eomt":
-        if cfg.backbone_weights is not None:
-            check_dino_preset(cfg.backbone_weights, cfg.backbone)
         model = eomt(cfg.backbone, num_classes, cfg.num_queries, cfg.eomt_blocks, drop_path_rate=drop_path)
-        if cfg.backbone_weights is not None:
-            load_dino_preset(model.backbone, cfg.backbone_weights, cfg.backbone)
-        if cfg.freeze_backbone:
-            model.backbone.trainable = False
-        return model
-    if cfg.backbone in DINO_BACKBONES:
-        if cfg.backbone_weights is not None:
-            check_dino_preset(cfg.backbone_weights, cfg.backbone)  # a wrong preset refused before building
+    elif dino:
         encoder = dino_encoder(cfg.backbone, tuple(cfg.vit_layers), drop_path)
-        if cfg.backbone_weights is not None:
-            load_dino_preset(encoder, cfg.backbone_weights, cfg.backbone)
         backbone = encoder if cfg.head == "linear" else \
             SimplePyramid(encoder, low_strides + (output_stride,), cfg.neck_channels)
     else:
@@ -74,10 +66,12 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     elif cfg.head == "segformer":
         dropout = cfg.head_dropout
         model = segformer(backbone, num_classes, choice, channels, cfg.bn_momentum, dropout)
-    else:
+    elif cfg.head == "deeplabv3plus":  # (eomt: built above, on the ViT itself)
         fine = (cfg.fine_low_level_channels, cfg.fine_channels) if cfg.decoder_stride == 2 else None
         model = deeplabv3plus(backbone, num_classes, output_stride, choice, cfg.aspp_channels,
                               cfg.decoder_channels, cfg.low_level_channels, cfg.bn_momentum, fine)
+    if dino and cfg.backbone_weights is not None:
+        load_dino_preset(backbone_of(model), cfg.backbone_weights, cfg.backbone)
     if cfg.init_weights is not None:
         load_segformer_preset(model, backbone, cfg.backbone, cfg.init_weights, num_classes, channels)
     if cfg.freeze_batchnorm:

@@ -75,8 +75,8 @@ class EomtObjective:
         with keras.StatelessScope(state_mapping=mapping) as scope:
             predictions = model.predictions(images, probs, sample_seeds(sample_ids, self.seed, "mask"),
                                             training=True)
-        new_state = [scope.get_current_value(v) if scope.get_current_value(v) is not None else value
-                     for v, value in zip(model.non_trainable_variables, st)]
+        current = [scope.get_current_value(v) for v in model.non_trainable_variables]
+        new_state = [value if now is None else now for now, value in zip(current, st)]
         terms = eomt_loss_terms(predictions, labels, sample_seeds(sample_ids, self.seed, "points"), self.opts)
         masks, images_total = totals[0], totals[1]
         o = self.opts
