@@ -2,8 +2,8 @@
 train.mask_annealing) through the config loader, the train step on 1 and 4 towers, and the seg-train command
 killed and resumed with the annealing in progress.
 
-Wrong answers these fail for: the annealing windows not the reference's stagger (the EoMT repository's ADE20K
-config: 32600 steps, 4 blocks -> starts 6520, 13040, 19560, 26080); the probability curve not
+Wrong answers these fail for: the annealing windows not the reference's stagger (the EoMT repository's Cityscapes
+config: 19902 steps, 4 blocks -> starts 3317, 6634, 9951, 13268); the probability curve not
 (1 - progress)^0.9 or not a function of the step; the loss divided by one tower's mask count or class weights
 instead of the global batch's (4 towers then differ from 1); the step's loss not the mask-classification loss
 of eomt_loss.py on the model's predictions with the step's own seeds; masks or points drawn per tower row or
@@ -40,10 +40,12 @@ def _raw(model=None, train=None, loss=None, classes=3):
 
 # ---- the config ------------------------------------------------------------------------------------------
 def test_default_annealing_is_the_references_stagger():
-    """4 EoMT blocks over 32600 steps: the windows of the reference's ADE20K config (its numbers, written here)."""
-    cfg = from_dict(_raw())
+    """4 EoMT blocks: the windows of the reference's Cityscapes semantic config, its numbers written here. It
+    trains 107 epochs of 186 steps (2975 images, 4 GPUs x 4) = 19902 steps and anneals block k over
+    [3317 k, 3317 (k + 1)]: masking ends at 5/6 of training, not at its last step."""
+    cfg = from_dict(_raw(train={"num_steps": 19902}))
     assert (cfg.model.num_queries, cfg.model.eomt_blocks) == (100, 4)
-    assert cfg.train.mask_annealing == [(6520, 13040), (13040, 19560), (19560, 26080), (26080, 32600)]
+    assert cfg.train.mask_annealing == [(3317, 6634), (6634, 9951), (9951, 13268), (13268, 16585)]
 
 
 def test_annealing_probability_is_the_poly_curve():

@@ -224,9 +224,11 @@ def _check_vit(cfg: Config) -> Config:
 
 
 def default_mask_annealing(num_steps: int, blocks: int) -> list[tuple[int, int]]:
-    """train.mask_annealing when not given: the EoMT reference's stagger, block k (1-based) of n annealed over
-    steps k T / (n + 1) .. (k + 1) T / (n + 1), so the last block's masks are gone at the last step."""
-    return [(k * num_steps // (blocks + 1), (k + 1) * num_steps // (blocks + 1)) for k in range(1, blocks + 1)]
+    """train.mask_annealing when not given: the EoMT reference's stagger. Training is cut in n + 2 equal parts;
+    block k (1-based) of n is annealed over part k + 1, steps k T / (n + 2) .. (k + 1) T / (n + 2): masking is
+    on for every block through the first part and off for all of them through the last one (its Cityscapes
+    config: 19902 steps, 4 blocks -> windows of 3317 steps, the last ending at 16585)."""
+    return [(k * num_steps // (blocks + 2), (k + 1) * num_steps // (blocks + 2)) for k in range(1, blocks + 1)]
 
 
 def _check_eomt(cfg: Config) -> Config:
@@ -272,10 +274,26 @@ def _check_eomt(cfg: Config) -> Config:
     return cfg
 
 
+def _check_two_stage_warmup(cfg: Config) -> None:
+    """train.backbone_warmup_steps: a backbone that trains, and both warmups over before the last step."""
+    t = cfg.train
+    if not t.backbone_warmup_steps:
+        return
+    if cfg.model.freeze_backbone:
+        raise ConfigError("not available with a frozen backbone", "train.backbone_warmup_steps",
+                          f"0 (or no value) with model.freeze_backbone: true (the backbone never learns), "
+                          f"got {t.backbone_warmup_steps}")
+    if t.warmup_steps + t.backbone_warmup_steps >= t.num_steps:
+        raise ConfigError("warmup longer than the run", "train.backbone_warmup_steps",
+                          f"train.warmup_steps + train.backbone_warmup_steps below train.num_steps "
+                          f"({t.num_steps}), got {t.warmup_steps} + {t.backbone_warmup_steps}")
+
+
 def _resolve_optimizer(cfg: Config) -> Config:
     """The two weight decays: model.weight_decay (an L2 term in the loss, Adam and SGD) and train.weight_decay
     (AdamW's decoupled decay). Each defaults for its optimizer and the other is refused, so they never stack
     unasked; a run dir's resolved config keeps its values."""
+    _check_two_stage_warmup(cfg)
     t, m = cfg.train, cfg.model
     if t.optimizer == "adamw":
         if m.weight_decay:
