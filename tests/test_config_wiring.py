@@ -132,6 +132,8 @@ WIRED = {
     "model.eomt_blocks": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
     "loss.mask_points": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
     "train.mask_annealing": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
+    "train.backbone_warmup_steps":
+        "tests/test_two_stage_warmup.py::test_run_moves_each_part_only_from_its_first_nonzero_rate",
     "model.drop_path_rate": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
     "model.head_dropout": "tests/test_stochastic.py::test_drop_path_rate_and_head_dropout_reach_the_model",
     # Three TrainStep updates built from a config file (AdamW at decay 0.5, the head at 10x) held to Keras' AdamW:

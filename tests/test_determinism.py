@@ -28,7 +28,7 @@ def _trace_step(cfg, deterministic: bool):
         dist = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
         batch = next(iter(dist))
         trainer(batch)
-        return trainer._step_fn.get_concrete_function(batch, tf.constant(0.0), tf.constant(False), tf.constant(False))
+        return trainer._step_fn.get_concrete_function(batch, tf.zeros([2]), tf.constant(False), tf.constant(False))
     finally:
         if not was:
             tf_config.disable_op_determinism()

@@ -219,6 +219,11 @@ class TrainConfig:
     learning_rate: float = _c(1e-3, check=_positive, doc="base learning rate of the poly schedule")
     lr_power: float = _c(0.9, check=_non_negative, doc="poly power: lr = base * (1 - step / num_steps) ** power")
     warmup_steps: int = _c(0, check=_non_negative, doc="steps of linear warmup before the poly schedule")
+    backbone_warmup_steps: int = _c(
+        0, check=_non_negative,
+        doc="EoMT's two-stage warmup: the backbone keeps learning rate 0 through train.warmup_steps (the head "
+            "warms up alone), then warms up linearly over these steps; each part's poly then runs over the "
+            "steps left after its own warmup (0: one warmup for all)")
     optimizer: str = _c("adam", choices=("adam", "sgd", "adamw"),
                         doc="adam, sgd with momentum, or adamw (decoupled decay, train.weight_decay)")
     momentum: float = _c(0.9, check=_fraction, doc="sgd's momentum, in [0, 1)")
@@ -259,7 +264,7 @@ class TrainConfig:
         doc="eomt: per EoMT block (first first) the [start, end] steps over which its masked attention's "
             "probability falls from 1 to 0 as (1 - progress)^0.9",
         default_doc="with head eomt: the reference's stagger, block k of n over steps [k, k + 1] x "
-                    "num_steps / (n + 1)")
+                    "num_steps / (n + 2)")
     layer_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
                                       doc="dinov*_: layer-wise learning-rate decay; block i of L learns at "
                                           "decay^(L - i), the embeddings at decay^L, the head at 1 (null: off)")

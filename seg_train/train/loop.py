@@ -34,7 +34,7 @@ class StepLoop:
 
     Args:
       host: `finish(pending, ended) -> bool` (whether the group asked to stop; ended: perf_counter
-        time the step ended), optionally `before_step(step)`; pending is (step, outputs, batch, lr,
+        time the step ended), optionally `before_step(step)`; pending is (step, outputs, batch, (head, backbone) lr,
         want_images).
       image_summary_every: train.image_summary_every (0: never); the first step always has images.
     """
@@ -67,7 +67,7 @@ class StepLoop:
         batch = next(self.batches)
         self.last_input_wait = time.perf_counter() - t0
         want_images = self.want_images(step)
-        lr = self.train_step.state.learning_rate(step)
+        lr = self.train_step.state.learning_rates(step)
         out = self.train_step(batch, lr, self.stop_requested(), want_images)
         dispatched = time.perf_counter()
         self.step = step + 1
@@ -127,7 +127,8 @@ class HostSide:
         """Bookkeeping of one dispatched step; returns whether the group asked to stop after it.
 
         ended: when the step ended (perf_counter, from StepLoop), if earlier than now."""
-        step, out, dist_batch, lr, want_images = pending
+        step, out, dist_batch, rates, want_images = pending
+        lr = rates[0]
         t_cfg = self.cfg.train
         applied = bool(out.applied)
         loss = float(out.loss)
@@ -173,7 +174,7 @@ class HostSide:
         else:
             self.window_steps += 1
         if step % t_cfg.summary_every == 0 or step == t_cfg.num_steps:
-            self._scalars(step, out, lr, loss)
+            self._scalars(step, out, rates, loss)
         if want_images:
             self._images(step, out, dist_batch)
         if self.bar is not None:
@@ -182,7 +183,8 @@ class HostSide:
         self.profiler.after_step(step)
         return bool(out.stop)
 
-    def _scalars(self, step, out, lr, loss) -> None:
+    def _scalars(self, step, out, rates, loss) -> None:
+        lr = rates[0]
         elapsed = time.perf_counter() - self.window_start
         if self.window_steps:
             self.images_per_sec = self.window_steps * self.images_per_step / max(elapsed, 1e-9)
@@ -190,6 +192,8 @@ class HostSide:
         gnorm = float(out.global_norm)
         scalars = {"loss/total": loss, "loss/weight_decay": float(out.weight_decay), "learning_rate": lr,
                    "gradients/global_norm": gnorm, "gradients/clipped": float(bool(out.clipped))}
+        if self.cfg.train.backbone_warmup_steps:  # two-stage warmup: the backbone has its own rate
+            scalars["learning_rate/backbone"] = rates[1]
         # Every tower of the group (all workers): the values travel in the step's all-reduce.
         for i, ce in enumerate(out.tower_ce.numpy()):
             scalars[f"loss/tower_{i}"] = ce

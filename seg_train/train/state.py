@@ -16,7 +16,7 @@ from seg_train.train import losses, towers
 from seg_train import models
 from seg_train.config import Config
 from seg_train.train.loss_scale import LossScale
-from seg_train.train.schedule import lr_at
+from seg_train.train.schedule import lr_pair_at
 
 
 class TrainState:
@@ -144,11 +144,16 @@ class TrainState:
                 v.assign(x)
             self.bn_stats_step.assign(saved_marker)
 
-    def learning_rate(self, step: int | None = None) -> float:
-        """The learning rate of the update made at `step` (default: the next one), computed on the host."""
+    def learning_rates(self, step: int | None = None) -> tuple[float, float]:
+        """(head, backbone) learning rates of the update made at `step` (default: the next one), computed on the
+        host; they differ only during train.backbone_warmup_steps' two-stage warmup."""
         t = self.cfg.train
         step = int(self.step.numpy()) if step is None else step
-        return lr_at(step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps)
+        return lr_pair_at(step, t.learning_rate, t.num_steps, t.lr_power, t.warmup_steps, t.backbone_warmup_steps)
+
+    def learning_rate(self, step: int | None = None) -> float:
+        """The head's learning rate of the update made at `step` (the summaries' learning_rate)."""
+        return self.learning_rates(step)[0]
 
     def distribute(self, dataset_fn):
         """Distributes a per-replica-batched dataset function (see ImageReader.train_dataset)."""

@@ -282,7 +282,7 @@ class TrainStep:
         traced = self._trace(s.experimental_local_results(images)[0])
         t = tf.cast(st.optimizer.iterations + 1, tf.float32)
         out, _ = s.run(functools.partial(self._replica, traced, apply_update=False),
-                       (images, labels, tf.constant(0.0), t, tf.identity(st.loss_scale), tf.constant(False),
+                       (images, labels, tf.zeros([2]), t, tf.identity(st.loss_scale), tf.constant(False),
                         tf.constant(False), tf.identity(st.step)))
         first = lambda v: s.experimental_local_results(v)[0]  # noqa: E731
         return ProbeResult(loss=tf.math.divide_no_nan(first(out.loss_total), first(out.norm_total)),
@@ -297,14 +297,17 @@ class TrainStep:
     def concrete_function(self, element_spec):
         """The traced train step for a distributed dataset's element_spec (calls reuse it)."""
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
-        return self._step_fn.get_concrete_function(element_spec, scalar(tf.float32), scalar(tf.bool), scalar(tf.bool))
+        return self._step_fn.get_concrete_function(element_spec, tf.TensorSpec([2], tf.float32), scalar(tf.bool),
+                                                   scalar(tf.bool))
 
-    def __call__(self, batch, lr: float | None = None, stop=False, want_images=False) -> StepResult:
+    def __call__(self, batch, lr: float | tuple[float, float] | None = None, stop=False,
+                 want_images=False) -> StepResult:
         """One update on a distributed global batch (see _train_step).
 
-        `lr`: TrainState.learning_rate(step), computed on the host so it never waits for the device
-        (default: read the counter and compute it).
+        `lr`: TrainState.learning_rates(step), (head, backbone), computed on the host so it never waits for the
+        device (default: read the counter and compute it); one number is both.
         """
         if lr is None:
-            lr = self.state.learning_rate()
-        return self._step_fn(batch, tf.constant(lr, tf.float32), tf.constant(stop), tf.constant(want_images))
+            lr = self.state.learning_rates()
+        pair = tuple(lr) if isinstance(lr, (tuple, list)) else (lr, lr)
+        return self._step_fn(batch, tf.constant(pair, tf.float32), tf.constant(stop), tf.constant(want_images))

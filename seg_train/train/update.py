@@ -16,6 +16,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
+from seg_train import models
 from seg_train.dist import collectives
 from seg_train.train import losses, param_groups
 from seg_train.train.scalars import TowerScalars
@@ -136,6 +137,9 @@ class Update:
         t = cfg.train
         self._lr_mult = param_groups.lr_multipliers(state.model, t.backbone_lr_multiplier, t.head_lr_multiplier,
                                                     t.layer_decay)
+        # Which of the step's two learning rates (head, backbone) each variable takes: they differ only in
+        # train.backbone_warmup_steps' two-stage warmup.
+        self._lr_index = [int(b) for b in models.backbone_variable_mask(state.model)]
         self._function = shared(self._apply)
 
     def trace(self):
@@ -149,8 +153,8 @@ class Update:
         concrete = self._function.get_concrete_function(
             [tf.TensorSpec(x, tf.float32) for x in sizes], [res] * len(st.variables),
             [[res] * len(s) for s in self.slots], [res] * len(st.non_trainable), [res] * len(st.ema or []),
-            scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.bool),
-            scalar(tf.bool))
+            tf.TensorSpec([2], tf.float32), scalar(tf.float32), scalar(tf.float32), scalar(tf.float32),
+            scalar(tf.bool), scalar(tf.bool))
         return lambda packs, *args: concrete(packs, handles(st.variables), [handles(s) for s in self.slots],
                                              handles(st.non_trainable), handles(st.ema or []), *args)
 
@@ -188,12 +192,13 @@ class Update:
             update = [u * factor for u in update]
         grads = collectives.unpack(update, self._grad_layout)
         apply_one = fused_update(self.state.optimizer, t)
-        rates = {m: (lr * m if m != 1.0 else lr) for m in set(self._lr_mult)}
+        pair = (lr[0], lr[1])
+        rates = {(m, i): (pair[i] * m if m != 1.0 else pair[i]) for m, i in set(zip(self._lr_mult, self._lr_index))}
 
         def apply():
-            ops = [apply_one(h, slots, g, rates[mult], rates[mult] if decayed else None)
-                   for g, h, slots, mult, decayed in zip(grads, var_handles, slot_handles, self._lr_mult,
-                                                         self._decoupled)]
+            ops = [apply_one(h, slots, g, rates[mult, i], rates[mult, i] if decayed else None)
+                   for g, h, slots, mult, i, decayed in zip(grads, var_handles, slot_handles, self._lr_mult,
+                                                            self._lr_index, self._decoupled)]
             for pos, value in zip(self.state.bn_positions, bn):
                 ops.append(tf.raw_ops.AssignVariableOp(resource=state_handles[pos], value=value))
             if ema_handles:
