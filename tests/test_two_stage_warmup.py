@@ -3,7 +3,8 @@ rate is 0, then the backbone warms up, and each part's poly runs over the steps 
 
 The reference is the EoMT repository's TwoStageWarmupPolySchedule (training/two_stage_warmup_poly_schedule.py),
 stepped under PyTorch with one backbone and one head parameter group; the rates it set before each optimizer
-step are written below (seg-train's update k is its scheduler step k).
+step are written below (seg-train's update k is its scheduler step k), as scripts/reference_two_stage_warmup.py
+prints them.
 
 Wrong answers these fail for: the backbone warming up with the head (no first stage); the poly over the whole run
 instead of the steps after each warmup; warmup ramps one step early (seg-train's single-stage (k + 1) / w) or
