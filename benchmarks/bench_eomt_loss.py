@@ -2,13 +2,16 @@
 """EoMT's loss alone (seg_train/train/eomt_loss.py) at a train step's shapes, with and without its Hungarian
 matcher, and the matcher alone: how much of an EoMT step the matching takes.
 
-    python benchmarks/bench_eomt_loss.py [--batch 8] [--size 512] [--classes 5] [--queries 100] [--blocks 4]
-                                         [--steps 3] [--windows 5] [--warmup 2] [--step-ms MS] [--output FILE.json]
+    python benchmarks/bench_eomt_loss.py [--batch 8] [--size 512] [--classes 5] [--present N] [--queries 100]
+                                         [--blocks 4] [--steps 3] [--windows 5] [--warmup 2] [--step-ms MS]
+                                         [--output FILE.json]
 
 Random predictions of the step's shapes: --blocks + 1 prediction layers (one before each EoMT block and the
 final one, as the train step's deep supervision), each class logits [b, Q, K+1] and mask logits
-[b, Q, size/4, size/4]; label maps [b, size, size] of random 64x64 tiles of the K classes with an ignored
-border, so most images hold every class (the matcher's largest problem: K masks per image).
+[b, Q, size/4, size/4]; label maps [b, size, size] of random 64x64 tiles with an ignored border, each image's
+tiles drawn from --present of the K classes (its own random choice; default all K, so most images hold every
+class: the matcher's largest problem, K masks per image). ADE20K's images hold about ten of its 150 classes:
+--classes 150 --present 10.
 
 Three tf.functions (no XLA) on one CPU device, on the same tensors:
   loss               eomt_loss_terms and the weighted total, and its gradient with respect to the predictions
@@ -20,7 +23,7 @@ Three tf.functions (no XLA) on one CPU device, on the same tensors:
 After the warm-up calls (tracing included), the three alternate in windows of --steps calls, the order
 rotating; the MEDIAN window of each is reported, as wall ms and CPU ms (this process's threads, all cores)
 per call. --step-ms (a train step's wall ms, e.g. from seg-bench) adds each part's share of that step.
-Prints a markdown table; --output also writes every number as JSON.
+Prints a markdown table and the process's peak resident memory; --output also writes every number as JSON.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def _parse(argv):
     p.add_argument("--batch", type=int, default=8, help="images per call (default 8)")
     p.add_argument("--size", type=int, default=512, help="square label side, a multiple of 4 (default 512)")
     p.add_argument("--classes", type=int, default=5, help="K, data.num_classes (default 5, the demo's)")
+    p.add_argument("--present", type=int, help="classes each image's tiles are drawn from (default: --classes)")
     p.add_argument("--queries", type=int, default=100, help="Q, model.num_queries (default 100)")
     p.add_argument("--blocks", type=int, default=4, help="model.eomt_blocks: blocks + 1 layers (default 4)")
     p.add_argument("--points", type=int, default=12544, help="loss.mask_points (default 12544)")
@@ -58,6 +62,9 @@ def _parse(argv):
         p.error(f"--size {args.size}: expected a multiple of 4 (masks at a quarter of it)")
     if min(args.batch, args.classes, args.queries, args.blocks, args.points, args.steps, args.windows) < 1:
         p.error("--batch, --classes, --queries, --blocks, --points, --steps, --windows: expected >= 1")
+    args.present = args.classes if args.present is None else args.present
+    if not 1 <= args.present <= args.classes:
+        p.error(f"--present {args.present}: expected 1 .. --classes ({args.classes})")
     if args.queries < args.classes:
         p.error(f"--queries {args.queries}: expected at least --classes ({args.classes})")
     if args.warmup < 1:
@@ -75,7 +82,9 @@ def _inputs(args):
     predictions = [(rng.normal(0, 1, (b, q, k + 1)).astype("float32"),
                     rng.normal(0, 3, (b, q, h, h)).astype("float32")) for _ in range(layers)]
     tiles = -(-args.size // 64)
-    labels = np.kron(rng.integers(0, k, (b, tiles, tiles)), np.ones((64, 64), np.int64))
+    chosen = np.stack([rng.choice(k, args.present, replace=False) for _ in range(b)])  # [b, present]
+    tile_classes = np.take_along_axis(chosen, rng.integers(0, args.present, (b, tiles * tiles)), 1)
+    labels = np.kron(tile_classes.reshape(b, tiles, tiles), np.ones((64, 64), np.int64))
     labels = labels[:, :args.size, :args.size].astype("int32")
     labels[:, :4], labels[:, :, :4] = 255, 255
     seeds = np.stack([np.arange(b), np.full(b, 12345)], axis=1).astype("int32")
@@ -176,13 +185,16 @@ def main(argv=None) -> int:
     results["assignment_ms"] = results["loss"]["ms"] - results["loss, no matcher"]["ms"]
     results["assignment_cpu_ms"] = results["loss"]["cpu_ms"] - results["loss, no matcher"]["cpu_ms"]
 
-    record = {k: getattr(args, k) for k in ("batch", "size", "classes", "queries", "blocks", "points", "steps",
-                                            "windows", "warmup", "step_ms")}
-    record.update(results=results, machine=machine_info())
+    from seg_train.util.sysinfo import peak_rss_mb
+
+    record = {k: getattr(args, k) for k in ("batch", "size", "classes", "present", "queries", "blocks", "points",
+                                            "steps", "windows", "warmup", "step_ms")}
+    record.update(results=results, peak_rss_mib=peak_rss_mb(), machine=machine_info())
     if args.output:
         args.output.write_text(json.dumps(record, indent=1) + "\n")
     layers = args.blocks + 1
-    print(f"{args.batch} x {args.size}x{args.size} labels, K={args.classes}, Q={args.queries}, {layers} layers of "
+    print(f"{args.batch} x {args.size}x{args.size} labels, K={args.classes} ({args.present} per image), "
+          f"Q={args.queries}, {layers} layers of "
           f"masks at {args.size // 4}x{args.size // 4}, {args.points} points, float32, 1 CPU device; median of "
           f"{args.windows} windows of {args.steps} calls per part, interleaved\n")
     share = args.step_ms is not None
@@ -193,6 +205,7 @@ def main(argv=None) -> int:
     for name, ms, cpu in rows:
         line = f"| {name} | {ms:.1f} | {cpu:.1f} | {100 * ms / results['loss']['ms']:.1f}% |"
         print(line + (f" {100 * ms / args.step_ms:.2f}% |" if share else ""))
+    print(f"\npeak resident memory of the process: {record['peak_rss_mib']:.0f} MiB")
     return 0
 
 

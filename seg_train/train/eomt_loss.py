@@ -43,8 +43,12 @@ reference's loss_cross_entropy, loss_mask, loss_dice of layer l on one process f
 max(num_masks, 1) included); its total is the sum over layers of class_weight * loss_cross_entropy +
 mask_weight * loss_mask + dice_weight * loss_dice. The denominators carry no gradient.
 
-Shapes are static: the loss points are drawn and sampled for all K slots, padding included,
-b * K * (int(3.0 P) + P - int(0.75 P)) points per layer at the defaults (P = num_points).
+Slots are compacted: the matching and the loss points use only the first G' = max over the batch of
+num_valid slots (at least 1), so a batch's cost grows with the classes its images hold, not with K (ADE20K's
+images hold about ten of its 150): b * G' * (int(3.0 P) + P - int(0.75 P)) points per layer at the defaults
+(P = num_points). A slot's points do not depend on G': each sample's draw is one Philox stream and slot g reads
+its own stretch of it (stateless draws of a larger shape start with those of a smaller one), so a tower whose
+images hold fewer classes draws the same points for its slots as the whole batch would, and 1 tower = N towers.
 """
 
 from __future__ import annotations
@@ -164,7 +168,8 @@ def _sample_labels(labels, classes, num_valid, points, ignore_label: int):
 
 
 def _draw(seeds, layer: int, purpose: int, shape):
-    """U[0, 1) of shape [b, *shape], row i from seeds[i] folded with (layer, purpose); Philox, stateless."""
+    """U[0, 1) of shape [b, *shape], row i from seeds[i] folded with (layer, purpose); Philox, stateless. The
+    leading entry of `shape` may be a tensor (the compacted slot count): a larger one extends the stream."""
     def one(seed):
         seed = tf.random.experimental.stateless_fold_in(seed, layer, alg="philox")
         seed = tf.random.experimental.stateless_fold_in(seed, purpose, alg="philox")
@@ -172,7 +177,8 @@ def _draw(seeds, layer: int, purpose: int, shape):
     seeds = tf.convert_to_tensor(seeds)
     if seeds.shape[0] is not None:  # a static batch (the train step's): one draw per row, unrolled
         return tf.stack([one(s) for s in tf.unstack(tf.cast(seeds, tf.int32))])
-    return tf.map_fn(one, tf.cast(seeds, tf.int32), fn_output_signature=tf.TensorSpec(shape, tf.float32))
+    static = [d if isinstance(d, int) else None for d in shape]
+    return tf.map_fn(one, tf.cast(seeds, tf.int32), fn_output_signature=tf.TensorSpec(static, tf.float32))
 
 
 def _match(class_logits, mask_logits, labels, classes, num_valid, points, opts: EomtLossOptions):
@@ -201,7 +207,7 @@ def _match(class_logits, mask_logits, labels, classes, num_valid, points, opts: 
 def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
     """Each slot's points [b, G, num_points, 2]: the most uncertain of the oversampled ones, then uniform
     ones (the reference's sample_points_using_uncertainty). pred: the slots' matched logits [b, G, h, w]."""
-    g = opts.num_classes
+    g = tf.shape(pred)[1]
     sampled = int(opts.num_points * opts.oversample_ratio)
     uncertain = int(opts.importance_sample_ratio * opts.num_points)
     uniform = opts.num_points - uncertain
@@ -238,7 +244,7 @@ def _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, l
     # Mask terms: each slot's matched query, padding slots weighted 0.
     slot_valid = tf.cast(tf.range(tf.shape(classes)[1])[tf.newaxis, :] < num_valid[:, tf.newaxis], tf.float32)
     pred = tf.gather(mask_logits, tf.maximum(row_of_col, 0), batch_dims=1)  # [b, G, h, w]
-    g = opts.num_classes
+    g = tf.shape(classes)[1]
     if opts.random_points:
         points = _loss_points(pred, seeds, layer, opts)
     else:
@@ -275,12 +281,16 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
             raise ValueError(f"eomt_loss_terms: class logits of shape {class_logits.shape} for {opts.num_classes} "
                              f"classes; expected [batch, queries >= {opts.num_classes}, {opts.num_classes + 1}]")
     classes, num_valid = semantic_targets(labels, opts.num_classes)
+    # Only the slots some image of the batch fills (module doc); at least one, so no shape is empty.
+    compact = tf.maximum(tf.reduce_max(num_valid), 1)
+    classes = classes[:, :compact]
     per_layer, matches = [], []
     for layer, (class_logits, mask_logits) in enumerate(predictions):
         terms, row_of_col = _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, layer,
                                          opts)
         per_layer.append(terms)
-        matches.append(row_of_col)
+        # Back to all K slots for the caller: -1 in the slots compacted away, as in any padding slot.
+        matches.append(tf.pad(row_of_col, [[0, 0], [0, opts.num_classes - compact]], constant_values=-1))
     out = {name: tf.stack([t[i] for t in per_layer]) for i, name in enumerate(TERMS)}
     return (out, tf.stack(matches)) if return_matches else out
 
