@@ -143,7 +143,7 @@ def test_overflow_skips_the_update_halves_the_scale_and_keeps_iterations(tmp_pat
     # The host: an overflow is logged at INFO with the new scale, not counted as a non-finite step.
     loop = _loop(trainer, tmp_path)
     with caplog.at_level(logging.INFO, logger="seg_train"):
-        loop.finish((2, out, batch, 0.01, False))
+        loop.finish((2, out, batch, (0.01, 0.01), False))
     assert loop.skipped == 0 and loop.overflows == 1
     msgs = [r.getMessage() for r in caplog.records]
     assert any(r.levelno == logging.INFO and re.fullmatch(
@@ -201,15 +201,15 @@ def test_nonfinite_gradient_at_the_floor_is_a_nonfinite_step(floor_step, tmp_pat
         np.testing.assert_array_equal(before[key], after[key], err_msg=key)
     with pytest.raises(NonFiniteError, match=r"^non-finite loss or gradient at step 1 on tower\(s\) \[0\] "
                                              r"\(loss [\d.e+]+, learning rate 0\.01, loss scale 1\)$"):
-        _loop(trainer, tmp_path / "stop").finish((1, out, batch, 0.01, False))
+        _loop(trainer, tmp_path / "stop").finish((1, out, batch, (0.01, 0.01), False))
 
 
 def test_nonfinite_gradient_at_the_floor_skip_step_warns_and_counts(floor_step, tmp_path, caplog):
     trainer, batch, out, _ = floor_step
     loop = _loop(trainer, tmp_path, on_nan="skip_step")
     with caplog.at_level(logging.INFO, logger="seg_train"):
-        loop.finish((1, out, batch, 0.01, False))
-        loop.finish((2, out, batch, 0.01, False))
+        loop.finish((1, out, batch, (0.01, 0.01), False))
+        loop.finish((2, out, batch, (0.01, 0.01), False))
     assert loop.skipped == 2 and loop.overflows == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 2 and warned[1].startswith("non-finite loss or gradient at step 2 on tower(s) [0]"), warned
@@ -302,7 +302,7 @@ def test_segformer_float16_loss_scale_in_the_log_line(segformer_steps, tmp_path,
     trainer, _, out, _, batch = segformer_steps("mixed_float16")
     loop = _loop(trainer, tmp_path)
     with caplog.at_level(logging.INFO, logger="seg_train"):
-        loop.finish((1, out, batch, SEG_LR, False))
+        loop.finish((1, out, batch, (SEG_LR, SEG_LR), False))
     assert loop.overflows == 0 and loop.skipped == 0
     msgs = [r.getMessage() for r in caplog.records]
     assert any(re.match(r"step 1/4 .* loss scale 32768 ", m) for m in msgs), msgs

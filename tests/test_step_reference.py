@@ -156,7 +156,7 @@ def test_step_with_non_finite_bn_statistics_is_not_applied(local_bn):
         assert cfg.train.on_nan == "stop"
         loop = HostSide(cfg, four.state, None, None, 4, None)
         with pytest.raises(NonFiniteError, match=r"^non-finite BN statistics at step 7 on tower\(s\) \[2\] "):
-            loop.finish((7, out, None, 0.01, False))
+            loop.finish((7, out, None, (0.01, 0.01), False))
     finally:
         poisoned.assign(saved)
 
