@@ -63,6 +63,7 @@ def resolve_defaults(cfg: Config) -> Config:
     cfg = _resolve_eval(cfg)
     cfg = _resolve_model(cfg)
     cfg = _resolve_optimizer(cfg)
+    _check_two_stage_warmup(cfg)
     mean, std = BACKBONE_NORMALIZATION[cfg.model.backbone]
     if cfg.data.mean is None:
         cfg = replace(cfg, "data.mean", mean)
@@ -293,7 +294,6 @@ def _resolve_optimizer(cfg: Config) -> Config:
     """The two weight decays: model.weight_decay (an L2 term in the loss, Adam and SGD) and train.weight_decay
     (AdamW's decoupled decay). Each defaults for its optimizer and the other is refused, so they never stack
     unasked; a run dir's resolved config keeps its values."""
-    _check_two_stage_warmup(cfg)
     t, m = cfg.train, cfg.model
     if t.optimizer == "adamw":
         if m.weight_decay:

@@ -192,8 +192,7 @@ class Update:
             update = [u * factor for u in update]
         grads = collectives.unpack(update, self._grad_layout)
         apply_one = fused_update(self.state.optimizer, t)
-        pair = (lr[0], lr[1])
-        rates = {(m, i): (pair[i] * m if m != 1.0 else pair[i]) for m, i in set(zip(self._lr_mult, self._lr_index))}
+        rates = {(m, i): (lr[i] * m if m != 1.0 else lr[i]) for m, i in set(zip(self._lr_mult, self._lr_index))}
 
         def apply():
             ops = [apply_one(h, slots, g, rates[mult, i], rates[mult, i] if decayed else None)
