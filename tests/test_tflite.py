@@ -84,6 +84,18 @@ OUTSIDE = textwrap.dedent("""
 """)
 
 
+def run_outside(path, images_npy, out_npy):
+    """The .tflite at `path` run on the images saved at `images_npy` by stock LiteRT in a fresh interpreter
+    (OUTSIDE, written beside the images): (what it reported, its class maps, also saved at `out_npy`)."""
+    script = images_npy.parent / "outside.py"
+    script.write_text(OUTSIDE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(script), str(path), str(images_npy), str(out_npy)],
+                         capture_output=True, text=True, env=env, cwd=images_npy.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), np.load(out_npy)
+
+
 def keras_classes(run, images):
     """The Keras model's own argmax and top-2 logit margin on the normalised images (the float reference)."""
     cfg = run["cfg"]
@@ -100,15 +112,7 @@ def outside(run):
     images = np.stack([np.asarray(Image.fromarray(im).resize(SIZE[::-1], Image.BILINEAR))
                        for im, _ in val_samples(run)])
     np.save(tmp / "images.npy", images)
-    script = tmp / "outside.py"
-    script.write_text(OUTSIDE)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    results = {}
-    for q, path in run["files"].items():
-        out = subprocess.run([sys.executable, str(script), str(path), str(tmp / "images.npy"), str(tmp / f"{q}.npy")],
-                             capture_output=True, text=True, env=env, cwd=tmp, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        results[q] = (json.loads(out.stdout.strip().splitlines()[-1]), np.load(tmp / f"{q}.npy"))
+    results = {q: run_outside(path, tmp / "images.npy", tmp / f"{q}.npy") for q, path in run["files"].items()}
     return images, results
 
 
@@ -168,11 +172,7 @@ def test_logit_adjustment_is_in_the_file(run, outside):
                              "eval.logit_adjustment", tau)
     path = run_export_tflite(cfg, run["state"].strategy, str(run["tmp"] / "run"), run["tmp"] / "adjusted.tflite",
                              size=SIZE, progress=False)
-    out = subprocess.run([sys.executable, str(run["tmp"] / "outside.py"), str(path), str(run["tmp"] / "images.npy"),
-                          str(run["tmp"] / "adjusted.npy")], capture_output=True, text=True, cwd=run["tmp"],
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    classes = np.load(run["tmp"] / "adjusted.npy")
+    _, classes = run_outside(path, run["tmp"] / "images.npy", run["tmp"] / "adjusted.npy")
     x = (images.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
     logits = run["state"].model(x, training=False).numpy() - tau * np.log(weights)
     top2 = np.sort(logits, axis=-1)[..., -2:]
@@ -389,17 +389,11 @@ def test_vit_file_is_builtins_and_predicts_what_keras_does(backbone, head, size,
     assert len(np.unique(reference)) >= 2 and clear.mean() > 0.9
     fn = frozen_function(app_function(model, mean, std, h, w))
     np.save(tmp_path / "images.npy", images)
-    (tmp_path / "outside.py").write_text(OUTSIDE)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for q in ("none", "int8"):
         (tmp_path / f"{q}.tflite").write_bytes(convert(fn, q, lambda: ([im[None]] for im in images)))
-        out = subprocess.run([sys.executable, str(tmp_path / "outside.py"), str(tmp_path / f"{q}.tflite"),
-                              str(tmp_path / "images.npy"), str(tmp_path / f"{q}.npy")],
-                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        ops = json.loads(out.stdout.strip().splitlines()[-1])["ops"]
+        info, got = run_outside(tmp_path / f"{q}.tflite", tmp_path / "images.npy", tmp_path / f"{q}.npy")
+        ops = info["ops"]
         assert not [op for op in ops if op.startswith("Flex") or op in ("CUSTOM", "DELEGATE")], ops
-        got = np.load(tmp_path / f"{q}.npy")
         if q == "none":
             np.testing.assert_array_equal(got[clear], reference[clear])
         else:
