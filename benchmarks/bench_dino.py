@@ -55,20 +55,16 @@ def _parse(argv):
 
 def _build(name: str, size: int, folder: Path):
     """keras-hub's backbone with random weights and seg-train's encoder loaded from its preset."""
-    import keras_hub
     import numpy as np
 
+    from benchmarks.random_dino_preset import build
     from seg_train.models.presets_vit import load_dino_preset
     from seg_train.models.vit import VARIANTS, dino_encoder
 
     spec = VARIANTS[name]
     if spec.family != "dinov3":
         raise SystemExit(f"error: --backbone {name}: expected a DINOv3 backbone (keras-hub's DINOV3Backbone)")
-    hub = keras_hub.models.DINOV3Backbone(
-        patch_size=spec.patch, num_layers=spec.depth, hidden_dim=spec.width, num_heads=spec.heads,
-        intermediate_dim=spec.mlp, num_register_tokens=spec.registers, layer_scale_init_value=spec.layer_scale,
-        use_gated_mlp=spec.gated, hidden_activation=spec.activation, use_key_bias=spec.key_bias,
-        rope_theta=spec.rope_theta, layer_norm_eps=spec.epsilon, image_shape=(size, size, 3))
+    hub = build(name, size)
     rng = np.random.default_rng(0)
     for v in hub.weights:  # the kernels are random already; move the vectors and tokens off their init
         if len(v.shape) > 1 and "token" not in v.path:
