@@ -40,19 +40,19 @@ def lr_multipliers(model, backbone_mult: float = 1.0, head_mult: float = 1.0,
     variables = model.trainable_variables
     depth = None
     if layer_decay is not None:
-        levels = [vit_level(v.path) for v, b in zip(variables, in_backbone) if b]
+        levels = [vit_level(v.path) if b else None for v, b in zip(variables, in_backbone)]
         depth = max((lv for lv in levels if lv is not None), default=0)
         if depth == 0:
             # The config refuses layer_decay without a ViT; a frozen backbone leaves nothing to decay.
             depth = None
     out = []
-    for v, b in zip(variables, in_backbone):
+    for i, b in enumerate(in_backbone):
         if not b:
             out.append(head_mult)
             continue
         mult = backbone_mult
         if depth is not None:
-            level = vit_level(v.path)
+            level = levels[i]
             mult *= layer_decay ** (depth - (depth if level is None else level))
         out.append(mult)
     return out
