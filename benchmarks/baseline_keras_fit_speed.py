@@ -56,7 +56,7 @@ def main(args) -> int:
     log = cli.log
     cfg = config_lib.load(args.config, args.overrides)
     cli.import_tensorflow(args.debug)
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
     with cli.quiet_stderr(args.debug):
         devices = replicas.setup_devices(1)
     import keras

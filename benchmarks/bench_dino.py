@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from seg_train.bench.machine import machine_info
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
 
     replicas.setup_devices(1)
     with tempfile.TemporaryDirectory() as tmp:

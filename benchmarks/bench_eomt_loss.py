@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""EoMT's loss alone (seg_train/train/eomt_loss.py) at a train step's shapes, with and without its Hungarian
+"""EoMT's loss alone (seg_train/objectives/mask_loss.py) at a train step's shapes, with and without its Hungarian
 matcher, and the matcher alone: how much of an EoMT step the matching takes.
 
     python benchmarks/bench_eomt_loss.py [--batch 8] [--size 512] [--classes 5] [--present N] [--queries 100]
@@ -120,8 +120,8 @@ def _functions(args, predictions, labels, seeds, costs):
     import numpy as np
     import tensorflow as tf
 
-    from seg_train.train import eomt_loss
-    from seg_train.train.matching import batched_linear_sum_assignment
+    from seg_train.objectives import mask_loss as eomt_loss
+    from seg_train.objectives.matching import batched_linear_sum_assignment
 
     opts = eomt_loss.EomtLossOptions(num_classes=args.classes, num_points=args.points)
     preds = [(tf.constant(c), tf.constant(m)) for c, m in predictions]
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
 
     set_tf_env_defaults()  # the allocator the commands run on (the environment's choice wins)
     from seg_train.bench.machine import machine_info
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
 
     replicas.setup_devices(1)
     fns = _functions(args, *_inputs(args))

@@ -71,14 +71,14 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
     from seg_train.cli import set_tf_env_defaults
 
     set_tf_env_defaults()  # the CPU allocator seg-eval runs on (the environment's choice wins)
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
 
     devices = replicas.setup_devices(1)
     from seg_train import config as config_lib
     from seg_train.infer.evaluate import Evaluator
     from seg_train.data.split import open_split
     from seg_train.util.sysinfo import peak_rss_mb
-    from seg_train.train.state import TrainState
+    from seg_train.run.state import TrainState
 
     h, w = size
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,5 @@
 """Writes tests/fixtures/eomt_loss.npz: Hugging Face transformers' EomtLoss / EomtHungarianMatcher (PyTorch) on
-small random inputs, the reference tests/test_eomt_loss.py holds seg_train/train/eomt_loss.py to.
+small random inputs, the reference tests/test_eomt_loss.py holds seg_train/objectives/mask_loss.py to.
 
 Runs ONLY in a separate venv, never a dependency of seg-train:
     python3 -m venv REFVENV && REFVENV/bin/pip install torch transformers scipy numpy

@@ -20,7 +20,7 @@ set_tf_env_defaults()
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="seg-train-test-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
-from seg_train.dist import replicas  # noqa: E402
+from seg_train.parallel import replicas  # noqa: E402
 
 replicas.setup_devices(4)
 

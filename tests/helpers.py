@@ -19,7 +19,7 @@ from seg_train.data.label_images import voc_colormap
 import os
 import subprocess
 import sys
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 from seg_train.infer import precise_bn
 
 

@@ -15,9 +15,9 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from seg_train.train import losses
+from seg_train.objectives import pixel_losses as losses
 from seg_train import models
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 
 from seg_train.infer import precise_bn
 
@@ -25,7 +25,7 @@ from seg_train.data import synthetic
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.config.backbones import BACKBONE_NORMALIZATION
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import PUBLISHED_FILES
 from tests.helpers import open_reader, random_batch, tiny_config

@@ -1,4 +1,4 @@
-"""RUN_DIR/best/ is the evaluation with the best mIoU (README, seg_train/train/checkpoint.py), not the best pixel
+"""RUN_DIR/best/ is the evaluation with the best mIoU (README, seg_train/run/checkpoint.py), not the best pixel
 accuracy: two evaluations where the two disagree (a frequent class right and a rare one missed has the higher
 pixel accuracy and the lower mIoU), in both orders.
 
@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from seg_train.infer.metrics import compute_metrics
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 
 # Rows ground truth, columns prediction. ACCURATE: pixel accuracy 0.9, mIoU (0.9 + 0) / 2 = 0.45;
 # BALANCED: pixel accuracy 0.8, mIoU (70/90 + 10/30) / 2 = 0.56.

@@ -171,7 +171,7 @@ def test_backbone_lr_multiplier_must_be_positive(tmp_path):
                                         ("train.head_lr_multiplier", 10.0), ("train.weight_decay", 0.01),
                                         ("model.drop_path_rate", 0.1), ("model.head_dropout", 0.1)])
 def test_new_keys_change_what_a_checkpoint_means(tmp_path, key, value):
-    from seg_train.train.rundir import check_resume_config
+    from seg_train.run.rundir import check_resume_config
 
     cfg = C.load(write(tmp_path, BASE))
     old = cfg.to_dict()

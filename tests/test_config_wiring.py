@@ -42,12 +42,12 @@ import yaml
 from PIL import Image
 
 from seg_train import cli, models
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 from seg_train import config as config_lib
 from seg_train.config.schema import leaf_fields
 from seg_train.data import synthetic
 from seg_train.models.sync_bn import SyncBatchNormalization
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 from tests.helpers import WIRED_DATA

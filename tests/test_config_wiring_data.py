@@ -499,8 +499,8 @@ def classes_by_hand(model, image) -> np.ndarray:
 def served(tmp_path_factory):
     """A checkpoint (step 5, BN statistics of the data but not marked re-estimated) and a config whose data and
     eval keys are all non-default: the val split 'check', ignore label 0, class names, mean/std, the SLIDE modes."""
-    from seg_train.train import checkpoint as ckpt_lib
-    from seg_train.train.state import TrainState
+    from seg_train.run import checkpoint as ckpt_lib
+    from seg_train.run.state import TrainState
 
     tmp = tmp_path_factory.mktemp("wiring_served")
     root = tmp / "data"

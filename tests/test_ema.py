@@ -6,9 +6,9 @@ import pytest
 import numpy as np
 import tensorflow as tf
 
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 from seg_train.infer.load import load_state
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 

@@ -1,4 +1,4 @@
-"""EoMT's loss (seg_train/train/eomt_loss.py) held to Hugging Face transformers' EomtLoss / EomtHungarianMatcher
+"""EoMT's loss (seg_train/objectives/mask_loss.py) held to Hugging Face transformers' EomtLoss / EomtHungarianMatcher
 (tests/fixtures/eomt_loss.npz, written by scripts/reference_eomt_loss.py), and to numpy by hand where the
 reference has nothing to say (ignored pixels, tower splits, keyed draws).
 
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 from scipy.optimize import linear_sum_assignment
 
-from seg_train.train import eomt_loss as E
+from seg_train.objectives import mask_loss as E
 
 FIXTURE = "tests/fixtures/eomt_loss.npz"
 REF_TERMS = ("loss_cross_entropy", "loss_mask", "loss_dice")  # the fixture's term order

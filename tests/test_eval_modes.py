@@ -11,9 +11,9 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train.train import rundir
+from seg_train.run import rundir
 from seg_train.infer import eval_checkpoint
 from seg_train.infer import modes
 from seg_train.infer import evaluate as ev
@@ -25,7 +25,7 @@ from seg_train.infer.predict import run_predict
 from seg_train.infer.load import load_evaluator
 from seg_train.train.summaries import Summaries
 from seg_train.train.train import run_evaluation
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from tests.helpers import open_reader, tiny_config
 from tests.helpers import eval_config, normalized, reference_scores
 from tests.helpers import (

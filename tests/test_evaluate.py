@@ -12,14 +12,14 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.infer import eval_checkpoint
 from seg_train.infer import evaluate as ev
 from seg_train.infer import metrics as metrics_lib
 from seg_train.config import ConfigError
 from seg_train.data.label_images import read_label
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import confusion_matrix, open_reader, tiny_config
 from tests.helpers import (

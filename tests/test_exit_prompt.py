@@ -140,9 +140,9 @@ def test_train_stopped_by_a_signal_exits_promptly(tmp_path, trained):
 def test_precise_bn_decodes_only_the_batches_it_uses(tmp_path, demo_root):
     """Nothing is decoded for nothing: the re-estimation's stream ends with its batches, so its teardown
     has no work in flight (a stream cut after its prefetch decoded ahead of the batches it used)."""
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
     from seg_train.infer import precise_bn
-    from seg_train.train.state import TrainState
+    from seg_train.run.state import TrainState
     from tests.helpers import open_reader, tiny_config
 
     cfg = tiny_config(tmp_path, demo_root, data={"batch_size": 4, "cache": True})  # every decode through Python

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.train import losses
-from seg_train.dist import replicas
+from seg_train.objectives import pixel_losses as losses
+from seg_train.models import param_groups
+from seg_train.parallel import replicas
 
 from seg_train.data import synthetic
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, random_batch, tiny_config, train_batches
 
@@ -128,7 +129,7 @@ def plain_gradient(cfg, images, labels):
     with tf.GradientTape() as tape:
         logits = model(images, training=True)
         ce, count = losses.pixel_cross_entropy_sum(logits, labels, 255)
-        loss = ce / count + losses.weight_decay(losses.decay_variables(model), cfg.model.weight_decay)
+        loss = ce / count + param_groups.weight_decay(param_groups.decay_variables(model), cfg.model.weight_decay)
     grads = tape.gradient(loss, model.trainable_variables)
     return grads, float(tf.linalg.global_norm(grads))
 
@@ -196,7 +197,7 @@ def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(clipped_steps
                 logits = model(x, training=True)
                 ce, _ = losses.pixel_cross_entropy_sum(logits, y, 255)
                 count = float(np.sum(labels != 255))
-                wd = losses.weight_decay(losses.decay_variables(model), cfg.model.weight_decay)
+                wd = param_groups.weight_decay(param_groups.decay_variables(model), cfg.model.weight_decay)
                 loss = ce / count + wd / 4.0  # each tower's share of the global objective
             g = tape.gradient(loss, model.trainable_variables)
             opt.apply_gradients(zip(g, model.trainable_variables))

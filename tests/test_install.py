@@ -1,4 +1,4 @@
-"""What an installed seg-train does before any work: --version, and the pre-flight checks (seg_train.util.preflight)
+"""What an installed seg-train does before any work: --version, and the pre-flight checks (seg_train.cli.preflight)
 for a bad install or an unwritable place, through the real console scripts. No training here (scripts/check_wheel.sh
 trains from a built wheel)."""
 
@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 import seg_train
-from seg_train.util import preflight
+from seg_train.cli import preflight
+from seg_train.data import checks
 from seg_train.config import ConfigError
 from tests.helpers import tiny_config
 
@@ -181,11 +182,11 @@ def test_read_only_run_dir():
 
 def test_synthetic_data_folder_in_the_way(tmp_path):
     cfg = tiny_config(tmp_path, data_root=tmp_path / "mine", data={"synthetic": True})
-    preflight.check_synthetic_data(cfg)  # absent: will be generated
+    checks.check_synthetic_data(cfg)  # absent: will be generated
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match=r"^not the synthetic data set \(data.root: "):
-        preflight.check_synthetic_data(cfg)
+        checks.check_synthetic_data(cfg)
 
 
 def test_every_package_folder_is_committed_with_its_init():

@@ -162,7 +162,7 @@ def test_a_user_map_replaces_the_layouts(tmp_path):
 
 def test_a_changed_label_map_is_a_change_on_resume(tmp_path):
     """The resume check compares label_map as one value: dropping an entry is not a 'removed key'."""
-    from seg_train.train.rundir import check_resume_config
+    from seg_train.run.rundir import check_resume_config
 
     cfg = config_lib.load(_write(tmp_path / "a.yaml", {"data": {"root": "d", "num_classes": 2,
                                                                 "label_map": {0: 0, 1: 1, 2: 255}}}))

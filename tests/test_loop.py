@@ -9,7 +9,7 @@ import pytest
 
 from seg_train import cli
 from seg_train.train import loop
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 
 from seg_train.bench import train_runner
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.train import losses
-from seg_train.dist import replicas
-from seg_train.train.state import TrainState
+from seg_train.objectives import pixel_losses as losses
+from seg_train.parallel import replicas
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import tiny_config
 from tests.helpers import LOSS_NUM_CLASSES as C, dice_numpy, lovasz_numpy, softmax64

@@ -14,7 +14,8 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.train import losses
+from seg_train.data import class_weights
+from seg_train.objectives import pixel_losses as losses
 from seg_train.data.scan import class_weights_for_split, scan
 from seg_train.data.layouts import Sample
 from tests.helpers import tiny_config
@@ -194,12 +195,12 @@ LABELS = [[0, 0, 0, 1, IGNORE, IGNORE], [0, 2, 2, 2], [1, 1, IGNORE, IGNORE, IGN
 
 def test_median_frequency_weights_by_hand(caplog):
     with caplog.at_level(logging.WARNING, logger="seg_train"):
-        w = losses.median_frequency_weights([4, 3, 3, 0], [8, 6, 4, 0], ["sky", "road", "car", "boat"])
+        w = class_weights.median_frequency_weights([4, 3, 3, 0], [8, 6, 4, 0], ["sky", "road", "car", "boat"])
     np.testing.assert_allclose(w, [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)
     assert w.dtype == np.float32
     assert "boat" in caplog.text and "weight 0" in caplog.text
     with pytest.raises(ValueError):
-        losses.median_frequency_weights([0, 0], [0, 0])
+        class_weights.median_frequency_weights([0, 0], [0, 0])
 
 
 def label_samples(folder):
@@ -218,14 +219,14 @@ def test_class_weights_for_from_the_scan(tmp_path):
     assert report.histogram.tolist() == [4, 3, 3, 0, 6]
     assert report.image_pixels.tolist() == [8, 6, 4, 0]
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": "median_frequency"})
-    np.testing.assert_allclose(losses.class_weights_for(cfg, report), [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(class_weights.class_weights_for(cfg, report), [1.0, 1.0, 2 / 3, 0.0], rtol=1e-6)
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": "sqrt_median_frequency"})
-    w = losses.class_weights_for(cfg, report)
+    w = class_weights.class_weights_for(cfg, report)
     np.testing.assert_allclose(w, [1.0, 1.0, (2 / 3) ** 0.5, 0.0], rtol=1e-6)
     assert w.dtype == np.float32
     cfg = tiny_config(tmp_path, tmp_path, data={"num_classes": 4}, loss={"class_weights": [1, 2, 3, 0]})
-    assert losses.class_weights_for(cfg, report).tolist() == [1.0, 2.0, 3.0, 0.0]
-    assert losses.class_weights_for(tiny_config(tmp_path, tmp_path), report) is None
+    assert class_weights.class_weights_for(cfg, report).tolist() == [1.0, 2.0, 3.0, 0.0]
+    assert class_weights.class_weights_for(tiny_config(tmp_path, tmp_path), report) is None
 
 
 class Unscannable:

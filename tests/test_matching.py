@@ -1,4 +1,4 @@
-"""The in-graph Hungarian matcher (seg_train/train/matching.py) held to scipy.optimize.linear_sum_assignment.
+"""The in-graph Hungarian matcher (seg_train/objectives/matching.py) held to scipy.optimize.linear_sum_assignment.
 
 Wrong answers this catches: a non-optimal assignment (a wrong potential update, the Dijkstra taking a row that
 is not the nearest, the augmenting path not walked back to its column), padded columns taking queries from
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from scipy.optimize import linear_sum_assignment as scipy_lsa
 
-from seg_train.train.matching import batched_linear_sum_assignment, linear_sum_assignment
+from seg_train.objectives.matching import batched_linear_sum_assignment, linear_sum_assignment
 
 SHAPES = [(1, 1), (3, 1), (7, 7), (12, 5), (30, 30), (64, 17), (100, 100), (100, 60), (200, 150), (150, 150)]
 

@@ -23,7 +23,7 @@ from seg_train.data import synthetic
 from seg_train.models.fused_bn import FusedBatchNormalization
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.infer.load import load_state
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 from tests.helpers import bilinear_resize
 from tests.helpers import PUBLISHED_FILES
 from tests.helpers import (

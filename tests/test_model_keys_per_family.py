@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from seg_train import models
 from seg_train.models.sync_bn import SyncBatchNormalization
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from tests.helpers import random_batch, tiny_config
 from tests.helpers import strategy
 

@@ -45,12 +45,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.train import losses
+from seg_train.objectives import pixel_losses as losses
+from seg_train.models import param_groups
 from seg_train import models
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 
 from seg_train.data import synthetic
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, tiny_config, train_batches
 
@@ -92,7 +93,7 @@ def tape_gradient(trainer, images, labels):
     """The update's gradient by the book on one tower: TensorFlow's autodiff of the mean cross-entropy
     plus 0.5 * coefficient * |kernel|^2 (BN statistics of the batch, none assigned)."""
     model = trainer.state.model
-    decayed = {id(v) for v in losses.decay_variables(model)}
+    decayed = {id(v) for v in param_groups.decay_variables(model)}
     tv = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     st = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
     with tf.GradientTape() as tape:
@@ -162,7 +163,7 @@ def replay(tmp_path, data_root, optimizer, towers):
         if towers == 1:
             images, labels = (trainer.state.strategy.experimental_local_results(x)[0] for x in batch)
             tape = tape_gradient(trainer, images, labels)
-        kernels = [np.asarray(v) for v in losses.decay_variables(trainer.state.model)]
+        kernels = [np.asarray(v) for v in param_groups.decay_variables(trainer.state.model)]
         out = trainer(batch)
         assert bool(out.applied), f"step {step + 1} not applied (a non-finite gradient after step {step})"
         for backbone, (opt, members) in groups.items():

@@ -28,7 +28,7 @@ from seg_train import config as config_lib
 from seg_train import models
 from seg_train.models.mit import VARIANTS
 from seg_train.config import ConfigError, ModelConfig
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from tests.helpers import tiny_config
 from tests.helpers import (
     PAPER_HEADS, PAPER_MIT, PAPER_PATCH_SIZES, PAPER_SR_RATIOS, PAPER_STRIDES, mit_kwargs as _mit_kwargs
@@ -255,7 +255,7 @@ def test_config_paths_of_the_presets_are_resolved_like_the_other_paths(tmp_path)
 def test_a_checkpoint_is_read_without_its_preset(hub, tmp_path, from_segformer_preset):
     """Inference (and a resumed run) rebuilds the model from the config of a run that started from a
     preset: the checkpoint holds every weight, so the preset is not read again (it may be gone)."""
-    from seg_train.train import checkpoint as ckpt_lib
+    from seg_train.run import checkpoint as ckpt_lib
     from seg_train.infer.load import load_state
 
     preset = _copy(hub, "segformer_b0", tmp_path)

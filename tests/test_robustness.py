@@ -531,7 +531,7 @@ def test_resume_config_check_tolerates_keys_of_other_versions(tmp_path, demo_roo
     default; a key this version no longer has is harmless; anything else meaningful is refused."""
     from seg_train import config as config_lib
     from seg_train.config import ConfigError
-    from seg_train.train.rundir import check_resume_config
+    from seg_train.run.rundir import check_resume_config
 
     cfg = config_lib.load(write_config(tmp_path, demo_root))
     run_dir = tmp_path / "run"
@@ -575,7 +575,7 @@ def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
     """rundir.write_atomic (JSON records, predicted PNGs, exported .tflite files): a write that fails
     halfway leaves the previous file byte for byte and no temporary file; wrong if it writes in place
     (a truncated file) or forgets the temporary one."""
-    from seg_train.train.rundir import write_atomic, write_json
+    from seg_train.run.rundir import write_atomic, write_json
 
     path = tmp_path / "record.json"
     write_json(path, {"miou": 0.5})

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 
-from seg_train.train.schedule import lr_at
+from seg_train.run.schedule import lr_at
 
 
 @pytest.mark.parametrize("power", [0.9, 1.0, 0.0])

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
@@ -28,7 +28,7 @@ from seg_train.data.label_images import read_label
 from seg_train.infer import evaluate as ev
 from seg_train.infer.export import run_export
 from seg_train.infer.predict import run_predict
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, tiny_config
 from tests.helpers import eval_config, normalized, reference_scores

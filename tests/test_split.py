@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.config import ConfigError
 from seg_train.data import synthetic
 from seg_train.data.split import open_split, train_dataset_fn
@@ -105,7 +105,7 @@ def test_seg_eval_generates_the_synthetic_set_it_evaluates(tmp_path):
     it, and every image of its val split is evaluated. Wrong answer: 'data root not found' (the set generated
     when the training split is opened only)."""
     from seg_train.infer.eval_checkpoint import run_eval
-    from seg_train.train.state import TrainState
+    from seg_train.run.state import TrainState
 
     root = tmp_path / "demo"
     cfg = tiny_config(tmp_path, root, data={"synthetic": True}, eval={"bn_reestimate_batches": 0})

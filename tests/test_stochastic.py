@@ -29,7 +29,7 @@ from seg_train import models
 from seg_train.data import synthetic
 from seg_train.models import stochastic
 from seg_train.models.mit import drop_path_rates
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from tests.helpers import open_reader, tiny_config
 from tests.helpers import mit_kwargs as _mit_kwargs
 from tests.helpers import resume_bitwise

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 from seg_train.models import stochastic
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import tiny_config
 from tests.helpers import strategy

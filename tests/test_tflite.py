@@ -13,13 +13,13 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.cli import eval_main, export_main, predict_main
 from seg_train.config import ConfigError
 from seg_train.data import synthetic
 from seg_train.infer.metrics import compute_metrics
 from seg_train.infer.tflite_export import run_export_tflite
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from tests.helpers import confusion_matrix, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.train import losses, towers
+from seg_train.objectives import pixel_losses as losses
+from seg_train.models import param_groups
+from seg_train.parallel import towers
 from seg_train import models
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 from tests.helpers import strategy
@@ -92,7 +94,7 @@ def test_weight_decay_counted_once(tmp_path):
     plain, plain_start, plain_out = sgd_step(0.0)
     for path, w in start.items():
         np.testing.assert_array_equal(w, plain_start[path])  # same seed: the same weights to start from
-    kernels = losses.decay_variables(decayed.state.model)
+    kernels = param_groups.decay_variables(decayed.state.model)
     expected = wd * sum(0.5 * float(np.sum(start[v.path] ** 2)) for v in kernels)
     np.testing.assert_allclose(float(out.weight_decay), expected, rtol=1e-5)
     ce = float(out.loss) - float(out.weight_decay)

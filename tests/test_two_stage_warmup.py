@@ -26,8 +26,8 @@ import yaml
 
 from seg_train import cli, models
 from seg_train.config import ConfigError, from_dict
-from seg_train.train.schedule import lr_pair_at
-from seg_train.train.state import TrainState
+from seg_train.run.schedule import lr_pair_at
+from seg_train.run.state import TrainState
 from tests.helpers import strategy
 
 # The reference at warmup_steps (2, 2), 7 steps, power 2, base 0.02: (update, head rate, backbone rate).

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from seg_train import cli
-from seg_train.dist import collectives, replicas
+from seg_train.parallel import collectives
+from seg_train.parallel import replicas
 
 from seg_train.data import synthetic
 
@@ -160,7 +161,7 @@ def test_one_wrong_batch_variance_fails(probes):
 
 
 class _NoCrossTower:
-    """seg_train.dist.collectives as synchronized BN would see it with its reduction broken: one tower,
+    """seg_train.parallel.collectives as synchronized BN would see it with its reduction broken: one tower,
     all-reduces that return this tower's own sums; everything else the real module's."""
 
     def __getattr__(self, name):

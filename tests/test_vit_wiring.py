@@ -27,8 +27,8 @@ from seg_train.data import synthetic
 from seg_train.infer.serving import serving_module
 from seg_train.infer.tflite_export import input_size
 from seg_train.models.vit import VARIANTS
-from seg_train.train import losses
-from seg_train.train.state import TrainState
+from seg_train.objectives import pixel_losses as losses
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from seg_train.train.update import decoupled_decay
 from tests.helpers import resume_bitwise, strategy, tiny_config

@@ -123,7 +123,8 @@ def count_train_flops(cfg: Config, batch: int) -> dict:
     import keras
     import tensorflow as tf
 
-    from seg_train.train import losses
+    from seg_train.objectives import pixel_losses as losses
+    from seg_train.models import param_groups
     from seg_train import models
 
     previous = keras.config.dtype_policy()
@@ -145,7 +146,7 @@ def count_train_flops(cfg: Config, batch: int) -> dict:
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             ce, count = losses.pixel_cross_entropy_sum(logits, labels, cfg.data.ignore_label)
-            loss = ce / tf.maximum(count, 1.0) + losses.weight_decay(losses.decay_variables(model),
+            loss = ce / tf.maximum(count, 1.0) + param_groups.weight_decay(param_groups.decay_variables(model),
                                                                      cfg.model.weight_decay)
         return tape.gradient(loss, model.trainable_variables)
 

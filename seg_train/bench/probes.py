@@ -14,7 +14,7 @@ from pathlib import Path
 def cli_probe(config_path: str, overrides: list[str], towers: int, steps: int = 1, timeout: float = 3600) -> dict:
     """Runs seg-train for `steps` steps (no evaluation, scratch run dir) and reads its first-step record:
     seconds from launch to the first step's end, tracing, first call, and peak resident memory."""
-    from seg_train.train.rundir import FIRST_STEP_FILE
+    from seg_train.run.rundir import FIRST_STEP_FILE
 
     run_dir = tempfile.mkdtemp(prefix="seg-bench-probe-")
     sets = list(overrides) + [f"train.num_steps={steps}", "data.val_split=__seg_bench_no_val__",

@@ -153,7 +153,7 @@ def _time_input_alone(reader, batch: int, steps: int, windows: int, warmup: int)
 
 def _build_runners(variants: list[Variant], towers: list[int], all_devices, reader, class_weights) -> list[tuple]:
     """One TrainRunner per variant and tower count (each times its own build): (variant name, config, runner)."""
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
     from seg_train.data.split import open_split
 
     cfg = variants[0].cfg

@@ -51,7 +51,7 @@ class TrainRunner:
                  class_weights=None):
         import tempfile
 
-        from seg_train.dist import replicas
+        from seg_train.parallel import replicas
         from seg_train.train.loop import HostSide, StepLoop
         from seg_train.data.label_images import voc_colormap
         from seg_train.data.split import train_dataset_fn
@@ -59,7 +59,7 @@ class TrainRunner:
         from seg_train.train.summaries import Summaries
         from seg_train.infer import modes
         from seg_train.infer.evaluate import Evaluator
-        from seg_train.train.state import TrainState
+        from seg_train.run.state import TrainState
         from seg_train.train.step import TrainStep
 
         self.name, self.cfg, self.input_mode, self.loop = name, cfg, input_mode, loop

@@ -9,7 +9,8 @@ import sys
 
 from seg_train.cli import process
 from seg_train.config import ConfigError
-from seg_train.util import exit_codes, preflight
+from seg_train.util import exit_codes
+from seg_train.cli import preflight
 
 
 def bench_main(argv=None) -> int:
@@ -121,7 +122,7 @@ def bench_main(argv=None) -> int:
                                   f"expected an integer >= 0, got {getattr(args, name)}")
         preflight.for_evaluation(cfg)
         process.import_tensorflow(args.debug)
-        from seg_train.dist import replicas
+        from seg_train.parallel import replicas
         from seg_train.bench import runner as bench
         with process.quiet_stderr(args.debug):
             # The logical devices are configured once, for the largest tower count, before TF starts.
@@ -166,7 +167,7 @@ def verify_towers_main(args) -> int:
     check_towers(cfg, towers[0])
     preflight.for_evaluation(cfg)
     process.import_tensorflow(args.debug)
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
     from seg_train.bench import verify
     with process.quiet_stderr(args.debug):
         devices = replicas.setup_devices(towers[0])

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import traceback
 
-from seg_train.util import exit_codes, preflight
+from seg_train.util import exit_codes
+from seg_train.cli import preflight
 from seg_train.config import ConfigError, without_reprs
 # Imported before _end_process is registered, so feed's exit hook runs after it: never, in a command.
 from seg_train.data import feed  # noqa: F401
@@ -236,7 +237,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def setup(args, run_dir_flag=None, checks=None):
-    """Loads the config (no TF), runs `checks(cfg)` (seg_train.util.preflight, no TF), imports TF quietly,
+    """Loads the config (no TF), runs `checks(cfg)` (seg_train.cli.preflight, no TF), imports TF quietly,
     picks devices and builds the strategy."""
     from seg_train import config as config_lib
     setup_logging(args.debug)
@@ -248,7 +249,7 @@ def setup(args, run_dir_flag=None, checks=None):
     if checks is not None:
         checks(cfg)
     import_tensorflow(args.debug)
-    from seg_train.dist import replicas
+    from seg_train.parallel import replicas
     if getattr(args, "workers", None):
         replicas.set_cluster(args.workers, args.worker_index)
     t = cfg.train

@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from seg_train.cli import process
-from seg_train.util import exit_codes, preflight
+from seg_train.util import exit_codes
+from seg_train.cli import preflight
 
 
 def train_main(argv=None) -> int:

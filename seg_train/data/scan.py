@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seg_train.train import losses
+from seg_train.data import class_weights
 from seg_train.util.progress import progress_bar, shown
 from seg_train.config import Config, ConfigError, exception_text
 from seg_train.data import decode, files, scan_cache
@@ -301,11 +301,11 @@ def _combine(cfg: Config, strategy, splits, shares: list[ScanReport], index: int
 
 def class_weights_for_split(cfg: Config, reader: ImageReader, report: ScanReport | None = None,
                             class_names=None):
-    """The loss.class_weights that seg-train and seg-bench train with on `reader`'s split (losses.class_weights_for).
+    """The loss.class_weights that seg-train and seg-bench train with on `reader`'s split (data/class_weights.py).
 
     `report`: the split's scan if the caller has one; without it the split is scanned only when the
     weights need pixel counts (median_frequency).
     """
     if report is None and isinstance(cfg.loss.class_weights, str):
         report = scan(reader.samples, cfg.data.num_classes, cfg.data.ignore_label, label_table=reader.label_table)
-    return losses.class_weights_for(cfg, report, class_names)
+    return class_weights.class_weights_for(cfg, report, class_names)

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from seg_train.util import preflight
+from seg_train.data import checks
 from seg_train.config import Config, ConfigError
 from seg_train.data import files, labels, layouts, synthetic
 from seg_train.data.label_images import load_class_names
@@ -72,7 +72,7 @@ def _generate_synthetic(cfg: Config) -> None:
     """Generates the synthetic demo data set at data.root if the config asks for it and it is incomplete."""
     if not cfg.data.synthetic:
         return
-    preflight.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
+    checks.check_synthetic_data(cfg)  # a clear error for a folder that is in the way or read-only
     if not (Path(cfg.data.root) / synthetic.COMPLETE_MARKER).exists():
         log.info("generating the synthetic demo data set in %s", cfg.data.root)
     try:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.infer import modes
-from seg_train.util import preflight
+from seg_train.util.paths import check_creatable_dir
 from seg_train.config import Config
 from seg_train.infer.metrics import format_table, metrics_to_json
 from seg_train.data.split import open_split
 from seg_train.infer.load import load_evaluator, run_dir_of
-from seg_train.train.rundir import write_json
+from seg_train.run.rundir import write_json
 
 log = logging.getLogger("seg_train")
 
@@ -35,7 +35,7 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
     split = split or cfg.data.val_split
     # The JSON goes next to the checkpoint's run dir: check it can be written before the work.
     out_dir = run_dir_of(os.path.abspath(ckpt_lib.resolve(checkpoint))) / "eval"
-    preflight.check_creatable_dir(out_dir, "eval output folder", "write access to the checkpoint's run dir")
+    check_creatable_dir(out_dir, "eval output folder", "write access to the checkpoint's run dir")
     opened = open_split(cfg, split)
     reader, names = opened.reader, opened.class_names
     evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)

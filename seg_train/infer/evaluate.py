@@ -27,7 +27,7 @@ from seg_train.infer.precise_bn import PreciseBN
 from seg_train.infer.serving import serving_module
 from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader
-from seg_train.train.towers import TowerPass
+from seg_train.parallel.towers import TowerPass
 
 
 # ---- the evaluation itself ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ def check_output(path: str | os.PathLike, force: bool) -> Path:
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ConfigError("output folder is not empty", str(out),
                           "expected a new or empty folder (pass --force to replace it)")
-    from seg_train.util.preflight import check_creatable_dir
+    from seg_train.util.paths import check_creatable_dir
     check_creatable_dir(out, "output folder", "choose another --output")
     # The SavedModel is written beside `out` and renamed into place: the parent must be writable too.
     parent = Path(os.path.abspath(out)).parent

@@ -216,8 +216,8 @@ def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, thre
     """seg-eval --model FILE.tflite: evaluates the file in LiteRT, prints the table, writes FILE.eval-<split>.json."""
     from seg_train.infer.eval_checkpoint import _split_tag
     from seg_train.infer.metrics import format_table
-    from seg_train.util.preflight import check_creatable_dir
-    from seg_train.train.rundir import write_json
+    from seg_train.util.paths import check_creatable_dir
+    from seg_train.run.rundir import write_json
 
     split = split or cfg.data.val_split
     model = TFLiteModel(model_path, threads)

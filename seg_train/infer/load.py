@@ -12,13 +12,13 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
 from seg_train.infer import modes
 from seg_train.data.split import class_names_of
 from seg_train.infer.evaluate import Evaluator
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 
 log = logging.getLogger("seg_train")
 
@@ -46,7 +46,7 @@ def inference_class_weights(cfg: Config, prefix: str, class_names: list[str] | N
         return None
     if isinstance(cfg.loss.class_weights, list):
         return cfg.loss.class_weights
-    from seg_train.train.rundir import read_class_weights
+    from seg_train.run.rundir import read_class_weights
 
     names = class_names if class_names is not None else class_names_of(cfg)
     return read_class_weights(run_dir_of(prefix), names, cfg.loss.class_weights)

@@ -33,7 +33,7 @@ from seg_train import models
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.data.feed import Feed
 from seg_train.data.split import open_split, train_dataset_fn
-from seg_train.train.towers import TowerPass
+from seg_train.parallel.towers import TowerPass
 
 log = logging.getLogger("seg_train")
 

@@ -23,7 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from seg_train.util.progress import progress_bar
 from seg_train.config import Config, ConfigError
 from seg_train.data.label_images import save_index_png, voc_colormap
-from seg_train.train.rundir import write_atomic
+from seg_train.run.rundir import write_atomic
 
 log = logging.getLogger("seg_train")
 
@@ -100,7 +100,7 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise ConfigError("output is a file", str(out), "expected a folder for the predictions (created if missing)")
-    from seg_train.util.preflight import check_creatable_dir
+    from seg_train.util.paths import check_creatable_dir
     check_creatable_dir(out, "output folder", "choose another --output")
     return out
 

@@ -34,7 +34,7 @@ QUANTIZATIONS = ("none", "float16", "int8")
 
 def check_output_file(path: str | os.PathLike, force: bool) -> Path:
     """The .tflite path: new, or an existing file with `force`; never a folder."""
-    from seg_train.util.preflight import check_creatable_dir
+    from seg_train.util.paths import check_creatable_dir
 
     out = Path(path)
     if out.suffix != ".tflite":
@@ -214,7 +214,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     from seg_train.infer import modes
     from seg_train.infer.load import load_evaluator
     from seg_train.util.progress import progress_bar
-    from seg_train.train.rundir import write_atomic, write_json
+    from seg_train.run.rundir import write_atomic, write_json
 
     if quantize not in QUANTIZATIONS:
         raise ConfigError("invalid --quantize", "--quantize", f"one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
@@ -285,7 +285,7 @@ def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: 
     """seg-export --check: the exported file and (if quantized) the float32 conversion of the same model,
     both evaluated in LiteRT on data.val_split; prints them side by side. Returns the records."""
     from seg_train.infer.litert import TFLiteModel, evaluate_file, read_sidecar, sidecar_path
-    from seg_train.train.rundir import write_json
+    from seg_train.run.rundir import write_json
 
     split = cfg.data.val_split
     rows = []

@@ -47,7 +47,7 @@ def sample_ids(step, micro, tower, rows: int, towers: int, micro_batches: int):
     return first + tf.range(rows, dtype=tf.int64)
 
 
-def _salt(seed: int, name: str) -> int:
+def salt(seed: int, name: str) -> int:
     """A 63-bit number for (run seed, layer name): the second half of every stateless seed the layer uses."""
     digest = hashlib.sha256(f"seg_train/{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -60,8 +60,8 @@ def _row_uniform(row_shape, name: str):
     if keys is None:
         return None
     ids, seed = keys
-    salt = tf.constant(_salt(seed, name), tf.int64)
-    return tf.stack([tf.random.stateless_uniform(row_shape, tf.stack([k, salt])) for k in tf.unstack(ids)])
+    salted = tf.constant(salt(seed, name), tf.int64)
+    return tf.stack([tf.random.stateless_uniform(row_shape, tf.stack([k, salted])) for k in tf.unstack(ids)])
 
 
 def _kept(x, rate: float, row_shape, name: str):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from seg_train.dist import collectives
+from seg_train.parallel import collectives
 from seg_train.models.fused_bn import FusedBatchNormalization
 
 @keras.saving.register_keras_serializable(package="seg_train")

@@ -7,7 +7,7 @@ from pathlib import Path
 import tensorflow as tf
 import yaml
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError

@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from seg_train.train import loss_scale
-from seg_train.train.rundir import write_json
+from seg_train.run import loss_scale
+from seg_train.run.rundir import write_json
 from seg_train.util.sysinfo import seconds_since_launch
 
 if TYPE_CHECKING:
     from seg_train.config import Config
-    from seg_train.train.state import TrainState
+    from seg_train.run.state import TrainState
     from seg_train.train.summaries import Summaries
 
 log = logging.getLogger("seg_train")

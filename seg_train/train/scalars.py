@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from seg_train.dist import collectives
+from seg_train.parallel import collectives
 
 
 class TowerScalars(NamedTuple):
@@ -20,6 +20,7 @@ class TowerScalars(NamedTuple):
     grad_sq: tf.Tensor  # the squared norm of its gradient sum
     finite: tf.Tensor  # 1.0 when its loss and gradient are finite
     bn_finite: tf.Tensor  # 1.0 when its new BN statistics are finite
+    stop: tf.Tensor  # 1.0 when its process asks the group to stop after this step (a signal)
 
     @staticmethod
     def size(num_towers: int) -> int:

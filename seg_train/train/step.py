@@ -1,14 +1,14 @@
 """The one-graph multi-tower train step on a TrainState (state.py): used by seg-train, seg-bench and tests.
 
 One step is one optimizer update in ONE tf.function over the strategy. Each tower runs the tower
-pass (towers.py): for each of its K micro-batches (train.accumulate_steps), a stateless forward (BN
-statistics come back as values, assigned only if the update is finite), the loss sum and normaliser
-(losses.py) and the backward pass. Then ONE all-reduce (SUM) of flat packs: gradients, BN statistics /
+pass (parallel/towers.py): for each of its K micro-batches (train.accumulate_steps), the objective's stateless
+forward (BN statistics come back as values, assigned only if the update is finite), its loss sum and normaliser
+(objectives/) and the backward pass. Then ONE all-reduce (SUM) of flat packs: gradients, BN statistics /
 (K * towers) and per-tower scalars (scalars.py); then the update (update.py), the same on every tower.
 
 Every loss sum is divided by the normaliser of ALL micro-batches on all towers, so K micro-batches on
-N towers equal one step on K x N towers (tests/test_gradients.py). The EoMT head's loss
-(eomt_step.py) divides by label totals of the whole global batch, all-reduced before the tower pass.
+N towers equal one step on K x N towers (tests/test_gradients.py). What an objective needs from the whole
+global batch (the mask-classification loss's label totals) it gathers before the tower pass (`prepare`).
 With synchronized BN the tower pass is traced per tower and micro-batches are unrolled in Python:
 MirroredStrategy refuses a cross-tower reduction inside a tf.while_loop.
 """
@@ -18,17 +18,15 @@ import functools
 import math
 from typing import NamedTuple
 
-import numpy as np
 import tensorflow as tf
 
-from seg_train.dist import collectives
-from seg_train.train import losses
 from seg_train.config import ConfigError
 from seg_train.models import stochastic
-from seg_train.train.eomt_step import EomtObjective
+from seg_train.objectives import objective_for
+from seg_train.parallel import collectives
+from seg_train.parallel.towers import TowerPass
+from seg_train.run.state import TrainState
 from seg_train.train.scalars import TowerScalars
-from seg_train.train.state import TrainState
-from seg_train.train.towers import TowerPass
 from seg_train.train.update import Reduced, Update
 
 
@@ -62,7 +60,7 @@ class ProbeResult(NamedTuple):
 
 class _Traced(NamedTuple):
     """The tower pass and the update traced for one per-tower input shape, and that shape's pixel scale."""
-    tower: object  # f(images, labels, loss_scale, tower_index, stop, want_preds, step) (towers.TowerPass.trace)
+    tower: object  # f(images, labels, loss_scale, tower_index, stop, want_preds, step, context) (TowerPass.trace)
     update: object  # f(packs, lr, t, loss_scale, scale_back, want_details, apply_update) (update.Update.trace)
     pixel_scale: float
 
@@ -81,8 +79,8 @@ class TrainStep:
     """The compiled train step for a TrainState built with its optimizer.
 
     Calling it makes one update: `TrainStep(state)(batch, lr)`. Everything it holds is fixed when it
-    is built; nothing is set on it while tracing. `class_weights`: losses.class_weights_for's, needed
-    when loss.class_weights names a scheme.
+    is built; nothing is set on it while tracing. `class_weights`: data.class_weights.class_weights_for's, needed
+    when loss.class_weights names a scheme (objectives.PerPixel).
     """
 
     def __init__(self, state: TrainState, class_weights=None):
@@ -93,14 +91,9 @@ class TrainStep:
             raise ConfigError("invalid combination", "train.jit_compile",
                               "false with model.sync_batchnorm: true (synchronized BN all-reduces inside the "
                               "forward pass, which cannot be XLA-compiled per tower)")
-        if class_weights is None and cfg.loss.class_weights is not None:
-            if isinstance(cfg.loss.class_weights, str):
-                raise ConfigError("class weights not computed", "loss.class_weights",
-                                  "the weights from the train split's histogram (losses.class_weights_for)")
-            class_weights = cfg.loss.class_weights
         self.state, self.cfg, self.strategy = state, cfg, state.strategy
         self.num_replicas = state.num_replicas
-        self.class_weights = None if class_weights is None else np.asarray(class_weights, np.float32)
+        self.objective = objective_for(state.model, cfg, class_weights)
         self.accumulate = cfg.train.accumulate_steps
         pack_bytes = int(cfg.train.allreduce_pack_mb * 2 ** 20)
         self._grad_layout = collectives.pack_layout([v.shape for v in state.variables], pack_bytes)
@@ -109,39 +102,29 @@ class TrainStep:
                                      state.non_trainable, per_tower=state.per_tower_trace,
                                      jit_compile=cfg.train.jit_compile or None)
         self._update = Update(state, self._grad_layout, self._state_layout)
-        self._eomt = EomtObjective(state.model, cfg) if cfg.model.head == "eomt" else None
         self._step_fn = tf.function(self._train_step)
         self._probe_fn = tf.function(self._probe)
 
     # ---- the tower: forward and backward over the micro-batches --------------------------------------
-    def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids, step, totals):
+    def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids, step, context):
         """One micro-batch: (gradients of loss_sum * scale, new BN statistics, loss_sum, normalizer, preds).
-        `sample_ids` seed each row's dropout masks (models/stochastic.py); `step` and `totals` (the global
-        label totals, eomt_step.py) serve the EoMT head."""
-        cfg = self.cfg
-        with tf.GradientTape() as tape, stochastic.per_sample(sample_ids, cfg.seed):
+        `sample_ids` seed each row's random draws (models/stochastic.py); `step` (the data position) and
+        `context` (the objective's `prepare`) go to the objective."""
+        with tf.GradientTape() as tape, stochastic.per_sample(sample_ids, self.cfg.seed):
             tape.watch(tv)
-            if self._eomt is not None:
-                loss_sum, normalizer, new_state, logits_fn = self._eomt.micro(tv, st, images, labels, sample_ids,
-                                                                              step, totals)
-            else:
-                logits, new_state = self.state.model.stateless_call(tv, st, images, training=True)
-                logits_fn = lambda: logits  # noqa: E731
-                loss_sum, normalizer = losses.objective_sum(
-                    logits, labels, cfg.data.ignore_label, self.class_weights, cfg.loss.top_k_percent_pixels,
-                    cfg.loss.term_weights(), cfg.loss.ohem_threshold, cfg.loss.ohem_min_kept)
-            scaled = loss_sum * scale
+            micro = self.objective.micro(tv, st, images, labels, sample_ids, step, context)
+            scaled = micro.loss_sum * scale
         grads = tape.gradient(scaled, tv, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         grads = [tf.cast(g, tf.float32) for g in grads]
-        bn = [new_state[i] for i in self.state.bn_positions]
+        bn = [micro.new_state[i] for i in self.state.bn_positions]
         if want_preds is None:
             preds = None
         else:
-            preds = tf.cond(want_preds, lambda: tf.cast(tf.argmax(logits_fn(), axis=-1), tf.uint8),
-                            lambda: tf.zeros(tf.shape(labels), tf.uint8))
-        return grads, bn, loss_sum, normalizer, preds
+            preds = tf.cond(want_preds, lambda: tf.cast(tf.argmax(micro.predict(), axis=-1), tf.uint8),
+                            lambda: tf.zeros(tf.shape(images)[:3], tf.uint8))
+        return grads, bn, micro.loss_sum, micro.normalizer, preds
 
-    def _tower(self, tv, st, images, labels, loss_scale, tower_index, stop, want_preds, step, totals,
+    def _tower(self, tv, st, images, labels, loss_scale, tower_index, stop, want_preds, step, context,
                unrolled: bool):
         """One tower's share of the update: the flat packs to all-reduce, and its predictions.
 
@@ -159,10 +142,11 @@ class TrainStep:
             return stochastic.sample_ids(step, m, tower_index, b, n, k)
 
         grads, bn, loss_sum, norm, preds = self._micro(tv, st, images[0], labels[0], scale, want_preds, ids(0),
-                                                       step, totals)
+                                                       step, context)
         if k > 1:
             def body(m, grads, bn, loss_sum, norm):
-                g, s, micro_loss, z, _ = self._micro(tv, st, images[m], labels[m], scale, None, ids(m), step, totals)
+                g, s, micro_loss, z, _ = self._micro(tv, st, images[m], labels[m], scale, None, ids(m), step,
+                                                     context)
                 return (m + 1, [a + x for a, x in zip(grads, g)], [a + x for a, x in zip(bn, s)],
                         loss_sum + micro_loss,
                         norm + z)
@@ -184,9 +168,8 @@ class TrainStep:
         # would poison every later evaluation, so it vetoes the update too.
         bn_finite = tf.cast(tf.reduce_all([tf.reduce_all(tf.math.is_finite(p)) for p in bn_packs]), tf.float32) \
             if bn_packs else tf.constant(1.0)
-        row = TowerScalars(loss_sum, norm, grad_sq, finite, bn_finite).pack(tower_index, n)
-        scalars = tf.concat([row, tf.reshape(tf.cast(stop, tf.float32), [1])], axis=0)
-        return grad_packs + bn_packs + [scalars], preds
+        scalars = TowerScalars(loss_sum, norm, grad_sq, finite, bn_finite, tf.cast(stop, tf.float32))
+        return grad_packs + bn_packs + [scalars.pack(tower_index, n)], preds
 
     # ---- the step ------------------------------------------------------------------------------------
     def _tower_shape(self, images) -> tf.TensorShape:
@@ -201,13 +184,14 @@ class TrainStep:
                 shape[1:])
         return shape
 
-    def _trace(self, images) -> _Traced:
+    def _trace(self, images, labels) -> _Traced:
         """The tower pass and the update for this per-tower input shape, traced in cross-replica context."""
         shape = self._tower_shape(images)
+        label_shape = shape[:1].concatenate(labels.shape[1:])
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
-        tower = self._tower_pass.trace(tf.TensorSpec(shape, images.dtype), tf.TensorSpec(shape[:3], tf.uint8),
+        tower = self._tower_pass.trace(tf.TensorSpec(shape, images.dtype), tf.TensorSpec(label_shape, labels.dtype),
                                        scalar(tf.float32), scalar(tf.int32), scalar(tf.bool), scalar(tf.bool),
-                                       scalar(tf.int64), tf.TensorSpec([2], tf.float32))
+                                       scalar(tf.int64), self.objective.context_spec())
         k = self.accumulate
         return _Traced(tower, self._update.trace(), pixel_scale(shape[0] // k, shape[1], shape[2]))
 
@@ -215,12 +199,11 @@ class TrainStep:
                  apply_update=True):
         """One tower's part of the step (replica context): (its update.Reduced, its predictions)."""
         shape = self._tower_shape(images)
-        images, labels = tf.ensure_shape(images, shape), tf.ensure_shape(labels, shape[:3])
-        # EoMT's loss divides by label totals of the whole global batch: summed over the towers first (eomt_step.py).
-        totals = collectives.all_reduce_sum([self._eomt.local_totals(labels)])[0] if self._eomt is not None \
-            else tf.zeros([2])
+        images = tf.ensure_shape(images, shape)
+        labels = tf.ensure_shape(labels, shape[:1].concatenate(labels.shape[1:]))
+        context = self.objective.prepare(labels)  # what the objective needs from the whole global batch
         packs, preds = traced.tower(images, labels, loss_scale, collectives.replica_id(), stop, want_images, step,
-                                    totals)
+                                    context)
         packs = collectives.all_reduce_sum(packs)
         out = traced.update(packs, lr, t, loss_scale, tf.constant(traced.pixel_scale, tf.float32), want_images,
                             tf.constant(apply_update))
@@ -236,7 +219,7 @@ class TrainStep:
         """
         images, labels = batch
         s, st = self.strategy, self.state
-        traced = self._trace(s.experimental_local_results(images)[0])
+        traced = self._trace(s.experimental_local_results(images)[0], s.experimental_local_results(labels)[0])
         t = tf.cast(st.optimizer.iterations + 1, tf.float32)
         loss_scale = tf.identity(st.loss_scale)
         out, preds = s.run(functools.partial(self._replica, traced),
@@ -269,7 +252,7 @@ class TrainStep:
             applied=applied,
             global_norm=first(out.global_norm),
             clipped=first(out.clipped),
-            stop=first(out.stop) > 0.5,
+            stop=tf.reduce_sum(towers.stop) > 0.5,
             loss_scale=tf.identity(st.loss_scale),
             loss_scale_used=loss_scale_used,
             preds=tuple(s.experimental_local_results(preds)),
@@ -279,7 +262,7 @@ class TrainStep:
     def _probe(self, batch) -> ProbeResult:
         images, labels = batch
         s, st = self.strategy, self.state
-        traced = self._trace(s.experimental_local_results(images)[0])
+        traced = self._trace(s.experimental_local_results(images)[0], s.experimental_local_results(labels)[0])
         t = tf.cast(st.optimizer.iterations + 1, tf.float32)
         out, _ = s.run(functools.partial(self._replica, traced, apply_update=False),
                        (images, labels, tf.zeros([2]), t, tf.identity(st.loss_scale), tf.constant(False),

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train.train import checkpoint as ckpt_lib
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.util import exit_codes
 from seg_train.util.progress import progress_bar, shown
 from seg_train import config as config_lib
 from seg_train.train import determinism
-from seg_train.dist import replicas
+from seg_train.parallel import replicas
 from seg_train.infer import evaluate
 from seg_train.infer import modes
 from seg_train.config import Config, ConfigError, check_batch
@@ -32,10 +32,10 @@ from seg_train.data.feed import Feed
 from seg_train.data.reader import ImageReader
 from seg_train.data.split import open_split, train_dataset_fn
 from seg_train.data.scan import class_weights_for_split, scan_for_training
-from seg_train.train.rundir import FIRST_STEP_FILE, RunLock, check_resume_config, write_class_weights, write_json
+from seg_train.run.rundir import FIRST_STEP_FILE, RunLock, check_resume_config, write_class_weights, write_json
 from seg_train.train.summaries import Summaries
 from seg_train.util.sysinfo import peak_rss_mb
-from seg_train.train.state import TrainState
+from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 
 log = logging.getLogger("seg_train")

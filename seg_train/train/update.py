@@ -17,10 +17,10 @@ import keras
 import tensorflow as tf
 
 from seg_train import models
-from seg_train.dist import collectives
-from seg_train.train import losses, param_groups
+from seg_train.parallel import collectives
+from seg_train.models import param_groups
 from seg_train.train.scalars import TowerScalars
-from seg_train.train.towers import handles, read_handle, shared
+from seg_train.parallel.towers import handles, read_handle, shared
 
 
 class Reduced(NamedTuple):
@@ -32,7 +32,6 @@ class Reduced(NamedTuple):
     norm_total: tf.Tensor
     weight_decay: tf.Tensor
     towers: tf.Tensor  # [towers, fields]: every tower's TowerScalars (TowerScalars.table)
-    stop: tf.Tensor
     tower_grad_norm: tf.Tensor
     var_grad_norms: tf.Tensor
     finite_update: tf.Tensor
@@ -129,7 +128,7 @@ class Update:
         cfg = state.cfg
         self.state, self.cfg = state, cfg
         self._grad_layout, self._state_layout = grad_layout, state_layout
-        decay_ids = {id(v) for v in losses.decay_variables(state.model)}
+        decay_ids = {id(v) for v in param_groups.decay_variables(state.model)}
         self._decay = [id(v) in decay_ids for v in state.variables]
         self.slots = slot_variables(state.optimizer, state.variables)
         self._decoupled = decoupled_decay(state.optimizer, state.variables)
@@ -149,7 +148,7 @@ class Update:
         scalar = lambda dtype: tf.TensorSpec([], dtype)  # noqa: E731
         sizes = (collectives.pack_sizes([v.shape for v in st.variables], self._grad_layout)
                  + collectives.pack_sizes([v.shape for v in st.bn_variables], self._state_layout)
-                 + [[TowerScalars.size(n) + 1]])
+                 + [[TowerScalars.size(n)]])
         concrete = self._function.get_concrete_function(
             [tf.TensorSpec(x, tf.float32) for x in sizes], [res] * len(st.variables),
             [[res] * len(s) for s in self.slots], [res] * len(st.non_trainable), [res] * len(st.ema or []),
@@ -169,7 +168,7 @@ class Update:
         n_grad_packs = len(self._grad_layout) if self._grad_layout is not None else len(variables)
         grad_packs, scalars = packs[:n_grad_packs], packs[-1]
         bn = collectives.unpack(packs[n_grad_packs:-1], self._state_layout)
-        table = TowerScalars.table(scalars[:-1], n)
+        table = TowerScalars.table(scalars, n)
         towers = TowerScalars.unpack(table)
         loss_total, norm_total = tf.reduce_sum(towers.loss_sum), tf.reduce_sum(towers.normalizer)
         # The normaliser is 0 only when nothing counts; the gradient is then 0.
@@ -217,7 +216,7 @@ class Update:
                             lambda: tf.sqrt(tf.stack([tf.reduce_sum(tf.square(g)) for g in grads])) / factor,
                             lambda: tf.zeros([len(grads)]))
         return Reduced(applied=applied, global_norm=global_norm, clipped=clipped & applied, loss_total=loss_total,
-                       norm_total=norm_total, weight_decay=weight_decay, towers=table, stop=scalars[-1],
+                       norm_total=norm_total, weight_decay=weight_decay, towers=table,
                        tower_grad_norm=tf.sqrt(towers.grad_sq) * to_mean, var_grad_norms=var_norms,
                        finite_update=finite, gradients=grads, bn_stats=bn)
 

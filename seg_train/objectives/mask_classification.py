@@ -1,12 +1,12 @@
-"""EoMT's part of the train step (step.py calls it in place of the per-pixel loss): the masked-attention
+"""The mask-classification objective (EoMT's; objectives/__init__.py's interface): the masked-attention
 probabilities of the step, each sample's seeds, the forward pass with every intermediate prediction, and the
-mask-classification loss (eomt_loss.py) as the tower's share of the global loss.
+mask-classification loss (mask_loss.py) as the tower's share of the global loss.
 
 Exact over towers and micro-batches: the loss is sum over layers of 2 * class_sum / class_weight + 5 * (mask_sum +
 dice_sum) / mask_count, each a sum over the WHOLE global batch divided by a whole-batch total. Both totals
 depend on the labels only (mask_count: the classes present per image; class_weight: 1 per matched query, which
 is every target, and the no-object weight for the other queries), so the step all-reduces them from the labels
-BEFORE any forward pass (`local_totals`, one tiny collective), and each tower differentiates its own numerators
+BEFORE any forward pass (`prepare`, one tiny collective), and each tower differentiates its own numerators
 over the global totals: the sum of the towers' gradients is the gradient of the global loss, whatever the split.
 (transformers' EomtLoss all-reduces the mask count the same way; its class term is a per-process mean, which
 is not split-invariant; on one process both agree.)
@@ -21,9 +21,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from seg_train.parallel import collectives
 from seg_train.models.eomt import semantic_logits
-from seg_train.models.stochastic import _salt
-from seg_train.train.eomt_loss import EomtLossOptions, eomt_loss_terms, semantic_targets
+from seg_train.objectives import Micro
+from seg_train.models.stochastic import salt as salt_of
+from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, semantic_targets
 
 # The EoMT reference's annealing curve: p = (1 - progress) ** POWER over a block's window.
 POWER = 0.9
@@ -43,14 +45,14 @@ def mask_probabilities(step, windows) -> tf.Tensor:
 def sample_seeds(sample_ids, seed: int, purpose: str) -> tf.Tensor:
     """int32 [b, 2]: (the sample's global counter mod 2^31, a 31-bit salt of the run seed and `purpose`)."""
     ids = tf.cast(tf.math.floormod(tf.cast(sample_ids, tf.int64), 2 ** 31), tf.int32)
-    salt = tf.fill(tf.shape(ids), tf.constant(_salt(seed, f"eomt/{purpose}") % 2 ** 31, tf.int32))
+    salt = tf.fill(tf.shape(ids), tf.constant(salt_of(seed, f"eomt/{purpose}") % 2 ** 31, tf.int32))
     return tf.stack([ids, salt], axis=1)
 
 
-class EomtObjective:
-    """The EoMT loss of one model and config, for the train step."""
+class MaskClassification:
+    """The EoMT loss of one model and config, for the train step (`class_weights`: not used; per-pixel only)."""
 
-    def __init__(self, model, cfg):
+    def __init__(self, model, cfg, class_weights=None):
         self.model, self.seed = model, cfg.seed
         self.windows = [tuple(w) for w in cfg.train.mask_annealing]
         self.queries = cfg.model.num_queries
@@ -62,13 +64,18 @@ class EomtObjective:
         _, num_valid = semantic_targets(labels, self.opts.num_classes)
         return tf.stack([tf.cast(tf.reduce_sum(num_valid), tf.float32), tf.cast(tf.shape(labels)[0], tf.float32)])
 
-    def micro(self, tv, st, images, labels, sample_ids, step, totals):
-        """One micro-batch: (loss_sum, normalizer, new non-trainable values, a function giving its semantic
-        logits: the image summaries' predictions, computed only when asked).
+    def prepare(self, labels) -> tf.Tensor:
+        """`local_totals` summed over every tower (replica context): the loss divides by whole-batch totals."""
+        return collectives.all_reduce_sum([self.local_totals(labels)])[0]
 
-        `totals`: `local_totals` summed over every tower. loss_sum / normalizer summed over the towers and
-        micro-batches is the global loss: loss_sum = (this micro-batch's share) x (global images), normalizer =
-        its rows (module doc)."""
+    def context_spec(self):
+        return tf.TensorSpec([2], tf.float32)
+
+    def micro(self, tv, st, images, labels, sample_ids, step, totals) -> Micro:
+        """One micro-batch (objectives/__init__.py's Micro); its `predict` gives the semantic logits.
+
+        `totals`: `prepare`'s. loss_sum / normalizer summed over the towers and micro-batches is the global loss:
+        loss_sum = (this micro-batch's share) x (global images), normalizer = its rows (module doc)."""
         model = self.model
         mapping = list(zip(model.trainable_variables, tv)) + list(zip(model.non_trainable_variables, st))
         probs = mask_probabilities(step, self.windows)
@@ -86,5 +93,5 @@ class EomtObjective:
                               + (o.mask_weight * terms["mask_sum"] + o.dice_weight * terms["dice_sum"]) / count)
         rows = tf.cast(tf.shape(labels)[0], tf.float32)
         class_logits, mask_logits = predictions[-1]
-        return (share * images_total, rows, new_state,
-                lambda: semantic_logits(class_logits, mask_logits, tf.shape(images)[1:3]))
+        return Micro(share * images_total, rows, new_state,
+                     lambda: semantic_logits(class_logits, mask_logits, tf.shape(images)[1:3]))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+import tensorflow as tf
+
 from seg_train import models
 
 # A ViT block's variables live in layers named block<i>_... (models/vit.py).
@@ -56,3 +58,16 @@ def lr_multipliers(model, backbone_mult: float = 1.0, head_mult: float = 1.0,
             mult *= layer_decay ** (depth - (depth if level is None else level))
         out.append(mult)
     return out
+
+
+def decay_variables(model) -> list:
+    """Conv and dense kernels (depthwise/pointwise included): what weight decay applies to."""
+    names = ("kernel", "depthwise_kernel", "pointwise_kernel")
+    return [v for v in model.trainable_variables if v.name in names]
+
+
+def weight_decay(variables, coefficient: float):
+    """coefficient * sum(l2_loss(kernel)) with l2_loss(x) = sum(x**2) / 2."""
+    if not variables or coefficient == 0:
+        return tf.constant(0.0, tf.float32)
+    return coefficient * tf.add_n([tf.nn.l2_loss(tf.cast(v, tf.float32)) for v in variables])

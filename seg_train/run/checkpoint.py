@@ -14,7 +14,7 @@ from pathlib import Path
 import tensorflow as tf
 
 from seg_train.config import ConfigError, exception_text
-from seg_train.train.rundir import write_json
+from seg_train.run.rundir import write_json
 
 log = logging.getLogger("seg_train")
 

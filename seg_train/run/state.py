@@ -12,11 +12,12 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from seg_train.train import losses, towers
+from seg_train.models import param_groups
+from seg_train.parallel import towers
 from seg_train import models
 from seg_train.config import Config
-from seg_train.train.loss_scale import LossScale
-from seg_train.train.schedule import lr_pair_at
+from seg_train.run.loss_scale import LossScale
+from seg_train.run.schedule import lr_pair_at
 
 
 class TrainState:
@@ -56,7 +57,7 @@ class TrainState:
                     self.optimizer = keras.optimizers.AdamW(learning_rate=t.learning_rate, weight_decay=t.weight_decay)
                     # Decay only the conv and dense kernels, not norms and biases (timm's and mmsegmentation's
                     # rule); kept in Keras' AdamW object, where update.decoupled_decay reads it back.
-                    decayed = {id(v) for v in losses.decay_variables(self.model)}
+                    decayed = {id(v) for v in param_groups.decay_variables(self.model)}
                     self.optimizer.exclude_from_weight_decay(
                         var_list=[v for v in self.model.trainable_variables if id(v) not in decayed])
                 else:

@@ -1,4 +1,4 @@
-"""Checks made before a command does any work, for what a plain install or an ordinary config can miss.
+"""The commands' checks made before any work, for what a plain install or an ordinary config can miss.
 
 Each raises ConfigError rather than letting the command fail part way through. Nothing here imports
 TensorFlow (the checks run before its slow start) or writes anything.
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
-from seg_train.config import Config, ConfigError, exception_text, is_url
+from seg_train.config import Config, ConfigError, exception_text
+from seg_train.data.checks import check_data_root, check_synthetic_data
+from seg_train.util.paths import check_creatable_dir
 
 
 def _requirement(name: str) -> str:
@@ -56,32 +57,6 @@ def _broken(e: Exception, pin: str):
                       f"({type(e).__name__}: {detail})") from None
 
 
-def _nearest_existing(path: Path) -> Path:
-    p = path
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def check_creatable_dir(path: str | os.PathLike, what: str, hint: str) -> Path:
-    """`path` (returned absolute) is a writable folder or can be created as one; nothing is created.
-    `what` names it in the message ("run dir", ...), `hint` says what to do instead."""
-    path = Path(os.path.abspath(path))
-    if path.exists():
-        if not path.is_dir():
-            raise ConfigError(f"{what} is a file", str(path), "a directory (or a path that does not exist yet)")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(f"{what} is not writable", str(path), f"a folder you can write to ({hint})")
-        return path
-    base = _nearest_existing(path.parent)
-    if not base.is_dir():
-        raise ConfigError(f"{what} cannot be created", str(path), f"{base} is a file, not a folder ({hint})")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} cannot be created", str(path),
-                          f"a location you can write to; {base} is not writable ({hint})")
-    return path
-
-
 def check_run_dir(run_dir: str | os.PathLike) -> None:
     """The run dir, and what training rewrites inside an existing one, can be written."""
     hint = "set run_dir or pass --run-dir"
@@ -90,36 +65,6 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
         p = path / name
         if p.exists() and not os.access(p, os.W_OK | (os.X_OK if p.is_dir() else 0)):
             raise ConfigError("run dir is not writable", str(p), f"write access to what seg-train keeps there ({hint})")
-
-
-def check_synthetic_data(cfg: Config) -> None:
-    """With data.synthetic, the demo data set is either complete at data.root or can be generated there."""
-    from seg_train.data.synthetic import COMPLETE_MARKER
-
-    if cfg.data.synthetic and is_url(cfg.data.root):
-        raise ConfigError("synthetic data on a URL", "data.root", f"a local folder for data.synthetic: true "
-                          f"(the demo set is written with local file operations), got {cfg.data.root!r}")
-    root = Path(cfg.data.root)
-    if not cfg.data.synthetic or (root / COMPLETE_MARKER).is_file():
-        return
-    if root.is_dir() and any(root.iterdir()):
-        raise ConfigError("not the synthetic data set", f"data.root: {root}",
-                          f"an empty or new folder for data.synthetic: true (this one has files but no "
-                          f"{COMPLETE_MARKER}; never overwritten), or data.synthetic: false for your own data")
-    check_creatable_dir(root, "synthetic data folder", "set data.root to a folder you can write to")
-
-
-def check_data_root(cfg: Config) -> None:
-    """data.root is a folder (or the synthetic data set can be generated there)."""
-    if cfg.data.synthetic:
-        check_synthetic_data(cfg)
-        return
-    if is_url(cfg.data.root):
-        return  # only TensorFlow's file systems can look: the reader checks it (layouts.list_samples)
-    root = Path(cfg.data.root)
-    if not root.is_dir():
-        raise ConfigError("data root not found", "data.root",
-                          f"expected a {cfg.data.layout}-layout folder, got {str(root)!r}")
 
 
 def for_training(cfg: Config) -> None:

@@ -57,7 +57,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from seg_train.train.matching import batched_linear_sum_assignment
+from seg_train.objectives.matching import batched_linear_sum_assignment
 
 MATCHING, LOSS = 0, 1  # the purposes folded into a sample's seed
 _FLOAT32_MAX = 3.4028234663852886e38
