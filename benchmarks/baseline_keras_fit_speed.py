@@ -62,11 +62,10 @@ def main(args) -> int:
     import keras
 
     from seg_train import models
-    from seg_train.util import sysinfo
-
     from seg_train.bench.machine import machine_info
     from seg_train.bench.train_runner import TrainRunner
     from seg_train.data.split import open_split
+    from seg_train.util import sysinfo
 
     reader = open_split(cfg, cfg.data.train_split).reader
     batch, k, windows = cfg.data.batch_size, args.steps, args.windows

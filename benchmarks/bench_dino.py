@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""seg-train's DINOv3 encoder (models/vit.py) against keras-hub's own DINOV3Backbone: forward, and forward +
+"""seg-train's DINOv3 encoder (models/dino/vit.py) against keras-hub's own DINOV3Backbone: forward, and forward +
 backward, at one fixed square size, in one process, with the same random weights.
 
     python benchmarks/bench_dino.py [--backbone dinov3_vits16] [--size 224] [--batch 2] [--steps 3]
@@ -58,10 +58,11 @@ def _build(name: str, size: int, folder: Path):
     import numpy as np
 
     from benchmarks.random_dino_preset import build
-    from seg_train.models.presets_vit import load_dino_preset
-    from seg_train.models.vit import VARIANTS, dino_encoder
+    from seg_train.config.variants import VIT_VARIANTS
+    from seg_train.models.dino.presets import load_dino_preset
+    from seg_train.models.dino.vit import dino_encoder
 
-    spec = VARIANTS[name]
+    spec = VIT_VARIANTS[name]
     if spec.family != "dinov3":
         raise SystemExit(f"error: --backbone {name}: expected a DINOv3 backbone (keras-hub's DINOV3Backbone)")
     hub = build(name, size)

@@ -75,10 +75,10 @@ def run_case(case: str, backbone: str, size, crop, stride) -> dict:
 
     devices = replicas.setup_devices(1)
     from seg_train import config as config_lib
-    from seg_train.infer.evaluate import Evaluator
     from seg_train.data.split import open_split
-    from seg_train.util.sysinfo import peak_rss_mb
+    from seg_train.infer.evaluate import Evaluator
     from seg_train.run.state import TrainState
+    from seg_train.util.sysinfo import peak_rss_mb
 
     h, w = size
     with tempfile.TemporaryDirectory() as tmp:

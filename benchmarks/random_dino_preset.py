@@ -18,13 +18,13 @@ import sys
 import keras
 import keras_hub
 
-from seg_train.models.presets_vit import check_dino_preset
-from seg_train.models.vit import VARIANTS
+from seg_train.config.variants import VIT_VARIANTS
+from seg_train.models.dino.presets import check_dino_preset
 
 
 def build(name: str, size: int):
     """keras-hub's backbone for the DINO size `name`, in keras-hub's config terms."""
-    spec = VARIANTS[name]
+    spec = VIT_VARIANTS[name]
     common = dict(patch_size=spec.patch, num_layers=spec.depth, hidden_dim=spec.width, num_heads=spec.heads,
                   intermediate_dim=spec.mlp, num_register_tokens=spec.registers,
                   layer_scale_init_value=spec.layer_scale, image_shape=(size, size, 3))
@@ -41,7 +41,7 @@ def build(name: str, size: int):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("output")
-    p.add_argument("--backbone", default="dinov3_vits16", choices=sorted(VARIANTS))
+    p.add_argument("--backbone", default="dinov3_vits16", choices=sorted(VIT_VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", type=int, default=224, help="the image size keras-hub builds for (any; not saved "
                                                          "in the weights seg-train reads)")

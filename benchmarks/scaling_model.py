@@ -110,8 +110,7 @@ def count_seg_model(backbone: str) -> Counts:
     import keras
 
     from seg_train.config import ModelConfig
-    from seg_train.models import build
-    from seg_train.models import batchnorm_layers
+    from seg_train.models import batchnorm_layers, build
     model = build(ModelConfig(backbone=backbone), num_classes=21)
     params = sum(int(math.prod(v.shape)) for v in model.trainable_variables)
     bns = batchnorm_layers(model)

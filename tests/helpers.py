@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
-import yaml
-
-from seg_train import config as config_lib
-from PIL import Image
-import h5py
+import io
+import os
 import re
 import shutil
-import tensorflow as tf
-import io
-from seg_train.data.label_images import save_index_png
-from seg_train.data.label_images import voc_colormap
-import os
 import subprocess
 import sys
-from seg_train.parallel import replicas
+from pathlib import Path
+
+import h5py
+import numpy as np
+import tensorflow as tf
+import yaml
+from PIL import Image
+
+from seg_train import config as config_lib
+from seg_train.data.label_images import save_index_png, voc_colormap
 from seg_train.infer import precise_bn
+from seg_train.parallel import replicas
 
 
 def tiny_config(tmp_path: Path, data_root: Path | str = "data", **sections) -> config_lib.Config:
@@ -438,6 +437,7 @@ def resume_bitwise(config: Path, base: Path, towers: int = 2, step: int = 2, las
     ckpt-`last` is bitwise the uninterrupted run's (the object graph and save counter aside: in one process
     Keras numbers the second run's objects on). Returns the checkpoint's keys."""
     from contextlib import redirect_stderr
+
     from seg_train import cli
 
     def train(run_dir):
@@ -795,7 +795,7 @@ def write_train_config(tmp_path, root, **train):
     return p
 
 
-# ---- MiT sizes written out, not read from seg-train's VARIANTS (a wrong entry would build keras-hub's reference
+# ---- MiT sizes written out, not read from seg-train's MIT_VARIANTS (a wrong entry would build keras-hub's reference
 # with the same mistake): the SegFormer paper's Table 6, the same as the B0 of keras-hub's MiTBackbone /
 # SegFormerBackbone docstrings and the parameter counts of its published mit_b*_ade20k presets
 # (tests/test_segformer.py). Heads and reduction ratios are per stage; a head count off changes no shape.
@@ -908,16 +908,16 @@ EOMT_FIXTURE = Path(__file__).parent / "fixtures" / "eomt_model.npz"
 
 
 def eomt_from_reference(path: Path = EOMT_FIXTURE):
-    """(model, fixture): seg-train's EoMT (models/eomt.py) built with the config numbers of the fixture that
+    """(model, fixture): seg-train's EoMT (models/eomt/eomt.py) built with the config numbers of the fixture that
     scripts/reference_eomt_model.py writes, every weight mapped from its transformers name onto ours (each
     fixture weight used exactly once, each of our variables set exactly once)."""
-    from seg_train.models.eomt import eomt
-    from seg_train.models.vit import Variant
+    from seg_train.config.variants import ViTVariant
+    from seg_train.models.eomt.eomt import eomt
 
     z = np.load(path)
     cfg = {k[len("config/"):]: z[k].item() for k in z.files if k.startswith("config/")}
     c, depth = cfg["hidden_size"], cfg["num_hidden_layers"]
-    spec = Variant("dinov2", cfg["patch_size"], c, depth, cfg["num_attention_heads"], c * cfg["mlp_ratio"],
+    spec = ViTVariant("dinov2", cfg["patch_size"], c, depth, cfg["num_attention_heads"], c * cfg["mlp_ratio"],
                    registers=cfg["num_register_tokens"], layer_scale=cfg["layerscale_value"],
                    pos_grid=cfg["image_size"] // cfg["patch_size"], cls_position=False)
     assert spec.epsilon == cfg["layer_norm_eps"]

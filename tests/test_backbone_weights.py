@@ -15,23 +15,21 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from seg_train.objectives import pixel_losses as losses
-from seg_train import models
-from seg_train.parallel import replicas
-
-from seg_train.infer import precise_bn
-
-from seg_train.data import synthetic
 from seg_train import config as config_lib
+from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
-from seg_train.config.backbones import BACKBONE_NORMALIZATION
+from seg_train.config.variants import BACKBONE_NORMALIZATION
+from seg_train.data import synthetic
+from seg_train.infer import precise_bn
+from seg_train.objectives import pixel_losses as losses
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import PUBLISHED_FILES
-from tests.helpers import open_reader, random_batch, tiny_config
-from tests.helpers import (
-    perturb as _perturb, read_h5 as _read_h5, short_weight_name as _short, weighted_layers as _weighted_layers
-)
+from tests.helpers import PUBLISHED_FILES, open_reader, random_batch, tiny_config
+from tests.helpers import perturb as _perturb
+from tests.helpers import read_h5 as _read_h5
+from tests.helpers import short_weight_name as _short
+from tests.helpers import weighted_layers as _weighted_layers
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

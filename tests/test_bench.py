@@ -64,7 +64,7 @@ def test_bench_json_tiny(tiny_cfg):
     assert 0.0 <= out["input_wait_fraction"] <= 1.0
     assert positive(out["flops_utilization"]) and positive(out["peak_gflops"]) and positive(out["achieved_gflops"])
     assert positive(out["peak_rss_mb"])
-    # Precise BN, evaluation and the cross-tower share, per tower count (issue contract keys).
+    # Precise BN, evaluation and the cross-tower share, per tower count (the JSON keys users read).
     for t in out["towers"]:
         assert positive(t["bn_reestimate_s"]) and t["bn_reestimate_images"] == 8
         assert positive(t["eval_images_per_sec"]) and t["eval_images"] == 2

@@ -1,4 +1,4 @@
-"""benchmarks/bench_deploy.py's report: int8 verdicts against the issue's targets, checked on numbers worked by hand."""
+"""benchmarks/bench_deploy.py's report: int8 verdicts against the size and speed targets, on numbers worked by hand."""
 
 import importlib.util
 from pathlib import Path

@@ -13,16 +13,13 @@ import pytest
 import tensorflow as tf
 
 from seg_train import models
-from seg_train.parallel import replicas
-
-from seg_train.infer import precise_bn
-
 from seg_train.data import synthetic
+from seg_train.infer import precise_bn
 from seg_train.infer.metrics import compute_metrics
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import confusion_matrix, open_reader, tiny_config, train_batches
-from tests.helpers import global_batches, population
+from tests.helpers import confusion_matrix, global_batches, open_reader, population, tiny_config, train_batches
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

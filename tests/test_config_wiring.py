@@ -42,16 +42,14 @@ import yaml
 from PIL import Image
 
 from seg_train import cli, models
-from seg_train.parallel import replicas
 from seg_train import config as config_lib
 from seg_train.config.schema import leaf_fields
 from seg_train.data import synthetic
 from seg_train.models.sync_bn import SyncBatchNormalization
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import random_batch, tiny_config
-from tests.helpers import WIRED_DATA
-from tests.helpers import dice_numpy, lovasz_numpy, softmax64
+from tests.helpers import WIRED_DATA, dice_numpy, lovasz_numpy, random_batch, softmax64, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -296,7 +294,8 @@ def _first_batch(cfg):
 
 
 def _sqrt_median_frequency(root: Path) -> np.ndarray:
-    """SegNet's weights, square-rooted, from the train split's label PNGs counted with numpy (README, Loss options)."""
+    """SegNet's weights, square-rooted, from the train split's label PNGs counted with numpy (docs/GUIDE.md,
+    "Loss options")."""
     ids = (root / "ImageSets" / "Segmentation" / "train.txt").read_text().split()
     class_px, image_px = np.zeros(CLASSES), np.zeros(CLASSES)
     for i in ids:

@@ -3,8 +3,8 @@ load_sample for bad files, and a data root on a TensorFlow file system (ram://) 
 tf.io.gfile."""
 
 import io
-import os
 import logging
+import os
 import re
 import uuid
 
@@ -16,8 +16,8 @@ from PIL import Image
 from seg_train.cli import user_error
 from seg_train.data import decode
 from seg_train.data.label_images import save_index_png, voc_colormap
-from seg_train.data.split import class_names_of
 from seg_train.data.scan import scan
+from seg_train.data.split import class_names_of
 from tests.helpers import open_reader, tiny_config
 
 
@@ -277,10 +277,11 @@ def test_cityscapes_on_ram_lists_like_on_disk_and_maps_labels_in_the_graph(tmp_p
     TensorFlow: no sample falls back to Pillow (which would hide a wrong map in the graph, only slower).
     A labelId with no mapping is named in one line, as load_sample names it."""
     from seg_train.data import layouts
-    from tests.helpers import (
-        LAYOUT_H as H, LAYOUT_W as W, load_layout as load, make_cityscapes_tree as make_cityscapes,
-        mapped_label as mapped
-    )
+    from tests.helpers import LAYOUT_H as H
+    from tests.helpers import LAYOUT_W as W
+    from tests.helpers import load_layout as load
+    from tests.helpers import make_cityscapes_tree as make_cityscapes
+    from tests.helpers import mapped_label as mapped
 
     local = tmp_path / "cityscapes"
     make_cityscapes(local, np.random.default_rng(0))

@@ -19,7 +19,7 @@ import pytest
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
-from seg_train.models.backbones import build_backbone
+from seg_train.models.cnn.backbones import build_backbone
 from seg_train.models.layer_choice import LayerChoice
 from tests.helpers import bilinear_resize
 from tests.helpers import perturb as _perturb

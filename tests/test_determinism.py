@@ -5,10 +5,10 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
-from seg_train.train import determinism
-from seg_train.parallel import replicas
 from seg_train.config import ConfigError
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
+from seg_train.train import determinism
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config
 

@@ -1,4 +1,4 @@
-"""The DINOv3 / DINOv2 encoders (models/vit.py) and their preset loader (models/presets_vit.py) held to
+"""The DINOv3 / DINOv2 encoders (models/dino/vit.py) and their preset loader (models/dino/presets.py) held to
 keras-hub's own DINOV3Backbone and DINOV2Backbone: keras-hub builds small configs with random weights
 (every LayerNorm, layer scale, token and position array away from its initial value), `save_to_preset`
 writes the directory as users download it, seg-train loads it, and every chosen block's patch tokens must
@@ -22,20 +22,21 @@ import pytest
 import tensorflow as tf
 
 from seg_train.config import ConfigError
-from seg_train.models import vit
-from seg_train.models.presets_vit import check_dino_preset, load_dino_preset
+from seg_train.config.variants import VIT_VARIANTS, ViTVariant, four_blocks, swiglu_width
+from seg_train.models.dino import vit
+from seg_train.models.dino.presets import check_dino_preset, load_dino_preset
+from seg_train.models.dino.vit import dino_encoder
 from seg_train.models.stochastic import per_sample
-from seg_train.models.vit import VARIANTS, Variant, dino_encoder
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: takes seconds per test (keras-hub builds, traced steps)
 
-V3 = Variant("dinov3", 16, 32, 3, 2, 64, registers=2, key_bias=False, layer_scale=0.5)
-V3_GATED = Variant("dinov3", 16, 48, 2, 4, 64, registers=4, gated=True, activation="silu", key_bias=False)
-V2 = Variant("dinov2", 14, 32, 3, 2, 64, pos_grid=4)
-V2_REG = Variant("dinov2", 14, 48, 2, 4, 96, registers=2, gated=True, pos_grid=5, antialias=True)
+V3 = ViTVariant("dinov3", 16, 32, 3, 2, 64, registers=2, key_bias=False, layer_scale=0.5)
+V3_GATED = ViTVariant("dinov3", 16, 48, 2, 4, 64, registers=4, gated=True, activation="silu", key_bias=False)
+V2 = ViTVariant("dinov2", 14, 32, 3, 2, 64, pos_grid=4)
+V2_REG = ViTVariant("dinov2", 14, 48, 2, 4, 96, registers=2, gated=True, pos_grid=5, antialias=True)
 
 
-def _hub_kwargs(spec: Variant) -> dict:
+def _hub_kwargs(spec: ViTVariant) -> dict:
     common = dict(patch_size=spec.patch, num_layers=spec.depth, hidden_dim=spec.width, num_heads=spec.heads,
                   intermediate_dim=spec.mlp, num_register_tokens=spec.registers,
                   layer_scale_init_value=spec.layer_scale)
@@ -47,7 +48,7 @@ def _hub_kwargs(spec: Variant) -> dict:
                 antialias_in_interpolation=spec.antialias)
 
 
-def _hub(spec: Variant, shape, norm=False, **extra):
+def _hub(spec: ViTVariant, shape, norm=False, **extra):
     cls = keras_hub.models.DINOV3Backbone if spec.family == "dinov3" else keras_hub.models.DINOV2Backbone
     return cls(**_hub_kwargs(spec), image_shape=(*shape, 3), apply_layernorm=norm, **extra)
 
@@ -171,7 +172,7 @@ def test_position_resize_is_keras_hubs(antialias):
 def _count(spec):
     """Our parameter count by shape (vit.py's layers), for sizes too big to build here."""
     c, m = spec.width, spec.mlp
-    s = vit.swiglu_width(m)
+    s = swiglu_width(m)
     if spec.family == "dinov2" and spec.gated:
         mlp = c * 2 * s + 2 * s + s * c + c
     else:
@@ -201,14 +202,14 @@ def test_variant_table_matches_keras_hubs_presets():
     from keras_hub.src.models.dinov3.dinov3_presets import backbone_presets as v3_presets
 
     for name in ("dinov3_vits16plus",):
-        spec = VARIANTS[name]
+        spec = VIT_VARIANTS[name]
         hub = _hub(spec, (spec.patch * 2, spec.patch * 2))
         skipped = spec.width + (hub.embeddings.interpolated_position_embeddings.numpy().size
                                 if spec.family == "dinov2" else 0)
         ours = dino_encoder(name, layers=(spec.depth,))
         assert ours.count_params() == hub.count_params() - skipped == _count(spec), name
     hub_names = {"s": "small", "b": "base", "l": "large", "g": "giant"}
-    for name, spec in VARIANTS.items():
+    for name, spec in VIT_VARIANTS.items():
         if spec.family == "dinov2":
             size = hub_names[name[len("dinov2_vit")]]
             preset = f"dinov2_with_registers_{size}" if name.endswith("_reg") else f"dinov2_{size}"
@@ -226,7 +227,7 @@ def test_other_presets_refused_before_building(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.json.*DINOV3Backbone") as e:
         check_dino_preset(d, V3)
     assert "\n" not in str(e.value)
-    bigger = Variant("dinov2", 14, 64, 3, 2, 64, pos_grid=4)
+    bigger = ViTVariant("dinov2", 14, 64, 3, 2, 64, pos_grid=4)
     with pytest.raises(ConfigError, match=r"config\.json.*hidden_dim 64 \(got 32\)"):
         check_dino_preset(d, bigger)
     with pytest.raises(ConfigError, match=r"config\.json.*hidden_dim 384"):
@@ -287,11 +288,11 @@ def test_real_size_preset_loads_by_name(tmp_path):
     """A preset of a released size (dinov3_vits16's config, random weights) loads into dino_encoder by name
     (blocks after the last output not built: their arrays skipped) and gives keras-hub's blocks; the gated
     small-plus refuses it."""
-    spec = VARIANTS["dinov3_vits16"]
+    spec = VIT_VARIANTS["dinov3_vits16"]
     hub = _hub(spec, (32, 32), norm=True)
     _randomize(hub, vectors_only=True)
     hub.save_to_preset(str(tmp_path / "preset"))
-    assert vit.default_layers(spec.depth) == (3, 6, 9, 12)
+    assert four_blocks(spec.depth) == (3, 6, 9, 12)
     ours = dino_encoder("dinov3_vits16", layers=(2, 3))
     assert not any(layer.name.startswith("block4_") for layer in ours.layers)
     load_dino_preset(ours, tmp_path / "preset")

@@ -2,12 +2,12 @@
 checkpointed (a resumed run continues it exactly), is swapped in for evaluation without disturbing
 the run, and is what a checkpoint loaded for evaluation/prediction/export holds."""
 
-import pytest
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from seg_train.parallel import replicas
 from seg_train.infer.load import load_state
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config

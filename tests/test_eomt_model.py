@@ -1,4 +1,4 @@
-"""EoMT (models/eomt.py) held to transformers' EomtForUniversalSegmentation: the fixture
+"""EoMT (models/eomt/eomt.py) held to transformers' EomtForUniversalSegmentation: the fixture
 tests/fixtures/eomt_model.npz (scripts/reference_eomt_model.py: a 5-block ViT of width 32, 8 queries, the last
 3 blocks EoMT blocks, 5 classes, 2 registers, random weights, two 64x64 images) is loaded into seg-train's
 model by its transformers names (tests/helpers.py: eomt_from_reference) and every output compared in float32
@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from seg_train.models import backbone_of, backbone_variable_mask
-from seg_train.models.eomt import eomt, mask_keeps
+from seg_train.models.eomt.eomt import eomt, mask_keeps
 from seg_train.models.stochastic import per_sample
 from tests.helpers import eomt_from_reference
 
@@ -241,9 +241,9 @@ def test_dinov3_encoder_rotates_the_patches_behind_the_queries():
     """On a DINOv3 encoder (rotary positions, no position embedding) the rotary table covers the patches after
     the queries, CLS and registers: both passes run and give their shapes. Fails for: the rotation's prefix
     left at CLS + registers once the queries are in (the table no longer lines up with the patches)."""
-    from seg_train.models.vit import Variant
+    from seg_train.config.variants import ViTVariant
 
-    spec = Variant("dinov3", 16, 32, 3, 2, 64, registers=2, key_bias=False)
+    spec = ViTVariant("dinov3", 16, 32, 3, 2, 64, registers=2, key_bias=False)
     model = eomt(spec, 4, queries=5, eomt_blocks=2)
     x = np.random.default_rng(0).normal(0, 1, (1, 32, 48, 3)).astype("float32")
     assert tuple(model(x).shape) == (1, 32, 48, 4)

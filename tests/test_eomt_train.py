@@ -25,8 +25,8 @@ from seg_train import cli
 from seg_train.config import ConfigError, from_dict
 from seg_train.data import synthetic
 from seg_train.models import stochastic
-from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, losses_from_terms
 from seg_train.objectives.mask_classification import mask_probabilities, sample_seeds
+from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, losses_from_terms
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import resume_bitwise, strategy, tiny_config

@@ -27,11 +27,20 @@ import tensorflow as tf
 from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.data import records, synthetic
-from tests.helpers import open_reader
-from tests.helpers import LOSSY_KINDS, deeplab_example, encoded, label_array, lossy_photo, write_lossy_config
+from tests.helpers import (
+    DATA_CASES,
+    LOSSY_KINDS,
+    deeplab_example,
+    encoded,
+    error_lines,
+    label_array,
+    lossy_photo,
+    open_reader,
+    write_lossy_config,
+)
+from tests.helpers import bad_roots as _bad_roots
 from tests.helpers import write_layout_config as layout_config
-from tests.helpers import DATA_CASES, bad_roots as _bad_roots, error_lines, write_voc_config as voc_config
-
+from tests.helpers import write_voc_config as voc_config
 
 ROOT = Path(__file__).resolve().parent.parent
 REPR = re.compile(r"object at 0x|<[^<>]* at 0x[0-9a-fA-F]+>")

@@ -11,27 +11,25 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
-from seg_train.run import rundir
-from seg_train.infer import eval_checkpoint
-from seg_train.infer import modes
-from seg_train.infer import evaluate as ev
 from seg_train.config import ConfigError
-from seg_train.infer.export import run_export
-from seg_train.infer.serving import serving_module
 from seg_train.data.label_images import read_label, voc_colormap
-from seg_train.infer.predict import run_predict
+from seg_train.infer import eval_checkpoint, modes
+from seg_train.infer import evaluate as ev
+from seg_train.infer.export import run_export
 from seg_train.infer.load import load_evaluator
+from seg_train.infer.predict import run_predict
+from seg_train.infer.serving import serving_module
+from seg_train.run import checkpoint as ckpt_lib
+from seg_train.run import rundir
+from seg_train.run.state import TrainState
 from seg_train.train.summaries import Summaries
 from seg_train.train.train import run_evaluation
-from seg_train.run.state import TrainState
-from tests.helpers import open_reader, tiny_config
-from tests.helpers import eval_config, normalized, reference_scores
-from tests.helpers import (
-    CPU_DEVICES as DEVICES, EVAL_NAMES as NAMES, EVAL_NUM_CLASSES as NUM_CLASSES, calibrate_bn,
-    write_eval_split as write_split
-)
+from tests.helpers import CPU_DEVICES as DEVICES
+from tests.helpers import EVAL_NAMES as NAMES
+from tests.helpers import EVAL_NUM_CLASSES as NUM_CLASSES
+from tests.helpers import calibrate_bn, eval_config, normalized, open_reader, reference_scores, tiny_config
+from tests.helpers import write_eval_split as write_split
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

@@ -12,20 +12,20 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
+from seg_train.config import ConfigError
+from seg_train.data.label_images import read_label
 from seg_train.infer import eval_checkpoint
 from seg_train.infer import evaluate as ev
 from seg_train.infer import metrics as metrics_lib
-from seg_train.config import ConfigError
-from seg_train.data.label_images import read_label
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import confusion_matrix, open_reader, tiny_config
-from tests.helpers import (
-    CPU_DEVICES as DEVICES, EVAL_NAMES as NAMES, EVAL_NUM_CLASSES as NUM_CLASSES, calibrate_bn,
-    write_eval_split as write_split
-)
+from tests.helpers import CPU_DEVICES as DEVICES
+from tests.helpers import EVAL_NAMES as NAMES
+from tests.helpers import EVAL_NUM_CLASSES as NUM_CLASSES
+from tests.helpers import calibrate_bn, confusion_matrix, open_reader, tiny_config
+from tests.helpers import write_eval_split as write_split
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

@@ -31,8 +31,8 @@ import time
 import pytest
 
 from seg_train.data import synthetic
-from tests.helpers import write_train_config as write_config
 from tests.helpers import SLOW_DESTROY, SLOW_TEARDOWN, destructions
+from tests.helpers import write_train_config as write_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -140,8 +140,8 @@ def test_train_stopped_by_a_signal_exits_promptly(tmp_path, trained):
 def test_precise_bn_decodes_only_the_batches_it_uses(tmp_path, demo_root):
     """Nothing is decoded for nothing: the re-estimation's stream ends with its batches, so its teardown
     has no work in flight (a stream cut after its prefetch decoded ahead of the batches it used)."""
-    from seg_train.parallel import replicas
     from seg_train.infer import precise_bn
+    from seg_train.parallel import replicas
     from seg_train.run.state import TrainState
     from tests.helpers import open_reader, tiny_config
 

@@ -16,8 +16,8 @@ import yaml
 
 import seg_train
 from seg_train.cli import preflight
-from seg_train.data import checks
 from seg_train.config import ConfigError
+from seg_train.data import checks
 from tests.helpers import tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test

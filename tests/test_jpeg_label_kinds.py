@@ -21,8 +21,11 @@ from PIL import Image
 from seg_train import cli
 from seg_train.data import decode
 from seg_train.data.label_images import LossyLabel, read_label
-from tests.helpers import (LOSSY_MESSAGE as MESSAGE, LOSSY_NUM_CLASSES as NUM_CLASSES, deeplab_example, encoded,
-                           label_array, lossy_photo as photo, write_lossy_config as write_config)
+from tests.helpers import LOSSY_MESSAGE as MESSAGE
+from tests.helpers import LOSSY_NUM_CLASSES as NUM_CLASSES
+from tests.helpers import deeplab_example, encoded, label_array
+from tests.helpers import lossy_photo as photo
+from tests.helpers import write_lossy_config as write_config
 
 SOI = b"\xff\xd8"
 

@@ -1,5 +1,5 @@
-"""Label maps (seg_train/data/label_tables.py label_ids, applied by seg_train/data/labels.py): raw label values -> train
-ids, held to tables written out by hand.
+"""Label maps (seg_train/config/label_tables.py label_ids, applied by seg_train/data/labels.py): raw label values
+-> train ids, held to tables written out by hand.
 
 Fails for: a wrong entry in the built-in Cityscapes table (e.g. parking trained as a class, or the ids
 shifted by one), ADE20K's zero not ignored or classes not shifted down, a raw value with no mapping
@@ -15,8 +15,8 @@ from PIL import Image
 
 from seg_train import cli
 from seg_train import config as config_lib
-from seg_train.config import ConfigError
-from seg_train.data import label_tables, labels, layouts
+from seg_train.config import ConfigError, label_tables
+from seg_train.data import labels, layouts
 from seg_train.data.reader import BadSample, load_sample
 from tests.helpers import CITYSCAPES_BY_HAND
 

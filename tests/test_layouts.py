@@ -22,13 +22,14 @@ from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.config import ConfigError
 from seg_train.data import layouts
-from seg_train.data.split import class_names_of
 from seg_train.data.scan import class_weights_for_split
-from tests.helpers import open_reader
-from tests.helpers import (
-    LAYOUT_H as H, LAYOUT_W as W, load_layout as load, mapped_label as mapped, raw_label,
-    write_layout_config as write_config
-)
+from seg_train.data.split import class_names_of
+from tests.helpers import LAYOUT_H as H
+from tests.helpers import LAYOUT_W as W
+from tests.helpers import load_layout as load
+from tests.helpers import mapped_label as mapped
+from tests.helpers import open_reader, raw_label
+from tests.helpers import write_layout_config as write_config
 
 
 def test_each_layout_lists_its_files(tmp_path, trees):
@@ -261,7 +262,7 @@ def test_shipped_configs_load():
     assert not ft.model.freeze_backbone and ft.model.drop_path_rate == 0.1
     for c in (lin, ft):
         assert c.model.backbone_weights.parent == folder.parent / "presets"
-    # EoMT's recipe (the issue's numbers: AdamW 1e-4, layer decay 0.8, decay 0.05, poly 0.9, batch 16, 640 / 1024)
+    # EoMT's recipe (the reference's numbers: AdamW 1e-4, layer decay 0.8, decay 0.05, poly 0.9, batch 16, 640 / 1024)
     # and the reference's semantic configs' numbers, written here: warmup (500, 1000); ADE20K 31 epochs of 1264
     # steps with windows 6520 k; Cityscapes 107 epochs of 186 steps with windows 3317 k.
     ade_windows = [(6520, 13040), (13040, 19560), (19560, 26080), (26080, 32600)]

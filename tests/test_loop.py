@@ -8,12 +8,10 @@ import keras
 import pytest
 
 from seg_train import cli
-from seg_train.train import loop
-from seg_train.parallel import replicas
-
 from seg_train.bench import train_runner
-
 from seg_train.data import synthetic
+from seg_train.parallel import replicas
+from seg_train.train import loop
 from tests.helpers import open_reader, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test

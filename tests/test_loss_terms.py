@@ -15,8 +15,8 @@ from seg_train.objectives import pixel_losses as losses
 from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import tiny_config
-from tests.helpers import LOSS_NUM_CLASSES as C, dice_numpy, lovasz_numpy, softmax64
+from tests.helpers import LOSS_NUM_CLASSES as C
+from tests.helpers import dice_numpy, lovasz_numpy, softmax64, tiny_config
 
 DEVICES = [f"/device:CPU:{i}" for i in range(4)]
 

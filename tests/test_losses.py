@@ -15,9 +15,9 @@ import tensorflow as tf
 from PIL import Image
 
 from seg_train.data import class_weights
-from seg_train.objectives import pixel_losses as losses
-from seg_train.data.scan import class_weights_for_split, scan
 from seg_train.data.layouts import Sample
+from seg_train.data.scan import class_weights_for_split, scan
+from seg_train.objectives import pixel_losses as losses
 from tests.helpers import tiny_config
 
 LN2, LN3 = np.log(2.0), np.log(3.0)

@@ -25,12 +25,13 @@ from seg_train import cli
 from seg_train.cli import user_error
 from seg_train.data import decode, records
 from seg_train.data.label_images import LossyLabel, read_label
-from tests.helpers import open_reader
-from tests.helpers import (
-    LOSSY_H as H, LOSSY_KINDS as KINDS, LOSSY_NUM_CLASSES as NUM_CLASSES, LOSSY_W as W, encoded, jpeg_label,
-    label_array, write_lossy_config as write_config
-)
+from tests.helpers import LOSSY_H as H
+from tests.helpers import LOSSY_KINDS as KINDS
 from tests.helpers import LOSSY_MESSAGE as MESSAGE
+from tests.helpers import LOSSY_NUM_CLASSES as NUM_CLASSES
+from tests.helpers import LOSSY_W as W
+from tests.helpers import encoded, jpeg_label, label_array, open_reader
+from tests.helpers import write_lossy_config as write_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

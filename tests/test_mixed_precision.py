@@ -24,13 +24,13 @@ import tensorflow as tf
 
 from seg_train import config as config_lib
 from seg_train import models
-from seg_train.parallel import replicas
 from seg_train.data.label_images import voc_colormap
-from seg_train.train.profiling import StepProfiler
-from seg_train.train.summaries import Summaries
-from seg_train.train.loop import HostSide, NonFiniteError
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
+from seg_train.train.loop import HostSide, NonFiniteError
+from seg_train.train.profiling import StepProfiler
 from seg_train.train.step import TrainStep
+from seg_train.train.summaries import Summaries
 from tests.helpers import random_batch, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test

@@ -20,15 +20,15 @@ from seg_train import cli, models
 from seg_train import config as config_lib
 from seg_train.config import ConfigError, ModelConfig
 from seg_train.data import synthetic
+from seg_train.infer.load import load_state
 from seg_train.models.fused_bn import FusedBatchNormalization
 from seg_train.models.sync_bn import SyncBatchNormalization
-from seg_train.infer.load import load_state
 from seg_train.parallel import replicas
-from tests.helpers import bilinear_resize
-from tests.helpers import PUBLISHED_FILES
-from tests.helpers import (
-    perturb as _perturb, read_h5 as _read_h5, short_weight_name as _short, weighted_layers as _weighted_layers
-)
+from tests.helpers import PUBLISHED_FILES, bilinear_resize
+from tests.helpers import perturb as _perturb
+from tests.helpers import read_h5 as _read_h5
+from tests.helpers import short_weight_name as _short
+from tests.helpers import weighted_layers as _weighted_layers
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

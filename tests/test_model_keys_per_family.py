@@ -19,8 +19,7 @@ import tensorflow as tf
 from seg_train import models
 from seg_train.models.sync_bn import SyncBatchNormalization
 from seg_train.run.state import TrainState
-from tests.helpers import random_batch, tiny_config
-from tests.helpers import strategy
+from tests.helpers import random_batch, strategy, tiny_config
 
 MOMENTUM = 0.7  # the default is 0.9
 HEADS = {"deeplabv3plus": {}, "lraspp": {"lraspp_channels": 5}, "segformer": {"segformer_channels": 6}}
@@ -183,7 +182,7 @@ def test_mixed_float16_computes_in_half_and_keeps_float32_where_promised_in_each
     overflow float16, is normalised as in float64; in float16 the variance is inf and the output beta);
     a step from the seeded model is finite. Wrong answers: a head's logits left in float16 (its loss
     computed in half), a family built in float32 whatever the key, LayerNorm moments in half."""
-    from seg_train.models.mit import LayerNorm
+    from seg_train.models.layers import LayerNorm
 
     trainer = _trainer(tmp_path, head, model=ON_MIT[head], train={"precision": "mixed_float16"})
     model = trainer.state.model

@@ -21,7 +21,6 @@ import tensorflow as tf
 import yaml
 
 from seg_train import cli
-
 from seg_train.data import synthetic
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test

@@ -45,12 +45,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.objectives import pixel_losses as losses
-from seg_train.models import param_groups
 from seg_train import models
-from seg_train.parallel import replicas
-
 from seg_train.data import synthetic
+from seg_train.models import param_groups
+from seg_train.objectives import pixel_losses as losses
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import open_reader, tiny_config, train_batches

@@ -12,11 +12,11 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train.config import ConfigError
-from seg_train.infer.export import check_output, run_export
 from seg_train.data.label_images import voc_colormap
+from seg_train.infer.export import check_output, run_export
 from seg_train.infer.predict import collect_inputs, run_predict
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.state import TrainState
 from tests.helpers import tiny_config
 

@@ -6,8 +6,8 @@ import os
 import re
 import subprocess
 
-import pytest
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.helpers import seg_prepare

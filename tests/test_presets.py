@@ -26,13 +26,11 @@ import tensorflow as tf
 
 from seg_train import config as config_lib
 from seg_train import models
-from seg_train.models.mit import VARIANTS
 from seg_train.config import ConfigError, ModelConfig
+from seg_train.config.variants import MIT_VARIANTS
 from seg_train.run.state import TrainState
-from tests.helpers import tiny_config
-from tests.helpers import (
-    PAPER_HEADS, PAPER_MIT, PAPER_PATCH_SIZES, PAPER_SR_RATIOS, PAPER_STRIDES, mit_kwargs as _mit_kwargs
-)
+from tests.helpers import PAPER_HEADS, PAPER_MIT, PAPER_PATCH_SIZES, PAPER_SR_RATIOS, PAPER_STRIDES, tiny_config
+from tests.helpers import mit_kwargs as _mit_kwargs
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -43,7 +41,7 @@ SIZE, CLASSES = 64, 5  # keras-hub's model is built for one square size
 def test_every_mit_size_is_the_papers(name):
     """Every size, B1..B5 included (only B0 is run against keras-hub below): a stage with another head count
     or reduction ratio has the same variables, so its preset loads silently and computes another function."""
-    spec = VARIANTS[name]
+    spec = MIT_VARIANTS[name]
     assert (list(spec.widths), list(spec.depths)) == PAPER_MIT[name]
     assert list(spec.heads) == PAPER_HEADS and list(spec.sr_ratios) == PAPER_SR_RATIOS
     assert list(spec.patch_sizes) == PAPER_PATCH_SIZES and list(spec.patch_strides) == PAPER_STRIDES
@@ -255,8 +253,8 @@ def test_config_paths_of_the_presets_are_resolved_like_the_other_paths(tmp_path)
 def test_a_checkpoint_is_read_without_its_preset(hub, tmp_path, from_segformer_preset):
     """Inference (and a resumed run) rebuilds the model from the config of a run that started from a
     preset: the checkpoint holds every weight, so the preset is not read again (it may be gone)."""
-    from seg_train.run import checkpoint as ckpt_lib
     from seg_train.infer.load import load_state
+    from seg_train.run import checkpoint as ckpt_lib
 
     preset = _copy(hub, "segformer_b0", tmp_path)
     cfg = tiny_config(tmp_path / "cfg", data={"num_classes": CLASSES, "crop_size": [SIZE, SIZE]},

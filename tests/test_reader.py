@@ -1,12 +1,12 @@
 """ImageReader: palette labels read as indices, padding with ignore_label, stateless augmentation."""
 
 import numpy as np
-import tensorflow as tf
 import pytest
+import tensorflow as tf
 from PIL import Image
 
-from seg_train.data.label_images import save_index_png, voc_colormap
 from seg_train.config import DataConfig
+from seg_train.data.label_images import save_index_png, voc_colormap
 from seg_train.data.layouts import list_samples
 from seg_train.data.reader import BadSample, load_sample
 from tests.helpers import open_reader, tiny_config

@@ -1,4 +1,4 @@
-"""Issue 4 through the real command: exact, crash-safe resume and clean handling of bad input.
+"""Through the real command: exact, crash-safe resume and clean handling of bad input.
 
 - SIGTERM mid-run -> exit 143 with a checkpoint; SIGKILL at any moment -> the rerun resumes from the
   newest complete checkpoint (a stale lock is taken over, partial checkpoint files are ignored); the
@@ -38,10 +38,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
-from tests.helpers import (
-    DATA_CASES, ROBUSTNESS_STEPS as STEPS, BAD_TARGET as TARGET, bad_roots as _bad_roots, ckpt_dir, error_lines,
-    rewind, truncate, write_voc_config as write_config
-)
+
+from tests.helpers import BAD_TARGET as TARGET
+from tests.helpers import DATA_CASES, ckpt_dir, error_lines, rewind, truncate
+from tests.helpers import ROBUSTNESS_STEPS as STEPS
+from tests.helpers import bad_roots as _bad_roots
+from tests.helpers import write_voc_config as write_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -553,8 +555,8 @@ def test_resume_config_check_tolerates_keys_of_other_versions(tmp_path, demo_roo
 
 
 def test_scan_names_the_file_whatever_the_decoder_raises(monkeypatch, demo_root):
-    from seg_train.data import scan
     from seg_train.config import DataConfig
+    from seg_train.data import scan
     from seg_train.data.layouts import list_samples
 
     samples = list_samples(DataConfig(root=demo_root), "val")

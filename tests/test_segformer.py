@@ -20,7 +20,6 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
@@ -28,15 +27,23 @@ from seg_train.data.label_images import read_label
 from seg_train.infer import evaluate as ev
 from seg_train.infer.export import run_export
 from seg_train.infer.predict import run_predict
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import open_reader, tiny_config
-from tests.helpers import eval_config, normalized, reference_scores
+from tests.helpers import EVAL_NAMES as NAMES
+from tests.helpers import EVAL_NUM_CLASSES as NUM_CLASSES
 from tests.helpers import (
-    EVAL_NAMES as NAMES, EVAL_NUM_CLASSES as NUM_CLASSES, calibrate_bn, write_eval_split as write_split
+    PAPER_MIT,
+    calibrate_bn,
+    eval_config,
+    normalized,
+    open_reader,
+    reference_scores,
+    strategy,
+    tiny_config,
 )
-from tests.helpers import PAPER_MIT, mit_kwargs as _mit_kwargs
-from tests.helpers import strategy
+from tests.helpers import mit_kwargs as _mit_kwargs
+from tests.helpers import write_eval_split as write_split
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -273,13 +280,12 @@ def test_int8_file_with_the_attention_and_layer_norm_ops_in_float(evaluated, int
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_layer_norm_is_keras_layer_normalization(policy):
-    """mit.LayerNorm (the shift as beta - mean * inv, for int8 files) against Keras' LayerNormalization with
-    the same gamma and beta: outputs, and the gradients of the input, gamma and beta. Under mixed_float16
-    the input is float16, as the model's layers give it (Keras' LayerNormalization does not autocast), and
-    its squares (|x| ~ 400) overflow float16: the moments must be in float32, as Keras'. Fails for a mean
-    left in, the variance over another axis, epsilon outside the root, gamma or beta dropped, moments in
-    float16."""
-    from seg_train.models.mit import LayerNorm
+    """layers.LayerNorm (models/layers.py: the shift as beta - mean * inv, for int8 files) against Keras'
+    LayerNormalization with the same gamma and beta: outputs, and the gradients of the input, gamma and beta. Under
+    mixed_float16 the input is float16, as the model's layers give it (Keras' LayerNormalization does not autocast),
+    and its squares (|x| ~ 400) overflow float16: the moments must be in float32, as Keras'. Fails for a mean left
+    in, the variance over another axis, epsilon outside the root, gamma or beta dropped, moments in float16."""
+    from seg_train.models.layers import LayerNorm
 
     rng = np.random.default_rng(0)
     x = tf.cast(rng.normal(5.0, 400.0, (2, 5, 7, 16)), "float16" if policy == "mixed_float16" else "float32")
@@ -392,7 +398,7 @@ def test_the_mit_backbone_is_the_models_only_nested_model_and_has_no_batchnorm()
 def test_attention_logits_and_softmax_in_float32_under_mixed_float16():
     """Under mixed_float16 the attention's inputs are float16; q.k / sqrt(d) beyond float16's 65504 must
     still give the float64 reference (in float16 the logits would be inf and the softmax NaN)."""
-    from seg_train.models.mit import EfficientAttention
+    from seg_train.models.mit.encoder import EfficientAttention
 
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(1, 3, 5, 16)) for _ in range(3))

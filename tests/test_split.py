@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train.config import ConfigError
 from seg_train.data import synthetic
 from seg_train.data.split import open_split, train_dataset_fn
+from seg_train.run import checkpoint as ckpt_lib
 from tests.helpers import tiny_config
 
 B = 8  # the global batch: 4 towers of 2 on 2 workers (2 towers each)

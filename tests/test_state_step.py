@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.parallel import replicas
 from seg_train.infer.load import load_state
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import StepResult, TrainStep
 from tests.helpers import random_batch, tiny_config

@@ -17,7 +17,6 @@ blocks as the paper's; masks that a resumed run draws differently.
 
 from __future__ import annotations
 
-
 import keras
 import keras_hub
 import numpy as np
@@ -28,12 +27,10 @@ import yaml
 from seg_train import models
 from seg_train.data import synthetic
 from seg_train.models import stochastic
-from seg_train.models.mit import drop_path_rates
+from seg_train.models.mit.encoder import drop_path_rates
 from seg_train.run.state import TrainState
-from tests.helpers import open_reader, tiny_config
 from tests.helpers import mit_kwargs as _mit_kwargs
-from tests.helpers import resume_bitwise
-from tests.helpers import strategy
+from tests.helpers import open_reader, resume_bitwise, strategy, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

@@ -19,8 +19,7 @@ import tensorflow as tf
 from seg_train.models import stochastic
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import tiny_config
-from tests.helpers import strategy
+from tests.helpers import strategy, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: takes seconds per test (keras-hub builds, traced steps)
 

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.parallel import replicas
 from seg_train.models.sync_bn import SyncBatchNormalization
+from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import random_batch, tiny_config

@@ -15,12 +15,11 @@ import tensorflow as tf
 import yaml
 from PIL import Image
 
-from seg_train.train import plots
-
+from seg_train.config import DataConfig
 from seg_train.data import synthetic
 from seg_train.data.label_images import colorize, read_label, voc_colormap
-from seg_train.config import DataConfig
 from seg_train.data.layouts import list_samples
+from seg_train.train import plots
 from seg_train.train.summaries import confusion_matrix_title
 
 CROP, TOWERS, PER_TOWER = 32, 2, 2

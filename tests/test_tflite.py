@@ -13,12 +13,12 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train.cli import eval_main, export_main, predict_main
 from seg_train.config import ConfigError
 from seg_train.data import synthetic
 from seg_train.infer.metrics import compute_metrics
 from seg_train.infer.tflite_export import run_export_tflite
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.state import TrainState
 from tests.helpers import confusion_matrix, tiny_config
 
@@ -336,7 +336,7 @@ def test_without_litert_the_model_commands_say_how_to_install_it(run, tmp_path):
 
 
 def test_mobilenetv3_int8_runs_whole_in_xnnpack():
-    """MobileNetV3's hard-swish (models.backbones.HardSwish) is Keras' function, and its int8 file runs in one
+    """MobileNetV3's hard-swish (models.cnn.backbones.HardSwish) is Keras' function, and its int8 file runs in one
     XNNPACK partition: Keras' own form converts to HARD_SWISH, which LiteRT's XNNPACK has no int8 kernel for,
     and every activation would then split the graph (the int8 file ran slower than the float32 one)."""
     import keras
@@ -345,7 +345,7 @@ def test_mobilenetv3_int8_runs_whole_in_xnnpack():
     from seg_train import models
     from seg_train.config import ModelConfig
     from seg_train.infer.tflite_export import app_function, convert, frozen_function
-    from seg_train.models.backbones import HardSwish
+    from seg_train.models.cnn.backbones import HardSwish
 
     x = np.linspace(-8, 8, 480, dtype=np.float32).reshape(1, 4, 8, 15)
     np.testing.assert_allclose(HardSwish()(x).numpy(), keras.activations.hard_swish(x).numpy(), atol=1e-6)

@@ -17,7 +17,11 @@ from PIL import Image
 
 from seg_train.data import records
 from seg_train.data.label_images import read_label, save_index_png, voc_colormap
+from tests.helpers import LAYOUT_SPLITS as SPLITS  # the tiny Cityscapes tree
+from tests.helpers import mapped_label as mapped
 from tests.helpers import seg_prepare
+from tests.helpers import write_layout_config as write_config
+
 
 def _voc(root: Path, n: int = 5, size=(24, 32)) -> Path:
     """A tiny VOC folder with palette labels (values 0..2 and 255) and JPEG images of varied sizes."""
@@ -167,8 +171,7 @@ def test_seg_prepare_tfrecords(voc, tmp_path):
 # ---- reading them: data.format: tfrecord -----------------------------------------------------------
 
 def _readers(tmp_path, voc, out, split="train", **data):
-    from tests.helpers import open_reader
-    from tests.helpers import tiny_config
+    from tests.helpers import open_reader, tiny_config
 
     recs = tiny_config(tmp_path / "recs", data_root=out, data={"format": "tfrecord", **data})
     recs = open_reader(recs, split, seed=3)
@@ -226,9 +229,6 @@ def test_a_damaged_record_is_named(voc, tmp_path):
     with pytest.raises((BadSample, tf.errors.OpError), match=r"train-00000-of-00001.tfrecord\[s00\]"):
         recs.decode(0)
 
-
-from tests.helpers import LAYOUT_SPLITS as SPLITS, mapped_label as mapped  # noqa: E402 - the tiny Cityscapes tree
-from tests.helpers import write_layout_config as write_config  # noqa: E402
 
 
 @pytest.mark.slow

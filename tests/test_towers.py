@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.objectives import pixel_losses as losses
-from seg_train.models import param_groups
-from seg_train.parallel import towers
 from seg_train import models
+from seg_train.models import param_groups
+from seg_train.objectives import pixel_losses as losses
+from seg_train.parallel import towers
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import random_batch, tiny_config
-from tests.helpers import strategy
+from tests.helpers import random_batch, strategy, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -200,8 +199,8 @@ def test_step_evaluation_and_precise_bn_trace_the_tower_pass_once_for_every_towe
     every tower (an N-fold graph), for synchronized BN traced once (no tower to reduce over), and for any of
     the three tracing the model its own way (no TowerPass built)."""
     from seg_train.data import synthetic
-    from tests.helpers import open_reader
     from seg_train.infer.evaluate import Evaluator
+    from tests.helpers import open_reader
 
     root = synthetic.generate(tmp_path / "demo", num_train=8, num_val=2, size=(40, 40), num_classes=3)
     cfg = tiny_config(tmp_path, data_root=root, model={"sync_batchnorm": sync})

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import yaml
-from tests.helpers import run_command as run, write_train_config as write_config
+
+from tests.helpers import run_command as run
+from tests.helpers import write_train_config as write_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 

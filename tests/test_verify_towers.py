@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 
 from seg_train import cli
-from seg_train.parallel import collectives
-from seg_train.parallel import replicas
-
-from seg_train.data import synthetic
-
 from seg_train.bench import verify
 from seg_train.config import ConfigError
+from seg_train.data import synthetic
 from seg_train.models import sync_bn
+from seg_train.parallel import collectives, replicas
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]

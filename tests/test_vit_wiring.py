@@ -22,11 +22,9 @@ import yaml
 
 from seg_train import models
 from seg_train.config import ConfigError, from_dict
-from seg_train.config.backbones import DINO_BACKBONES
 from seg_train.data import synthetic
 from seg_train.infer.serving import serving_module
 from seg_train.infer.tflite_export import input_size
-from seg_train.models.vit import VARIANTS
 from seg_train.objectives import pixel_losses as losses
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
@@ -40,11 +38,6 @@ def _raw(**model):
 
 
 # ---- the config ------------------------------------------------------------------------------------------
-def test_the_configs_dino_table_is_the_encoders():
-    """config/backbones.py's (patch, depth) per name is models/vit.py's VARIANTS (the config cannot import Keras)."""
-    assert DINO_BACKBONES == {name: (v.patch, v.depth) for name, v in VARIANTS.items()}
-
-
 @pytest.mark.parametrize("backbone, head, want_layers, want_neck, want_stride", [
     ("dinov3_vits16", "linear", [3, 6, 9, 12], None, 16),
     ("dinov2_vitl14", "linear", [6, 12, 18, 24], None, 16),
@@ -320,8 +313,8 @@ def test_backbone_weights_reach_the_runs_vit(tmp_path, vits16_preset, head):
     backbone variable of the run's model is what load_dino_preset (held to keras-hub's own backbone in
     tests/test_dino.py) reads from the directory, under the linear head and inside EoMT; dropping the key leaves
     the seeded initialisation, which differs."""
-    from seg_train.models.presets_vit import load_dino_preset
-    from seg_train.models.vit import dino_encoder
+    from seg_train.models.dino.presets import load_dino_preset
+    from seg_train.models.dino.vit import dino_encoder
 
     keys = {"vit_layers": [12]} if head == "linear" else {"num_queries": 3, "eomt_blocks": 1}
     cfg = tiny_config(tmp_path, data={"crop_size": [32, 48]},

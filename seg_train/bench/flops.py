@@ -123,9 +123,9 @@ def count_train_flops(cfg: Config, batch: int) -> dict:
     import keras
     import tensorflow as tf
 
-    from seg_train.objectives import pixel_losses as losses
-    from seg_train.models import param_groups
     from seg_train import models
+    from seg_train.models import param_groups
+    from seg_train.objectives import pixel_losses as losses
 
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy("float32")

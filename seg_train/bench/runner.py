@@ -44,7 +44,7 @@ WAIT_DEFINITION = "time blocked in next(iterator) / total time of the timed step
 
 
 @dataclass(frozen=True)
-class Variant:
+class BenchVariant:
     """One set-up to time: a config, where its batches come from, and how the host runs its loop.
 
     overrides: the --set strings that make this config (for the fresh-process probes)."""
@@ -109,7 +109,7 @@ def _setup_figures(cfg: Config, reader, input_mode: str, all_devices, steps: int
     }
 
 
-def _measure_peaks(variants: list[Variant], device: str) -> dict[str, dict]:
+def _measure_peaks(variants: list[BenchVariant], device: str) -> dict[str, dict]:
     """The device's peak FLOP/s (matmul and 3x3 conv), once per compute dtype of the variants."""
     peaks: dict[str, dict] = {}
     for v in variants:
@@ -151,10 +151,10 @@ def _time_input_alone(reader, batch: int, steps: int, windows: int, warmup: int)
     return inp
 
 
-def _build_runners(variants: list[Variant], towers: list[int], all_devices, reader, class_weights) -> list[tuple]:
+def _build_runners(variants: list[BenchVariant], towers: list[int], all_devices, reader, class_weights) -> list[tuple]:
     """One TrainRunner per variant and tower count (each times its own build): (variant name, config, runner)."""
-    from seg_train.parallel import replicas
     from seg_train.data.split import open_split
+    from seg_train.parallel import replicas
 
     cfg = variants[0].cfg
     runners = []
@@ -231,7 +231,8 @@ def _add_efficiency(rows: list[dict]) -> dict:
     return ref
 
 
-def _variant_figures(v: Variant, is_base: bool, runners: list[tuple], extra: dict[int, dict], profiles: dict | None,
+def _variant_figures(v: BenchVariant, is_base: bool, runners: list[tuple], extra: dict[int, dict],
+                     profiles: dict | None,
                      flops: dict, peak: dict | None) -> dict:
     """One variant's row per tower count and its top figures; extra: the base variant's BN/eval figures."""
     rows = []
@@ -262,7 +263,7 @@ def _variant_figures(v: Variant, is_base: bool, runners: list[tuple], extra: dic
         "towers": rows}
 
 
-def _fresh_process_probes(variants: list[Variant], per_variant: list[dict], cfg: Config, config_path: str,
+def _fresh_process_probes(variants: list[BenchVariant], per_variant: list[dict], cfg: Config, config_path: str,
                           overrides: tuple) -> None:
     """The first step from launch (with and without synchronized BN) and the peak memory of accumulation
     variants, each in a fresh seg-train process; added to the variants' rows."""
@@ -362,7 +363,7 @@ def _closing_figures(top: dict, warmup_runner: str, first_warmup: dict, cross: d
 
 def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: int = 3, warmup: int = 3,
         input_mode: str = "reader", measure_input: bool = True, measure_peak_flops: bool = True,
-        variants: list[Variant] | None = None, profile: bool = False, pickup: int = 1,
+        variants: list[BenchVariant] | None = None, profile: bool = False, pickup: int = 1,
         config_path: str | None = None, overrides: tuple = (), bn_images: int = 200, eval_images: int = 64,
         probes: bool = True) -> dict:
     """The whole benchmark: peak, FLOP count, input alone, then training at each tower count.
@@ -383,7 +384,7 @@ def run(cfg: Config, towers: list[int], all_devices, steps: int = 10, windows: i
     from seg_train.data.scan import class_weights_for_split
     from seg_train.data.split import open_split
 
-    variants = variants or [Variant("default", cfg, input_mode)]
+    variants = variants or [BenchVariant("default", cfg, input_mode)]
     cfg, input_mode = variants[0].cfg, variants[0].input
     for v in variants:
         for n in towers:

@@ -51,16 +51,9 @@ class TrainRunner:
                  class_weights=None):
         import tempfile
 
-        from seg_train.parallel import replicas
-        from seg_train.train.loop import HostSide, StepLoop
-        from seg_train.data.label_images import voc_colormap
         from seg_train.data.split import train_dataset_fn
-        from seg_train.train.profiling import StepProfiler
-        from seg_train.train.summaries import Summaries
-        from seg_train.infer import modes
-        from seg_train.infer.evaluate import Evaluator
-        from seg_train.run.state import TrainState
-        from seg_train.train.step import TrainStep
+        from seg_train.parallel import replicas
+        from seg_train.train.run import build_run
 
         self.name, self.cfg, self.input_mode, self.loop = name, cfg, input_mode, loop
         self.num_towers = len(devices.names)
@@ -69,10 +62,9 @@ class TrainRunner:
         self.images_per_step = self.batch * k
         self.strategy = replicas.strategy_for(cfg.train, devices)
         self.build_start = t0 = time.perf_counter()
-        self.state = TrainState(cfg, self.strategy)
-        self.train_step = TrainStep(self.state, class_weights=class_weights)
-        # measure_eval's evaluation and measure_bn_reestimate's precise BN, as train.py evaluates
-        self.evaluator = Evaluator(self.state, cfg.eval, score_offsets=modes.score_offsets(cfg.eval, class_weights))
+        run = build_run(cfg, self.strategy, class_weights)  # as seg-train builds it (train/run.py)
+        # measure_eval's evaluation and measure_bn_reestimate's precise BN use the run's evaluator, as train.py's
+        self.state, self.train_step, self.evaluator = run.state, run.train_step, run.evaluator
         self.build_s = time.perf_counter() - t0
         batch = self.batch
         if input_mode == "cached":
@@ -80,13 +72,11 @@ class TrainRunner:
         else:  # endless: read until close() releases the Feed
             dataset_fn = train_dataset_fn(reader, batch, start_step=0, end_step=None, micro_batches=k)
         self.dataset = self.state.distribute(dataset_fn)
-        self.batches = Feed(self.dataset)
         self.scratch = tempfile.TemporaryDirectory(prefix="seg-bench-summaries-")
-        self.summaries = Summaries(self.scratch.name, voc_colormap(), cfg.data.ignore_label, cfg.data.mean,
-                                   cfg.data.std)
-        self.host = HostSide(cfg, self.state, self.summaries, None, self.num_towers,
-                          StepProfiler(self.scratch.name, None), log_level=logging.DEBUG)
-        self.steps = StepLoop(self.train_step, self.batches, 0, self, cfg.train.image_summary_every)
+        # seg-train's loop and host side, quietly, its summaries into a throw-away folder; this runner is the host
+        # StepLoop reports to (it keeps each step's loss).
+        parts = run.loop(self.dataset, 0, self.scratch.name, log_level=logging.DEBUG, host=self)
+        self.batches, self.summaries, self.host, self.steps = parts
         self.first_step_s = None
         self.first_step = {}
         self.rates, self.waits, self.step_ms, self.losses = [], [], [], []

@@ -92,8 +92,8 @@ def verify_config(cfg: Config) -> Config:
 
 def _probe(cfg: Config, devices, n: int, reader) -> dict:
     """One probe step of the real TrainStep on the first n devices; numpy results."""
-    from seg_train.parallel import replicas
     from seg_train.data.split import train_dataset_fn
+    from seg_train.parallel import replicas
     from seg_train.run.state import TrainState
     from seg_train.train.step import TrainStep
 

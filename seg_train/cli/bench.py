@@ -7,10 +7,9 @@ import contextlib
 import os
 import sys
 
-from seg_train.cli import process
+from seg_train.cli import preflight, process
 from seg_train.config import ConfigError
 from seg_train.util import exit_codes
-from seg_train.cli import preflight
 
 
 def bench_main(argv=None) -> int:
@@ -67,6 +66,7 @@ def bench_main(argv=None) -> int:
         if args.verify_towers:
             return verify_towers_main(args)
         import json
+
         from seg_train import config as config_lib
         from seg_train.bench.report import format_input_only, format_report
         from seg_train.bench.runner import parse_towers
@@ -84,8 +84,8 @@ def bench_main(argv=None) -> int:
         cfg = config_lib.load(args.config, args.overrides)
         variants = None
         if args.compare:
-            from seg_train.bench.runner import Variant
-            variants = [Variant("base", cfg, args.input)]
+            from seg_train.bench.runner import BenchVariant
+            variants = [BenchVariant("base", cfg, args.input)]
             for spec in args.compare:
                 key, sep, values = spec.partition("=")
                 key, values = key.strip(), [v.strip() for v in values.split(",") if v.strip()]
@@ -98,12 +98,12 @@ def bench_main(argv=None) -> int:
                         if v not in ("reader", "cached"):
                             raise ConfigError("invalid --compare", "--compare",
                                               f"expected input=reader or cached, got {v!r}")
-                        variants.append(Variant(f"input={v}", cfg, v))
+                        variants.append(BenchVariant(f"input={v}", cfg, v))
                     elif key == "loop":
                         if v not in ("overlapped", "blocking"):
                             raise ConfigError("invalid --compare", "--compare",
                                               f"expected loop=overlapped or blocking, got {v!r}")
-                        variants.append(Variant(f"loop={v}", cfg, args.input, v))
+                        variants.append(BenchVariant(f"loop={v}", cfg, args.input, v))
                     else:
                         extra = [f"{key}={v}"]
                         if key == "train.accumulate_steps":
@@ -114,7 +114,7 @@ def bench_main(argv=None) -> int:
                                                   f"train.accumulate_steps=K with K dividing data.batch_size "
                                                   f"({cfg.data.batch_size}), got {v!r}")
                             extra.append(f"data.batch_size={cfg.data.batch_size // k}")
-                        variants.append(Variant(f"{key}={v}", config_lib.load(args.config, args.overrides + extra),
+                        variants.append(BenchVariant(f"{key}={v}", config_lib.load(args.config, args.overrides + extra),
                                                 args.input, overrides=tuple(extra)))
         for name in ("bn_images", "eval_images"):
             if getattr(args, name) < 0:
@@ -122,8 +122,8 @@ def bench_main(argv=None) -> int:
                                   f"expected an integer >= 0, got {getattr(args, name)}")
         preflight.for_evaluation(cfg)
         process.import_tensorflow(args.debug)
-        from seg_train.parallel import replicas
         from seg_train.bench import runner as bench
+        from seg_train.parallel import replicas
         with process.quiet_stderr(args.debug):
             # The logical devices are configured once, for the largest tower count, before TF starts.
             devices = replicas.setup_devices(max(towers))
@@ -156,6 +156,7 @@ def bench_main(argv=None) -> int:
 def verify_towers_main(args) -> int:
     """seg-bench --verify-towers (seg_train/bench/verify.py): exit 0 if N towers agree with 1, else 1."""
     import json
+
     from seg_train import config as config_lib
     from seg_train.bench.runner import parse_towers
     process.setup_logging(args.debug)
@@ -167,8 +168,8 @@ def verify_towers_main(args) -> int:
     check_towers(cfg, towers[0])
     preflight.for_evaluation(cfg)
     process.import_tensorflow(args.debug)
-    from seg_train.parallel import replicas
     from seg_train.bench import verify
+    from seg_train.parallel import replicas
     with process.quiet_stderr(args.debug):
         devices = replicas.setup_devices(towers[0])
     process.log.info("%s", devices.message)

@@ -18,11 +18,12 @@ import sys
 import tempfile
 import traceback
 
-from seg_train.util import exit_codes
 from seg_train.cli import preflight
 from seg_train.config import ConfigError, without_reprs
+
 # Imported before _end_process is registered, so feed's exit hook runs after it: never, in a command.
 from seg_train.data import feed  # noqa: F401
+from seg_train.util import exit_codes
 
 log = logging.getLogger("seg_train")
 
@@ -84,8 +85,8 @@ def import_tensorflow(debug: bool):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if debug else "2")
     set_tf_env_defaults()
     with quiet_stderr(debug):
-        import tensorflow as tf  # noqa: F401
         import keras  # noqa: F401
+        import tensorflow as tf  # noqa: F401
     if not debug:
         import absl.logging
         absl.logging.set_verbosity(absl.logging.ERROR)
@@ -291,6 +292,7 @@ def precheck_checkpoint(path: str) -> None:
 def precheck_model(args) -> None:
     """--model: the file exists and LiteRT is installed, before TensorFlow's slow import."""
     from pathlib import Path
+
     from seg_train.infer.litert import check_threads, interpreter_class
     if not Path(args.model).is_file():
         raise ConfigError("model file not found", args.model, "a .tflite file (seg-export --format tflite)")

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from seg_train.cli import process
+from seg_train.cli import preflight, process
 from seg_train.util import exit_codes
-from seg_train.cli import preflight
 
 
 def train_main(argv=None) -> int:
@@ -47,9 +46,9 @@ def check_data_main(args) -> int:
     process.setup_logging(args.debug)
     cfg = config_lib.load(args.config, args.overrides, args.run_dir)
     process.import_tensorflow(args.debug)
+    from seg_train.data import layouts
     from seg_train.data.scan import format_report, scan_cached
     from seg_train.data.split import open_split
-    from seg_train.data import layouts
     train = open_split(cfg, cfg.data.train_split)
     names = train.class_names  # a wrong classes.txt is a one-line user error (exit 2)
     bad = lossy = 0

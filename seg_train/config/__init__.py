@@ -5,14 +5,32 @@ fills derived defaults and refuses combinations that cannot work. Outside itself
 only pure tables (the label maps and the one-line errors).
 """
 
-from seg_train.config.load import (_set_dotted, dump, flatten, from_dict, is_url, load, parse_override, read_yaml,
-                                   without_weight_files)
+from seg_train.config.load import (
+                                   dump,
+                                   flatten,
+                                   from_dict,
+                                   is_url,
+                                   load,
+                                   parse_override,
+                                   read_yaml,
+                                   set_dotted,
+                                   without_weight_files,
+)
 from seg_train.config.resolve import check_batch, resolve_defaults
-from seg_train.config.schema import (_SECTIONS, Config, DataConfig, EvalConfig, LossConfig, ModelConfig,
-                                     TrainConfig, _to_plain, replace)
+from seg_train.config.schema import (
+                                   SECTIONS,
+                                   Config,
+                                   DataConfig,
+                                   EvalConfig,
+                                   LossConfig,
+                                   ModelConfig,
+                                   TrainConfig,
+                                   replace,
+                                   to_plain,
+)
 from seg_train.util.errors import ConfigError, exception_text, without_reprs
 
 __all__ = ["Config", "DataConfig", "ModelConfig", "TrainConfig", "LossConfig", "EvalConfig", "ConfigError",
            "load", "from_dict", "dump", "flatten", "replace", "without_weight_files", "resolve_defaults",
            "check_batch", "parse_override", "read_yaml", "is_url", "exception_text", "without_reprs",
-           "_SECTIONS", "_set_dotted", "_to_plain"]
+           "SECTIONS", "set_dotted", "to_plain"]

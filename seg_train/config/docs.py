@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from seg_train.config.schema import _SECTIONS, Config, _to_plain, leaf_fields
+from seg_train.config.schema import SECTIONS, Config, leaf_fields, to_plain
 
 INTRO = """# Config keys
 
@@ -58,7 +58,7 @@ def default_text(f: dataclasses.Field) -> str:
     if f.metadata.get("default_doc"):
         return f.metadata["default_doc"]
     value = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    text = yaml.safe_dump(_to_plain(value), default_flow_style=True).strip()
+    text = yaml.safe_dump(to_plain(value), default_flow_style=True).strip()
     return "`" + text.removesuffix("...").strip() + "`"
 
 
@@ -68,7 +68,7 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     """docs/CONFIG.md's text."""
-    hints = {"": typing.get_type_hints(Config), **{s: typing.get_type_hints(c) for s, c in _SECTIONS.items()}}
+    hints = {"": typing.get_type_hints(Config), **{s: typing.get_type_hints(c) for s, c in SECTIONS.items()}}
     rows: dict[str, list[str]] = {s: [] for s in SECTION_TITLES}
     for key, f in leaf_fields().items():
         section = key.split(".")[0] if "." in key else ""

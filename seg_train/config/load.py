@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from seg_train.config.resolve import resolve_defaults
-from seg_train.config.schema import _SECTIONS, Config, _to_plain, replace
+from seg_train.config.schema import SECTIONS, Config, replace, to_plain
 from seg_train.util.errors import ConfigError
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
@@ -145,8 +145,8 @@ def _build(cls, raw: Any, prefix: str, base_dir: Path):
     kwargs = {}
     for name, f in fields.items():
         key = f"{prefix}{name}"
-        if name in _SECTIONS and prefix == "":
-            kwargs[name] = _build(_SECTIONS[name], raw.get(name), f"{name}.", base_dir)
+        if name in SECTIONS and prefix == "":
+            kwargs[name] = _build(SECTIONS[name], raw.get(name), f"{name}.", base_dir)
             continue
         if name not in raw:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -161,14 +161,14 @@ def _build(cls, raw: Any, prefix: str, base_dir: Path):
             problem = meta["check"](value) if meta.get("check") else None
             if problem:
                 raise ConfigError("invalid value" if isinstance(value, str) else "out of range", key,
-                                  f"expected {problem}, got {_to_plain(value)!r}")
+                                  f"expected {problem}, got {to_plain(value)!r}")
             if meta.get("path"):
                 value = _local_path(value, key, base_dir, meta.get("url"))
         kwargs[name] = value
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict, dotted: str, value) -> None:
+def set_dotted(tree: dict, dotted: str, value) -> None:
     parts = dotted.split(".")
     node = tree
     for i, part in enumerate(parts[:-1]):
@@ -241,7 +241,7 @@ def load(path: str | os.PathLike, overrides: list[str] = (), run_dir: str | None
     cli_paths = {}
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
         cli_paths[key] = value
     data = raw.get("data")
     if isinstance(data, dict) and data.get("synthetic") is True and data.get("root") is None:

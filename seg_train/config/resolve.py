@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from seg_train.config.backbones import BACKBONE_NORMALIZATION, DINO_BACKBONES, MIT_BACKBONES, MIT_MIN_SIZE
+from seg_train.config.label_tables import LAYOUT_LABELS, label_ids, label_map_keys
 from seg_train.config.schema import Config, ModelConfig, replace
-from seg_train.data.label_tables import LAYOUT_LABELS, label_ids, label_map_keys
+from seg_train.config.variants import (
+    BACKBONE_NORMALIZATION,
+    DINO_BACKBONES,
+    MIT_BACKBONES,
+    MIT_MIN_SIZE,
+    VIT_VARIANTS,
+    four_blocks,
+)
 from seg_train.util.errors import ConfigError
 
 
@@ -20,9 +27,7 @@ def default_output_stride(backbone: str, head: str = "deeplabv3plus") -> int:
 def default_vit_layers(depth: int, head: str) -> list[int]:
     """model.vit_layers when not given: for the linear head four blocks evenly spaced, the last included
     (3, 6, 9, 12 of 12: DINOv2's "+ms", ViTDet's), fewer when depth < 4; under a neck, the last block."""
-    if head != "linear":
-        return [depth]
-    return sorted({max(1, depth * k // 4) for k in range(1, 5)})
+    return list(four_blocks(depth)) if head == "linear" else [depth]
 
 
 # SegFormer's published regularisation and decays (drop path over the MiT's blocks, dropout before the
@@ -122,7 +127,7 @@ def model_defaults(m: ModelConfig) -> ModelConfig:
         filled["output_stride"] = default_output_stride(m.backbone, m.head)
     if m.backbone in DINO_BACKBONES and m.head != "eomt":
         if m.vit_layers is None:
-            filled["vit_layers"] = default_vit_layers(DINO_BACKBONES[m.backbone][1], m.head)
+            filled["vit_layers"] = default_vit_layers(VIT_VARIANTS[m.backbone].depth, m.head)
         if m.neck is None and m.head != "linear":
             filled["neck"] = "simple_pyramid"
     # Filled only for the head that uses it, so a run dir's config resolves unchanged
@@ -201,7 +206,7 @@ def _check_vit(cfg: Config) -> Config:
                                   f"a ViT backbone (dinov3_*, dinov2_*) for this key, got model.backbone "
                                   f"{m.backbone!r}")
         return cfg
-    patch, depth = DINO_BACKBONES[m.backbone]
+    patch, depth = VIT_VARIANTS[m.backbone].patch, VIT_VARIANTS[m.backbone].depth
     if m.vit_layers is not None and max(m.vit_layers) > depth:
         raise ConfigError("no such block", "model.vit_layers",
                           f"block numbers 1..{depth} (model.backbone {m.backbone!r}), got {list(m.vit_layers)}")
@@ -243,7 +248,7 @@ def _check_eomt(cfg: Config) -> Config:
             raise ConfigError("not available for this head", "loss.mask_points",
                               f"no value with model.head {m.head!r}: it is EoMT's point count")
         return cfg
-    depth = DINO_BACKBONES[m.backbone][1]
+    depth = VIT_VARIANTS[m.backbone].depth
     if m.eomt_blocks > depth:
         raise ConfigError("no such block", "model.eomt_blocks",
                           f"at most {depth} (the blocks of model.backbone {m.backbone!r}), got {m.eomt_blocks}")

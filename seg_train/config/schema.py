@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from seg_train.config.backbones import BACKBONES
+from seg_train.config.variants import BACKBONES
 
 
 def _c(default=dataclasses.MISSING, *, doc, default_doc=None, check=None, path=False, url=False, choices=None,
@@ -76,7 +76,8 @@ class DataConfig:
                         "(gs://, s3://, hdfs://) read through tf.io.gfile",
                     default_doc="required; with data.synthetic: data/<config name> in the current folder")
     layout: str = _c("voc", choices=("voc", "cityscapes", "ade20k", "pairs"),
-                     doc="how the files are laid out (README.md, Your data); pairs: list files of `image label` paths")
+                     doc="how the files are laid out (docs/DATA.md, 'Layouts'); pairs: list files of `image label` "
+                         "paths")
     # Required unless the layout knows its classes (LAYOUT_LABELS); resolve_defaults fills it.
     num_classes: Optional[int] = _c(None, check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]",
                                     doc="number of classes, 2..255 (cityscapes and ade20k: another value needs "
@@ -161,7 +162,7 @@ class ModelConfig:
     aspp_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s ASPP width")
     decoder_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s decoder width")
     low_level_channels: int = _c(48, check=_positive, doc="DeepLabV3+'s projection width of the stride-4 features")
-    # Why a stride-2 refinement stage: models/deeplabv3plus.py.
+    # Why a stride-2 refinement stage: models/heads/deeplabv3plus.py.
     decoder_stride: int = _c(4, choices=(4, 2),
                              doc="DeepLabV3+'s last decoder stride: 4, or 2 with a refinement stage on "
                                  "stride-2 features")
@@ -190,7 +191,7 @@ class ModelConfig:
                                        doc="channel dropout before the SegFormer head's classifier, in [0, 1); "
                                            "segformer only",
                                        default_doc="with head segformer: 0.1 (else null: none)")
-    # The ViT keys (models/vit.py, models/neck.py).
+    # The ViT keys (models/dino/vit.py, models/dino/neck.py).
     vit_layers: Optional[list[int]] = _c(None, check=lambda v: None if v and all(i >= 1 for i in v) and
                                          list(v) == sorted(set(v)) else "increasing block numbers >= 1",
                                          doc="dinov*_: the blocks (1-based, increasing) whose patch tokens the "
@@ -381,19 +382,19 @@ class Config:
 
     def to_dict(self) -> dict:
         """Plain YAML-able dict (paths as strings, tuples as lists)."""
-        return _to_plain(self)
+        return to_plain(self)
 
 
-_SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "loss": LossConfig, "eval": EvalConfig}
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "train": TrainConfig, "loss": LossConfig, "eval": EvalConfig}
 
 
-def _to_plain(obj):
+def to_plain(obj):
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, Path):
         return str(obj)
     if isinstance(obj, (tuple, list)):
-        return [_to_plain(x) for x in obj]
+        return [to_plain(x) for x in obj]
     return obj
 
 
@@ -401,8 +402,8 @@ def leaf_fields(cls=None, prefix: str = "") -> dict[str, dataclasses.Field]:
     """Every key a user can write, dotted ('data.crop_size'), -> its field, in the dataclasses' order."""
     out = {}
     for f in dataclasses.fields(cls or Config):
-        if f.name in _SECTIONS and not prefix:
-            out.update(leaf_fields(_SECTIONS[f.name], f"{f.name}."))
+        if f.name in SECTIONS and not prefix:
+            out.update(leaf_fields(SECTIONS[f.name], f"{f.name}."))
         else:
             out[prefix + f.name] = f
     return out

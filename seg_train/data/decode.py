@@ -21,7 +21,8 @@ import numpy as np
 import tensorflow as tf
 from PIL import Image
 
-from seg_train.data.label_images import JPEG_START as _JPEG_START, read_label
+from seg_train.data.label_images import JPEG_START as _JPEG_START
+from seg_train.data.label_images import read_label
 
 _HEAD = 26
 _PNG_START = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x0dIHDR"  # signature, then IHDR's length and type

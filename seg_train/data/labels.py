@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from seg_train.config import DataConfig
-from seg_train.data.label_tables import NO_ID, RAW_VALUES, label_ids
+from seg_train.config.label_tables import NO_ID, RAW_VALUES, label_ids
 
 
 def label_table(data: DataConfig) -> np.ndarray | None:

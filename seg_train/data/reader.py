@@ -26,7 +26,8 @@ import tensorflow as tf
 from PIL import UnidentifiedImageError
 
 from seg_train.config import DataConfig, exception_text
-from seg_train.data import augment, decode as decoders, files, labels, order, records
+from seg_train.data import augment, files, labels, order, records
+from seg_train.data import decode as decoders
 from seg_train.data.augment import PHOTOMETRIC_ORDER, apply_photometric, photometric_draws  # noqa: F401 (re-exported)
 from seg_train.data.label_images import LOSSY_EXPECTED, LOSSY_WHAT, LossyLabel
 from seg_train.data.layouts import Sample

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from seg_train.data import class_weights
-from seg_train.util.progress import progress_bar, shown
 from seg_train.config import Config, ConfigError, exception_text
-from seg_train.data import decode, files, scan_cache
+from seg_train.data import class_weights, decode, files, scan_cache
 from seg_train.data.label_images import is_lossy_message, read_label
 from seg_train.data.layouts import Sample
 from seg_train.data.reader import BadSample, ImageReader, load, load_sample
+from seg_train.util.progress import progress_bar, shown
 
 log = logging.getLogger("seg_train")
 

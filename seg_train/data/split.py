@@ -14,9 +14,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from seg_train.data import checks
 from seg_train.config import Config, ConfigError
-from seg_train.data import files, labels, layouts, synthetic
+from seg_train.data import checks, files, labels, layouts, synthetic
 from seg_train.data.label_images import load_class_names
 from seg_train.data.layouts import Sample
 from seg_train.data.reader import ImageReader

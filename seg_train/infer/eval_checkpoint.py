@@ -8,19 +8,19 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train.run import checkpoint as ckpt_lib
-from seg_train.infer import modes
-from seg_train.util.paths import check_creatable_dir
 from seg_train.config import Config
-from seg_train.infer.metrics import format_table, metrics_to_json
 from seg_train.data.split import open_split
+from seg_train.infer import modes
 from seg_train.infer.load import load_evaluator, run_dir_of
+from seg_train.infer.metrics import format_table, metrics_to_json
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.rundir import write_json
+from seg_train.util.paths import check_creatable_dir
 
 log = logging.getLogger("seg_train")
 
 
-def _split_tag(split: str) -> str:
+def split_tag(split: str) -> str:
     """File-name tag of a split: the name itself, or a list file's stem."""
     return Path(split).stem if ("/" in split or os.sep in split or split.endswith(".txt")) else split
 
@@ -49,7 +49,7 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
     record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
               "bn_stats_reestimated": reestimated, "inference": modes.as_dict(cfg.eval),
               **metrics_to_json(metrics, names)}
-    path = out_dir / f"{_split_tag(split)}-step{step}.json"
+    path = out_dir / f"{split_tag(split)}-step{step}.json"
     write_json(path, record)
     print(format_table(metrics, names))
     print(f"{num_images} images, step {step}: mIoU {100 * metrics.miou:.2f}%; wrote {path}")

@@ -17,17 +17,17 @@ import itertools
 
 import tensorflow as tf
 
-from seg_train.util.progress import progress_bar
 from seg_train import models
-from seg_train.infer import modes
 from seg_train.config import Config, ConfigError
+from seg_train.data.feed import Feed
+from seg_train.data.reader import ImageReader
+from seg_train.infer import modes
 from seg_train.infer.examples import NUM_EXAMPLES, predict_examples
 from seg_train.infer.metrics import SegMetrics, compute_metrics
 from seg_train.infer.precise_bn import PreciseBN
 from seg_train.infer.serving import serving_module
-from seg_train.data.feed import Feed
-from seg_train.data.reader import ImageReader
 from seg_train.parallel.towers import TowerPass
+from seg_train.util.progress import progress_bar
 
 
 # ---- the evaluation itself ----------------------------------------------------------------------

@@ -61,8 +61,8 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
     """
     import tensorflow as tf
 
-    from seg_train.infer import modes
     from seg_train.data.split import class_names_of
+    from seg_train.infer import modes
     from seg_train.infer.load import load_evaluator
 
     out = check_output(output, force)

@@ -214,14 +214,14 @@ def evaluate_file(cfg: Config, model: TFLiteModel, split: str, progress: bool = 
 def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, threads: int = 1,
                     progress: bool = True) -> dict:
     """seg-eval --model FILE.tflite: evaluates the file in LiteRT, prints the table, writes FILE.eval-<split>.json."""
-    from seg_train.infer.eval_checkpoint import _split_tag
+    from seg_train.infer.eval_checkpoint import split_tag
     from seg_train.infer.metrics import format_table
-    from seg_train.util.paths import check_creatable_dir
     from seg_train.run.rundir import write_json
+    from seg_train.util.paths import check_creatable_dir
 
     split = split or cfg.data.val_split
     model = TFLiteModel(model_path, threads)
-    out = eval_record_path(model_path, _split_tag(split))
+    out = eval_record_path(model_path, split_tag(split))
     check_creatable_dir(out.parent, "eval output folder", "write access to the model file's folder")
     log.info("evaluating %s (LiteRT, %d thread(s), input %dx%d) on %s", model_path, threads, model.height,
              model.width, split)
@@ -238,8 +238,7 @@ def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, thre
 def run_predict_tflite(cfg: Config, model_path: str, inputs, output, threads: int = 1,
                        progress: bool = True, label_ids: bool = False) -> list[Path]:
     """seg-predict --model FILE.tflite: the same PNGs seg-predict writes for a checkpoint."""
-    from seg_train.infer.predict import check_output_dir, collect_inputs, raw_ids_of, write_predictions, \
-        written_summary
+    from seg_train.infer.predict import check_output_dir, collect_inputs, raw_ids_of, write_predictions, written_summary
 
     files = collect_inputs(inputs, label_ids)
     out = check_output_dir(output)

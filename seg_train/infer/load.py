@@ -12,12 +12,12 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError
-from seg_train.infer import modes
 from seg_train.data.split import class_names_of
+from seg_train.infer import modes
 from seg_train.infer.evaluate import Evaluator
+from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.state import TrainState
 
 log = logging.getLogger("seg_train")

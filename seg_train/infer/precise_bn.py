@@ -28,12 +28,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from seg_train.util.progress import progress_bar, shown
 from seg_train import models
 from seg_train.config import Config, ConfigError, check_batch
 from seg_train.data.feed import Feed
 from seg_train.data.split import open_split, train_dataset_fn
 from seg_train.parallel.towers import TowerPass
+from seg_train.util.progress import progress_bar, shown
 
 log = logging.getLogger("seg_train")
 

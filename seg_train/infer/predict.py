@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from seg_train.util.progress import progress_bar
 from seg_train.config import Config, ConfigError
 from seg_train.data.label_images import save_index_png, voc_colormap
 from seg_train.run.rundir import write_atomic
+from seg_train.util.progress import progress_bar
 
 log = logging.getLogger("seg_train")
 

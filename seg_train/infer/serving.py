@@ -19,8 +19,8 @@ def serving_module(model, mean, std, eval_cfg=None, offsets=None):
     import tensorflow as tf
 
     from seg_train import models
-    from seg_train.infer import modes
     from seg_train.config import EvalConfig
+    from seg_train.infer import modes
 
     eval_cfg = EvalConfig() if eval_cfg is None else eval_cfg
     num_classes = model.output_shape[-1]

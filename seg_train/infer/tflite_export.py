@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from seg_train.config import Config, ConfigError, without_reprs
-from seg_train.config.backbones import DINO_BACKBONES
+from seg_train.config.variants import VIT_VARIANTS
 
 log = logging.getLogger("seg_train")
 
@@ -55,7 +55,7 @@ def input_size(cfg: Config, flag) -> tuple[int, int]:
             raise ConfigError("invalid --input-size", "--input-size", f"height and width of at least 8, got {h} {w}")
     else:
         h, w = cfg.eval.crop_size or cfg.data.crop_size
-    patch = DINO_BACKBONES.get(cfg.model.backbone, (1,))[0]
+    patch = VIT_VARIANTS[cfg.model.backbone].patch if cfg.model.backbone in VIT_VARIANTS else 1
     if h % patch or w % patch:
         # The file has one fixed input (no padding inside), and a ViT takes whole patches only.
         raise ConfigError("not whole patches", "--input-size",
@@ -210,11 +210,11 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
                       float_ops: tuple[str, ...] = ()) -> Path:
     """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
     from seg_train.data.split import class_names_of
-    from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
     from seg_train.infer import modes
+    from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
     from seg_train.infer.load import load_evaluator
-    from seg_train.util.progress import progress_bar
     from seg_train.run.rundir import write_atomic, write_json
+    from seg_train.util.progress import progress_bar
 
     if quantize not in QUANTIZATIONS:
         raise ConfigError("invalid --quantize", "--quantize", f"one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")

@@ -10,7 +10,6 @@ cannot do (synchronized, masks, renorm, no scale/center, other axes) falls back 
 
 from __future__ import annotations
 
-
 import keras
 import tensorflow as tf
 from keras import layers

@@ -35,3 +35,15 @@ class LayerChoice:
     def conv2d_class(self, dilation) -> type:
         """The Conv2D class for a stride-1 'same' conv at this dilation (models/atrous.py maps it)."""
         return conv2d_class(dilation, fast=self.fast_atrous)
+
+
+def layer_choice(cfg) -> LayerChoice:
+    """The LayerChoice a ModelConfig asks for."""
+    return LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
+                       fast_atrous=cfg.fast_atrous)
+
+
+def drop_path_rate(cfg) -> float:
+    """The backbone's stochastic depth from a ModelConfig. A frozen backbone runs as in inference: no residual
+    branch dropped (config/resolve.py refuses a rate with it)."""
+    return 0.0 if cfg.freeze_backbone else (cfg.drop_path_rate or 0.0)

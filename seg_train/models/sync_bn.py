@@ -23,8 +23,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from seg_train.parallel import collectives
 from seg_train.models.fused_bn import FusedBatchNormalization
+from seg_train.parallel import collectives
+
 
 @keras.saving.register_keras_serializable(package="seg_train")
 class SyncBatchNormalization(FusedBatchNormalization):

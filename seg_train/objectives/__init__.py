@@ -11,8 +11,8 @@ The interface the step calls (train/step.py), the same for every head, so the st
                               WHOLE global batch (it may all-reduce), as a nest of tensors (`()` when nothing)
   objective.context_spec()    that nest's tf.TensorSpecs (the tower pass is traced once for every tower)
   objective.micro(tv, st, images, labels, sample_ids, step, context)
-      -> Micro(loss_sum, normalizer, new_state, predict): one micro-batch's loss SUM and NORMALIZER (the step divides
-         the sum over towers and micro-batches of the sums by the sum of the normalizers), the model's new
+      -> micro.Micro(loss_sum, normalizer, new_state, predict): one micro-batch's loss SUM and NORMALIZER (the step
+         divides the sum over towers and micro-batches of the sums by the sum of the normalizers), the model's new
          non-trainable values (its BN statistics), and a function giving its per-pixel class scores [b, h, w, K]
          (the image summaries' predictions, computed only when asked)
 
@@ -21,24 +21,14 @@ Which objective a model takes is its family's (models.objective_of); `objective_
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 from seg_train import models
+from seg_train.objectives.mask_classification import MaskClassification
+from seg_train.objectives.per_pixel import PerPixel
 
-
-class Micro(NamedTuple):
-    """One micro-batch's share of the objective (module doc)."""
-    loss_sum: object
-    normalizer: object
-    new_state: list
-    predict: Callable
+OBJECTIVES = {"per_pixel": PerPixel, "mask_classification": MaskClassification}
 
 
 def objective_for(model, cfg, class_weights=None):
     """The objective of `model` built from `cfg` (its family's kind). `class_weights`: the per-class loss weights
     data/class_weights.py computed for loss.class_weights (per-pixel objectives only)."""
-    from seg_train.objectives.mask_classification import MaskClassification
-    from seg_train.objectives.per_pixel import PerPixel
-
-    kinds = {"per_pixel": PerPixel, "mask_classification": MaskClassification}
-    return kinds[models.objective_of(cfg.model)](model, cfg, class_weights)
+    return OBJECTIVES[models.objective_of(cfg.model)](model, cfg, class_weights)

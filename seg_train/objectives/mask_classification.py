@@ -21,11 +21,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from seg_train.parallel import collectives
-from seg_train.models.eomt import semantic_logits
-from seg_train.objectives import Micro
+from seg_train.models.eomt.eomt import semantic_logits
 from seg_train.models.stochastic import salt as salt_of
 from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, semantic_targets
+from seg_train.objectives.micro import Micro
+from seg_train.parallel import collectives
 
 # The EoMT reference's annealing curve: p = (1 - progress) ** POWER over a block's window.
 POWER = 0.9

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from seg_train.config import ConfigError
-from seg_train.objectives import Micro
+from seg_train.objectives.micro import Micro
 from seg_train.objectives.pixel_losses import objective_sum
 
 

@@ -99,13 +99,13 @@ def read_class_weights(run_dir: Path, names, scheme: str | None = None) -> list[
 def _default_of(key: str):
     """The plain default value of a dotted config key, or _ABSENT if it has none (or is unknown)."""
     section, _, name = key.rpartition(".")
-    cls = config_lib._SECTIONS.get(section) if section else config_lib.Config
+    cls = config_lib.SECTIONS.get(section) if section else config_lib.Config
     for f in dataclasses.fields(cls) if cls is not None else ():
         if f.name == name:
             if f.default is not dataclasses.MISSING:
-                return config_lib._to_plain(f.default)
+                return config_lib.to_plain(f.default)
             if f.default_factory is not dataclasses.MISSING:
-                return config_lib._to_plain(f.default_factory())
+                return config_lib.to_plain(f.default_factory())
     return _ABSENT
 
 

@@ -12,10 +12,10 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from seg_train.models import param_groups
-from seg_train.parallel import towers
 from seg_train import models
 from seg_train.config import Config
+from seg_train.models import param_groups
+from seg_train.parallel import towers
 from seg_train.run.loss_scale import LossScale
 from seg_train.run.schedule import lr_pair_at
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import tensorflow as tf
 import yaml
 
-from seg_train.run import checkpoint as ckpt_lib
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError
+from seg_train.run import checkpoint as ckpt_lib
 
 
 def _source_config(prefix: str) -> config_lib.Config:

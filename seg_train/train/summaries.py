@@ -13,8 +13,8 @@ import numpy as np
 import tensorflow as tf
 import yaml
 
-from seg_train.train import plots
 from seg_train.data.label_images import colorize
+from seg_train.train import plots
 
 EVAL_EXAMPLE_SIDE = 384  # eval/examples: each panel's longer side at most this many pixels
 

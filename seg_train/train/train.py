@@ -14,29 +14,25 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from seg_train import config as config_lib
+from seg_train.config import Config, ConfigError, check_batch
+from seg_train.data import layouts
+from seg_train.data.reader import ImageReader
+from seg_train.data.scan import class_weights_for_split, scan_for_training
+from seg_train.data.split import open_split, train_dataset_fn
+from seg_train.infer import evaluate, modes
+from seg_train.infer.metrics import format_table
+from seg_train.parallel import replicas
 from seg_train.run import checkpoint as ckpt_lib
+from seg_train.run.rundir import FIRST_STEP_FILE, RunLock, check_resume_config, write_class_weights, write_json
+from seg_train.train import determinism
+from seg_train.train.loop import NonFiniteError
+from seg_train.train.profiling import StepProfiler
+from seg_train.train.run import build_run
+from seg_train.train.summaries import Summaries
 from seg_train.util import exit_codes
 from seg_train.util.progress import progress_bar, shown
-from seg_train import config as config_lib
-from seg_train.train import determinism
-from seg_train.parallel import replicas
-from seg_train.infer import evaluate
-from seg_train.infer import modes
-from seg_train.config import Config, ConfigError, check_batch
-from seg_train.train.loop import HostSide, NonFiniteError, StepLoop
-from seg_train.infer.metrics import format_table
-from seg_train.data.label_images import voc_colormap
-from seg_train.train.profiling import StepProfiler
-from seg_train.data import layouts
-from seg_train.data.feed import Feed
-from seg_train.data.reader import ImageReader
-from seg_train.data.split import open_split, train_dataset_fn
-from seg_train.data.scan import class_weights_for_split, scan_for_training
-from seg_train.run.rundir import FIRST_STEP_FILE, RunLock, check_resume_config, write_class_weights, write_json
-from seg_train.train.summaries import Summaries
 from seg_train.util.sysinfo import peak_rss_mb
-from seg_train.run.state import TrainState
-from seg_train.train.step import TrainStep
 
 log = logging.getLogger("seg_train")
 
@@ -205,9 +201,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         return exit_codes.signalled(stop.signum)
     # Resuming: the checkpoint holds every weight; the start weights' file may have moved since.
     build_cfg = config_lib.without_weight_files(cfg) if resuming else cfg
-    state = TrainState(build_cfg, strategy)
-    train_step = TrainStep(state, class_weights=class_weights)
-    evaluator = evaluate.Evaluator(state, cfg.eval, score_offsets=modes.score_offsets(cfg.eval, class_weights))
+    run = build_run(build_cfg, strategy, class_weights, eval_cfg=cfg.eval)
+    state, train_step, evaluator = run.state, run.train_step, run.evaluator
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.train.keep_checkpoints, **state.checkpoint_objects())
     restored = ckpt.restore_latest()
     if write_dir != run_dir:
@@ -252,19 +247,19 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         write_class_weights(write_dir, cfg.loss.class_weights if isinstance(cfg.loss.class_weights, str)
                             else "config", names, class_weights)
 
-    # ---- data ---------------------------------------------------------------------------------------
-    batches = Feed(dist_data)  # released without waiting for TensorFlow's teardown (data/feed.py)
-    summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
-    summaries.config_text(start + 1, cfg, towers=n)  # the first step of this run segment
+    # ---- data and loop ------------------------------------------------------------------------------
+    bar = _progress(cfg.train.num_steps, start)
     profiler = StepProfiler(write_dir, cfg.train.profile_steps)
+    parts = run.loop(dist_data, start, write_dir, bar, profiler, trace_s, first_step_path=write_dir / FIRST_STEP_FILE,
+                     stop_requested=lambda: stop.signum is not None)
+    batches, summaries, loop, steps = parts
+    summaries.config_text(start + 1, cfg, towers=n)  # the first step of this run segment
     log.info("training %s on %d tower(s): %d images, global batch %d (%d per tower)%s, steps %d..%d, run dir %s",
              state.model.name, n, len(reader), batch, batch // n,
              f" x {k_micro} micro-batches per update" if k_micro > 1 else "", start, cfg.train.num_steps, run_dir)
 
     # ---- loop ---------------------------------------------------------------------------------------
-    bar = _progress(cfg.train.num_steps, start)
     t_cfg = cfg.train
-    loop = HostSide(cfg, state, summaries, bar, n, profiler, trace_s, first_step_path=write_dir / FIRST_STEP_FILE)
     multiworker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     state_finite = tf.function(lambda: tf.reduce_all(
         [tf.reduce_all(tf.math.is_finite(v)) for v in state.model.weights + state.optimizer.variables
@@ -277,7 +272,6 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
             raise NonFiniteError(f"non-finite weights or optimizer state after the update of step {at}")
         return ckpt.save(at)
 
-    steps = StepLoop(train_step, batches, start, loop, t_cfg.image_summary_every, lambda: stop.signum is not None)
     try:
         while steps.step < t_cfg.num_steps:
             group_stop = steps.dispatch()  # finishes the step before this one

@@ -17,10 +17,10 @@ import keras
 import tensorflow as tf
 
 from seg_train import models
-from seg_train.parallel import collectives
 from seg_train.models import param_groups
-from seg_train.train.scalars import TowerScalars
+from seg_train.parallel import collectives
 from seg_train.parallel.towers import handles, read_handle, shared
+from seg_train.train.scalars import TowerScalars
 
 
 class Reduced(NamedTuple):
@@ -134,8 +134,8 @@ class Update:
         self._decoupled = decoupled_decay(state.optimizer, state.variables)
         # The lr multipliers scale the learning rate, not the gradient (Adam would undo that).
         t = cfg.train
-        self._lr_mult = param_groups.lr_multipliers(state.model, t.backbone_lr_multiplier, t.head_lr_multiplier,
-                                                    t.layer_decay)
+        self._lr_mult = param_groups.lr_multipliers(state.model, cfg.model, t.backbone_lr_multiplier,
+                                                    t.head_lr_multiplier, t.layer_decay)
         # Which of the step's two learning rates (head, backbone) each variable takes: they differ only in
         # train.backbone_warmup_steps' two-stage warmup.
         self._lr_index = [int(b) for b in models.backbone_variable_mask(state.model)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from seg_train.config import ConfigError
+from seg_train.util.errors import ConfigError
 
 
 def _nearest_existing(path: Path) -> Path:

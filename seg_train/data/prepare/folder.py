@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from seg_train.data.label_images import JPEG_START, LOSSY_EXPECTED, LOSSY_WHAT
-from seg_train.data.label_images import save_index_png, voc_colormap
+from seg_train.data.label_images import JPEG_START, LOSSY_EXPECTED, LOSSY_WHAT, save_index_png, voc_colormap
 from seg_train.data.prepare import PrepError, wrote
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm"}

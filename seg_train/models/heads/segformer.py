@@ -10,8 +10,8 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from seg_train.models.deeplabv3plus import ResizeLike
 from seg_train.models.layer_choice import LayerChoice
+from seg_train.models.layers import ResizeLike
 from seg_train.models.stochastic import ChannelDropout
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from seg_train.models.deeplabv3plus import ResizeLike
 from seg_train.models.layer_choice import LayerChoice
+from seg_train.models.layers import ResizeLike
 
 
 def lraspp(backbone: keras.Model, num_classes: int, choice: LayerChoice, channels: int = 128,

@@ -6,7 +6,7 @@ position information) and a LayerNorm; features at strides 4, 8, 16, 32.
 
 Not keras-hub's MiTBackbone: it rebuilds the 2-D map as H = W = sqrt(N), so it takes only square
 inputs of the size it was built for; here every layer works on the [b, H, W, C] map with its dynamic
-shape, so any H x W works. Variables match keras-hub's, so its presets load (models/presets.py); GELU
+shape, so any H x W works. Variables match keras-hub's, so its presets load (models/mit/presets.py); GELU
 (tanh form) and the stage LayerNorms' epsilon 1e-5 follow keras-hub so the presets give its outputs.
 
 Mixed precision: LayerNorm moments and attention logits/softmax in float32 (float16 logits overflow).
@@ -15,44 +15,18 @@ Inputs need at least 29 pixels per side, for the first stage's 8x8 reduction con
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import keras
 import tensorflow as tf
 from keras import layers
 
+from seg_train.config.variants import MIT_VARIANTS
+from seg_train.models.layers import LayerNorm, dense
 from seg_train.models.stochastic import DropPath
 
 STRIDES = (4, 8, 16, 32)  # each stage's output stride
-_PATCH = ((7, 4), (3, 2), (3, 2), (3, 2))  # (patch size, stride) of each stage's embedding
-_HEADS = (1, 2, 5, 8)
-_SR_RATIOS = (8, 4, 2, 1)
 _MLP_RATIO = 4
 # The epsilons: blocks' LayerNorms, and every other LayerNorm (embeddings, reductions, stage ends).
 BLOCK_EPSILON, EPSILON = 1e-6, 1e-5
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One MiT size: per-stage widths and block counts (heads, reduction ratios and patches are shared)."""
-
-    widths: tuple[int, int, int, int]
-    depths: tuple[int, int, int, int]
-    heads: tuple[int, int, int, int] = _HEADS
-    sr_ratios: tuple[int, int, int, int] = _SR_RATIOS
-    patch_sizes: tuple[int, int, int, int] = tuple(p for p, _ in _PATCH)
-    patch_strides: tuple[int, int, int, int] = tuple(s for _, s in _PATCH)
-
-
-# The paper's Table 6 (and keras-hub's MiT presets).
-VARIANTS = {
-    "mit_b0": Variant((32, 64, 160, 256), (2, 2, 2, 2)),
-    "mit_b1": Variant((64, 128, 320, 512), (2, 2, 2, 2)),
-    "mit_b2": Variant((64, 128, 320, 512), (3, 4, 6, 3)),
-    "mit_b3": Variant((64, 128, 320, 512), (3, 4, 18, 3)),
-    "mit_b4": Variant((64, 128, 320, 512), (3, 8, 27, 3)),
-    "mit_b5": Variant((64, 128, 320, 512), (3, 6, 40, 3)),
-}
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -100,33 +74,12 @@ class Gelu(layers.Layer):
         return keras.ops.gelu(x, approximate=True)
 
 
-@keras.saving.register_keras_serializable(package="seg_train")
-class LayerNorm(layers.LayerNormalization):
-    """Keras' LayerNormalization over the last axis, its shift computed as beta - mean * inv.
-
-    Keras' form converts to a TFLite NEG, which has no int8 kernel; a SUB has one. Same variables and
-    function; moments in float32 for half-precision inputs, as Keras'.
-    """
-
-    def call(self, inputs):
-        x = inputs
-        if x.dtype in (tf.float16, tf.bfloat16):
-            x = tf.cast(x, tf.float32)
-        mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-        inv = tf.math.rsqrt(variance + self.epsilon) * tf.cast(self.gamma, x.dtype)
-        return tf.cast(x * inv + (tf.cast(self.beta, x.dtype) - mean * inv), self.compute_dtype)
-
-
 def _layer_norm(epsilon: float, name: str) -> layers.LayerNormalization:
     return LayerNorm(epsilon=epsilon, name=name)
 
 
-# The original's initialisation (dense N(0, 0.02), conv N(0, 2 / fan_out)): Keras' Glorot default is
-# several times wider, which matters from scratch. A new initializer per layer (reuse repeats values).
-def _dense(units: int, name: str) -> layers.Dense:
-    return layers.Dense(units, kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02), name=name)
-
-
+# The original's initialisation (dense N(0, 0.02): models/layers.py's dense; conv N(0, 2 / fan_out)): Keras'
+# Glorot default is several times wider, which matters from scratch.
 def _conv_init():
     return keras.initializers.VarianceScaling(2.0, mode="fan_out", distribution="untruncated_normal")
 
@@ -135,25 +88,25 @@ def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float
     """One transformer block on the map x [b, h, w, width]; each residual branch dropped per sample with
     probability `drop_path` in training (two independent draws)."""
     y = _layer_norm(BLOCK_EPSILON, f"{name}_norm1")(x)
-    q = _dense(width, f"{name}_attn_q")(y)
+    q = dense(width, f"{name}_attn_q")(y)
     kv = y
     if sr_ratio > 1:
         kv = layers.Conv2D(width, sr_ratio, strides=sr_ratio, kernel_initializer=_conv_init(),
                            name=f"{name}_attn_sr")(kv)
         kv = _layer_norm(EPSILON, f"{name}_attn_sr_norm")(kv)
-    k = _dense(width, f"{name}_attn_k")(kv)
-    v = _dense(width, f"{name}_attn_v")(kv)
+    k = dense(width, f"{name}_attn_k")(kv)
+    v = dense(width, f"{name}_attn_v")(kv)
     y = EfficientAttention(heads, name=f"{name}_attn")(q, k, v)
-    y = _dense(width, f"{name}_attn_proj")(y)
+    y = dense(width, f"{name}_attn_proj")(y)
     if drop_path:
         y = DropPath(drop_path, name=f"{name}_drop_path1")(y)
     x = layers.Add(name=f"{name}_add1")([x, y])
 
     y = _layer_norm(BLOCK_EPSILON, f"{name}_norm2")(x)
-    y = _dense(width * _MLP_RATIO, f"{name}_ffn_fc1")(y)
+    y = dense(width * _MLP_RATIO, f"{name}_ffn_fc1")(y)
     y = layers.DepthwiseConv2D(3, padding="same", depthwise_initializer=_conv_init(), name=f"{name}_ffn_dwconv")(y)
     y = Gelu(name=f"{name}_ffn_gelu")(y)
-    y = _dense(width, f"{name}_ffn_fc2")(y)
+    y = dense(width, f"{name}_ffn_fc2")(y)
     if drop_path:
         y = DropPath(drop_path, name=f"{name}_drop_path2")(y)
     return layers.Add(name=f"{name}_add2")([x, y])
@@ -161,14 +114,14 @@ def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float
 
 def drop_path_rates(name: str, rate: float) -> list[float]:
     """Each block's drop-path rate over all stages' blocks: linearly from 0 to `rate` (the paper's)."""
-    n = sum(VARIANTS[name].depths)
+    n = sum(MIT_VARIANTS[name].depths)
     return [rate * i / (n - 1) for i in range(n)]
 
 
 def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,), drop_path_rate: float = 0.0) -> keras.Model:
     """MiT `name`: the features at each of `low_strides` (4, 8 or 16), then the stride-32 features.
     `drop_path_rate`: the last block's stochastic depth; blocks at rate 0 have no DropPath layer."""
-    spec = VARIANTS[name]
+    spec = MIT_VARIANTS[name]
     rates = iter(drop_path_rates(name, drop_path_rate))
     inp = keras.Input((None, None, 3), name="image")
     x, found = inp, {}

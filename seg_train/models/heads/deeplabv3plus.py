@@ -3,24 +3,10 @@
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 from keras import layers
 
 from seg_train.models.layer_choice import LayerChoice
-
-
-class ResizeLike(layers.Layer):
-    """Bilinear resize of x to the spatial size of `ref`.
-
-    Not UpSampling2D, which fails on unknown spatial sizes in graph mode.
-    """
-
-    def call(self, x, ref):
-        size = tf.shape(ref)[1:3]
-        return tf.cast(tf.image.resize(x, size, method="bilinear"), x.dtype)
-
-    def compute_output_shape(self, x_shape, ref_shape):
-        return (x_shape[0], ref_shape[1], ref_shape[2], x_shape[3])
+from seg_train.models.layers import ResizeLike
 
 
 def _conv_bn_relu(x, filters, kernel, name, choice: LayerChoice, momentum: float, dilation=1):

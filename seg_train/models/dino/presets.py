@@ -1,6 +1,6 @@
-"""keras-hub's DINOv3 and DINOv2 backbone presets loaded into models/vit.py's encoders without keras-hub.
+"""keras-hub's DINOv3 and DINOv2 backbone presets loaded into models/dino/vit.py's encoders without keras-hub.
 
-config.json and model.weights.h5, read as models/presets.py reads MiT's; keras-hub's layout mapped onto
+config.json and model.weights.h5, read as models/mit/presets.py reads MiT's; keras-hub's layout mapped onto
 vit.py's layers by name (`_i` counts the blocks: none for the first):
 
   layers/dinov{3,2}_embedding/patch_embeddings/projection   -> patch_embed
@@ -29,15 +29,15 @@ import keras
 import numpy as np
 
 from seg_train.config import ConfigError
-from seg_train.models.presets import _directory, _read_json, _WeightsFile
-from seg_train.models.vit import VARIANTS, Variant
+from seg_train.config.variants import VIT_VARIANTS, ViTVariant
+from seg_train.models.keras_hub import WeightsFile, assign, preset_directory, read_json
 
 log = logging.getLogger("seg_train")
 
 _CLASS = {"dinov3": "DINOV3Backbone", "dinov2": "DINOV2Backbone"}
 
 
-def _expected(spec: Variant) -> dict:
+def _expected(spec: ViTVariant) -> dict:
     """The config.json values that fix the architecture of `spec` (keras-hub's names)."""
     out = {"patch_size": spec.patch, "num_layers": spec.depth, "hidden_dim": spec.width, "num_heads": spec.heads,
            "intermediate_dim": spec.mlp, "num_register_tokens": spec.registers}
@@ -51,17 +51,17 @@ def _expected(spec: Variant) -> dict:
     return out
 
 
-def _spec(name) -> tuple[str, Variant]:
-    return (name, VARIANTS[name]) if isinstance(name, str) else (f"{name.family}_custom", name)
+def _spec(name) -> tuple[str, ViTVariant]:
+    return (name, VIT_VARIANTS[name]) if isinstance(name, str) else (f"{name.family}_custom", name)
 
 
 def check_dino_preset(directory, name) -> Path:
     """The preset directory, its config.json checked to be keras-hub's backbone of the DINO variant `name`
-    (a VARIANTS key or a Variant). Cheap: before the model is built."""
+    (a VIT_VARIANTS key or a ViTVariant). Cheap: before the model is built."""
     label, spec = _spec(name)
     wanted = _CLASS[spec.family]
-    d = _directory(directory, "the DINO preset", wanted)
-    raw = _read_json(d, "config.json", "the DINO preset", wanted)
+    d = preset_directory(directory, "the DINO preset", wanted)
+    raw = read_json(d, "config.json", "the DINO preset", wanted)
     path = d / "config.json"
     got_class = raw.get("class_name")
     if got_class != wanted:
@@ -83,9 +83,9 @@ def load_dino_preset(model: keras.Model, directory, name=None) -> int:
     """A keras-hub DINOv3/DINOv2 preset directory into `model` (vit.dino_encoder of the variant `name`;
     default the model's name). Returns the number of arrays loaded."""
     label, spec = _spec(name if name is not None else model.name)
-    d = check_dino_preset(directory, label if label in VARIANTS else spec)
+    d = check_dino_preset(directory, label if label in VIT_VARIANTS else spec)
     fam = spec.family
-    weights = _WeightsFile(d / "model.weights.h5", f"{_CLASS[fam]} ({label})")
+    weights = WeightsFile(d / "model.weights.h5", f"{_CLASS[fam]} ({label})")
     pairs = []
     built = {layer.name for layer in model.layers}
 
@@ -153,7 +153,6 @@ def load_dino_preset(model: keras.Model, directory, name=None) -> int:
         weights.check_all_read()
     finally:
         weights.close()
-    for v, a in pairs:
-        v.assign(a.astype(v.dtype))
-    log.info("loaded %d arrays of the keras-hub preset %s into the %s encoder", len(pairs), d, label)
-    return len(pairs)
+    n = assign(pairs)
+    log.info("loaded %d arrays of the keras-hub preset %s into the %s encoder", n, d, label)
+    return n

@@ -1,4 +1,4 @@
-"""What sits between a DINO ViT (models/vit.py) and a head: the DINO papers' linear head, and ViTDet's simple
+"""What sits between a DINO ViT (models/dino/vit.py) and a head: the DINO papers' linear head, and ViTDet's simple
 pyramid, which turns the ViT's single-scale map into the four levels the per-pixel heads expect.
 
 Linear (`linear_head`): BatchNorm + 1x1 conv on the chosen blocks' patch maps concatenated along the channels,
@@ -17,9 +17,8 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from seg_train.models.deeplabv3plus import ResizeLike
 from seg_train.models.layer_choice import LayerChoice
-from seg_train.models.mit import LayerNorm
+from seg_train.models.layers import LayerNorm, ResizeLike
 
 # The levels by their nominal stride (patch 16) -> how many times the patch grid they are.
 LEVELS = {4: "x4", 8: "x2", 16: "x1", 32: "pool"}
@@ -27,7 +26,7 @@ LEVELS = {4: "x4", 8: "x2", 16: "x1", 32: "pool"}
 
 def linear_head(encoder: keras.Model, num_classes: int, choice: LayerChoice, bn_momentum: float = 0.9,
                 name: str | None = None) -> keras.Model:
-    """BatchNorm + 1x1 conv on the concatenated patch maps of `encoder` (models/vit.py's dino_encoder);
+    """BatchNorm + 1x1 conv on the concatenated patch maps of `encoder` (models/dino/vit.py's dino_encoder);
     float32 logits at the input's size."""
     inp = keras.Input((None, None, 3), name="image")
     maps = encoder(inp)

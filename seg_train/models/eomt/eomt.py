@@ -1,5 +1,5 @@
 """EoMT (Kerssies et al., CVPR 2025, "Your ViT is Secretly an Image Segmentation Model"): mask classification
-on a plain ViT, the encoder of models/vit.py. Arithmetic held to transformers' EomtForUniversalSegmentation
+on a plain ViT, the encoder of models/dino/vit.py. Arithmetic held to transformers' EomtForUniversalSegmentation
 (tests/test_eomt_model.py against the fixture scripts/reference_eomt_model.py writes).
 
 The model: the ViT's first depth - `eomt_blocks` blocks run on [CLS, registers, patches]; then `queries`
@@ -35,7 +35,7 @@ log(max(scores, tiny)) so that argmax and a softmax over classes (flip / scale a
 other heads' logits; softmax of them is the scores normalised to sum 1.
 
 Positions: transformers' EoMT has learned position embeddings for its one patch grid on the patches only
-(Variant(cls_position=False)); here, as for DINOv2, they are resized bicubically to the actual grid (the
+(ViTVariant(cls_position=False)); here, as for DINOv2, they are resized bicubically to the actual grid (the
 identity at its own grid), so any size works. Mixed precision: the ViT's float32 LayerNorm moments and
 softmax; predictions and the semantic output in float32.
 """
@@ -47,8 +47,9 @@ import numpy as np
 import tensorflow as tf
 from keras import layers
 
-from seg_train.models.mit import LayerNorm
-from seg_train.models.vit import VARIANTS, Variant, block_layers_of, dino_encoder, run_block
+from seg_train.config.variants import VIT_VARIANTS, ViTVariant
+from seg_train.models.dino.vit import dino_encoder, encoder_parts, run_block
+from seg_train.models.layers import LayerNorm, dense
 
 # The additive logit of a masked query-to-patch pair (the reference's); exp underflows to 0 in float32.
 MASKED = -1e9
@@ -56,9 +57,6 @@ _TINY = float(np.finfo(np.float32).tiny)
 _UPSCALE_EPSILON = 1e-6
 
 
-def _dense(units: int, name: str, activation=None) -> layers.Dense:
-    return layers.Dense(units, activation=activation, name=name,
-                        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
 
 def _to_patch_grid(mask_logits, grid_h, grid_w, q: int):
@@ -102,7 +100,7 @@ class EoMT(keras.Model):
     """EoMT on a vit.py encoder (module doc): `backbone` is the only nested model; every variable is created
     here, at construction."""
 
-    def __init__(self, spec: Variant, num_classes: int, queries: int, eomt_blocks: int, upscale_blocks: int = 2,
+    def __init__(self, spec: ViTVariant, num_classes: int, queries: int, eomt_blocks: int, upscale_blocks: int = 2,
                  drop_path_rate: float = 0.0, label: str | None = None, name: str = "eomt", **kwargs):
         super().__init__(name=name, **kwargs)
         if not 1 <= eomt_blocks <= spec.depth:
@@ -113,8 +111,9 @@ class EoMT(keras.Model):
         self.backbone = dino_encoder(label or spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True)
         self.queries = self.add_weight(shape=(queries, c), initializer=keras.initializers.RandomNormal(stddev=1.0),
                                        name="queries")
-        self.class_head = _dense(num_classes + 1, "class_head")
-        self.mask_mlp = [_dense(c, "mask_mlp1", "gelu"), _dense(c, "mask_mlp2", "gelu"), _dense(c, "mask_mlp3")]
+        self.class_head = dense(num_classes + 1, "class_head")
+        self.mask_mlp = [dense(c, "mask_mlp1", activation="gelu"), dense(c, "mask_mlp2", activation="gelu"),
+                         dense(c, "mask_mlp3")]
         self.upscale = []  # per block: deconv, GELU, depthwise conv, LayerNorm
         for i in range(1, upscale_blocks + 1):
             self.upscale += [layers.Conv2DTranspose(c, 2, strides=2, name=f"upscale{i}_deconv"),
@@ -151,13 +150,13 @@ class EoMT(keras.Model):
     def _forward(self, images, every: bool, mask_probs=None, seeds=None, training=None):
         """The predictions: before each EoMT block and the final one when `every`, else the final one only;
         masked attention when `mask_probs` is given (with `every`)."""
-        bb, spec, q = self.backbone, self.spec, self.num_queries
+        parts, spec, q = encoder_parts(self.backbone), self.spec, self.num_queries
         prefix = 1 + spec.registers
-        grid = bb.get_layer("patch_embed")(bb.get_layer("patch_check")(images))
-        tokens = bb.get_layer("tokens")(grid)
-        rope = bb.get_layer("rope")(grid) if spec.family == "dinov3" else ()
+        grid = parts.patch_embed(parts.patch_check(images))
+        tokens = parts.tokens(grid)
+        rope = parts.rope(grid) if parts.rope is not None else ()
         grid_h, grid_w = tf.shape(grid)[1], tf.shape(grid)[2]
-        norm = bb.get_layer("norm")
+        norm = parts.norm
         if mask_probs is not None:
             if seeds is None:
                 raise ValueError("EoMT.predictions: mask_probs given without seeds (int32 [batch, 2])")
@@ -178,7 +177,7 @@ class EoMT(keras.Model):
                     j = i - self.first_eomt_block
                     keeps = mask_keeps(seeds, j, mask_probs[j], q)
                     bias = attention_bias(out[-1][1], keeps, grid_h, grid_w, q, prefix, tf.shape(tokens)[1])
-            tokens = run_block(block_layers_of(bb, f"block{i}"), tokens, rope, bias=bias,
+            tokens = run_block(parts.blocks[i - 1], tokens, rope, bias=bias,
                                prefix=q + prefix if eomt else None, training=training)
         out.append(self._predict(norm(tokens), grid_h, grid_w))
         return out
@@ -205,8 +204,8 @@ class EoMT(keras.Model):
 
 def eomt(name, num_classes: int, queries: int = 100, eomt_blocks: int = 4, upscale_blocks: int = 2,
          drop_path_rate: float = 0.0) -> EoMT:
-    """EoMT on the ViT `name` (a vit.VARIANTS key, or a Variant); call inside `strategy.scope()` for one set of
+    """EoMT on the ViT `name` (a VIT_VARIANTS key, or a ViTVariant); call inside `strategy.scope()` for one set of
     variables."""
-    spec = VARIANTS[name] if isinstance(name, str) else name
+    spec = VIT_VARIANTS[name] if isinstance(name, str) else name
     return EoMT(spec, num_classes, queries, eomt_blocks, upscale_blocks, drop_path_rate,
                 label=name if isinstance(name, str) else None)

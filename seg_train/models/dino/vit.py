@@ -7,7 +7,7 @@ chosen blocks as [b, H/p, W/p, C] maps.
 
 Not keras-hub's DINOV3Backbone/DINOV2Backbone: those compute the rotary table and resized positions
 for the one input shape they were built for, while evaluation is traced once for unknown H and W.
-Variables, layout and arithmetic follow keras-hub's, so its presets load (models/presets_vit.py).
+Variables, layout and arithmetic follow keras-hub's, so its presets load (models/dino/presets.py).
 
 Mixed precision: LayerNorm moments, RoPE, attention logits/softmax and the position resize in float32.
 Inputs must be a multiple of the patch size (a known size that is not is refused; callers pad).
@@ -16,76 +16,15 @@ Inputs must be a multiple of the patch size (a known size that is not is refused
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
 from keras import layers
 
-from seg_train.models.mit import LayerNorm
+from seg_train.config.variants import VIT_VARIANTS, ViTVariant, four_blocks, swiglu_width
+from seg_train.models.layers import LayerNorm, dense
 from seg_train.models.stochastic import DropPath
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One DINO size, in keras-hub's config terms (the field names of its config.json, models/presets_vit.py)."""
-
-    family: str          # "dinov3" or "dinov2"
-    patch: int
-    width: int           # hidden_dim
-    depth: int           # num_layers
-    heads: int
-    mlp: int             # intermediate_dim (DINOv2's SwiGLU uses 2/3 of it, rounded up to 8)
-    registers: int = 0
-    gated: bool = False  # DINOv3: gated MLP (use_gated_mlp); DINOv2: SwiGLU (use_swiglu_ffn)
-    activation: str = "gelu"  # DINOv3's MLP activation (hidden_activation); DINOv2's is GELU
-    key_bias: bool = True     # DINOv3's key projection bias (use_key_bias)
-    layer_scale: float = 1.0  # layer_scale_init_value
-    rope_theta: float = 100.0  # DINOv3
-    pos_grid: int = 37        # DINOv2: the position embedding's grid (position_embedding_shape / patch)
-    antialias: bool = False   # DINOv2: antialias_in_interpolation (True in the register presets)
-    cls_position: bool = True  # DINOv2: the position embedding has a CLS entry (keras-hub's); False: the
-    #                            patches' grid only, CLS without one (transformers' EoMT, models/eomt.py)
-
-    @property
-    def epsilon(self) -> float:
-        return 1e-5 if self.family == "dinov3" else 1e-6
-
-
-def _v3(width, depth, heads, mlp, gated=False):
-    return Variant("dinov3", 16, width, depth, heads, mlp, registers=4, gated=gated,
-                   activation="silu" if gated else "gelu", key_bias=False)
-
-
-def _v2(width, depth, heads, mlp, gated=False, registers=0):
-    return Variant("dinov2", 14, width, depth, heads, mlp, registers=registers, gated=gated,
-                   antialias=registers > 0)
-
-
-# The released sizes (keras-hub's presets; *_reg: dinov2_with_registers_*).
-VARIANTS = {
-    "dinov3_vits16": _v3(384, 12, 6, 1536),
-    "dinov3_vits16plus": _v3(384, 12, 6, 1536, gated=True),
-    "dinov3_vitb16": _v3(768, 12, 12, 3072),
-    "dinov3_vitl16": _v3(1024, 24, 16, 4096),
-    "dinov3_vith16plus": _v3(1280, 32, 20, 5120, gated=True),
-    "dinov2_vits14": _v2(384, 12, 6, 1536),
-    "dinov2_vitb14": _v2(768, 12, 12, 3072),
-    "dinov2_vitl14": _v2(1024, 24, 16, 4096),
-    "dinov2_vitg14": _v2(1536, 40, 24, 6144, gated=True),
-}
-VARIANTS.update({f"{n}_reg": replace(v, registers=4, antialias=True)
-                 for n, v in list(VARIANTS.items()) if v.family == "dinov2"})
-
-
-def swiglu_width(mlp: int) -> int:
-    """DINOv2's SwiGLU hidden width: 2/3 of intermediate_dim rounded up to a multiple of 8 (keras-hub's)."""
-    return (int(mlp * 2 / 3) + 7) // 8 * 8
-
-
-def default_layers(depth: int) -> tuple[int, ...]:
-    """Four blocks evenly spaced, the last one included (1-based: 3, 6, 9, 12 of 12); fewer when depth < 4."""
-    return tuple(sorted({max(1, depth * k // 4) for k in range(1, 5)}))
 
 
 def rope_tables(grid_h, grid_w, head_dim: int, theta: float):
@@ -315,33 +254,30 @@ class PatchMap(layers.Layer):
         return {**super().get_config(), "prefix": self.prefix}
 
 
-def _dense(units: int, name: str, use_bias: bool = True, activation=None) -> layers.Dense:
-    return layers.Dense(units, use_bias=use_bias, activation=activation, name=name,
-                        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
 
-def _block_layers(spec: Variant, name: str, drop_path: float) -> dict:
+def _block_layers(spec: ViTVariant, name: str, drop_path: float) -> dict:
     """One block's layers by role; each named f"{name}_{role}" (the names presets are loaded by)."""
     c = spec.width
     out = {"norm1": LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm1"),
-           "attn_q": _dense(c, f"{name}_attn_q"),
-           "attn_k": _dense(c, f"{name}_attn_k", use_bias=spec.key_bias),
-           "attn_v": _dense(c, f"{name}_attn_v"),
+           "attn_q": dense(c, f"{name}_attn_q"),
+           "attn_k": dense(c, f"{name}_attn_k", use_bias=spec.key_bias),
+           "attn_v": dense(c, f"{name}_attn_v"),
            "attn": Attention(spec.heads, 1 + spec.registers, name=f"{name}_attn"),
-           "attn_out": _dense(c, f"{name}_attn_out"),
+           "attn_out": dense(c, f"{name}_attn_out"),
            "ls1": LayerScale(spec.layer_scale, name=f"{name}_ls1"),
            "add1": layers.Add(name=f"{name}_add1"),
            "norm2": LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm2")}
     if spec.family == "dinov2" and spec.gated:
-        out.update(mlp_in=_dense(2 * swiglu_width(spec.mlp), f"{name}_mlp_in"),
-                   mlp_swiglu=SwiGLU(name=f"{name}_mlp_swiglu"), mlp_out=_dense(c, f"{name}_mlp_out"))
+        out.update(mlp_in=dense(2 * swiglu_width(spec.mlp), f"{name}_mlp_in"),
+                   mlp_swiglu=SwiGLU(name=f"{name}_mlp_swiglu"), mlp_out=dense(c, f"{name}_mlp_out"))
     elif spec.gated:
-        out.update(mlp_gate=_dense(spec.mlp, f"{name}_mlp_gate", activation=spec.activation),
-                   mlp_up=_dense(spec.mlp, f"{name}_mlp_up"), mlp_down=_dense(c, f"{name}_mlp_down"),
+        out.update(mlp_gate=dense(spec.mlp, f"{name}_mlp_gate", activation=spec.activation),
+                   mlp_up=dense(spec.mlp, f"{name}_mlp_up"), mlp_down=dense(c, f"{name}_mlp_down"),
                    mlp_mul=layers.Multiply(name=f"{name}_mlp_mul"))
     else:
-        out.update(mlp_up=_dense(spec.mlp, f"{name}_mlp_up", activation=spec.activation),
-                   mlp_down=_dense(c, f"{name}_mlp_down"))
+        out.update(mlp_up=dense(spec.mlp, f"{name}_mlp_up", activation=spec.activation),
+                   mlp_down=dense(c, f"{name}_mlp_down"))
     out.update(ls2=LayerScale(spec.layer_scale, name=f"{name}_ls2"), add2=layers.Add(name=f"{name}_add2"))
     if drop_path:
         out.update(drop_path1=DropPath(drop_path, name=f"{name}_drop_path1"),
@@ -349,15 +285,42 @@ def _block_layers(spec: Variant, name: str, drop_path: float) -> dict:
     return out
 
 
-def block_layers_of(model: keras.Model, name: str) -> dict:
-    """The layers of block `name` (e.g. "block3") in an encoder from `dino_encoder`, by role (`run_block`)."""
-    prefix = f"{name}_"
-    return {layer.name[len(prefix):]: layer for layer in model.layers if layer.name.startswith(prefix)}
+class EncoderParts(NamedTuple):
+    """An encoder's layers by role: what code outside this module uses instead of the layer names, which belong
+    here (presets and checkpoints depend on them)."""
+    patch_check: layers.Layer
+    patch_embed: layers.Layer
+    tokens: layers.Layer
+    rope: layers.Layer | None  # DINOv3's rotary tables (no weights); None for DINOv2
+    blocks: list               # block i + 1's layers by role (`run_block`'s parts), for the blocks built
+    norm: layers.Layer | None  # the final LayerNorm (None when built without it)
+
+    def levels(self) -> dict[int, int]:
+        """id(variable) -> its depth in the encoder, the parameter groups of layer-wise decay: 0 for the embeddings
+        (patch embedding, CLS / register tokens, positions), i for block i's, and the last block's number for the
+        final norm (it learns with the last block, as EoMT's and BEiT's grouping put it)."""
+        out = {id(v): 0 for layer in (self.patch_embed, self.tokens) for v in layer.weights}
+        for i, parts in enumerate(self.blocks, start=1):
+            out.update({id(v): i for layer in parts.values() for v in layer.weights})
+        if self.norm is not None:
+            out.update({id(v): len(self.blocks) for v in self.norm.weights})
+        return out
+
+
+def encoder_parts(model: keras.Model) -> EncoderParts:
+    """The parts of an encoder built by `dino_encoder`."""
+    names = {layer.name for layer in model.layers}
+    blocks = []
+    while f"block{len(blocks) + 1}_norm1" in names:
+        prefix = f"block{len(blocks) + 1}_"
+        blocks.append({layer.name[len(prefix):]: layer for layer in model.layers if layer.name.startswith(prefix)})
+    get = lambda name: model.get_layer(name) if name in names else None  # noqa: E731
+    return EncoderParts(get("patch_check"), get("patch_embed"), get("tokens"), get("rope"), blocks, get("norm"))
 
 
 def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None):
-    """One block on the tokens x [b, T, C] (symbolic while an encoder is built, or tensors: models/eomt.py),
-    with `parts` from `_block_layers` / `block_layers_of`; each residual branch dropped per sample (DropPath).
+    """One block on the tokens x [b, T, C] (symbolic while an encoder is built, or tensors: models/eomt/eomt.py),
+    with `parts` from `_block_layers` / `EncoderParts.blocks`; each residual branch dropped per sample (DropPath).
     `bias`, `prefix`: Attention's call arguments."""
     y = parts["norm1"](x)
     q, k, v = parts["attn_q"](y), parts["attn_k"](y), parts["attn_v"](y)
@@ -382,12 +345,12 @@ def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None):
     return parts["add2"]([x, y])
 
 
-def _block(x, rope, spec: Variant, name: str, drop_path: float):
+def _block(x, rope, spec: ViTVariant, name: str, drop_path: float):
     """One block on the tokens x [b, T, C]; each residual branch dropped per sample with `drop_path`."""
     return run_block(_block_layers(spec, name, drop_path), x, rope)
 
 
-def drop_path_rates(spec: Variant, rate: float) -> list[float]:
+def drop_path_rates(spec: ViTVariant, rate: float) -> list[float]:
     """Each block's drop-path rate: DINOv3 linearly from 0 to `rate`, DINOv2 `rate` everywhere (keras-hub's)."""
     if spec.family == "dinov2" or spec.depth == 1:
         return [rate] * spec.depth
@@ -396,12 +359,12 @@ def drop_path_rates(spec: Variant, rate: float) -> list[float]:
 
 def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: float = 0.0,
                  norm: bool = True) -> keras.Model:
-    """The DINO encoder `name` (a VARIANTS key, or a Variant): one [b, H/p, W/p, C] map per block of
-    `layers` (1-based; default `default_layers`). `norm`: apply the final LayerNorm to each map (as DINO's
+    """The DINO encoder `name` (a VIT_VARIANTS key, or a ViTVariant): one [b, H/p, W/p, C] map per block of
+    `layers` (1-based; default `four_blocks`). `norm`: apply the final LayerNorm to each map (as DINO's
     own segmentation heads do). Blocks after the last one asked for are not built."""
-    spec = VARIANTS[name] if isinstance(name, str) else name
+    spec = VIT_VARIANTS[name] if isinstance(name, str) else name
     label = name if isinstance(name, str) else f"{spec.family}_custom"
-    chosen = tuple(layers or default_layers(spec.depth))
+    chosen = tuple(layers or four_blocks(spec.depth))
     if not all(1 <= i <= spec.depth for i in chosen):
         raise ValueError(f"dino_encoder {label}: layers {chosen}: expected block numbers 1..{spec.depth}")
     inp = keras.Input((None, None, 3), name="image")

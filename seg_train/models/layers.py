@@ -1,0 +1,48 @@
+"""Layers every model family uses: the LayerNorm, the resize to another tensor's size, and the Dense layer with
+the transformers' truncated-normal initialisation."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import layers
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class LayerNorm(layers.LayerNormalization):
+    """Keras' LayerNormalization over the last axis, its shift computed as beta - mean * inv.
+
+    Keras' form converts to a TFLite NEG, which has no int8 kernel; a SUB has one. Same variables and
+    function; moments in float32 for half-precision inputs, as Keras'.
+    """
+
+    def call(self, inputs):
+        x = inputs
+        if x.dtype in (tf.float16, tf.bfloat16):
+            x = tf.cast(x, tf.float32)
+        mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
+        inv = tf.math.rsqrt(variance + self.epsilon) * tf.cast(self.gamma, x.dtype)
+        return tf.cast(x * inv + (tf.cast(self.beta, x.dtype) - mean * inv), self.compute_dtype)
+
+
+
+class ResizeLike(layers.Layer):
+    """Bilinear resize of x to the spatial size of `ref`.
+
+    Not UpSampling2D, which fails on unknown spatial sizes in graph mode.
+    """
+
+    def call(self, x, ref):
+        size = tf.shape(ref)[1:3]
+        return tf.cast(tf.image.resize(x, size, method="bilinear"), x.dtype)
+
+    def compute_output_shape(self, x_shape, ref_shape):
+        return (x_shape[0], ref_shape[1], ref_shape[2], x_shape[3])
+
+
+def dense(units: int, name: str, use_bias: bool = True, activation=None) -> layers.Dense:
+    """A Dense layer initialised as the transformers (MiT, DINO, EoMT) are: kernel ~ N(0, 0.02) truncated, bias 0.
+    (Keras' Glorot default is several times wider, which matters when training from scratch.) A new initializer
+    per layer: a shared one would repeat its values."""
+    return layers.Dense(units, use_bias=use_bias, activation=activation, name=name,
+                        kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
