@@ -63,7 +63,16 @@ class InstanceState:
 
     def as_arrays(self) -> dict[str, np.ndarray]:
         """The arrays by name (to gather, or save)."""
-        return {k: getattr(self, k) for k in ("npig", "image", "category", "rank", "score", "matched", "ignored")}
+        return {k: getattr(self, k) for k in _FIELDS}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict) -> InstanceState:
+        """as_arrays' inverse."""
+        return cls(*(np.asarray(arrays[k], dtype) for k, dtype in zip(_FIELDS, _DTYPES)))
+
+
+_FIELDS = ("npig", "image", "category", "rank", "score", "matched", "ignored")
+_DTYPES = (np.int64, np.int64, np.int64, np.int64, np.float64, bool, bool)
 
 
 def _flat(masks) -> np.ndarray:

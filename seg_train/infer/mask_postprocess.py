@@ -79,8 +79,25 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     # float32 like the references: sigmoid(x) >= 0.5 is then also true for tiny negative x, as it is in torch.
+    # In place on one new array: these are [Q, H, W] at the image's size.
+    out = np.negative(x, dtype=np.float32)
     with np.errstate(over="ignore"):
-        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+        np.exp(out, out=out)
+    out += 1
+    return np.reciprocal(out, out=out)
+
+
+def _first_argmax(scores: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """argmax over queries of scores[q] * masks[q] (float32 products), ties to the lowest q as numpy's argmax;
+    one contiguous pass per query, without the [Q, H, W] product and numpy's strided argmax over its first axis."""
+    best = scores[0] * masks[0]
+    owner = np.zeros(masks.shape[1:], np.int64)
+    for q in range(1, len(scores)):
+        value = scores[q] * masks[q]
+        better = value > best
+        owner[better] = q
+        np.maximum(best, value, out=best)
+    return owner
 
 
 def _masks_at_image(mask_logits, queries: np.ndarray, image_size, crop_size) -> np.ndarray:
@@ -137,7 +154,7 @@ def panoptic_prediction(class_logits, mask_logits, is_thing: Sequence[bool], *, 
     if keep.size == 0:
         return PanopticPrediction(np.zeros((height, width), np.int32), [])
 
-    owner = np.argmax(scores[keep][:, None, None] * masks, axis=0)
+    owner = _first_argmax(scores[keep], masks)
     owner_inside = np.take_along_axis(masks, owner[None], 0)[0] >= 0.5
     won = np.bincount(owner.ravel(), minlength=keep.size)
     inside = np.count_nonzero(masks >= 0.5, axis=(1, 2))
@@ -196,7 +213,10 @@ def instance_prediction(class_logits, mask_logits, *, top_k: int = TOP_K, image_
     logits = _masks_at_image(mask_logits, unique, image_size, crop_size)
     masks = logits > 0
     inside = np.count_nonzero(masks, axis=(1, 2))
-    mask_score = np.where(masks, _sigmoid(logits), 0).sum(axis=(1, 2), dtype=np.float64) / (inside + 1e-6)
+    # Sigmoid only where it counts (inside the masks), summed per query.
+    owner = np.broadcast_to(np.arange(len(unique))[:, None, None], masks.shape)[masks]
+    sums = np.bincount(owner, weights=_sigmoid(logits[masks]), minlength=len(unique))
+    mask_score = sums / (inside + 1e-6)
     scores = (probs[pairs] * mask_score[slot]).astype(np.float32)
     order = np.argsort(-scores, kind="stable")
     return InstancePrediction(masks[slot[order]], scores[order], labels[order].astype(np.int32),

@@ -40,6 +40,12 @@ class PanopticState:
         """The four arrays by name (to all-reduce, or save)."""
         return {"iou": self.iou, "tp": self.tp, "fp": self.fp, "fn": self.fn}
 
+    @classmethod
+    def from_arrays(cls, arrays: dict) -> PanopticState:
+        """as_arrays' inverse."""
+        return cls(np.asarray(arrays["iou"], np.float64),
+                   *(np.asarray(arrays[k], np.int64) for k in ("tp", "fp", "fn")))
+
 
 def _dense(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """Each pixel's position in `keys` + 1 (sorted unique segment ids), 0 for an id not in keys (VOID, or
