@@ -12,7 +12,7 @@ from seg_train.models.deeplabv3plus import ResizeLike, deeplabv3plus
 from seg_train.models.eomt import eomt
 from seg_train.models.layer_choice import LayerChoice
 from seg_train.models.lraspp import lraspp
-from seg_train.models.neck import SimplePyramid, linear_head
+from seg_train.models.neck import PatchPairPool, SimplePyramid, linear_head
 from seg_train.models.presets import check_segformer_preset, load_segformer_preset
 from seg_train.models.presets_vit import check_dino_preset, load_dino_preset
 from seg_train.models.segformer import segformer
@@ -84,9 +84,13 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
 
 
 def input_multiple(model: keras.Model) -> int:
-    """What every input side must be a multiple of: a ViT's patch size, else 32 (the conv backbones' and
-    MiT's deepest stride, so whole images keep their features aligned); inference pads to it."""
+    """What every input side must be a multiple of: a ViT's patch size p, 2p under the simple pyramid's
+    stride-2p level (an even patch grid, so each of its cells pools a whole pair of patches: neck.PatchPairPool),
+    else 32 (the conv backbones' and MiT's deepest stride, so whole images keep their features aligned);
+    inference pads to it."""
     grids = [layer.patch for layer in backbone_of(model).layers if isinstance(layer, PatchGrid)]
+    if grids and any(isinstance(layer, PatchPairPool) for layer in model.layers):
+        return 2 * grids[0]
     return grids[0] if grids else 32
 
 
