@@ -32,8 +32,8 @@ POWER = 0.9
 
 def mask_probabilities(step, windows) -> tf.Tensor:
     """float32 [n]: block k's masked-attention probability at `step`: 1 before its window [start, end), 0 from its
-    end, (1 - (step - start) / (end - start)) ** 0.9 inside. An empty window (start = end, a short run's derived
-    windows) is the limit of short ones: 1 before `start`, 0 from it."""
+    end, (1 - (step - start) / (end - start)) ** 0.9 inside. An empty window (start = end, as a short run derives
+    some) holds no step, so those two rules are all of it: 1 before `start`, 0 from it (not 0/0)."""
     step = tf.cast(step, tf.float32)
     out = []
     for start, end in windows:
