@@ -23,6 +23,7 @@ import yaml
 
 from seg_train import cli
 from seg_train.config import ConfigError, from_dict
+from seg_train.config.resolve import annealing_windows
 from seg_train.data import synthetic
 from seg_train.models import stochastic
 from seg_train.objectives.mask_classification import mask_probabilities, sample_seeds
@@ -45,7 +46,7 @@ def test_default_annealing_is_the_references_stagger():
     [3317 k, 3317 (k + 1)]: masking ends at 5/6 of training, not at its last step."""
     cfg = from_dict(_raw(train={"num_steps": 19902}))
     assert (cfg.model.num_queries, cfg.model.eomt_blocks) == (100, 4)
-    assert cfg.train.mask_annealing == [(3317, 6634), (6634, 9951), (9951, 13268), (13268, 16585)]
+    assert annealing_windows(cfg) == [(3317, 6634), (6634, 9951), (9951, 13268), (13268, 16585)]
 
 
 def test_annealing_probability_is_the_poly_curve():

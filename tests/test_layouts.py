@@ -21,6 +21,7 @@ from PIL import Image
 from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.config import ConfigError
+from seg_train.config.resolve import annealing_windows
 from seg_train.data import layouts
 from seg_train.data.scan import class_weights_for_split
 from seg_train.data.split import class_names_of
@@ -274,5 +275,5 @@ def test_shipped_configs_load():
         assert (c.model.head, c.model.num_queries, c.data.crop_size, c.data.batch_size) == ("eomt", queries, crop, 16)
         assert (t.optimizer, t.learning_rate, t.layer_decay, t.weight_decay, t.lr_power) == ("adamw", 1e-4, 0.8,
                                                                                              0.05, 0.9)
-        assert (t.num_steps, t.warmup_steps, t.backbone_warmup_steps, t.mask_annealing) == (steps, 500, 1000,
-                                                                                            windows)
+        assert (t.num_steps, t.warmup_steps, t.backbone_warmup_steps, annealing_windows(c)) == (steps, 500, 1000,
+                                                                                                windows)

@@ -233,8 +233,24 @@ def default_mask_annealing(num_steps: int, blocks: int) -> list[tuple[int, int]]
     """train.mask_annealing when not given: the EoMT reference's stagger. Training is cut in n + 2 equal parts;
     block k (1-based) of n is annealed over part k + 1, steps k T / (n + 2) .. (k + 1) T / (n + 2): masking is
     on for every block through the first part and off for all of them through the last one (its Cityscapes
-    config: 19902 steps, 4 blocks -> windows of 3317 steps, the last ending at 16585)."""
+    config: 19902 steps, 4 blocks -> windows of 3317 steps, the last ending at 16585). With fewer than n + 2
+    steps some windows are empty (start = end): a step from 1 to 0 at `start` (eomt_step.mask_probabilities)."""
     return [(k * num_steps // (blocks + 2), (k + 1) * num_steps // (blocks + 2)) for k in range(1, blocks + 1)]
+
+
+def annealing_windows(cfg: Config) -> list[tuple[int, int]]:
+    """The EoMT blocks' annealing windows a run uses: train.mask_annealing as given, else derived from the
+    current train.num_steps (default_mask_annealing).
+
+    Derived here, where the run uses them, and never stored in the config: a config that leaves the key unset
+    keeps it unset in RUN_DIR/config.yaml, so raising train.num_steps to extend a run stretches the windows
+    as it stretches the poly schedule (both are fractions of the run's length), and the run dir's config
+    still resolves unchanged (rundir.check_resume_config). Stored, they would stay where the shorter run put
+    them while the learning rate stretched, and the extension would read as a change of the windows."""
+    t = cfg.train
+    if t.mask_annealing is not None:
+        return [tuple(w) for w in t.mask_annealing]
+    return default_mask_annealing(t.num_steps, cfg.model.eomt_blocks)
 
 
 def _check_eomt(cfg: Config) -> Config:
@@ -273,7 +289,7 @@ def _check_eomt(cfg: Config) -> Config:
         raise ConfigError("not available for this head", "train.jit_compile",
                           "false with model.head eomt (its matcher's loops are not built for XLA here)")
     if t.mask_annealing is None:
-        return replace(cfg, "train.mask_annealing", default_mask_annealing(t.num_steps, m.eomt_blocks))
+        return cfg  # derived from num_steps where it is used (annealing_windows)
     if len(t.mask_annealing) != m.eomt_blocks:
         raise ConfigError("one window per EoMT block", "train.mask_annealing",
                           f"{m.eomt_blocks} [start, end] pairs (model.eomt_blocks), got {len(t.mask_annealing)}")

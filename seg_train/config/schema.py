@@ -261,11 +261,12 @@ class TrainConfig:
     head_lr_multiplier: float = _c(1.0, check=_positive,
                                    doc="the head's variables learn at this multiple of the learning rate")
     mask_annealing: Optional[list[tuple[int, int]]] = _c(
-        None, check=lambda v: None if all(0 <= a < b for a, b in v) else "[start, end] steps with 0 <= start < end",
+        None, check=lambda v: None if all(0 <= a <= b for a, b in v) else "[start, end] steps with 0 <= start <= end",
         doc="eomt: per EoMT block (first first) the [start, end] steps over which its masked attention's "
-            "probability falls from 1 to 0 as (1 - progress)^0.9",
+            "probability falls from 1 to 0 as (1 - progress)^0.9 (start = end: 1 before that step, 0 from it)",
         default_doc="with head eomt: the reference's stagger, block k of n over steps [k, k + 1] x "
-                    "num_steps / (n + 2)")
+                    "num_steps / (n + 2), derived from num_steps at each start (not saved: an extended run's "
+                    "windows stretch with it)")
     layer_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
                                       doc="dinov*_: layer-wise learning-rate decay; block i of L learns at "
                                           "decay^(L - i), the embeddings at decay^L, the head at 1 (null: off)")

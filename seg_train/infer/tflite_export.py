@@ -57,18 +57,22 @@ def input_size(cfg: Config, flag) -> tuple[int, int]:
         h, w = cfg.eval.crop_size or cfg.data.crop_size
     patch = VIT_VARIANTS[cfg.model.backbone].patch if cfg.model.backbone in VIT_VARIANTS else 1
     if h % patch or w % patch:
-        # The file has one fixed input (no padding inside), and a ViT takes whole patches only.
+        # The file has one fixed input, and a ViT takes whole patches only (the one padding inside is the
+        # pyramid's one patch, tflite_pad_to).
         raise ConfigError("not whole patches", "--input-size",
                           f"height and width multiples of {patch} for model.backbone {cfg.model.backbone!r}, "
                           f"got {h} {w}")
     return int(h), int(w)
 
 
-def app_function(model, mean, std, height: int, width: int, probabilities: bool = False, offsets=None):
+def app_function(model, mean, std, height: int, width: int, probabilities: bool = False, offsets=None,
+                 pad_to: int = 1):
     """The tf.function an app runs: uint8 [1, H, W, 3] -> {"classes": uint8 [1, H, W] (, "probabilities")}.
 
     `offsets` (eval.logit_adjustment; modes.score_offsets) are subtracted from the logits before the
-    argmax and the softmax, as in seg-eval's single view.
+    argmax and the softmax, as in seg-eval's single view. `pad_to`: the normalised image padded inside at the
+    bottom / right with zeros (the mean colour) to a multiple of it and the logits cropped back, as seg-eval's
+    passes are (`tflite_pad_to`).
     """
     import tensorflow as tf
 
@@ -82,7 +86,10 @@ def app_function(model, mean, std, height: int, width: int, probabilities: bool 
     @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.uint8, name="image")])
     def run(image):
         x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
-        logits = model(x, training=False)
+        pad_h, pad_w = -height % pad_to, -width % pad_to
+        if pad_h or pad_w:
+            x = tf.pad(x, [[0, 0], [0, pad_h], [0, pad_w], [0, 0]])
+        logits = model(x, training=False)[:, :height, :width]
         if offsets is not None:
             logits = logits - tf.constant(offsets, tf.float32)
         out = {"classes": tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.uint8)}
@@ -91,6 +98,15 @@ def app_function(model, mean, std, height: int, width: int, probabilities: bool 
         return out
 
     return run
+
+
+def tflite_pad_to(cfg: Config, model) -> int:
+    """What a .tflite file pads its fixed input to inside: a ViT's models.input_multiple (2p under the simple
+    pyramid's pooled level, so a file at an odd patch grid predicts as seg-eval does at that size); 1 for the
+    other backbones, whose files run at their input size (their convs keep every pixel; no padding to 32)."""
+    from seg_train import models
+
+    return models.input_multiple(model) if cfg.model.backbone in VIT_VARIANTS else 1
 
 
 def frozen_function(fn):
@@ -228,7 +244,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
     frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
-                                          probabilities, evaluator.score_offsets))
+                                          probabilities, evaluator.score_offsets,
+                                          tflite_pad_to(cfg, evaluator.state.model)))
 
     calibration, representative = None, None
     if quantize == "int8":
