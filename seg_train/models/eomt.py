@@ -114,13 +114,16 @@ class EoMT(keras.Model):
         self.queries = self.add_weight(shape=(queries, c), initializer=keras.initializers.RandomNormal(stddev=1.0),
                                        name="queries")
         self.class_head = _dense(num_classes + 1, "class_head")
-        self.mask_mlp = [_dense(c, "mask_mlp1", "gelu"), _dense(c, "mask_mlp2", "gelu"), _dense(c, "mask_mlp3")]
-        self.upscale = []  # per block: deconv, GELU, depthwise conv, LayerNorm
+        # Tuples, not lists: Keras 3 keeps a list of layers out of tf.train.Checkpoint's object graph (its
+        # TrackedList is no TensorFlow trackable), so a checkpoint restoring the model alone would miss them.
+        self.mask_mlp = (_dense(c, "mask_mlp1", "gelu"), _dense(c, "mask_mlp2", "gelu"), _dense(c, "mask_mlp3"))
+        upscale = []  # per block: deconv, GELU, depthwise conv, LayerNorm
         for i in range(1, upscale_blocks + 1):
-            self.upscale += [layers.Conv2DTranspose(c, 2, strides=2, name=f"upscale{i}_deconv"),
-                             layers.Activation("gelu", name=f"upscale{i}_gelu"),
-                             layers.DepthwiseConv2D(3, padding="same", use_bias=False, name=f"upscale{i}_dwconv"),
-                             LayerNorm(epsilon=_UPSCALE_EPSILON, name=f"upscale{i}_norm")]
+            upscale += [layers.Conv2DTranspose(c, 2, strides=2, name=f"upscale{i}_deconv"),
+                        layers.Activation("gelu", name=f"upscale{i}_gelu"),
+                        layers.DepthwiseConv2D(3, padding="same", use_bias=False, name=f"upscale{i}_dwconv"),
+                        LayerNorm(epsilon=_UPSCALE_EPSILON, name=f"upscale{i}_norm")]
+        self.upscale = tuple(upscale)
         vector, grid = (None, c), (None, None, None, c)
         self.class_head.build(vector)
         for layer in self.mask_mlp:
@@ -204,9 +207,9 @@ class EoMT(keras.Model):
 
 
 def eomt(name, num_classes: int, queries: int = 100, eomt_blocks: int = 4, upscale_blocks: int = 2,
-         drop_path_rate: float = 0.0) -> EoMT:
-    """EoMT on the ViT `name` (a vit.VARIANTS key, or a Variant); call inside `strategy.scope()` for one set of
-    variables."""
+         drop_path_rate: float = 0.0, label: str | None = None) -> EoMT:
+    """EoMT on the ViT `name` (a vit.VARIANTS key, or a Variant, then named `label`); call inside
+    `strategy.scope()` for one set of variables."""
     spec = VARIANTS[name] if isinstance(name, str) else name
     return EoMT(spec, num_classes, queries, eomt_blocks, upscale_blocks, drop_path_rate,
-                label=name if isinstance(name, str) else None)
+                label=name if isinstance(name, str) else label)
