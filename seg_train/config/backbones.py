@@ -13,6 +13,8 @@ DINO_BACKBONES = {
     "dinov3_vitl16": (16, 24), "dinov3_vith16plus": (16, 32),
     **{f"dinov2_vit{size}14{reg}": (14, depth) for size, depth in (("s", 12), ("b", 12), ("l", 24), ("g", 40))
        for reg in ("", "_reg")},
+    # EoMT's DINOv2 ViTs: the register models at patch 16, as its published checkpoints hold them.
+    **{f"dinov2_vit{size}16_reg": (16, depth) for size, depth in (("s", 12), ("b", 12), ("l", 24), ("g", 40))},
 }
 # model.backbone's values (models/backbones.py).
 BACKBONES = ("tiny", "mobilenetv2", "mobilenetv3_large", "mobilenetv3_small", "resnet50", "resnet101") + MIT_BACKBONES \

@@ -171,13 +171,21 @@ def _resolve_model(cfg: Config) -> Config:
                           f"expected 4 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer has "
                           f"no stride-2 features, got {m.decoder_stride}")
     if m.init_weights is not None:
-        if not mit or m.head != "segformer":
+        eomt = m.backbone in DINO_BACKBONES and m.head == "eomt"
+        if not eomt and (not mit or m.head != "segformer"):
             raise ConfigError("not available for this model", "model.init_weights",
                               f"a keras-hub SegFormer preset needs model.backbone mit_b0..mit_b5 and model.head "
-                              f"segformer, got {m.backbone!r} and {m.head!r}")
+                              f"segformer, a transformers EoMT folder a dinov*_ backbone and model.head eomt, got "
+                              f"{m.backbone!r} and {m.head!r}")
         if m.backbone_weights is not None:
             raise ConfigError("two initialisations", "model.backbone_weights",
-                              "null with model.init_weights (the SegFormer preset holds the encoder too)")
+                              f"null with model.init_weights (the {'EoMT folder' if eomt else 'SegFormer preset'} "
+                              f"holds the encoder too)")
+    for key, value in (("model.position_grid", m.position_grid), ("model.position_resize", m.position_resize)):
+        if value is not None and not m.backbone.startswith("dinov2_"):
+            raise ConfigError("not available for this backbone", key,
+                              f"no value with model.backbone {m.backbone!r}: it sets DINOv2's learned positions "
+                              f"(dinov2_*), got {value!r}")
     if mit:
         for key, size in (("data.crop_size", cfg.data.crop_size), ("eval.crop_size", cfg.eval.crop_size)):
             if size is not None and min(size) < MIT_MIN_SIZE:

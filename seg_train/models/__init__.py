@@ -16,7 +16,9 @@ from seg_train.models.neck import SimplePyramid, linear_head
 from seg_train.models.presets import check_segformer_preset, load_segformer_preset
 from seg_train.models.presets_vit import check_dino_preset, load_dino_preset
 from seg_train.models.segformer import segformer
-from seg_train.models.vit import PatchGrid, dino_encoder
+from seg_train.models.transformers_weights import (check_backbone_folder, check_eomt_folder, configured_variant,
+                                                   is_transformers_folder, load_backbone_folder, load_eomt_folder)
+from seg_train.models.vit import VARIANTS, PatchGrid, dino_encoder
 
 __all__ = ["build", "ResizeLike", "backbone_of", "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm",
            "input_multiple"]
@@ -27,16 +29,23 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     under a per-pixel head through the simple pyramid, models/neck.py); call inside `strategy.scope()` for one
     set of variables.
 
-    The seed fixes the initial weights; `cfg.init_weights` (a keras-hub SegFormer preset) then
-    overwrites them. With `cfg.freeze_batchnorm` the backbone's BN layers are frozen before anything
+    The seed fixes the initial weights; `cfg.init_weights` (a keras-hub SegFormer preset, a transformers EoMT
+    folder) then overwrites them. With `cfg.freeze_batchnorm` the backbone's BN layers are frozen before anything
     reads `model.trainable_variables`. Keys a config resolves are filled in by model_defaults.
     """
     cfg = model_defaults(cfg)
     choice = LayerChoice(sync_batchnorm=cfg.sync_batchnorm, fused_batchnorm=cfg.fused_batchnorm,
                          fast_atrous=cfg.fast_atrous)
     channels = cfg.segformer_channels
-    if cfg.init_weights is not None:
-        check_segformer_preset(cfg.backbone, cfg.init_weights, channels)  # a wrong preset refused before building
+    dino = cfg.backbone in DINO_BACKBONES
+    # The ViT as configured (model.position_grid / position_resize); a wrong preset or folder is refused before
+    # building (transformers' folders: models/transformers_weights.py).
+    spec = configured_variant(cfg.backbone, cfg.position_grid, cfg.position_resize) if dino else None
+    vit = cfg.backbone if spec == VARIANTS.get(cfg.backbone) else spec  # named after model.backbone either way
+    eomt_folder = check_eomt_folder(cfg.init_weights, spec, cfg.backbone, cfg.num_queries, cfg.eomt_blocks,
+                                    num_classes) if cfg.init_weights is not None and cfg.head == "eomt" else None
+    if cfg.init_weights is not None and eomt_folder is None:
+        check_segformer_preset(cfg.backbone, cfg.init_weights, channels)
     keras.utils.set_random_seed(seed)
     output_stride = cfg.output_stride
     if cfg.head == "lraspp":
@@ -47,13 +56,15 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         low_strides = (2, 4) if cfg.decoder_stride == 2 else (4,)
     # A frozen backbone runs as in inference: no residual branch dropped (config/resolve.py refuses a rate).
     drop_path = 0.0 if cfg.freeze_backbone else (cfg.drop_path_rate or 0.0)
-    dino = cfg.backbone in DINO_BACKBONES
-    if dino and cfg.backbone_weights is not None:
-        check_dino_preset(cfg.backbone_weights, cfg.backbone)  # a wrong preset refused before building
+    vit_folder = check_backbone_folder(cfg.backbone_weights, spec, cfg.backbone) \
+        if dino and cfg.backbone_weights is not None and is_transformers_folder(cfg.backbone_weights) else None
+    if dino and cfg.backbone_weights is not None and vit_folder is None:
+        check_dino_preset(cfg.backbone_weights, vit)
     if cfg.head == "eomt":
-        model = eomt(cfg.backbone, num_classes, cfg.num_queries, cfg.eomt_blocks, drop_path_rate=drop_path)
+        model = eomt(vit, num_classes, cfg.num_queries, cfg.eomt_blocks, drop_path_rate=drop_path,
+                     label=cfg.backbone)
     elif dino:
-        encoder = dino_encoder(cfg.backbone, tuple(cfg.vit_layers), drop_path)
+        encoder = dino_encoder(vit, tuple(cfg.vit_layers), drop_path, label=cfg.backbone)
         backbone = encoder if cfg.head == "linear" else \
             SimplePyramid(encoder, low_strides + (output_stride,), cfg.neck_channels)
     else:
@@ -70,9 +81,13 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         fine = (cfg.fine_low_level_channels, cfg.fine_channels) if cfg.decoder_stride == 2 else None
         model = deeplabv3plus(backbone, num_classes, output_stride, choice, cfg.aspp_channels,
                               cfg.decoder_channels, cfg.low_level_channels, cfg.bn_momentum, fine)
-    if dino and cfg.backbone_weights is not None:
-        load_dino_preset(backbone_of(model), cfg.backbone_weights, cfg.backbone)
-    if cfg.init_weights is not None:
+    if vit_folder is not None:
+        load_backbone_folder(backbone_of(model), vit_folder)
+    elif dino and cfg.backbone_weights is not None:
+        load_dino_preset(backbone_of(model), cfg.backbone_weights, vit)
+    if eomt_folder is not None:
+        load_eomt_folder(model, eomt_folder)
+    elif cfg.init_weights is not None:
         load_segformer_preset(model, backbone, cfg.backbone, cfg.init_weights, num_classes, channels)
     if cfg.freeze_batchnorm:
         freeze_batchnorm(backbone_of(model))

@@ -110,7 +110,8 @@ class EoMT(keras.Model):
         self.spec, self.num_classes, self.num_queries = spec, num_classes, queries
         self.eomt_blocks, self.upscale_blocks = eomt_blocks, upscale_blocks
         c = spec.width
-        self.backbone = dino_encoder(label or spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True)
+        self.backbone = dino_encoder(spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True,
+                                     label=label)
         self.queries = self.add_weight(shape=(queries, c), initializer=keras.initializers.RandomNormal(stddev=1.0),
                                        name="queries")
         self.class_head = _dense(num_classes + 1, "class_head")
