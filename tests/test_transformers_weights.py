@@ -12,6 +12,7 @@ mismatched folder is refused with exit code 2 and no run dir written.
 """
 
 import io
+import json
 import shutil
 from contextlib import redirect_stderr
 from dataclasses import replace
@@ -265,8 +266,10 @@ def _variable(model, name):
 def test_run_starts_from_an_eomt_folder(tmp_path, demo):
     """seg-train --config with model.init_weights: an EomtDinov3ForUniversalSegmentation folder (dinov3_vits16,
     its tensors in BF16) trains one step at a negligible rate; the checkpoint holds the folder's weights in the
-    encoder, the queries, the class head, the mask MLP and the upscale blocks. Fails for: model.init_weights
-    dropped between the config and the model (random weights), the folder read into the encoder only."""
+    encoder, the queries, the class head, the mask MLP and the upscale blocks. seg-eval without --checkpoint
+    (the model as the folder starts it) counts what seg-eval of that checkpoint counts. Fails for:
+    model.init_weights dropped between the config and the model (random weights), the folder read into the
+    encoder only, seg-eval evaluating a model other than the folder's."""
     from seg_train.infer.load import load_state
 
     written = write_transformers_folder(tmp_path / "eomt", transformers_layout("EomtDinov3ForUniversalSegmentation"))
@@ -289,6 +292,19 @@ def test_run_starts_from_an_eomt_folder(tmp_path, demo):
     for name, value in theirs.items():
         assert name in paths, (name, sorted(paths)[:5])
         np.testing.assert_allclose(_variable(model, name), value, atol=1e-6, err_msg=name)
+
+    records = []
+    for extra in (["--checkpoint", str(tmp_path / "run")], []):
+        err = io.StringIO()
+        with redirect_stderr(err):
+            rc = cli.eval_main(["--config", str(config), "--gpus", "1"] + extra)
+        assert rc == 0, err.getvalue()
+        records.append(json.loads((tmp_path / "run" / "eval" / f"val-{'step1' if extra else 'init'}.json")
+                                  .read_text()))
+    assert records[1]["step"] == 0 and records[1]["checkpoint"] == str(tmp_path / "eomt")
+    matrix = np.asarray(records[1]["confusion_matrix"])
+    assert np.count_nonzero(matrix.sum(0)) > 1  # not one class everywhere: the counts tell models apart
+    np.testing.assert_array_equal(matrix, records[0]["confusion_matrix"])
 
 
 @pytest.mark.slow
