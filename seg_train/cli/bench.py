@@ -9,6 +9,7 @@ import sys
 
 from seg_train.cli import process
 from seg_train.config import ConfigError
+from seg_train.config.resolve import check_trainable
 from seg_train.util import exit_codes, preflight
 
 
@@ -120,6 +121,7 @@ def bench_main(argv=None) -> int:
                 raise ConfigError(f"invalid --{name.replace('_', '-')}", f"--{name.replace('_', '-')}",
                                   f"expected an integer >= 0, got {getattr(args, name)}")
         preflight.for_evaluation(cfg)
+        check_trainable(cfg)
         process.import_tensorflow(args.debug)
         from seg_train.dist import replicas
         from seg_train.bench import runner as bench
@@ -165,6 +167,7 @@ def verify_towers_main(args) -> int:
     from seg_train.bench.verify import check_towers
     check_towers(cfg, towers[0])
     preflight.for_evaluation(cfg)
+    check_trainable(cfg)
     process.import_tensorflow(args.debug)
     from seg_train.dist import replicas
     from seg_train.bench import verify

@@ -259,10 +259,6 @@ def _check_eomt(cfg: Config) -> Config:
         key = "model.vit_layers" if m.vit_layers is not None else "model.neck"
         raise ConfigError("not available for this head", key,
                           "no value with model.head eomt (its queries read the last block's tokens)")
-    if m.num_queries < cfg.data.num_classes:
-        raise ConfigError("fewer queries than classes", "model.num_queries",
-                          f"at least data.num_classes ({cfg.data.num_classes}): each class present in an image is "
-                          f"matched to its own query, got {m.num_queries}")
     refused = {"loss.type": loss.type != "cross_entropy", "loss.terms": loss.terms is not None,
                "loss.class_weights": loss.class_weights is not None,
                "loss.top_k_percent_pixels": loss.top_k_percent_pixels < 1.0,
@@ -281,6 +277,17 @@ def _check_eomt(cfg: Config) -> Config:
         raise ConfigError("one window per EoMT block", "train.mask_annealing",
                           f"{m.eomt_blocks} [start, end] pairs (model.eomt_blocks), got {len(t.mask_annealing)}")
     return cfg
+
+
+def check_trainable(cfg: Config) -> None:
+    """What only training needs (seg-train, seg-bench): EoMT's matcher gives each class present in an image its
+    own query, so at least data.num_classes of them. Evaluation takes fewer (the published ADE20K EoMTs have 100
+    queries for 150 classes)."""
+    m = cfg.model
+    if m.head == "eomt" and m.num_queries < cfg.data.num_classes:
+        raise ConfigError("fewer queries than classes", "model.num_queries",
+                          f"at least data.num_classes ({cfg.data.num_classes}) to train: each class present in an "
+                          f"image is matched to its own query, got {m.num_queries}")
 
 
 def _check_two_stage_warmup(cfg: Config) -> None:

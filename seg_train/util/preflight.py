@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from seg_train.config import Config, ConfigError, exception_text, is_url
+from seg_train.config.resolve import check_trainable
 
 
 def _requirement(name: str) -> str:
@@ -124,6 +125,7 @@ def check_data_root(cfg: Config) -> None:
 
 def for_training(cfg: Config) -> None:
     """Everything seg-train needs that can be checked before TensorFlow starts."""
+    check_trainable(cfg)
     check_summary_backend()
     check_data_root(cfg)
     check_run_dir(cfg.run_dir)
