@@ -35,8 +35,9 @@ log(max(scores, tiny)) so that argmax and a softmax over classes (flip / scale a
 other heads' logits; softmax of them is the scores normalised to sum 1.
 
 Positions: transformers' EoMT has learned position embeddings for its one patch grid on the patches only
-(Variant(cls_position=False)); here, as for DINOv2, they are resized bicubically to the actual grid (the
-identity at its own grid), so any size works. Mixed precision: the ViT's float32 LayerNorm moments and
+(Variant(cls_position=False); vit.py's dinov2_vit*16_reg); here, as for DINOv2, they are resized bicubically
+(torch's) to the actual grid (the identity at its own grid), so any size works. Its folders load through
+models/transformers_weights.py. Mixed precision: the ViT's float32 LayerNorm moments and
 softmax; predictions and the semantic output in float32.
 """
 

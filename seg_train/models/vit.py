@@ -2,8 +2,9 @@
 
 A plain ViT with CLS and register tokens and layer-scaled pre-norm blocks. DINOv3 (patch 16) puts
 rotary embeddings on the patch tokens' q and k from the actual grid; DINOv2 (patch 14) adds a learned
-37x37 position embedding resized bicubically to the actual grid. The output is the patch tokens of the
-chosen blocks as [b, H/p, W/p, C] maps.
+37x37 position embedding resized bicubically to the actual grid (TensorFlow's resize as keras-hub's, or
+torch's as transformers': Variant.torch_bicubic). The output is the patch tokens of the chosen blocks as
+[b, H/p, W/p, C] maps. The transformers format loads through models/transformers_weights.py.
 
 Not keras-hub's DINOV3Backbone/DINOV2Backbone: those compute the rotary table and resized positions
 for the one input shape they were built for, while evaluation is traced once for unknown H and W.
