@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -909,9 +910,15 @@ EOMT_FIXTURE = Path(__file__).parent / "fixtures" / "eomt_model.npz"
 
 def eomt_from_reference(path: Path = EOMT_FIXTURE):
     """(model, fixture): seg-train's EoMT (models/eomt/eomt.py) built with the config numbers of the fixture that
-    scripts/reference_eomt_model.py writes, every weight mapped from its transformers name onto ours (each
-    fixture weight used exactly once, each of our variables set exactly once)."""
+    scripts/reference_eomt_model.py writes, its transformers weights loaded by seg-train's loader
+    (models/dino/transformers.py) from a folder written with the `safetensors` package under their
+    transformers names (the loader refuses a weight left over or missing, and sets each variable once)."""
+    import tempfile
+
+    from safetensors.numpy import save_file
+
     from seg_train.config.variants import ViTVariant
+    from seg_train.models.dino.transformers import check_eomt_folder, load_eomt_folder
     from seg_train.models.eomt.eomt import eomt
 
     z = np.load(path)
@@ -923,51 +930,71 @@ def eomt_from_reference(path: Path = EOMT_FIXTURE):
     assert spec.epsilon == cfg["layer_norm_eps"]
     model = eomt(spec, cfg["num_labels"], queries=cfg["num_queries"], eomt_blocks=cfg["num_blocks"],
                  upscale_blocks=cfg["num_upscale_blocks"])
-    theirs = {k[len("w/"):]: z[k] for k in z.files if k.startswith("w/")}
-    ours = {v.path: v for v in model.weights}
-    pairs = {}
-
-    def put(mine: str, name: str, convert=lambda a: a):
-        assert mine not in pairs and name in theirs, (mine, name)
-        pairs[mine] = (name, convert(theirs[name]))
-
-    linear = np.transpose
-    put("patch_embed/kernel", "embeddings.patch_embeddings.projection.weight", lambda a: a.transpose(2, 3, 1, 0))
-    put("patch_embed/bias", "embeddings.patch_embeddings.projection.bias")
-    put("tokens/cls_token", "embeddings.cls_token")
-    put("tokens/register_tokens", "embeddings.register_tokens")
-    put("tokens/position_embeddings", "embeddings.position_embeddings.weight", lambda a: a[None])
-    for i in range(depth):
-        hf, me = f"layers.{i}", f"block{i + 1}"
-        for norm in ("norm1", "norm2"):
-            put(f"{me}_{norm}/gamma", f"{hf}.{norm}.weight")
-            put(f"{me}_{norm}/beta", f"{hf}.{norm}.bias")
-        for mine, name in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "out_proj")):
-            put(f"{me}_attn_{mine}/kernel", f"{hf}.attention.{name}.weight", linear)
-            put(f"{me}_attn_{mine}/bias", f"{hf}.attention.{name}.bias")
-        for mine, name in (("up", "fc1"), ("down", "fc2")):
-            put(f"{me}_mlp_{mine}/kernel", f"{hf}.mlp.{name}.weight", linear)
-            put(f"{me}_mlp_{mine}/bias", f"{hf}.mlp.{name}.bias")
-        put(f"{me}_ls1/gamma", f"{hf}.layer_scale1.lambda1")
-        put(f"{me}_ls2/gamma", f"{hf}.layer_scale2.lambda1")
-    put("norm/gamma", "layernorm.weight")
-    put("norm/beta", "layernorm.bias")
-    put("eomt/queries", "query.weight")
-    put("class_head/kernel", "class_predictor.weight", linear)
-    put("class_head/bias", "class_predictor.bias")
-    for i in range(1, 4):
-        put(f"mask_mlp{i}/kernel", f"mask_head.fc{i}.weight", linear)
-        put(f"mask_mlp{i}/bias", f"mask_head.fc{i}.bias")
-    for i in range(cfg["num_upscale_blocks"]):
-        hf, me = f"upscale_block.block.{i}", f"upscale{i + 1}"
-        # ConvTranspose2d [in, out, kh, kw] -> [kh, kw, out, in]; depthwise [C, 1, 3, 3] -> [3, 3, C, 1].
-        put(f"{me}_deconv/kernel", f"{hf}.conv1.weight", lambda a: a.transpose(2, 3, 1, 0))
-        put(f"{me}_deconv/bias", f"{hf}.conv1.bias")
-        put(f"{me}_dwconv/kernel", f"{hf}.conv2.weight", lambda a: a.transpose(2, 3, 0, 1))
-        put(f"{me}_norm/gamma", f"{hf}.layernorm2d.weight")
-        put(f"{me}_norm/beta", f"{hf}.layernorm2d.bias")
-    assert sorted(pairs) == sorted(ours), set(pairs) ^ set(ours)
-    assert sorted(name for name, _ in pairs.values()) == sorted(theirs)
-    for mine, (_, array) in pairs.items():
-        ours[mine].assign(array)
+    with tempfile.TemporaryDirectory() as folder:
+        save_file({k[len("w/"):]: z[k] for k in z.files if k.startswith("w/")}, Path(folder) / "model.safetensors")
+        config = {"architectures": ["EomtForUniversalSegmentation"], "model_type": "eomt", "hidden_act": "gelu",
+                  **cfg}
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        loaded = check_eomt_folder(folder, spec, "fixture", cfg["num_queries"], cfg["num_blocks"], cfg["num_labels"])
+        assert load_eomt_folder(model, loaded) == len(model.weights)
     return model, z
+
+
+# ---- transformers folders (tests/test_transformers_weights.py; scripts/reference_transformers_checkpoints.py) ----
+TRANSFORMERS_FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
+ENCODER_CASES = ("dinov3_vit", "dinov2", "dinov2_registers")
+EOMT_CASES = ("eomt", "eomt_dinov3")
+
+
+def transformers_case(case: str):
+    """(folder, outputs, Variant, EoMT keys or None) of a fixture folder, the Variant read off its config.json by
+    transformers' meaning of each number (with the position resize transformers uses)."""
+    from seg_train.config.variants import ViTVariant as Variant
+
+    folder = TRANSFORMERS_FIXTURES / case
+    raw = json.loads((folder / "config.json").read_text())
+    v3 = raw["model_type"] in ("dinov3_vit", "eomt_dinov3")
+    c, p = raw["hidden_size"], raw["patch_size"]
+    common = dict(registers=raw.get("num_register_tokens", 0), layer_scale=raw["layerscale_value"])
+    if v3:
+        spec = Variant("dinov3", p, c, raw["num_hidden_layers"], raw["num_attention_heads"], raw["intermediate_size"],
+                       gated=raw["use_gated_mlp"], activation=raw["hidden_act"], key_bias=raw["key_bias"], **common)
+    else:
+        eomt = raw["model_type"] == "eomt"
+        spec = Variant("dinov2", p, c, raw["num_hidden_layers"], raw["num_attention_heads"], c * raw["mlp_ratio"],
+                       gated=raw["use_swiglu_ffn"], pos_grid=raw["image_size"] // p, cls_position=not eomt,
+                       antialias=raw["model_type"] == "dinov2_with_registers", torch_bicubic=True, **common)
+    assert spec.epsilon == raw["layer_norm_eps"], raw["layer_norm_eps"]
+    eomt_keys = {"queries": raw["num_queries"], "eomt_blocks": raw["num_blocks"], "classes": len(raw["id2label"])} \
+        if "num_queries" in raw else None
+    return folder, dict(np.load(TRANSFORMERS_FIXTURES / f"{case}.npz")), spec, eomt_keys
+
+
+def transformers_layout(architecture: str) -> dict:
+    """config.json and {tensor: [dtype, shape]} of a transformers model at dinov3_vits16's size (layouts.json)."""
+    return json.loads((TRANSFORMERS_FIXTURES / "layouts.json").read_text())[architecture]
+
+
+def write_transformers_folder(directory: Path, layout: dict, seed: int = 0, drop=(), config=None,
+                              shapes=None) -> dict:
+    """A transformers folder of `layout`'s config.json and tensors, stored as BF16 (values random: norm weights
+    and layer scales near 1, the rest N(0, 0.02)), written with the `safetensors` package; tensors `drop` left
+    out, `config` entries and tensor `shapes` {name: shape} changed. Returns the float32 values written."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays, written = {}, {}
+    for name, (_, shape) in layout["tensors"].items():
+        if name in drop:
+            continue
+        shape = (shapes or {}).get(name, shape)
+        a = rng.normal(0.0, 0.02, shape).astype(np.float32)
+        if len(shape) == 1 and (name.endswith("lambda1") or "norm" in name and name.endswith("weight")):
+            a += 1.0
+        stored = a.astype(ml_dtypes.bfloat16)
+        arrays[name], written[name] = stored, stored.astype(np.float32)
+    save_file(arrays, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({**layout["config"], **(config or {})}))
+    return written

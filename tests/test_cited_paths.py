@@ -95,7 +95,8 @@ CONFIG_SECTIONS = ("data", "model", "train", "loss", "eval")
 # Names that are both a module of seg_train and a config section: in prose they mean the config key.
 AMBIGUOUS_MODULES = {"train", "data", "eval"}
 FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "txt", "png", "jpg", "h5", "sh", "lock", "index", "tflite",
-                 "pb", "cfg", "toml", "tfrecord", "csv", "html", "gz", "zip", "whl", "so", "log", "out", "com"}
+                 "pb", "cfg", "toml", "tfrecord", "csv", "html", "gz", "zip", "whl", "so", "log", "out", "com", "bin",
+                 "safetensors"}
 # Dotted names of the outside world that start like one of ours: Keras' Model.fit, Latin.
 OUTSIDE_NAMES = {"model.fit", "e.g", "i.e"}
 DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)+)")

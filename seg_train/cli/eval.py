@@ -26,5 +26,6 @@ def eval_main(argv=None) -> int:
     return process.checkpoint_command(
         argv, "seg-eval", f"Evaluate a checkpoint ({process.MODEL_FAMILIES}) at full resolution, or a "
         ".tflite file in LiteRT: per-class IoU, mIoU, pixel accuracy. Writes RUN_DIR/eval/<split>-step<k>.json "
-        "(a checkpoint) or FILE.eval-<split>.json beside FILE.tflite.", add_arguments, lambda args: None, run,
-        run_model)
+        "(a checkpoint; RUN_DIR/eval/<split>-init.json without one: the model as model.init_weights starts it, "
+        "e.g. a published EoMT) or FILE.eval-<split>.json beside FILE.tflite.", add_arguments, lambda args: None,
+        run, run_model, start_weights=True)

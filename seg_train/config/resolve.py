@@ -176,13 +176,21 @@ def _resolve_model(cfg: Config) -> Config:
                           f"expected 4 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer has "
                           f"no stride-2 features, got {m.decoder_stride}")
     if m.init_weights is not None:
-        if not mit or m.head != "segformer":
+        eomt = m.backbone in DINO_BACKBONES and m.head == "eomt"
+        if not eomt and (not mit or m.head != "segformer"):
             raise ConfigError("not available for this model", "model.init_weights",
                               f"a keras-hub SegFormer preset needs model.backbone mit_b0..mit_b5 and model.head "
-                              f"segformer, got {m.backbone!r} and {m.head!r}")
+                              f"segformer, a transformers EoMT folder a dinov*_ backbone and model.head eomt, got "
+                              f"{m.backbone!r} and {m.head!r}")
         if m.backbone_weights is not None:
             raise ConfigError("two initialisations", "model.backbone_weights",
-                              "null with model.init_weights (the SegFormer preset holds the encoder too)")
+                              f"null with model.init_weights (the {'EoMT folder' if eomt else 'SegFormer preset'} "
+                              f"holds the encoder too)")
+    for key, value in (("model.position_grid", m.position_grid), ("model.position_resize", m.position_resize)):
+        if value is not None and not m.backbone.startswith("dinov2_"):
+            raise ConfigError("not available for this backbone", key,
+                              f"no value with model.backbone {m.backbone!r}: it sets DINOv2's learned positions "
+                              f"(dinov2_*), got {value!r}")
     if mit:
         for key, size in (("data.crop_size", cfg.data.crop_size), ("eval.crop_size", cfg.eval.crop_size)):
             if size is not None and min(size) < MIT_MIN_SIZE:
@@ -272,10 +280,6 @@ def _check_eomt(cfg: Config) -> Config:
         key = "model.vit_layers" if m.vit_layers is not None else "model.neck"
         raise ConfigError("not available for this head", key,
                           "no value with model.head eomt (its queries read the last block's tokens)")
-    if m.num_queries < cfg.data.num_classes:
-        raise ConfigError("fewer queries than classes", "model.num_queries",
-                          f"at least data.num_classes ({cfg.data.num_classes}): each class present in an image is "
-                          f"matched to its own query, got {m.num_queries}")
     refused = {"loss.type": loss.type != "cross_entropy", "loss.terms": loss.terms is not None,
                "loss.class_weights": loss.class_weights is not None,
                "loss.top_k_percent_pixels": loss.top_k_percent_pixels < 1.0,
@@ -294,6 +298,17 @@ def _check_eomt(cfg: Config) -> Config:
         raise ConfigError("one window per EoMT block", "train.mask_annealing",
                           f"{m.eomt_blocks} [start, end] pairs (model.eomt_blocks), got {len(t.mask_annealing)}")
     return cfg
+
+
+def check_trainable(cfg: Config) -> None:
+    """What only training needs (seg-train, seg-bench): EoMT's matcher gives each class present in an image its
+    own query, so at least data.num_classes of them. Evaluation takes fewer (the published ADE20K EoMTs have 100
+    queries for 150 classes)."""
+    m = cfg.model
+    if m.head == "eomt" and m.num_queries < cfg.data.num_classes:
+        raise ConfigError("fewer queries than classes", "model.num_queries",
+                          f"at least data.num_classes ({cfg.data.num_classes}) to train: each class present in an "
+                          f"image is matched to its own query, got {m.num_queries}")
 
 
 def _check_two_stage_warmup(cfg: Config) -> None:

@@ -2,7 +2,7 @@
 (config/variants.py family_of) to its module, and every family module has the same entries:
 
   build(cfg, num_classes) -> keras.Model    the model with its initial weights (seeded by the caller)
-  check_weights(cfg)                        the weight files the config names, checked before anything is built
+  check_weights(cfg, num_classes)           the weight files the config names, checked before anything is built
   load_weights(model, cfg)                  those files into the built model (backbone presets, whole-model starts)
   backbone_levels(model)                    id(variable) -> depth in the encoder (layer-wise decay), or None
   OBJECTIVE                                 the objective it trains with (objectives/: per_pixel, mask_classification)
@@ -57,7 +57,7 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     """
     cfg = model_defaults(cfg)
     fam = family(cfg)
-    fam.check_weights(cfg)  # a wrong file refused before building
+    fam.check_weights(cfg, num_classes)  # a wrong file refused before building
     keras.utils.set_random_seed(seed)
     model = fam.build(cfg, num_classes)
     fam.load_weights(model, cfg)
