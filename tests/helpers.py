@@ -876,6 +876,10 @@ WIRED_DATA = {
     # seg-train and seg-eval on a folder holding only the records (files: nothing to list); the reader's own
     # branch: tests/test_tfrecord.py::test_the_stream_over_records_is_the_stream_over_the_files (no fallback).
     "data.format": "tests/test_tfrecord.py::test_cityscapes_as_tfrecords_trains_and_evaluates",
+    # seg-train --check-data on Cityscapes' gtFine: the instanceIds scanned into segments and crowd per class.
+    "data.task": "tests/test_panoptic_data.py::test_check_data_scans_cityscapes_instance_ids_for_the_panoptic_task",
+    # open_split of a COCO panoptic JSON without isthing: the config's thing classes are the things.
+    "data.thing_classes": "tests/test_panoptic_data.py::test_coco_errors_are_one_line_naming_the_file",
     # The reader's stand-in; the scan's drop of bad samples (scan_split(cfg)):
     # tests/test_scan_cache.py::test_bad_samples_come_back_from_the_cache[skip].
     "data.on_bad_sample": "tests/test_decode.py::test_missing_file_is_named_in_one_line_and_skip_gives_the_stand_in",
@@ -998,3 +1002,84 @@ def write_transformers_folder(directory: Path, layout: dict, seed: int = 0, drop
     save_file(arrays, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps({**layout["config"], **(config or {})}))
     return written
+
+# ---- panoptic data as it ships (tests/test_panoptic_data.py, tests/test_config_wiring_data.py) ---------------
+# Five of COCO's panoptic categories with their real ids, names and isthing, and the train ids COCO's 133 would
+# give them here (in increasing id order), written out by hand.
+COCO_CATEGORIES = [{"id": 1, "name": "person", "isthing": 1, "supercategory": "person", "color": [220, 20, 60]},
+                   {"id": 3, "name": "car", "isthing": 1, "supercategory": "vehicle", "color": [0, 0, 142]},
+                   {"id": 184, "name": "tree-merged", "isthing": 0, "supercategory": "plant", "color": [107, 142, 35]},
+                   {"id": 199, "name": "wall-other-merged", "isthing": 0, "supercategory": "wall",
+                    "color": [102, 102, 156]},
+                   {"id": 200, "name": "rug-merged", "isthing": 0, "supercategory": "floor", "color": [250, 141, 255]}]
+COCO_TRAIN_ID_BY_HAND = {1: 0, 3: 1, 184: 2, 199: 3, 200: 4}
+COCO_IMAGES = ("000000000139", "000000000285", "000000000632")  # COCO val2017's first file names
+COCO_H, COCO_W = 24, 32
+
+
+def coco_scene(rng, n):
+    """One image's segments by hand: (segment ids [H, W], 0 unlabelled, and segments_info). Ids spread over all
+    three bytes; two persons and a car numbered by hand, a crowd of persons, two stuff classes."""
+    ids = np.zeros((COCO_H, COCO_W), np.int64)
+    wall, tree = 0x0A0B0C + n, 0x00FF01 + n  # stuff: 789260 + n (R 12, G 11, B 10), 65281 + n
+    person_a, person_b, car, crowd = 0x123456 + n, 0x000102, 0xFFFFFF - n, 0x010000
+    ids[:12] = wall
+    ids[12:] = tree
+    y, x = int(rng.integers(0, 6)), int(rng.integers(0, 8))
+    ids[y:y + 8, x:x + 6] = person_a
+    ids[y + 2:y + 10, x + 6:x + 10] = person_b  # touches person_a: only the ids keep them apart
+    ids[14:20, 20:30] = car
+    ids[20:24, 0:6] = crowd
+    ids[0, :] = 0  # unlabelled row
+    info = [{"id": wall, "category_id": 199, "iscrowd": 0}, {"id": person_a, "category_id": 1, "iscrowd": 0},
+            {"id": tree, "category_id": 184, "iscrowd": 0}, {"id": person_b, "category_id": 1, "iscrowd": 0},
+            {"id": crowd, "category_id": 1, "iscrowd": 1}, {"id": car, "category_id": 3, "iscrowd": 0}]
+    for s in info:
+        m = ids == s["id"]
+        rows, cols = np.flatnonzero(m.any(1)), np.flatnonzero(m.any(0))
+        s.update(area=int(m.sum()), bbox=[int(cols[0]), int(rows[0]), int(cols[-1] - cols[0] + 1),
+                                          int(rows[-1] - rows[0] + 1)])
+    return ids, info
+
+
+def coco_rgb(ids):
+    """COCO panoptic's PNG colours of segment ids, from the format's definition id = R + 256 G + 256^2 B."""
+    return np.stack([ids & 0xFF, (ids >> 8) & 0xFF, (ids >> 16) & 0xFF], -1).astype(np.uint8)
+
+
+def make_coco_panoptic_tree(root, rng, split="val2017", categories=None):
+    """A COCO panoptic split laid out as COCO ships it: annotations/panoptic_<split>.json, annotations/
+    panoptic_<split>/<image id>.png (RGB, written by Pillow), <split>/<image id>.jpg. Returns {stem: (ids, info)}."""
+    root = Path(root)
+    (root / "annotations" / f"panoptic_{split}").mkdir(parents=True)
+    (root / split).mkdir(parents=True)
+    images, annotations, scenes = [], [], {}
+    for n, stem in enumerate(COCO_IMAGES):
+        ids, info = coco_scene(rng, n)
+        Image.fromarray(layout_photo(rng)[:COCO_H, :COCO_W]).save(root / split / f"{stem}.jpg", quality=95)
+        Image.fromarray(coco_rgb(ids), mode="RGB").save(root / "annotations" / f"panoptic_{split}" / f"{stem}.png")
+        images.append({"id": int(stem), "file_name": f"{stem}.jpg", "height": COCO_H, "width": COCO_W})
+        annotations.append({"image_id": int(stem), "file_name": f"{stem}.png", "segments_info": info})
+        scenes[stem] = (ids, info)
+    (root / "annotations" / f"panoptic_{split}.json").write_text(json.dumps(
+        {"info": {}, "licenses": [], "images": images, "annotations": annotations,
+         "categories": COCO_CATEGORIES if categories is None else categories}))
+    return scenes
+
+
+def coco_labels_by_hand(ids, info, ignore_label=255):
+    """The segment labels of one COCO image, by hand: train id * 1000 + (0 stuff, 999 crowd, the thing's place
+    among the image's non-crowd things, 1-based), ignore_label * 1000 unlabelled."""
+    out = np.full(ids.shape, ignore_label * 1000, np.int64)
+    things = 0
+    for s in info:
+        train = COCO_TRAIN_ID_BY_HAND[s["category_id"]]
+        if s["iscrowd"]:
+            inst = 999
+        elif s["category_id"] in (1, 3):
+            things += 1
+            inst = things
+        else:
+            inst = 0
+        out[ids == s["id"]] = train * 1000 + inst
+    return out
