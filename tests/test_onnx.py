@@ -201,6 +201,19 @@ def test_export_flag_errors_are_one_line(run, argv, line, capsys, monkeypatch):
     assert not (run["tmp"] / "m.onnx").exists()
 
 
+def test_an_output_name_taken_by_the_tflite_export_is_refused(run, tmp_path, capsys):
+    """m.tflite exists: seg-export --format onnx --output m.onnx would replace its m.json. Fails for: the .tflite
+    file's description overwritten (seg-eval --model m.tflite would then read the ONNX file's)."""
+    (tmp_path / "m.tflite").write_bytes(b"tflite")
+    (tmp_path / "m.json").write_text('{"format": "tflite"}')
+    assert export_main(["--config", run["config"], "--checkpoint", str(run["tmp"] / "run"), "--format", "onnx",
+                        "--output", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: output name taken by another export ({tmp_path / 'm.onnx'}): "
+                                               "a name of its own (m.tflite is described by m.json)"), err
+    assert json.loads((tmp_path / "m.json").read_text()) == {"format": "tflite"}
+
+
 def test_without_the_onnx_extra_the_commands_say_how_to_install_it(run, tmp_path):
     """tf2onnx (seg-export --format onnx) or onnxruntime (seg-eval --model FILE.onnx) missing: one line naming
     the extra, exit 2, no file. Fails for: a traceback, or the export's work done before the missing converter

@@ -26,8 +26,6 @@ log = logging.getLogger("seg_train")
 RESIZE = ("Pillow: the image BILINEAR to the model's input size, the class map NEAREST back to the image's "
           "size; neither where the image already has the input size")
 INSTALL_HINT = "pip install 'seg-train[tflite]' (LiteRT's interpreter, the ai-edge-litert package)"
-# The "format" of the JSON seg-export writes beside each kind of file.
-FORMATS = ("tflite", "onnx")
 
 
 def interpreter_class(where: str):
@@ -45,7 +43,8 @@ def sidecar_path(model_path: str | os.PathLike) -> Path:
 
 
 def read_sidecar(model_path: str | os.PathLike) -> dict | None:
-    """The export's JSON beside the file, or None (a file from another tool has none)."""
+    """The export's JSON beside the file, or None (a file from another tool has none, or a JSON that
+    describes a file of the other format)."""
     import json
 
     path = sidecar_path(model_path)
@@ -56,7 +55,8 @@ def read_sidecar(model_path: str | os.PathLike) -> dict | None:
     except (OSError, ValueError):
         log.warning("ignoring %s: not a JSON file", path)
         return None
-    return data if isinstance(data, dict) and data.get("format") in FORMATS else None
+    fmt = "onnx" if Path(model_path).suffix == ".onnx" else "tflite"
+    return data if isinstance(data, dict) and data.get("format") == fmt else None
 
 
 def to_input_size(image: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -85,8 +85,9 @@ class FileModel:
     What seg-eval / seg-predict --model and seg-export --check need of a file, whatever runs it: the checks
     of its one input and its class-map (or score) output, the resizes, the latency. `runner` opens the file
     and calls its runtime (LiteRTFile here, onnx_runtime.ONNXFile): `path`, `size_bytes`, `runtime` (who runs
-    it, as messages and records name it), `format` (FORMATS), `inputs` / `outputs` ((handle, shape, numpy
-    dtype) per tensor) and `run(input, output, x) -> (output array, seconds of the runtime's call alone)`.
+    it, as messages and records name it), `format` ("tflite" or "onnx", as FILE.json says), `inputs` and
+    `outputs` ((handle, shape, numpy dtype) per tensor) and `run(input, output, x) -> (output array, seconds
+    of the runtime's call alone)`.
     """
 
     def __init__(self, runner, threads: int):

@@ -46,6 +46,11 @@ def check_output_file(path: str | os.PathLike, force: bool, suffix: str = ".tfli
         raise ConfigError("output is a folder", str(out), f"a {suffix} file name")
     if out.exists() and not force:
         raise ConfigError("output file exists", str(out), "a new file name (pass --force to replace it)")
+    # m.tflite and m.onnx would share m.json, the description of each: the other file would lose its own.
+    for other in (out.with_suffix(s) for s in (".tflite", ".onnx") if s != suffix):
+        if other.exists():
+            raise ConfigError("output name taken by another export", str(out),
+                              f"a name of its own ({other.name} is described by {out.with_suffix('.json').name})")
     check_creatable_dir(out.parent, "output folder", "choose another --output")
     return out
 
