@@ -192,6 +192,9 @@ def onnx_table(results: dict) -> str:
             " | ".join(f"ms/image ONNX / TFLite, {t} thread{'s' if t > 1 else ''}" for t in threads) +
             " | ONNX speed vs TFLite, " + ", ".join(f"{t}t" for t in threads) + " |",
             "| --- | --- | --- | --- | " + " | ".join("---" for _ in threads) + " | --- |"]
+    if not any("onnx" in r["files"] for r in results["models"]):
+        return ("No .onnx file in these results: they were measured before bench_deploy.py exported one (the "
+                "next run adds this table).")
     for r in results["models"]:
         if "onnx" not in r["files"]:
             continue
