@@ -17,6 +17,7 @@ For each model NAME (configs/<name>.yaml), with the real commands a user runs:
      seg-export --format onnx --output runs/deploy/NAME/onnx_float32.onnx        (the same model, float32)
   5. seg-eval --model FILE --split val|test --threads T --json                  (LiteRT or ONNX Runtime; mIoU,
                                                                                 size, latency)
+  6. the float32 .tflite and the .onnx file timed together in this process (TOGETHER)
 Results go to runs/deploy/results.json, then docs/DEPLOY.md is rendered from benchmarks/templates/deploy.md
 (--report-only re-renders from that JSON; --keep keeps the models of an earlier results.json that this run
 does not measure, so one recipe can be added or measured again alone; --set KEY=VALUE goes to every command,
@@ -49,6 +50,13 @@ LABEL = {"none": "float32", "float16": "float16", "int8": "int8", "int8_float_op
 # A fourth file for the models whose int8 file leaves XNNPACK for some op kinds (docs/DEPLOY.md): int8 with
 # those kept in float32.
 FLOAT_OPS = {"camvid_segformer": "BATCH_MATMUL,SOFTMAX,GELU,RSQRT,SQUARED_DIFFERENCE"}
+# The files seg-export writes per model (measure), by key.
+FILES = {"none": "float32.tflite", "float16": "float16.tflite", "int8": "int8.tflite",
+         "int8_float_ops": "int8_float_ops.tflite", "onnx": "onnx_float32.onnx"}
+# The ONNX-beside-TFLite latency is timed with both files open in one process, in rounds that alternate which
+# goes first, so that a load that comes and goes on a shared machine weighs on both alike: ROUNDS rounds of
+# CALLS calls each on the first IMAGES val images; per file the median over rounds of each round's median.
+TOGETHER = {"rounds": 5, "calls": 20, "images": 10}
 
 
 def command(cmd: list[str], log: list[str]) -> str:
@@ -99,16 +107,15 @@ def measure(name: str, run_dir: Path, threads: list[int], calibration: int, log:
     r["files"] = {}
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
-    # (key, file, seg-export's format flags); the .onnx file is the float32 .tflite file's model (same function).
-    variants = [(q, folder / f"{LABEL[q]}.tflite",
-                 ["--format", "tflite", "--quantize", q, "--calibration-images", str(calibration)])
+    # (key, seg-export's format flags); the .onnx file is the float32 .tflite file's model (the same function).
+    variants = [(q, ["--format", "tflite", "--quantize", q, "--calibration-images", str(calibration)])
                 for q in QUANTIZATIONS]
     if name in FLOAT_OPS:
-        variants.append(("int8_float_ops", folder / "int8_float_ops.tflite",
-                         ["--format", "tflite", "--quantize", "int8", "--calibration-images", str(calibration),
-                          "--float-ops", FLOAT_OPS[name]]))
-    variants.append(("onnx", folder / "onnx_float32.onnx", ["--format", "onnx"]))  # its own JSON name
-    for q, path, flags in variants:
+        variants.append(("int8_float_ops", ["--format", "tflite", "--quantize", "int8", "--calibration-images",
+                                            str(calibration), "--float-ops", FLOAT_OPS[name]]))
+    variants.append(("onnx", ["--format", "onnx"]))
+    for q, flags in variants:
+        path = folder / FILES[q]
         start = time.time()
         command([str(BIN / "seg-export"), "--config", str(config), "--checkpoint", ckpt, *flags,
                  "--output", str(path), "--force", *data], log)
@@ -124,6 +131,41 @@ def measure(name: str, run_dir: Path, threads: list[int], calibration: int, log:
                     f.setdefault("latency_ms", {})[str(t)] = rec["latency_ms"]
         r["files"][q] = f
     return r
+
+
+def time_together(results: dict) -> None:
+    """TOGETHER: each model's float32 .tflite and .onnx files (runs/deploy/NAME/) timed in this process at each
+    thread count, through seg-train's own FileModel (as seg-eval runs them); adds "together" to each model."""
+    import statistics
+
+    import numpy as np
+    from PIL import Image
+
+    sys.path.insert(0, str(ROOT))
+    from seg_train.infer.litert import open_model
+
+    root = Path(os.environ.get("CAMVID_ROOT", "data/camvid"))
+    root = root if root.is_absolute() else ROOT / root
+    ids = (root / "ImageSets" / "Segmentation" / "val.txt").read_text().split()[:TOGETHER["images"]]
+    images = [np.asarray(Image.open(root / "JPEGImages" / f"{i}.jpg").convert("RGB")) for i in ids]
+    for r in results["models"]:
+        if "onnx" not in r["files"]:
+            continue
+        r["together"] = {**TOGETHER, "ms": {}}
+        for t in results["threads"]:
+            models = {q: open_model(OUT / r["name"] / FILES[q], t) for q in ("none", "onnx")}
+            per_round = {q: [] for q in models}
+            for k in range(TOGETHER["rounds"]):
+                for q in (list(models) if k % 2 == 0 else list(models)[::-1]):
+                    m = models[q]
+                    m.invoke_seconds.clear()
+                    for j in range(TOGETHER["calls"]):
+                        m.classes(images[j % len(images)])
+                    per_round[q].append(1000 * statistics.median(m.invoke_seconds))
+            r["together"]["ms"][str(t)] = {q: {"median": round(statistics.median(v), 3),
+                                               "rounds": [round(x, 3) for x in v]} for q, v in per_round.items()}
+            print(f"{r['name']}, {t} thread(s), together: " +
+                  ", ".join(f"{q} {statistics.median(v):.1f} ms" for q, v in per_round.items()), file=sys.stderr)
 
 
 def pct(x) -> str:
@@ -186,7 +228,8 @@ def render(results: dict) -> str:
 
 def onnx_table(results: dict) -> str:
     """The .onnx file against the float32 .tflite file of the same checkpoint: mIoU difference, size, and
-    ONNX Runtime's latency against LiteRT's at each thread count."""
+    ONNX Runtime's latency against LiteRT's at each thread count (timed together, TOGETHER, where the results
+    have it; else seg-eval's)."""
     threads = results["threads"]
     rows = ["| model | ONNX - TFLite mIoU, val | test | size MB, ONNX / TFLite | " +
             " | ".join(f"ms/image ONNX / TFLite, {t} thread{'s' if t > 1 else ''}" for t in threads) +
@@ -199,7 +242,11 @@ def onnx_table(results: dict) -> str:
         if "onnx" not in r["files"]:
             continue
         o, t = r["files"]["onnx"], r["files"]["none"]
-        ms = [(o["latency_ms"][str(n)]["median"], t["latency_ms"][str(n)]["median"]) for n in threads]
+        if "together" in r:
+            ms = [(r["together"]["ms"][str(n)]["onnx"]["median"], r["together"]["ms"][str(n)]["none"]["median"])
+                  for n in threads]
+        else:
+            ms = [(o["latency_ms"][str(n)]["median"], t["latency_ms"][str(n)]["median"]) for n in threads]
         rows.append(f"| {TITLES.get(r['name'], r['name'])} | {100 * (o['val']['miou'] - t['val']['miou']):+.2f} | "
                     f"{100 * (o['test']['miou'] - t['test']['miou']):+.2f} | "
                     f"{o['size_bytes'] / 1e6:.2f} / {t['size_bytes'] / 1e6:.2f} | " +
@@ -244,12 +291,19 @@ def main(argv=None) -> int:
     p.add_argument("--keep", action="store_true",
                    help="keep the models of an earlier results.json that this run does not measure")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--time-together", action="store_true",
+                   help="only time the float32 .tflite and .onnx files of results.json together (TOGETHER), "
+                        "then render")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                    help="a config override for every command (e.g. train.num_steps=20: a short run's files)")
     a = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     results_path = OUT / "results.json"
-    if not a.report_only:
+    if a.time_together:
+        results = json.loads(results_path.read_text())
+        time_together(results)
+        results_path.write_text(json.dumps(results, indent=1) + "\n")
+    elif not a.report_only:
         runs = dict(item.split("=", 1) for item in a.run)
         threads = [int(t) for t in a.threads.split(",")]
         log: list[str] = []
@@ -259,6 +313,7 @@ def main(argv=None) -> int:
                   for n in a.models.split(",")]
         results = {"date": datetime.date.today().isoformat(), "threads": threads, "models": models, "log": log,
                    "total_s": time.time() - start, "cpu_count": os.cpu_count()}
+        time_together(results)
         if a.keep and results_path.is_file():
             results = merged(json.loads(results_path.read_text()), results)
         results_path.write_text(json.dumps(results, indent=1) + "\n")

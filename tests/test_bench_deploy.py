@@ -77,3 +77,8 @@ def test_onnx_file_gets_a_row_and_its_comparison_with_the_float32_tflite_file():
     assert f"{title} | ONNX float32, seg-eval --model | 60.10 | 49.80 | 11.90 | 80.0 | 50.0 |" in text
     # val +0.10, test -0.20; 100 / 80 = 1.25x, 60 / 50 = 1.20x faster than LiteRT.
     assert f"{title} | +0.10 | -0.20 | 11.90 / 12.00 | 80.0 / 100.0 | 50.0 / 60.0 | 1.25x, 1.20x |" in text
+    # Timed together (bench_deploy.TOGETHER), those figures replace seg-eval's in the comparison.
+    r["models"][0]["together"] = {"ms": {"1": {"onnx": {"median": 70.0}, "none": {"median": 105.0}},
+                                         "2": {"onnx": {"median": 40.0}, "none": {"median": 30.0}}}}
+    text = bench_deploy.render(r)
+    assert f"{title} | +0.10 | -0.20 | 11.90 / 12.00 | 70.0 / 105.0 | 40.0 / 30.0 | 1.50x, 0.75x |" in text
