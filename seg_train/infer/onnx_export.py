@@ -1,4 +1,4 @@
-"""seg-export --format onnx: one .onnx file for ONNX Runtime (a server or a board without TensorFlow; TensorRT).
+"""seg-export --format onnx: one .onnx file for ONNX Runtime (or another ONNX runtime), without TensorFlow.
 
 - The model as seg-export --format tflite exports it, from the same frozen concrete function
   (tflite_export.frozen_app): one fixed input, uint8 RGB [1, H, W, 3] (NHWC, as the .tflite file's);
@@ -31,7 +31,7 @@ from seg_train.infer.onnx_runtime import INSTALL_HINT
 
 log = logging.getLogger("seg_train")
 
-# The ONNX opset of the file: tf2onnx 1.17's default, run by ONNX Runtime since 1.10 and by TensorRT 8.
+# The ONNX opset of the file: tf2onnx 1.17's default, which has every op the models need.
 OPSET = 15
 
 
