@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import h5py
@@ -923,7 +924,7 @@ def eomt_from_reference(path: Path = EOMT_FIXTURE):
 
     from seg_train.config.variants import ViTVariant
     from seg_train.models.dino.transformers import check_eomt_folder, load_eomt_folder
-    from seg_train.models.eomt.eomt import eomt
+    from seg_train.models.eomt.eomt.eomt import eomt
 
     z = np.load(path)
     cfg = {k[len("config/"):]: z[k].item() for k in z.files if k.startswith("config/")}
@@ -1083,3 +1084,63 @@ def coco_labels_by_hand(ids, info, ignore_label=255):
             inst = 0
         out[ids == s["id"]] = train * 1000 + inst
     return out
+
+# ---- exported files run outside seg-train: stock LiteRT / ONNX Runtime in a fresh interpreter ------------
+# Each script imports only the runtime, its file reader and numpy (no seg_train, no TensorFlow: it asserts
+# so), runs the file on every image, saves the class maps, and prints what it read of the file as JSON.
+OUTSIDE_LITERT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    path, images = sys.argv[1], np.load(sys.argv[2])
+    plain = Interpreter(model_path=path, experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    plain.allocate_tensors()
+    ops = sorted({op["op_name"] for op in plain._get_ops_details()})
+    it = Interpreter(model_path=path)
+    it.allocate_tensors()
+    (inp,), outs = it.get_input_details(), it.get_output_details()
+    classes = []
+    for image in images:
+        it.set_tensor(inp["index"], image[None])
+        it.invoke()
+        classes.append(it.get_tensor(outs[0]["index"])[0])
+    np.save(sys.argv[3], np.stack(classes))
+    assert "seg_train" not in sys.modules and "tensorflow" not in sys.modules
+    print(json.dumps({"ops": ops, "input": [inp["dtype"].__name__, inp["shape"].tolist()],
+                      "outputs": [[o["dtype"].__name__, o["shape"].tolist()] for o in outs]}))
+""")
+# The outputs are found by name (classes, probabilities), as an app written from FILE.json finds them.
+OUTSIDE_ONNX = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import onnx
+    import onnxruntime
+    path, images = sys.argv[1], np.load(sys.argv[2])
+    model = onnx.load(path)
+    ops = sorted({node.op_type for node in model.graph.node})
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (inp,), outs = session.get_inputs(), session.get_outputs()
+    names = [o.name for o in outs]
+    results = [dict(zip(names, session.run(None, {inp.name: image[None]}))) for image in images]
+    np.save(sys.argv[3], np.stack([r["classes"][0] for r in results]))
+    if "probabilities" in names:
+        np.save(sys.argv[3][:-4] + "_probabilities.npy", np.stack([r["probabilities"][0] for r in results]))
+    assert "seg_train" not in sys.modules and "tensorflow" not in sys.modules
+    print(json.dumps({"ops": ops, "opset": [(o.domain, o.version) for o in model.opset_import],
+                      "input": [inp.name, inp.type, inp.shape], "outputs": [[o.name, o.type, o.shape] for o in outs]}))
+""")
+
+
+def run_outside(path, images_npy, out_npy):
+    """The .tflite (stock LiteRT) or .onnx (ONNX Runtime, CPU) file at `path` run on the images saved at
+    `images_npy` in a fresh interpreter (OUTSIDE_LITERT / OUTSIDE_ONNX, written beside the images): (what it
+    reported, its class maps, also saved at `out_npy`). A .onnx file's softmax, if it has one, is saved
+    beside them as <out_npy stem>_probabilities.npy."""
+    onnx = Path(path).suffix == ".onnx"
+    script = images_npy.parent / ("outside_onnx.py" if onnx else "outside.py")
+    script.write_text(OUTSIDE_ONNX if onnx else OUTSIDE_LITERT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(script), str(path), str(images_npy), str(out_npy)],
+                         capture_output=True, text=True, env=env, cwd=images_npy.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), np.load(out_npy)

@@ -22,6 +22,7 @@ import tensorflow as tf
 import yaml
 
 from seg_train import cli
+from seg_train.cli import preflight
 from seg_train.config import ConfigError, from_dict
 from seg_train.config.resolve import annealing_windows, check_trainable
 from seg_train.data import synthetic
@@ -30,7 +31,6 @@ from seg_train.objectives.mask_classification import mask_probabilities, sample_
 from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, losses_from_terms
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from seg_train.util import preflight
 from tests.helpers import resume_bitwise, strategy, tiny_config
 
 

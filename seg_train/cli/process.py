@@ -276,11 +276,12 @@ def add_checkpoint_arg(parser: argparse.ArgumentParser, model_flag: bool = False
         return
     which = parser.add_mutually_exclusive_group(required=not optional)
     which.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help=help_)
-    which.add_argument("--model", metavar="FILE.tflite",
-                       help="a .tflite file (seg-export --format tflite), run in LiteRT's interpreter "
-                            "(needs pip install 'seg-train[tflite]')")
+    which.add_argument("--model", metavar="FILE.tflite|FILE.onnx",
+                       help="a .tflite file (seg-export --format tflite), run in LiteRT's interpreter (needs pip "
+                            "install 'seg-train[tflite]'), or a .onnx file (--format onnx), run in ONNX Runtime "
+                            "(needs pip install 'seg-train[onnx]')")
     parser.add_argument("--threads", type=int, default=1,
-                        help="LiteRT interpreter threads with --model (default 1)")
+                        help="LiteRT / ONNX Runtime threads with --model (default 1)")
 
 
 def precheck_checkpoint(path: str) -> None:
@@ -292,14 +293,16 @@ def precheck_checkpoint(path: str) -> None:
 
 
 def precheck_model(args) -> None:
-    """--model: the file exists and LiteRT is installed, before TensorFlow's slow import."""
+    """--model: the file exists and its runtime (LiteRT, ONNX Runtime) is installed, before TensorFlow's slow
+    import."""
     from pathlib import Path
 
-    from seg_train.infer.litert import check_threads, interpreter_class
+    from seg_train.infer.litert import check_runtime, check_threads
     if not Path(args.model).is_file():
-        raise ConfigError("model file not found", args.model, "a .tflite file (seg-export --format tflite)")
+        raise ConfigError("model file not found", args.model,
+                          "a .tflite or .onnx file (seg-export --format tflite or onnx)")
     check_threads(args.threads)
-    interpreter_class("--model")
+    check_runtime(args.model, "--model")
 
 
 def checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fast, run, run_model=None,
@@ -310,7 +313,8 @@ def checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fa
       add_arguments: adds the command's own arguments to the parser.
       fail_fast: checks the command's arguments before TensorFlow's slow start.
       run: run(cfg, strategy, args), the command itself.
-      run_model: run_model(cfg, args) for --model FILE.tflite, run by LiteRT without towers (None: no --model).
+      run_model: run_model(cfg, args) for --model FILE.tflite|FILE.onnx, run by LiteRT or ONNX Runtime without
+        towers (None: no --model).
       start_weights: without --checkpoint (and --model), run on the model as model.init_weights starts it
         (args.checkpoint None).
     """

@@ -21,6 +21,7 @@ import tempfile
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,19 +31,26 @@ from seg_train.config.variants import VIT_VARIANTS
 log = logging.getLogger("seg_train")
 
 QUANTIZATIONS = ("none", "float16", "int8")
+# FILE.json's words for the input every exported file takes.
+INPUT_DESCRIPTION = {"color": "RGB", "range": "0..255", "normalization": "(x - mean) / std, inside the model"}
 
 
-def check_output_file(path: str | os.PathLike, force: bool) -> Path:
-    """The .tflite path: new, or an existing file with `force`; never a folder."""
+def check_output_file(path: str | os.PathLike, force: bool, suffix: str = ".tflite") -> Path:
+    """The output file's path (.tflite, or `suffix`): new, or an existing file with `force`; never a folder."""
     from seg_train.util.paths import check_creatable_dir
 
     out = Path(path)
-    if out.suffix != ".tflite":
-        raise ConfigError("output is not a .tflite file", str(out), "a file name ending in .tflite")
+    if out.suffix != suffix:
+        raise ConfigError(f"output is not a {suffix} file", str(out), f"a file name ending in {suffix}")
     if out.is_dir():
-        raise ConfigError("output is a folder", str(out), "a .tflite file name")
+        raise ConfigError("output is a folder", str(out), f"a {suffix} file name")
     if out.exists() and not force:
         raise ConfigError("output file exists", str(out), "a new file name (pass --force to replace it)")
+    # m.tflite and m.onnx would share m.json, the description of each: the other file would lose its own.
+    for other in (out.with_suffix(s) for s in (".tflite", ".onnx") if s != suffix):
+        if other.exists():
+            raise ConfigError("output name taken by another export", str(out),
+                              f"a name of its own ({other.name} is described by {out.with_suffix('.json').name})")
     check_creatable_dir(out.parent, "output folder", "choose another --output")
     return out
 
@@ -114,6 +122,49 @@ def frozen_function(fn):
     from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
 
     return convert_variables_to_constants_v2(fn.get_concrete_function())
+
+
+class AppExport(NamedTuple):
+    """A checkpoint's app function, frozen at the file's input size: what the .tflite and .onnx files are
+    converted from (`frozen_app`)."""
+
+    frozen: object        # the frozen concrete function (frozen_function)
+    prefix: str           # the checkpoint
+    step: int
+    class_names: list
+    bn_reestimated: bool
+    height: int
+    width: int
+    score_offsets: object  # eval.logit_adjustment's, inside the function (modes.score_offsets)
+
+
+def frozen_app(cfg: Config, strategy, checkpoint: str, size=None, probabilities: bool = False,
+               progress: bool = True) -> AppExport:
+    """The checkpoint loaded (BN statistics re-estimated as seg-eval does) and its app function frozen."""
+    from seg_train.data.split import class_names_of
+    from seg_train.infer.load import load_evaluator
+
+    height, width = input_size(cfg, size)
+    names = class_names_of(cfg)
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
+    reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
+    frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
+                                          probabilities, evaluator.score_offsets,
+                                          tflite_pad_to(cfg, evaluator.state.model)))
+    return AppExport(frozen, prefix, step, names, reestimated, height, width, evaluator.score_offsets)
+
+
+def sidecar(cfg: Config, app: AppExport, fmt: str) -> dict:
+    """What FILE.json says of every exported file, whatever its format: where it comes from, its input size,
+    the normalisation and the classes inside it, and how an app resizes for it."""
+    from seg_train.infer import modes
+    from seg_train.infer.litert import RESIZE
+
+    return {"format": fmt, "checkpoint": app.prefix, "step": app.step, "input_size": [app.height, app.width],
+            "mean": list(cfg.data.mean), "std": list(cfg.data.std), "num_classes": cfg.data.num_classes,
+            "class_names": app.class_names, "bn_stats_reestimated": app.bn_reestimated, "app_resize": RESIZE,
+            "logit_adjustment": cfg.eval.logit_adjustment,
+            "score_offsets": modes.offsets_by_class(app.score_offsets, app.class_names)}
 
 
 def calibration_samples(cfg: Config, count: int):
@@ -225,10 +276,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
                       check: bool = False, threads: int = 1, progress: bool = True,
                       float_ops: tuple[str, ...] = ()) -> Path:
     """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
-    from seg_train.data.split import class_names_of
-    from seg_train.infer import modes
     from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
-    from seg_train.infer.load import load_evaluator
     from seg_train.run.rundir import write_atomic, write_json
     from seg_train.util.progress import progress_bar
 
@@ -239,13 +287,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     out = check_output_file(output, force)
     if check:
         interpreter_class("seg-export --check")  # fail before the work, not after it
-    height, width = input_size(cfg, size)
-    names = class_names_of(cfg)
-    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
-    reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
-    frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
-                                          probabilities, evaluator.score_offsets,
-                                          tflite_pad_to(cfg, evaluator.state.model)))
+    app = frozen_app(cfg, strategy, checkpoint, size, probabilities, progress)
+    frozen, prefix, step, height, width = app.frozen, app.prefix, app.step, app.height, app.width
 
     calibration, representative = None, None
     if quantize == "int8":
@@ -273,17 +316,10 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         raise ConfigError("not an op of this model", "--float-ops",
                           f"op names of the converted file ({', '.join(ops)}), got {', '.join(absent)}")
     meta = {
-        "format": "tflite", "checkpoint": prefix, "step": step, "quantization": quantize,
-        "input": {**inputs[0], "color": "RGB", "range": "0..255",
-                  "normalization": "(x - mean) / std, inside the model"},
-        "outputs": outputs, "input_size": [height, width],
-        "mean": list(cfg.data.mean), "std": list(cfg.data.std),
-        "num_classes": cfg.data.num_classes, "class_names": names, "calibration": calibration,
+        **sidecar(cfg, app, "tflite"), "quantization": quantize,
+        "input": {**inputs[0], **INPUT_DESCRIPTION}, "outputs": outputs, "calibration": calibration,
         "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": floating,
         "float_ops_requested": list(float_ops),
-        "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
-        "logit_adjustment": cfg.eval.logit_adjustment,
-        "score_offsets": modes.offsets_by_class(evaluator.score_offsets, names),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, lambda tmp: tmp.write_bytes(content))
@@ -300,8 +336,9 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
 
 def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: bool = True) -> list[dict]:
     """seg-export --check: the exported file and (if quantized) the float32 conversion of the same model,
-    both evaluated in LiteRT on data.val_split; prints them side by side. Returns the records."""
-    from seg_train.infer.litert import TFLiteModel, evaluate_file, read_sidecar, sidecar_path
+    both evaluated in their runtime (LiteRT, ONNX Runtime for a .onnx file) on data.val_split; prints them
+    side by side. Returns the records."""
+    from seg_train.infer.litert import evaluate_file, open_model, read_sidecar, sidecar_path
     from seg_train.run.rundir import write_json
 
     split = cfg.data.val_split
@@ -317,11 +354,11 @@ def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: 
             files.append(("float32 (not written)", float_path))
         files.append((f"{path.name}", path))
         for label, file in files:
-            record, _, _ = evaluate_file(cfg, TFLiteModel(file, threads, "seg-export --check"), split, progress)
+            record, _, _ = evaluate_file(cfg, open_model(file, threads, "seg-export --check"), split, progress)
             record["label"] = label
             rows.append(record)
     name_w = max(len(r["label"]) for r in rows)
-    print(f"check on {split} ({rows[0]['num_images']} images), LiteRT, {threads} thread(s):")
+    print(f"check on {split} ({rows[0]['num_images']} images), {rows[-1]['runtime']}, {threads} thread(s):")
     print(f"  {'model':<{name_w}}  {'mIoU %':>7}  {'size MB':>8}  {'ms/image':>9}")
     for r in rows:
         print(f"  {r['label']:<{name_w}}  {100 * r['miou']:7.2f}  {r['size_bytes'] / 1e6:8.2f}  "
