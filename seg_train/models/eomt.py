@@ -50,8 +50,6 @@ from keras import layers
 from seg_train.models.mit import LayerNorm
 from seg_train.models.vit import VARIANTS, Variant, block_layers_of, dino_encoder, run_block
 
-# The additive logit of a masked query-to-patch pair (the reference's); exp underflows to 0 in float32.
-MASKED = -1e9
 _TINY = float(np.finfo(np.float32).tiny)
 _UPSCALE_EPSILON = 1e-6
 
@@ -80,13 +78,12 @@ def mask_keeps(seeds, block: int, prob, queries: int):
     return u < tf.cast(prob, tf.float32)
 
 
-def attention_bias(mask_logits, keeps, grid_h, grid_w, q: int, prefix: int, tokens):
-    """float32 [b, T, T] added to the attention logits of a block on T tokens [q queries, CLS, registers,
-    patches]: MASKED where a query that keeps its mask (`keeps` [b, Q]) meets a patch whose mask logit at the
-    patch grid is <= 0; 0 elsewhere (patches and CLS attend to everything). `prefix`: CLS and registers."""
-    blocked = (_to_patch_grid(mask_logits, grid_h, grid_w, q) <= 0.0) & keeps[:, :, None]
-    bias = tf.where(blocked, tf.constant(MASKED, tf.float32), tf.constant(0.0, tf.float32))
-    return tf.pad(bias, [[0, 0], [0, tokens - q], [q + prefix, 0]])
+def blocked_patches(mask_logits, keeps, grid_h, grid_w, q: int):
+    """bool [b, Q, N]: the masked attention of a block on the tokens [q queries, CLS, registers, N patches] in
+    models/attention.py's compact form (the first Q rows, the last N columns): True (MASKED added to the logit)
+    where a query that keeps its mask (`keeps` [b, Q]) meets a patch whose mask logit at the patch grid is
+    <= 0; every other pair attends (patches and CLS to everything, queries to the queries, CLS, registers)."""
+    return (_to_patch_grid(mask_logits, grid_h, grid_w, q) <= 0.0) & keeps[:, :, None]
 
 
 def semantic_logits(class_logits, mask_logits, size):
@@ -103,14 +100,16 @@ class EoMT(keras.Model):
     here, at construction."""
 
     def __init__(self, spec: Variant, num_classes: int, queries: int, eomt_blocks: int, upscale_blocks: int = 2,
-                 drop_path_rate: float = 0.0, label: str | None = None, name: str = "eomt", **kwargs):
+                 drop_path_rate: float = 0.0, label: str | None = None, name: str = "eomt",
+                 attention: str = "plain", **kwargs):
         super().__init__(name=name, **kwargs)
         if not 1 <= eomt_blocks <= spec.depth:
             raise ValueError(f"eomt: eomt_blocks {eomt_blocks}: expected 1..{spec.depth} (the ViT's depth)")
         self.spec, self.num_classes, self.num_queries = spec, num_classes, queries
         self.eomt_blocks, self.upscale_blocks = eomt_blocks, upscale_blocks
         c = spec.width
-        self.backbone = dino_encoder(label or spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True)
+        self.backbone = dino_encoder(label or spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True,
+                                     attention=attention)
         self.queries = self.add_weight(shape=(queries, c), initializer=keras.initializers.RandomNormal(stddev=1.0),
                                        name="queries")
         self.class_head = _dense(num_classes + 1, "class_head")
@@ -171,14 +170,14 @@ class EoMT(keras.Model):
             if i == self.first_eomt_block:
                 joined = tf.tile(tf.cast(self.queries, tokens.dtype)[None], [tf.shape(tokens)[0], 1, 1])
                 tokens = tf.concat([joined, tokens], axis=1)
-            bias = None
+            blocked = None
             if eomt and every:
                 out.append(self._predict(norm(tokens), grid_h, grid_w))
                 if mask_probs is not None:
                     j = i - self.first_eomt_block
                     keeps = mask_keeps(seeds, j, mask_probs[j], q)
-                    bias = attention_bias(out[-1][1], keeps, grid_h, grid_w, q, prefix, tf.shape(tokens)[1])
-            tokens = run_block(block_layers_of(bb, f"block{i}"), tokens, rope, bias=bias,
+                    blocked = blocked_patches(out[-1][1], keeps, grid_h, grid_w, q)
+            tokens = run_block(block_layers_of(bb, f"block{i}"), tokens, rope, blocked=blocked,
                                prefix=q + prefix if eomt else None, training=training)
         out.append(self._predict(norm(tokens), grid_h, grid_w))
         return out
@@ -204,9 +203,9 @@ class EoMT(keras.Model):
 
 
 def eomt(name, num_classes: int, queries: int = 100, eomt_blocks: int = 4, upscale_blocks: int = 2,
-         drop_path_rate: float = 0.0) -> EoMT:
+         drop_path_rate: float = 0.0, attention: str = "plain") -> EoMT:
     """EoMT on the ViT `name` (a vit.VARIANTS key, or a Variant); call inside `strategy.scope()` for one set of
-    variables."""
+    variables. `attention`: the ViT's form of attention (models/attention.py's METHODS)."""
     spec = VARIANTS[name] if isinstance(name, str) else name
     return EoMT(spec, num_classes, queries, eomt_blocks, upscale_blocks, drop_path_rate,
-                label=name if isinstance(name, str) else None)
+                label=name if isinstance(name, str) else None, attention=attention)

@@ -1,0 +1,208 @@
+"""Multi-head softmax attention, softmax(q k^T / sqrt(d) + bias) v, in two forms with the same arithmetic:
+
+- "plain": the logits and softmax as whole [b, heads, Tq, Tk] tensors. TensorFlow's autodiff keeps the
+  softmax for the backward pass (and, under mixed precision, the half-precision copy multiplied with v):
+  Tq x Tk values per head and block stored between the forward and the backward pass.
+- "blockwise": FlashAttention's algorithm (Dao et al. 2022; Dao 2023) in TensorFlow ops. A tf.while_loop over
+  blocks of `block` keys keeps a running row maximum m, row sum l and unnormalised output acc, rescaled by
+  exp(m_old - m_new) whenever the maximum grows; the output is acc / l at the end. A tf.custom_gradient keeps
+  only q, k, v, the bias, the output and each row's log-sum-exp m + log(l), and its backward pass loops over
+  the key blocks again, recomputing each block's probabilities exp(s - lse) from them. Nothing of size
+  Tq x Tk per head is stored; the largest transient is one block's [b, heads, Tq, block] logits.
+
+Why by hand: TensorFlow has no fused attention op on the CPU, and Keras 3's keras.ops.dot_product_attention
+refuses flash_attention=True on the TensorFlow backend (without it, it is the plain form). The loop is a
+tf.while_loop over a dynamic number of blocks (any Tq, Tk, also unknown in a trace) with fixed-size blocks (the
+keys padded to whole blocks, padded keys at -inf), so that XLA compiles it too.
+
+Precision: q and k come in float32 (the callers cast and rotate them in float32); logits, softmax statistics and
+the accumulator are float32. v may be float16 / bfloat16: as in the plain form, the probabilities are cast to
+v's dtype before they meet v (the plain form casts the normalised softmax, this form each block's exp(s - m)),
+and the output has v's dtype.
+
+Masks: `bias` float32 [b, Tq, Tk] is added to every head's logits (differentiable). `blocked` bool [b, R, C] is
+the compact form of a constant mask: MASKED is added where it is True, in the first R query rows and the last C
+key columns (EoMT's queries before CLS, registers and patches: R = queries, C = patches; models/eomt.py). The
+plain form expands it to the [b, Tq, Tk] bias; the blockwise form adds it block by block (no gradient). A row
+whose every key is masked gets what the plain softmax gives for logits + MASKED (MASKED is added, not
+substituted, in both forms).
+
+TFLite: a while loop is not a builtin a phone runs well, so seg-export --format tflite builds the plain form
+(infer/tflite_export.py); a SavedModel keeps the configured form.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+METHODS = ("plain", "blockwise")
+# The additive logit of a masked pair (EoMT's reference's): exp underflows to 0 in float32.
+MASKED = -1e9
+# Keys per block of the blockwise form (docs/PERFORMANCE.md, "Attention", measured it).
+BLOCK = 256
+
+
+def dense_bias(blocked, tq, tk):
+    """float32 [b, Tq, Tk]: MASKED where `blocked` (bool [b, R, C]) is True in the first R rows and last C
+    columns, 0 elsewhere."""
+    r, c = tf.shape(blocked)[1], tf.shape(blocked)[2]
+    bias = tf.where(blocked, tf.constant(MASKED, tf.float32), tf.constant(0.0, tf.float32))
+    return tf.pad(bias, [[0, 0], [0, tq - r], [tk - c, 0]])
+
+
+def plain_attention(q, k, v, bias=None):
+    """softmax(q k^T / sqrt(d) + bias) v with whole logits. q, k float32 [b, h, Tq | Tk, d]; v [b, h, Tk, d];
+    bias float32 [b, Tq, Tk] or None. Returns [b, h, Tq, d] in v's dtype."""
+    logits = tf.matmul(q, k, transpose_b=True) * (q.shape[-1] ** -0.5)
+    if bias is not None:
+        logits = logits + bias[:, None]
+    weights = tf.nn.softmax(logits, axis=-1)
+    return tf.matmul(tf.cast(weights, v.dtype), v)
+
+
+def attention(q, k, v, method: str = "plain", bias=None, blocked=None, block: int = BLOCK):
+    """softmax(q k^T / sqrt(d) + bias) v per head in the form `method` (module doc).
+
+    q, k: float32 [b, h, Tq, d], [b, h, Tk, d]; v: [b, h, Tk, d], any float dtype (the output's).
+    bias: float32 [b, Tq, Tk] (differentiable); blocked: bool [b, R, C] (module doc); at most one of them.
+    Returns [b, h, Tq, d] in v's dtype.
+    """
+    if method not in METHODS:
+        raise ValueError(f"attention: method {method!r}: expected one of {', '.join(METHODS)}")
+    if bias is not None and blocked is not None:
+        raise ValueError("attention: bias and blocked given together: expected at most one of them")
+    if q.dtype != tf.float32 or k.dtype != tf.float32:
+        raise ValueError(f"attention: q {q.dtype.name}, k {k.dtype.name}: expected float32 (logits in float32)")
+    if method == "plain":
+        if blocked is not None:
+            bias = dense_bias(blocked, tf.shape(q)[2], tf.shape(k)[2])
+        return plain_attention(q, k, v, bias)
+    if blocked is not None:
+        # Constant: built outside the custom gradient, which then returns no gradient for it.
+        rows = tf.where(blocked, tf.constant(MASKED, tf.float32), tf.constant(0.0, tf.float32))
+        return _blockwise(block, bias_grad=False)(q, k, v, tf.stop_gradient(rows))
+    if bias is not None:
+        return _blockwise(block, bias_grad=True)(q, k, v, tf.cast(bias, tf.float32))
+    return _blockwise(block, bias_grad=False, with_bias=False)(q, k, v)
+
+
+class _Blocks:
+    """The key blocks of one call: k, v and the bias padded to n whole blocks of `block` keys and put block-major,
+    so that block j is one gather of a fixed shape (XLA wants fixed shapes inside the loop)."""
+
+    def __init__(self, q, k, v, rows, block: int):
+        self.block, self.scale = block, q.shape[-1] ** -0.5
+        shape = tf.shape(k)
+        b, h, tk, d = shape[0], shape[1], shape[2], k.shape[-1]
+        self.tq, self.tk = tf.shape(q)[2], tk
+        self.n = (tk + block - 1) // block
+        pad = self.n * block - tk
+
+        def blocks(t):  # [b, h, Tk, d] -> [n, b, h, block, d]
+            t = tf.pad(t, [[0, 0], [0, 0], [0, pad], [0, 0]])
+            return tf.transpose(tf.reshape(t, [b, h, self.n, block, d]), [2, 0, 1, 3, 4])
+
+        self.k, self.v = blocks(k), blocks(v)
+        # Padded keys at -inf (exp gives exactly 0); skipped when Tk is known to fill whole blocks.
+        static_tk = k.shape[2]
+        self.key_pad = None if static_tk is not None and static_tk % block == 0 else tf.reshape(
+            tf.where(tf.range(self.n * block) < tk, 0.0, float("-inf")), [self.n, block])
+        self.rows = None
+        if rows is not None:  # [b, R, C] -> [n, b, R, block]: C last real columns, zeros in front and behind
+            r, c = tf.shape(rows)[1], tf.shape(rows)[2]
+            self.r = r
+            full = tf.pad(rows, [[0, 0], [0, 0], [tk - c, pad]])
+            self.rows = tf.transpose(tf.reshape(full, [b, r, self.n, block]), [2, 0, 1, 3])
+
+    def logits(self, q, j):
+        """Block j's float32 logits [b, h, Tq, block], the bias and the key padding added."""
+        s = tf.matmul(q, self.k[j], transpose_b=True) * self.scale
+        if self.rows is not None:
+            # The compact rows padded with exact zeros to all Tq rows: the same sums as the dense bias.
+            s = s + tf.pad(self.rows[j], [[0, 0], [0, self.tq - self.r], [0, 0]])[:, None]
+        if self.key_pad is not None:
+            s = s + self.key_pad[j]
+        return s
+
+    def unblock(self, stacked, width):
+        """[n, b, X, block, ...] from a loop -> [b, X, n * block, ...][:, :, :width] (dk, dv, the bias' rows)."""
+        perm = [1, 2, 0] + list(range(3, stacked.shape.rank))
+        t = tf.transpose(stacked, perm)
+        shape = tf.shape(t)
+        t = tf.reshape(t, tf.concat([shape[:2], [self.n * self.block], shape[4:]], axis=0))
+        return t[:, :, :width]
+
+
+def _blockwise(block: int, bias_grad: bool, with_bias: bool = True):
+    """The blockwise form as a tf.custom_gradient function of (q, k, v[, rows]) (module doc). `rows`: float32
+    [b, R, C] added to the first R rows' last C columns (R = Tq, C = Tk: a dense bias); its gradient is
+    computed when `bias_grad`, else None."""
+
+    def forward(q, k, v, rows):
+        blocks = _Blocks(q, k, v, rows, block)
+        shape = tf.shape(q)
+        start = (tf.constant(0), tf.fill(shape[:3], float("-inf")), tf.zeros(shape[:3]), tf.zeros(shape))
+
+        def body(j, top, total, acc):  # the running row maximum, sum of exp(s - top), and sum of exp(s - top) v
+            s = blocks.logits(q, j)
+            new_top = tf.maximum(top, tf.reduce_max(s, axis=-1))
+            alpha = tf.exp(top - new_top)  # rescales what was summed under the old maximum (0 at the start)
+            p = tf.exp(s - new_top[..., None])
+            pv = tf.matmul(tf.cast(p, v.dtype), blocks.v[j])
+            return (j + 1, new_top, total * alpha + tf.reduce_sum(p, axis=-1),
+                    acc * alpha[..., None] + tf.cast(pv, tf.float32))
+
+        _, top, total, acc = tf.while_loop(lambda j, *_: j < blocks.n, body, start, parallel_iterations=1)
+        return acc / total[..., None], top + tf.math.log(total)  # the output (float32), each row's log-sum-exp
+
+    def backward(q, k, v, rows, out, lse, dout):
+        blocks = _Blocks(q, k, v, rows, block)
+        do32 = tf.cast(dout, tf.float32)
+        do = tf.cast(dout, v.dtype)
+        delta = tf.reduce_sum(do32 * out, axis=-1)[..., None]  # rowsum(dP * P) = rowsum(dO * O)
+        arrays = [tf.TensorArray(tf.float32, size=blocks.n), tf.TensorArray(v.dtype, size=blocks.n)]
+        if rows is not None and bias_grad:
+            arrays.append(tf.TensorArray(tf.float32, size=blocks.n))
+
+        def body(j, dq, arrays):
+            p = tf.exp(blocks.logits(q, j) - lse[..., None])  # the block's probabilities, recomputed
+            dv = tf.matmul(tf.cast(p, v.dtype), do, transpose_a=True)
+            dp = tf.cast(tf.matmul(do, blocks.v[j], transpose_b=True), tf.float32)
+            ds = p * (dp - delta)  # d logits
+            dq = dq + tf.matmul(ds, blocks.k[j]) * blocks.scale
+            dk = tf.matmul(ds, q, transpose_a=True) * blocks.scale
+            arrays = [arrays[0].write(j, dk), arrays[1].write(j, dv)] + (
+                [arrays[2].write(j, tf.reduce_sum(ds, axis=1)[:, :blocks.r])] if len(arrays) > 2 else [])
+            return j + 1, dq, arrays
+
+        _, dq, arrays = tf.while_loop(lambda j, *_: j < blocks.n, body, (tf.constant(0), tf.zeros_like(q), arrays),
+                                      parallel_iterations=1)
+        dk = blocks.unblock(arrays[0].stack(), blocks.tk)
+        dv = blocks.unblock(arrays[1].stack(), blocks.tk)
+        drows = None
+        if len(arrays) > 2:  # [n, b, R, block] -> [b, R, Tk] -> the last C columns
+            full = tf.transpose(arrays[2].stack(), [1, 2, 0, 3])
+            shape = tf.shape(full)
+            full = tf.reshape(full, [shape[0], shape[1], -1])[:, :, :blocks.tk]
+            drows = full[:, :, blocks.tk - tf.shape(rows)[2]:]
+        return dq, dk, dv, drows
+
+    if with_bias:
+        @tf.custom_gradient
+        def run(q, k, v, rows):
+            out, lse = forward(q, k, v, rows)
+
+            def grad(dout):
+                return backward(q, k, v, rows, out, lse, dout)
+
+            return tf.cast(out, v.dtype), grad
+    else:
+        @tf.custom_gradient
+        def run(q, k, v):
+            out, lse = forward(q, k, v, None)
+
+            def grad(dout):
+                return backward(q, k, v, None, out, lse, dout)[:3]
+
+            return tf.cast(out, v.dtype), grad
+    return run
