@@ -6,9 +6,10 @@
 - "blockwise": FlashAttention's algorithm (Dao et al. 2022; Dao 2023) in TensorFlow ops. A tf.while_loop over
   blocks of `block` keys keeps a running row maximum m, row sum l and unnormalised output acc, rescaled by
   exp(m_old - m_new) whenever the maximum grows; the output is acc / l at the end. A tf.custom_gradient keeps
-  only q, k, v, the bias, the output and each row's log-sum-exp m + log(l), and its backward pass loops over
-  the key blocks again, recomputing each block's probabilities exp(s - lse) from them. Nothing of size
-  Tq x Tk per head is stored; the largest transient is one block's [b, heads, Tq, block] logits.
+  only q, k, v, the bias, the output and each row's m and 1 / l, and its backward pass loops over the key
+  blocks again, recomputing each block's probabilities exp(s - m) / l from them. Nothing of size Tq x Tk per
+  head is stored; the largest transient is one block's [b, heads, Tq, block] logits. (FlashAttention keeps the
+  log-sum-exp m + log(l) instead: in float32 next to a masked row's m of about -1e9 the log(l) rounds away.)
 
 Why by hand: TensorFlow has no fused attention op on the CPU, and Keras 3's keras.ops.dot_product_attention
 refuses flash_attention=True on the TensorFlow backend (without it, it is the plain form). The loop is a
@@ -87,50 +88,62 @@ def attention(q, k, v, method: str = "plain", bias=None, blocked=None, block: in
 
 
 class _Blocks:
-    """The key blocks of one call: k, v and the bias padded to n whole blocks of `block` keys and put block-major,
-    so that block j is one gather of a fixed shape (XLA wants fixed shapes inside the loop)."""
+    """The key blocks of one call: n blocks of `width` keys each, width = ceil(Tk / n) for n = ceil(Tk / block)
+    (fewer than n padded keys in all), k, v and the bias put block-major, so that block j is one slice of a fixed
+    shape (XLA wants fixed shapes inside the loop). Padded keys get -inf logits (exp gives exactly 0), in the last
+    block only; none when Tk is known to fill the blocks."""
 
     def __init__(self, q, k, v, rows, block: int):
-        self.block, self.scale = block, q.shape[-1] ** -0.5
+        self.qs = q * (q.shape[-1] ** -0.5)  # scaled once here, not each block's logits
         shape = tf.shape(k)
-        b, h, tk, d = shape[0], shape[1], shape[2], k.shape[-1]
-        self.tq, self.tk = tf.shape(q)[2], tk
-        self.n = (tk + block - 1) // block
-        pad = self.n * block - tk
+        b, h, d = shape[0], shape[1], k.shape[-1]
+        self.tq, self.tk = tf.shape(q)[2], shape[2]
+        static = k.shape[2]
+        if static is not None:  # Python numbers: static shapes in the loop
+            self.n = -(-static // block)
+            self.width = -(-static // self.n)
+            pad = self.n * self.width - static
+        else:
+            self.n = (self.tk + block - 1) // block
+            self.width = (self.tk + self.n - 1) // self.n
+            pad = self.n * self.width - self.tk
 
-        def blocks(t):  # [b, h, Tk, d] -> [n, b, h, block, d]
+        def blocks(t):  # [b, h, Tk, d] -> [n, b, h, width, d]
             t = tf.pad(t, [[0, 0], [0, 0], [0, pad], [0, 0]])
-            return tf.transpose(tf.reshape(t, [b, h, self.n, block, d]), [2, 0, 1, 3, 4])
+            return tf.transpose(tf.reshape(t, [b, h, self.n, self.width, d]), [2, 0, 1, 3, 4])
 
         self.k, self.v = blocks(k), blocks(v)
-        # Padded keys at -inf (exp gives exactly 0); skipped when Tk is known to fill whole blocks.
-        static_tk = k.shape[2]
-        self.key_pad = None if static_tk is not None and static_tk % block == 0 else tf.reshape(
-            tf.where(tf.range(self.n * block) < tk, 0.0, float("-inf")), [self.n, block])
+        self.last_pad = None if static is not None and pad == 0 else \
+            tf.where(tf.range(self.width) < self.width - pad, 0.0, float("-inf"))
         self.rows = None
-        if rows is not None:  # [b, R, C] -> [n, b, R, block]: C last real columns, zeros in front and behind
-            r, c = tf.shape(rows)[1], tf.shape(rows)[2]
-            self.r = r
-            full = tf.pad(rows, [[0, 0], [0, 0], [tk - c, pad]])
-            self.rows = tf.transpose(tf.reshape(full, [b, r, self.n, block]), [2, 0, 1, 3])
+        if rows is not None:  # [b, R, C] -> [n, b, R, width]: the C last real columns, zeros in front and behind
+            self.r, c = tf.shape(rows)[1], tf.shape(rows)[2]
+            full = tf.pad(rows, [[0, 0], [0, 0], [self.tk - c, pad]])
+            self.rows = tf.transpose(tf.reshape(full, [b, self.r, self.n, self.width]), [2, 0, 1, 3])
 
-    def logits(self, q, j):
-        """Block j's float32 logits [b, h, Tq, block], the bias and the key padding added."""
-        s = tf.matmul(q, self.k[j], transpose_b=True) * self.scale
+    def logits(self, j, last: bool):
+        """Block j's float32 logits [b, h, Tq, width], the bias added, and the key padding when `last`."""
+        s = tf.matmul(self.qs, self.k[j], transpose_b=True)
         if self.rows is not None:
             # The compact rows padded with exact zeros to all Tq rows: the same sums as the dense bias.
             s = s + tf.pad(self.rows[j], [[0, 0], [0, self.tq - self.r], [0, 0]])[:, None]
-        if self.key_pad is not None:
-            s = s + self.key_pad[j]
+        if last and self.last_pad is not None:
+            s = s + self.last_pad
         return s
 
-    def unblock(self, stacked, width):
-        """[n, b, X, block, ...] from a loop -> [b, X, n * block, ...][:, :, :width] (dk, dv, the bias' rows)."""
-        perm = [1, 2, 0] + list(range(3, stacked.shape.rank))
-        t = tf.transpose(stacked, perm)
+    def loop(self, body, state):
+        """body(j, last, *state) -> state for j = 0 .. n - 1: a tf.while_loop over all blocks but the last, the
+        last one after it (it alone holds padded keys)."""
+        _, *state = tf.while_loop(lambda j, *_: j < self.n - 1, lambda j, *s: (j + 1, *body(j, False, *s)),
+                                  (tf.constant(0), *state), parallel_iterations=1)
+        return body(self.n - 1, True, *state)
+
+    def unblock(self, stacked):
+        """[n, b, X, width, ...] -> [b, X, Tk, ...] (the keys' gradients, or the bias' columns)."""
+        t = tf.transpose(stacked, [1, 2, 0] + list(range(3, stacked.shape.rank)))
         shape = tf.shape(t)
-        t = tf.reshape(t, tf.concat([shape[:2], [self.n * self.block], shape[4:]], axis=0))
-        return t[:, :, :width]
+        t = tf.reshape(t, tf.concat([shape[:2], [self.n * self.width], shape[4:]], axis=0))
+        return t[:, :, :self.tk]
 
 
 def _blockwise(block: int, bias_grad: bool, with_bias: bool = True):
@@ -141,68 +154,62 @@ def _blockwise(block: int, bias_grad: bool, with_bias: bool = True):
     def forward(q, k, v, rows):
         blocks = _Blocks(q, k, v, rows, block)
         shape = tf.shape(q)
-        start = (tf.constant(0), tf.fill(shape[:3], float("-inf")), tf.zeros(shape[:3]), tf.zeros(shape))
 
-        def body(j, top, total, acc):  # the running row maximum, sum of exp(s - top), and sum of exp(s - top) v
-            s = blocks.logits(q, j)
+        def body(j, last, top, total, acc):  # running row maximum, sum of exp(s - top), sum of exp(s - top) v
+            s = blocks.logits(j, last)
             new_top = tf.maximum(top, tf.reduce_max(s, axis=-1))
             alpha = tf.exp(top - new_top)  # rescales what was summed under the old maximum (0 at the start)
             p = tf.exp(s - new_top[..., None])
             pv = tf.matmul(tf.cast(p, v.dtype), blocks.v[j])
-            return (j + 1, new_top, total * alpha + tf.reduce_sum(p, axis=-1),
-                    acc * alpha[..., None] + tf.cast(pv, tf.float32))
+            return new_top, total * alpha + tf.reduce_sum(p, axis=-1), acc * alpha[..., None] + tf.cast(pv, tf.float32)
 
-        _, top, total, acc = tf.while_loop(lambda j, *_: j < blocks.n, body, start, parallel_iterations=1)
-        return acc / total[..., None], top + tf.math.log(total)  # the output (float32), each row's log-sum-exp
+        top, total, acc = blocks.loop(body, (tf.fill(shape[:3], float("-inf")), tf.zeros(shape[:3]), tf.zeros(shape)))
+        # The statistics stay apart: top + log(total) would round log(total) away next to a masked row's -1e9.
+        return acc / total[..., None], (top[..., None], 1.0 / total[..., None])
 
-    def backward(q, k, v, rows, out, lse, dout):
+    def backward(q, k, v, rows, out, stats, dout):
         blocks = _Blocks(q, k, v, rows, block)
-        do32 = tf.cast(dout, tf.float32)
         do = tf.cast(dout, v.dtype)
-        delta = tf.reduce_sum(do32 * out, axis=-1)[..., None]  # rowsum(dP * P) = rowsum(dO * O)
+        delta = tf.reduce_sum(tf.cast(dout, tf.float32) * out, axis=-1)[..., None]  # rowsum(dP * P) = rowsum(dO * O)
         arrays = [tf.TensorArray(tf.float32, size=blocks.n), tf.TensorArray(v.dtype, size=blocks.n)]
         if rows is not None and bias_grad:
             arrays.append(tf.TensorArray(tf.float32, size=blocks.n))
 
-        def body(j, dq, arrays):
-            p = tf.exp(blocks.logits(q, j) - lse[..., None])  # the block's probabilities, recomputed
+        def body(j, last, dq, arrays):
+            p = tf.exp(blocks.logits(j, last) - stats[0]) * stats[1]  # the block's probabilities, recomputed
             dv = tf.matmul(tf.cast(p, v.dtype), do, transpose_a=True)
             dp = tf.cast(tf.matmul(do, blocks.v[j], transpose_b=True), tf.float32)
             ds = p * (dp - delta)  # d logits
-            dq = dq + tf.matmul(ds, blocks.k[j]) * blocks.scale
-            dk = tf.matmul(ds, q, transpose_a=True) * blocks.scale
-            arrays = [arrays[0].write(j, dk), arrays[1].write(j, dv)] + (
-                [arrays[2].write(j, tf.reduce_sum(ds, axis=1)[:, :blocks.r])] if len(arrays) > 2 else [])
-            return j + 1, dq, arrays
+            dq = dq + tf.matmul(ds, blocks.k[j])
+            written = [arrays[0].write(j, tf.matmul(ds, blocks.qs, transpose_a=True)), arrays[1].write(j, dv)]
+            if len(arrays) > 2:  # the bias is shared by the heads: their gradients summed
+                written.append(arrays[2].write(j, tf.reduce_sum(ds, axis=1)[:, :blocks.r]))
+            return dq, written
 
-        _, dq, arrays = tf.while_loop(lambda j, *_: j < blocks.n, body, (tf.constant(0), tf.zeros_like(q), arrays),
-                                      parallel_iterations=1)
-        dk = blocks.unblock(arrays[0].stack(), blocks.tk)
-        dv = blocks.unblock(arrays[1].stack(), blocks.tk)
+        dq, arrays = blocks.loop(body, (tf.zeros_like(q), arrays))
+        dq = dq * (q.shape[-1] ** -0.5)
+        dk, dv = blocks.unblock(arrays[0].stack()), blocks.unblock(arrays[1].stack())
         drows = None
-        if len(arrays) > 2:  # [n, b, R, block] -> [b, R, Tk] -> the last C columns
-            full = tf.transpose(arrays[2].stack(), [1, 2, 0, 3])
-            shape = tf.shape(full)
-            full = tf.reshape(full, [shape[0], shape[1], -1])[:, :, :blocks.tk]
-            drows = full[:, :, blocks.tk - tf.shape(rows)[2]:]
+        if len(arrays) > 2:  # [n, b, R, width] -> [b, R, Tk] -> the last C columns
+            drows = blocks.unblock(arrays[2].stack())[:, :, blocks.tk - tf.shape(rows)[2]:]
         return dq, dk, dv, drows
 
     if with_bias:
         @tf.custom_gradient
         def run(q, k, v, rows):
-            out, lse = forward(q, k, v, rows)
+            out, stats = forward(q, k, v, rows)
 
             def grad(dout):
-                return backward(q, k, v, rows, out, lse, dout)
+                return backward(q, k, v, rows, out, stats, dout)
 
             return tf.cast(out, v.dtype), grad
     else:
         @tf.custom_gradient
         def run(q, k, v):
-            out, lse = forward(q, k, v, None)
+            out, stats = forward(q, k, v, None)
 
             def grad(dout):
-                return backward(q, k, v, None, out, lse, dout)[:3]
+                return backward(q, k, v, None, out, stats, dout)[:3]
 
             return tf.cast(out, v.dtype), grad
     return run
