@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from seg_train.models.attention import MASKED, attention
-from tests.helpers import CPU_DEVICES, eomt_from_reference, strategy
+from tests.helpers import CPU_DEVICES, eomt_from_reference, strategy, tiny_config
 
 TOLERANCE = 1e-5
 B, H, D = 2, 3, 8
@@ -258,3 +258,177 @@ def test_backward_keeps_no_tq_by_tk_map(method, stored):
     peak = tf.config.experimental.get_memory_info(device)["peak"] - before
     one_map = b * h * t * t * 4
     assert (peak > 2 * one_map) if stored else (peak < one_map), (peak / one_map)
+
+
+# ---- the models with either form ----------------------------------------------------------------------------
+def _attention_layers(model):
+    from seg_train.models.mit import EfficientAttention
+    from seg_train.models.vit import Attention
+
+    found, todo = [], [model]
+    while todo:
+        layer = todo.pop()
+        if isinstance(layer, (Attention, EfficientAttention)):
+            found.append(layer)
+        todo += getattr(layer, "layers", [])
+    return found
+
+
+def _small_blocks(model, block=8):
+    """Every attention layer of `model` on blocks of `block` keys (several blocks at the tests' token counts)."""
+    layers = _attention_layers(model)
+    for layer in layers:
+        layer.block = block
+    return layers
+
+
+def _grads(model, fn):
+    with tf.GradientTape() as tape:
+        loss = fn()
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+def _grads_close(model, ours, theirs, tol):
+    """Each variable's gradient within `tol` of the largest gradient value of the model (some are round-off
+    around 0: the key projection's bias shifts a whole row of logits, which softmax ignores)."""
+    scale = max(float(np.max(np.abs(b))) for b in theirs if b is not None)
+    for v, a, b in zip(model.trainable_variables, ours, theirs):
+        assert (a is None) == (b is None), v.path
+        if a is not None:
+            err = np.max(np.abs(np.asarray(a) - np.asarray(b))) / scale
+            assert err < tol, (v.path, err)
+
+
+@pytest.mark.slow  # two encoders built and differentiated: a few seconds
+def test_dino_encoder_forms_agree():
+    """A DINOv3 encoder (rotary q and k after CLS and registers) gives the same maps and gradients (every
+    variable, and the image) with blockwise attention as with plain. Fails for: the rotation skipped or applied
+    to CLS and the registers in the blockwise path, the heads' outputs merged in another order."""
+    from seg_train.models.vit import Variant, dino_encoder
+
+    spec = Variant("dinov3", 16, 32, 2, 2, 64, registers=2, key_bias=False)
+    plain = dino_encoder(spec, layers=(1, 2), attention="plain")
+    blockwise = dino_encoder(spec, layers=(1, 2), attention="blockwise")
+    blockwise.set_weights(plain.get_weights())
+    assert {layer.method for layer in _small_blocks(blockwise, 4)} == {"blockwise"}
+    x = tf.constant(np.random.default_rng(10).normal(0, 1, (2, 48, 64, 3)).astype("float32"))
+
+    def run(model):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            maps = model(x, training=True)
+            loss = tf.add_n([tf.reduce_sum(tf.sin(m)) for m in maps])
+        return maps, tape.gradient(loss, [x] + model.trainable_variables)
+
+    (maps_p, grads_p), (maps_b, grads_b) = run(plain), run(blockwise)
+    for a, b in zip(maps_b, maps_p):
+        _close(a, b)
+    _close(grads_b[0], grads_p[0])
+    _grads_close(blockwise, grads_b[1:], grads_p[1:], TOLERANCE)
+
+
+@pytest.mark.slow  # two EoMT models traced in training mode: ~5 s
+def test_eomt_forms_agree_and_are_the_reference():
+    """EoMT with blockwise attention (its masked attention in the compact form) gives the transformers reference's
+    predictions (every mask kept; the fixture of tests/test_eomt_model.py) and the plain model's predictions and
+    gradients with half the masks kept. Fails for: the compact mask's rows or columns off by the queries / CLS /
+    registers, the mask not passed to the blockwise form, the blockwise backward's recomputation without it."""
+    from seg_train.models.eomt import eomt
+
+    plain, z = eomt_from_reference()
+    blockwise = eomt(plain.spec, 5, queries=8, eomt_blocks=3, attention="blockwise")
+    blockwise.set_weights(plain.get_weights())
+    assert {layer.method for layer in _small_blocks(blockwise)} == {"blockwise"}
+    seeds = tf.constant([[1, 2], [3, 4]], tf.int32)
+    got = blockwise.predictions(z["images"], [1.0] * 3, seeds, training=True)
+    for i, (class_logits, mask_logits) in enumerate(got):
+        _close(class_logits, z["masked_class"][i], 1e-4)
+        _close(mask_logits, z["masked_mask"][i], 1e-4)
+    _close(blockwise.predictions(z["images"])[0][1], z["eval_mask"][0], 1e-4)
+
+    def loss(model):
+        preds = model.predictions(z["images"], [0.5] * 3, seeds, training=True)
+        return preds, tf.add_n([tf.reduce_sum(c ** 2) + tf.reduce_sum(tf.sigmoid(m)) for c, m in preds])
+
+    with tf.GradientTape() as tape:
+        preds_p, loss_p = loss(plain)
+    grads_p = tape.gradient(loss_p, plain.trainable_variables)
+    with tf.GradientTape() as tape:
+        preds_b, loss_b = loss(blockwise)
+    grads_b = tape.gradient(loss_b, blockwise.trainable_variables)
+    for (cb, mb), (cp, mp) in zip(preds_b, preds_p):
+        _close(cb, cp)
+        _close(mb, mp)
+    _grads_close(blockwise, grads_b, grads_p, TOLERANCE)
+
+
+def test_mit_attention_forms_agree():
+    """MiT's efficient attention (queries from the map, keys from the reduced map) gives the same output and
+    gradients in both forms. Fails for: Tq taken for Tk (or the reverse) in the blockwise form."""
+    from seg_train.models.mit import EfficientAttention
+
+    rng = np.random.default_rng(11)
+    q = tf.constant(rng.normal(0, 1, (2, 6, 7, 16)).astype("float32"))
+    kv = [tf.constant(rng.normal(0, 1, (2, 3, 4, 16)).astype("float32")) for _ in range(2)]
+    outs = []
+    for method in ("plain", "blockwise"):
+        layer = EfficientAttention(2, method, block=5)
+        with tf.GradientTape() as tape:
+            tape.watch([q] + kv)
+            out = layer(q, *kv)
+            loss = tf.reduce_sum(tf.sin(out))
+        outs.append([out] + tape.gradient(loss, [q] + kv))
+    for a, b in zip(*outs):
+        _close(a, b)
+
+
+def _graph_ops(graph_def) -> set[str]:
+    return {n.op for n in graph_def.node} | {n.op for f in graph_def.library.function for n in f.node_def}
+
+
+@pytest.mark.slow  # ViT-S models built, one checkpointed and exported twice: tens of seconds
+@pytest.mark.parametrize("method", ["plain", "blockwise"])
+def test_attention_key_reaches_the_run_and_its_exports(method, tmp_path):
+    """model.attention from a config file: every attention layer of the run's model (TrainState; a linear head and
+    EoMT) has the form; seg-export's SavedModel keeps it (a while loop in the graph with blockwise, none with
+    plain) and serves the model's classes; seg-export --format tflite builds the plain form whatever the key (no
+    WHILE op: builtins a phone runs well) and its file predicts the same classes. Fails for: the key dropped
+    between the config and the model (the default's form everywhere), the TFLite export converting the loop."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    from seg_train.infer.export import run_export
+    from seg_train.infer.tflite_export import describe, run_export_tflite
+    from seg_train.train import checkpoint as ckpt_lib
+    from seg_train.train.state import TrainState
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "classes.txt").write_text("bg\nx\ny\n")
+    vit = {"backbone": "dinov3_vits16", "attention": method}
+    eomt_cfg = tiny_config(tmp_path / "eomt", data={"crop_size": [32, 48]},
+                           model={**vit, "head": "eomt", "num_queries": 4, "eomt_blocks": 1})
+    assert {layer.method for layer in _attention_layers(TrainState(eomt_cfg, strategy(1), optimizer=False).model)} \
+        == {method}
+    cfg = tiny_config(tmp_path, data_root=tmp_path / "data", data={"crop_size": [32, 48]},
+                      eval={"bn_reestimate_batches": 0}, model={**vit, "head": "linear", "vit_layers": [1]})
+    state = TrainState(cfg, strategy(1))
+    assert {layer.method for layer in _attention_layers(state.model)} == {method}
+    ckpt_lib.Checkpointer(tmp_path / "run" / "checkpoints", 1, **state.checkpoint_objects()).save(1)
+    image = np.random.default_rng(12).integers(0, 256, (32, 48, 3), dtype=np.uint8)
+    x = (image.astype(np.float32) - np.float32(cfg.data.mean)) / np.float32(cfg.data.std)
+    expected = np.argmax(state.model(x[None], training=False).numpy()[0], -1)
+
+    saved = run_export(cfg, strategy(1), str(tmp_path / "run"), tmp_path / "model", progress=False)
+    serve = tf.saved_model.load(str(saved)).signatures["serving_default"]
+    assert bool({"While", "StatelessWhile"} & _graph_ops(serve.graph.as_graph_def())) == (method == "blockwise")
+    np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), expected)
+
+    path = run_export_tflite(cfg, strategy(1), str(tmp_path / "run"), tmp_path / "m.tflite", progress=False)
+    content = path.read_bytes()
+    ops = describe(content)[0]
+    assert "WHILE" not in ops and not [op for op in ops if op.startswith("Flex") or op == "CUSTOM"], ops
+    interpreter = Interpreter(model_content=content)
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(interpreter.get_input_details()[0]["index"], image[None])
+    interpreter.invoke()
+    got = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])[0]
+    assert (got == expected).mean() > 0.99

@@ -3,7 +3,7 @@
 - One fixed input, uint8 RGB [1, H, W, 3]: TFLite's builtin kernels need static shapes.
 - Normalisation, eval.logit_adjustment's offsets and the argmax are inside the model: the output is
   the class map uint8 [1, H, W] (optionally the softmax too). One forward pass, no flips or scales.
-- Builtin ops only, so the file runs in the stock LiteRT interpreter.
+- Builtin ops only, so the file runs in the stock LiteRT interpreter (a ViT's attention in its plain form).
 - The variables are frozen into constants here: given the Keras 3 model, the converter keeps them as
   resource variables (a file without its weights) and int8 calibration fails.
 - --quantize int8 is full-integer post-training quantization calibrated on seeded training images
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seg_train.config import Config, ConfigError, without_reprs
+from seg_train.config import Config, ConfigError, replace, without_reprs
 from seg_train.config.backbones import DINO_BACKBONES
 
 log = logging.getLogger("seg_train")
@@ -225,7 +225,9 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         interpreter_class("seg-export --check")  # fail before the work, not after it
     height, width = input_size(cfg, size)
     names = class_names_of(cfg)
-    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
+    # The plain attention: the blockwise form's while loop is no builtin a phone runs well (models/attention.py);
+    # the same function, so the file predicts what the checkpoint does.
+    evaluator, prefix, step = load_evaluator(replace(cfg, "model.attention", "plain"), strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
     frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
                                           probabilities, evaluator.score_offsets))

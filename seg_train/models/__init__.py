@@ -51,9 +51,10 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     if dino and cfg.backbone_weights is not None:
         check_dino_preset(cfg.backbone_weights, cfg.backbone)  # a wrong preset refused before building
     if cfg.head == "eomt":
-        model = eomt(cfg.backbone, num_classes, cfg.num_queries, cfg.eomt_blocks, drop_path_rate=drop_path)
+        model = eomt(cfg.backbone, num_classes, cfg.num_queries, cfg.eomt_blocks, drop_path_rate=drop_path,
+                     attention=cfg.attention)
     elif dino:
-        encoder = dino_encoder(cfg.backbone, tuple(cfg.vit_layers), drop_path)
+        encoder = dino_encoder(cfg.backbone, tuple(cfg.vit_layers), drop_path, attention=cfg.attention)
         backbone = encoder if cfg.head == "linear" else \
             SimplePyramid(encoder, low_strides + (output_stride,), cfg.neck_channels)
     else:
