@@ -129,6 +129,7 @@ def test_fully_masked_row_is_the_plain_softmaxs(method):
         _close(a, r, what=name)
 
 
+@pytest.mark.slow  # traced and its loop bodies read: a few seconds
 @pytest.mark.parametrize("dtype, tol", [("float16", 4e-3), ("bfloat16", 3e-2)])
 def test_half_precision_v_keeps_float32_statistics(dtype, tol):
     """v in float16 / bfloat16 (mixed precision): the output and dv in v's dtype, dq and dk in float32, every
@@ -181,6 +182,7 @@ def test_one_trace_serves_any_length():
     assert fn.experimental_get_tracing_count() == 1
 
 
+@pytest.mark.slow  # a 2-tower strategy traced: seconds
 def test_two_towers_share_one_trace():
     """Under a 2-tower MirroredStrategy, the tower pass traced once (train/towers.py's `shared`) and called by
     each tower on its own sample gives the whole batch's output and gradients. Fails for: state kept across calls
@@ -213,6 +215,7 @@ def test_two_towers_share_one_trace():
     assert len(CPU_DEVICES) >= 2
 
 
+@pytest.mark.slow  # XLA compiles forward and backward: ~10 s
 def test_xla_compiles_the_loops():
     """tf.function(jit_compile=True) compiles the forward and backward loops (train.jit_compile) and gives Keras'
     answer with a compact mask. Fails for: an op XLA cannot compile in the loops (a TensorArray of unknown size, a
@@ -432,3 +435,12 @@ def test_attention_key_reaches_the_run_and_its_exports(method, tmp_path):
     interpreter.invoke()
     got = interpreter.get_tensor(interpreter.get_output_details()[0]["index"])[0]
     assert (got == expected).mean() > 0.99
+
+
+def test_config_default_is_the_models():
+    """model.attention's default (the config cannot import TensorFlow) is the form the models take by default."""
+    from seg_train.config import ModelConfig
+    from seg_train.models.attention import DEFAULT
+    from seg_train.models.vit import Attention
+
+    assert ModelConfig().attention == DEFAULT == Attention(2).method

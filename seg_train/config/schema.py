@@ -207,11 +207,11 @@ class ModelConfig:
     eomt_blocks: int = _c(4, check=_positive, doc="eomt: the ViT's last blocks the queries go through")
     freeze_backbone: bool = _c(False, doc="no gradient through the backbone: no backward pass, no optimizer "
                                           "slots, its BN in inference mode; its weights stay as loaded")
-    # The same function either way (models/attention.py); the default measured in docs/PERFORMANCE.md, "Attention".
-    attention: str = _c("plain", choices=("plain", "blockwise"),
-                        doc="dinov*_ (and eomt): softmax attention as whole T x T maps, kept for the backward pass "
-                            "(plain), or over blocks of keys with each block's maps recomputed in the backward pass, "
-                            "none kept (blockwise: far less memory at large inputs, more compute)")
+    # The same function either way; the default is models/attention.py's DEFAULT (docs/PERFORMANCE.md measured it).
+    attention: str = _c("blockwise", choices=("plain", "blockwise"),
+                        doc="dinov*_ (and eomt): softmax attention over blocks of keys, each block's maps recomputed "
+                            "in the backward pass and none kept (blockwise), or as whole T x T maps kept for it "
+                            "(plain: several times the memory at large inputs, less compute there)")
 
 
 # train.allreduce_pack_mb's default (docs/PERFORMANCE.md, "packing", says why).

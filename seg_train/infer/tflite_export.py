@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seg_train.config import Config, ConfigError, replace, without_reprs
+from seg_train.config import Config, ConfigError, without_reprs
 from seg_train.config.backbones import DINO_BACKBONES
 
 log = logging.getLogger("seg_train")
@@ -79,10 +79,15 @@ def app_function(model, mean, std, height: int, width: int, probabilities: bool 
     mean = tf.constant(mean, tf.float32)
     std = tf.constant(std, tf.float32)
 
+    from seg_train.models.attention import plain_only
+
     @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.uint8, name="image")])
     def run(image):
         x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
-        logits = model(x, training=False)
+        # The plain attention, the same function: the blockwise form's loop becomes WHILE ops, on which the
+        # converter's int8 calibration crashed (models/attention.py).
+        with plain_only():
+            logits = model(x, training=False)
         if offsets is not None:
             logits = logits - tf.constant(offsets, tf.float32)
         out = {"classes": tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.uint8)}
@@ -225,9 +230,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         interpreter_class("seg-export --check")  # fail before the work, not after it
     height, width = input_size(cfg, size)
     names = class_names_of(cfg)
-    # The plain attention: the blockwise form's while loop is no builtin a phone runs well (models/attention.py);
-    # the same function, so the file predicts what the checkpoint does.
-    evaluator, prefix, step = load_evaluator(replace(cfg, "model.attention", "plain"), strategy, checkpoint, names)
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
     frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
                                           probabilities, evaluator.score_offsets))

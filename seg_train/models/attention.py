@@ -28,19 +28,41 @@ plain form expands it to the [b, Tq, Tk] bias; the blockwise form adds it block 
 whose every key is masked gets what the plain softmax gives for logits + MASKED (MASKED is added, not
 substituted, in both forms).
 
-TFLite: a while loop is not a builtin a phone runs well, so seg-export --format tflite builds the plain form
-(infer/tflite_export.py); a SavedModel keeps the configured form.
+Used by the DINO ViTs and EoMT (models/vit.py's Attention, `model.attention`, DEFAULT) and available to MiT's
+attention (models/mit.py; plain there: its keys come from a spatially reduced map, few enough that the blockwise
+form saved no memory). TFLite: the converter turns the loop into WHILE ops and its int8 calibration crashed on
+them, so seg-export --format tflite traces the plain form (`plain_only`, infer/tflite_export.py's app
+function); a SavedModel keeps the configured form.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import tensorflow as tf
 
 METHODS = ("plain", "blockwise")
+# The DINO ViTs' and EoMT's form (model.attention's default): docs/PERFORMANCE.md, "Attention", measured it.
+DEFAULT = "blockwise"
 # The additive logit of a masked pair (EoMT's reference's): exp underflows to 0 in float32.
 MASKED = -1e9
-# Keys per block of the blockwise form (docs/PERFORMANCE.md, "Attention", measured it).
+# Keys per block of the blockwise form (measured there too).
 BLOCK = 256
+
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def plain_only():
+    """Inside it (while a function is traced), `attention` computes the plain form whatever its method: for a
+    file format without a good loop (TFLite, infer/tflite_export.py). This thread only."""
+    before = getattr(_SCOPE, "plain", False)
+    _SCOPE.plain = True
+    try:
+        yield
+    finally:
+        _SCOPE.plain = before
 
 
 def dense_bias(blocked, tq, tk):
@@ -74,7 +96,7 @@ def attention(q, k, v, method: str = "plain", bias=None, blocked=None, block: in
         raise ValueError("attention: bias and blocked given together: expected at most one of them")
     if q.dtype != tf.float32 or k.dtype != tf.float32:
         raise ValueError(f"attention: q {q.dtype.name}, k {k.dtype.name}: expected float32 (logits in float32)")
-    if method == "plain":
+    if method == "plain" or getattr(_SCOPE, "plain", False):
         if blocked is not None:
             bias = dense_bias(blocked, tf.shape(q)[2], tf.shape(k)[2])
         return plain_attention(q, k, v, bias)

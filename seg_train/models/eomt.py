@@ -47,6 +47,7 @@ import numpy as np
 import tensorflow as tf
 from keras import layers
 
+from seg_train.models.attention import DEFAULT
 from seg_train.models.mit import LayerNorm
 from seg_train.models.vit import VARIANTS, Variant, block_layers_of, dino_encoder, run_block
 
@@ -101,7 +102,7 @@ class EoMT(keras.Model):
 
     def __init__(self, spec: Variant, num_classes: int, queries: int, eomt_blocks: int, upscale_blocks: int = 2,
                  drop_path_rate: float = 0.0, label: str | None = None, name: str = "eomt",
-                 attention: str = "plain", **kwargs):
+                 attention: str = DEFAULT, **kwargs):
         super().__init__(name=name, **kwargs)
         if not 1 <= eomt_blocks <= spec.depth:
             raise ValueError(f"eomt: eomt_blocks {eomt_blocks}: expected 1..{spec.depth} (the ViT's depth)")
@@ -203,7 +204,7 @@ class EoMT(keras.Model):
 
 
 def eomt(name, num_classes: int, queries: int = 100, eomt_blocks: int = 4, upscale_blocks: int = 2,
-         drop_path_rate: float = 0.0, attention: str = "plain") -> EoMT:
+         drop_path_rate: float = 0.0, attention: str = DEFAULT) -> EoMT:
     """EoMT on the ViT `name` (a vit.VARIANTS key, or a Variant); call inside `strategy.scope()` for one set of
     variables. `attention`: the ViT's form of attention (models/attention.py's METHODS)."""
     spec = VARIANTS[name] if isinstance(name, str) else name

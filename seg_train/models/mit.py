@@ -64,6 +64,7 @@ class EfficientAttention(layers.Layer):
     `method`: models/attention.py's plain or blockwise form (`block` keys per block), the same function.
     """
 
+    # plain: with keys from the reduced map the blockwise form saved no memory at 512 (docs/PERFORMANCE.md).
     def __init__(self, heads: int, method: str = "plain", block: int = BLOCK, **kwargs):
         super().__init__(**kwargs)
         if method not in METHODS:

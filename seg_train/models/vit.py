@@ -22,7 +22,7 @@ import keras
 import tensorflow as tf
 from keras import layers
 
-from seg_train.models.attention import BLOCK, METHODS, attention as attend
+from seg_train.models.attention import BLOCK, DEFAULT, METHODS, attention as attend
 from seg_train.models.mit import LayerNorm
 from seg_train.models.stochastic import DropPath
 
@@ -228,8 +228,7 @@ class Attention(layers.Layer):
     come before CLS and the registers).
     """
 
-    def __init__(self, heads: int, prefix: int = 0, method: str = "plain", block: int = BLOCK,
-                 **kwargs):
+    def __init__(self, heads: int, prefix: int = 0, method: str = DEFAULT, block: int = BLOCK, **kwargs):
         super().__init__(**kwargs)
         if method not in METHODS:
             raise ValueError(f"Attention: method {method!r}: expected one of {', '.join(METHODS)}")
@@ -324,7 +323,7 @@ def _dense(units: int, name: str, use_bias: bool = True, activation=None) -> lay
                         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
 
 
-def _block_layers(spec: Variant, name: str, drop_path: float, attention: str = "plain") -> dict:
+def _block_layers(spec: Variant, name: str, drop_path: float, attention: str = DEFAULT) -> dict:
     """One block's layers by role; each named f"{name}_{role}" (the names presets are loaded by)."""
     c = spec.width
     out = {"norm1": LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm1"),
@@ -387,7 +386,7 @@ def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None, bl
     return parts["add2"]([x, y])
 
 
-def _block(x, rope, spec: Variant, name: str, drop_path: float, attention: str = "plain"):
+def _block(x, rope, spec: Variant, name: str, drop_path: float, attention: str = DEFAULT):
     """One block on the tokens x [b, T, C]; each residual branch dropped per sample with `drop_path`."""
     return run_block(_block_layers(spec, name, drop_path, attention), x, rope)
 
@@ -400,7 +399,7 @@ def drop_path_rates(spec: Variant, rate: float) -> list[float]:
 
 
 def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: float = 0.0,
-                 norm: bool = True, attention: str = "plain") -> keras.Model:
+                 norm: bool = True, attention: str = DEFAULT) -> keras.Model:
     """The DINO encoder `name` (a VARIANTS key, or a Variant): one [b, H/p, W/p, C] map per block of
     `layers` (1-based; default `default_layers`). `norm`: apply the final LayerNorm to each map (as DINO's
     own segmentation heads do). `attention`: each block's form of attention (models/attention.py's METHODS).
