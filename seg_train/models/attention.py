@@ -2,7 +2,8 @@
 
 - "plain": the logits and softmax as whole [b, heads, Tq, Tk] tensors. TensorFlow's autodiff keeps the
   softmax for the backward pass (and, under mixed precision, the half-precision copy multiplied with v):
-  Tq x Tk values per head and block stored between the forward and the backward pass.
+  Tq x Tk values per head and block stored between the forward and the backward pass (measured: about two such
+  float32 maps per block, docs/PERFORMANCE.md).
 - "blockwise": FlashAttention's algorithm (Dao et al. 2022; Dao 2023) in TensorFlow ops. A tf.while_loop over
   blocks of `block` keys keeps a running row maximum m, row sum l and unnormalised output acc, rescaled by
   exp(m_old - m_new) whenever the maximum grows; the output is acc / l at the end. A tf.custom_gradient keeps
