@@ -924,7 +924,7 @@ def eomt_from_reference(path: Path = EOMT_FIXTURE):
 
     from seg_train.config.variants import ViTVariant
     from seg_train.models.dino.transformers import check_eomt_folder, load_eomt_folder
-    from seg_train.models.eomt.eomt.eomt import eomt
+    from seg_train.models.eomt.eomt import eomt
 
     z = np.load(path)
     cfg = {k[len("config/"):]: z[k].item() for k in z.files if k.startswith("config/")}

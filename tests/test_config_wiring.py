@@ -132,6 +132,8 @@ WIRED = {
                   "tests/test_vit_wiring.py::test_vit_layers_and_neck_channels_reach_the_model's",
     "model.neck_channels": "tests/test_vit_wiring.py::test_vit_layers_and_neck_channels_reach_the_model",
     "model.freeze_backbone": "tests/test_vit_wiring.py::test_frozen_backbone_has_no_gradient_no_slots_and_stays_put",
+    # A config file through TrainState, seg-export's SavedModel and its TFLite file, with each form.
+    "model.attention": "tests/test_attention.py::test_attention_key_reaches_the_run_and_its_exports",
     "train.layer_decay": "tests/test_vit_wiring.py::test_layer_decay_rates_are_the_hand_table",
     "model.num_queries": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",
     "model.eomt_blocks": "tests/test_eomt_train.py::test_step_loss_is_eomt_loss_of_the_predictions",

@@ -233,6 +233,11 @@ class ModelConfig:
                                         default_doc="tensorflow for dinov2_vit*14*, torch for dinov2_vit*16_reg")
     freeze_backbone: bool = _c(False, doc="no gradient through the backbone: no backward pass, no optimizer "
                                           "slots, its BN in inference mode; its weights stay as loaded")
+    # The same function either way; the default is models/attention.py's DEFAULT (docs/PERFORMANCE.md measured it).
+    attention: str = _c("blockwise", choices=("plain", "blockwise"),
+                        doc="dinov*_ (and eomt): softmax attention over blocks of keys, each block's maps recomputed "
+                            "in the backward pass and none kept (blockwise), or as whole T x T maps kept for it "
+                            "(plain: several times the memory at large inputs, less compute there)")
 
 
 # train.allreduce_pack_mb's default (docs/PERFORMANCE.md, "packing", says why).

@@ -3,7 +3,7 @@
 - One fixed input, uint8 RGB [1, H, W, 3]: TFLite's builtin kernels need static shapes.
 - Normalisation, eval.logit_adjustment's offsets and the argmax are inside the model: the output is
   the class map uint8 [1, H, W] (optionally the softmax too). One forward pass, no flips or scales.
-- Builtin ops only, so the file runs in the stock LiteRT interpreter.
+- Builtin ops only, so the file runs in the stock LiteRT interpreter (a ViT's attention in its plain form).
 - The variables are frozen into constants here: given the Keras 3 model, the converter keeps them as
   resource variables (a file without its weights) and int8 calibration fails.
 - --quantize int8 is full-integer post-training quantization calibrated on seeded training images
@@ -91,13 +91,18 @@ def app_function(model, mean, std, height: int, width: int, probabilities: bool 
     mean = tf.constant(mean, tf.float32)
     std = tf.constant(std, tf.float32)
 
+    from seg_train.models.attention import plain_only
+
     @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.uint8, name="image")])
     def run(image):
         x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
         pad_h, pad_w = -height % pad_to, -width % pad_to
         if pad_h or pad_w:
             x = tf.pad(x, [[0, 0], [0, pad_h], [0, pad_w], [0, 0]])
-        logits = model(x, training=False)[:, :height, :width]
+        # The plain attention, the same function: the blockwise form's loop becomes WHILE ops, on which the
+        # converter's int8 calibration crashed (models/attention.py).
+        with plain_only():
+            logits = model(x, training=False)[:, :height, :width]
         if offsets is not None:
             logits = logits - tf.constant(offsets, tf.float32)
         out = {"classes": tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.uint8)}

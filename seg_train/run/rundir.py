@@ -28,8 +28,8 @@ HARMLESS = {
     # How the towers' gradients are summed and XLA: execution details, not what the weights mean.
     "train.jit_compile", "train.allreduce", "train.allreduce_pack_mb", "train.allreduce_num_packs",
     "train.collective_timeout",
-    # Same maths, faster kernels (models/atrous.py, models/fused_bn.py); the same data, cached.
-    "model.fast_atrous", "model.fused_batchnorm", "data.cache",
+    # Same maths, other kernels (models/atrous.py, models/fused_bn.py, models/attention.py); the same data, cached.
+    "model.fast_atrous", "model.fused_batchnorm", "model.attention", "data.cache",
     # Where the pre-training scan's result is kept between runs (it is the same result either way).
     "data.scan_cache", "data.scan_cache_dir",
     # What is recorded, not what is trained.

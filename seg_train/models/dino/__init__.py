@@ -35,7 +35,8 @@ def vit_of(cfg) -> ViTVariant | str:
 
 def build(cfg, num_classes: int) -> keras.Model:
     choice = layer_choice(cfg)
-    encoder = dino_encoder(vit_of(cfg), tuple(cfg.vit_layers), drop_path_rate(cfg), label=cfg.backbone)
+    encoder = dino_encoder(vit_of(cfg), tuple(cfg.vit_layers), drop_path_rate(cfg), label=cfg.backbone,
+                           attention=cfg.attention)
     if cfg.neck is None:  # model.head linear (config/resolve.py pairs them)
         return linear_head(encoder, num_classes, choice, cfg.bn_momentum)
     head = HEADS[cfg.head]

@@ -24,6 +24,8 @@ import tensorflow as tf
 from keras import layers
 
 from seg_train.config.variants import VIT_VARIANTS, ViTVariant, four_blocks, swiglu_width
+from seg_train.models.attention import BLOCK, DEFAULT, METHODS
+from seg_train.models.attention import attention as attend
 from seg_train.models.layers import LayerNorm, dense
 from seg_train.models.stochastic import DropPath
 
@@ -186,17 +188,21 @@ class Attention(layers.Layer):
     """Multi-head softmax(q k^T / sqrt(d) + bias) v over a token sequence [b, T, C]; with (cos, sin) the
     tokens after the first `prefix` get rotary embeddings on q and k (rotate-half form; `sin` is RopeTables'
     signed sine). RoPE, logits and softmax in float32; no weights (the projections are the Dense layers
-    around it).
+    around it). `method`: models/attention.py's plain or blockwise form (`block` keys per block), the same
+    function; the rotation is applied before either.
 
-    At call: `bias` (float32 [b, T, T], added to every head's logits; EoMT's masked attention) and `prefix`
-    (instead of the constructor's: EoMT's queries come before CLS and the registers).
+    At call: `bias` (float32 [b, T, T], added to every head's logits), `blocked` (bool [b, R, C]: EoMT's masked
+    attention in compact form, models/attention.py) and `prefix` (instead of the constructor's: EoMT's queries
+    come before CLS and the registers).
     """
 
-    def __init__(self, heads: int, prefix: int = 0, **kwargs):
+    def __init__(self, heads: int, prefix: int = 0, method: str = DEFAULT, block: int = BLOCK, **kwargs):
         super().__init__(**kwargs)
-        self.heads, self.prefix = heads, prefix
+        if method not in METHODS:
+            raise ValueError(f"Attention: method {method!r}: expected one of {', '.join(METHODS)}")
+        self.heads, self.prefix, self.method, self.block = heads, prefix, method, block
 
-    def call(self, q, k, v, cos=None, sin=None, bias=None, prefix=None):
+    def call(self, q, k, v, cos=None, sin=None, bias=None, prefix=None, blocked=None):
         c = q.shape[-1]
         d = c // self.heads
         shape = tf.shape(q)
@@ -208,11 +214,8 @@ class Attention(layers.Layer):
         if cos is not None:
             first = self.prefix if prefix is None else prefix
             q, k = (self._rotate(t, tf.cast(cos, tf.float32), tf.cast(sin, tf.float32), first) for t in (q, k))
-        logits = tf.matmul(q, k, transpose_b=True) * (d ** -0.5)
-        if bias is not None:
-            logits = logits + tf.cast(bias, tf.float32)[:, None]
-        weights = tf.nn.softmax(logits, axis=-1)
-        out = tf.matmul(tf.cast(weights, v.dtype), split(v))
+        bias = None if bias is None else tf.cast(bias, tf.float32)
+        out = attend(q, k, split(v), self.method, bias=bias, blocked=blocked, block=self.block)
         return tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [shape[0], -1, c])
 
     def _rotate(self, t, cos, sin, prefix: int):
@@ -226,7 +229,8 @@ class Attention(layers.Layer):
         return q_shape
 
     def get_config(self):
-        return {**super().get_config(), "heads": self.heads, "prefix": self.prefix}
+        return {**super().get_config(), "heads": self.heads, "prefix": self.prefix, "method": self.method,
+                "block": self.block}
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -284,14 +288,14 @@ class PatchMap(layers.Layer):
 
 
 
-def _block_layers(spec: ViTVariant, name: str, drop_path: float) -> dict:
+def _block_layers(spec: ViTVariant, name: str, drop_path: float, attention: str = DEFAULT) -> dict:
     """One block's layers by role; each named f"{name}_{role}" (the names presets are loaded by)."""
     c = spec.width
     out = {"norm1": LayerNorm(epsilon=spec.epsilon, name=f"{name}_norm1"),
            "attn_q": dense(c, f"{name}_attn_q"),
            "attn_k": dense(c, f"{name}_attn_k", use_bias=spec.key_bias),
            "attn_v": dense(c, f"{name}_attn_v"),
-           "attn": Attention(spec.heads, 1 + spec.registers, name=f"{name}_attn"),
+           "attn": Attention(spec.heads, 1 + spec.registers, attention, name=f"{name}_attn"),
            "attn_out": dense(c, f"{name}_attn_out"),
            "ls1": LayerScale(spec.layer_scale, name=f"{name}_ls1"),
            "add1": layers.Add(name=f"{name}_add1"),
@@ -346,13 +350,14 @@ def encoder_parts(model: keras.Model) -> EncoderParts:
     return EncoderParts(get("patch_check"), get("patch_embed"), get("tokens"), get("rope"), blocks, get("norm"))
 
 
-def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None):
+def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None, blocked=None):
     """One block on the tokens x [b, T, C] (symbolic while an encoder is built, or tensors: models/eomt/eomt.py),
     with `parts` from `_block_layers` / `EncoderParts.blocks`; each residual branch dropped per sample (DropPath).
-    `bias`, `prefix`: Attention's call arguments."""
+    `bias`, `prefix`, `blocked`: Attention's call arguments."""
     y = parts["norm1"](x)
     q, k, v = parts["attn_q"](y), parts["attn_k"](y), parts["attn_v"](y)
-    extra = {} if bias is None and prefix is None else {"bias": bias, "prefix": prefix}
+    extra = {} if bias is None and prefix is None and blocked is None else \
+        {"bias": bias, "prefix": prefix, "blocked": blocked}
     drop = {} if training is None else {"training": training}
     y = parts["attn"](q, k, v, *rope, **extra)
     y = parts["ls1"](parts["attn_out"](y))
@@ -373,9 +378,9 @@ def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None):
     return parts["add2"]([x, y])
 
 
-def _block(x, rope, spec: ViTVariant, name: str, drop_path: float):
+def _block(x, rope, spec: ViTVariant, name: str, drop_path: float, attention: str = DEFAULT):
     """One block on the tokens x [b, T, C]; each residual branch dropped per sample with `drop_path`."""
-    return run_block(_block_layers(spec, name, drop_path), x, rope)
+    return run_block(_block_layers(spec, name, drop_path, attention), x, rope)
 
 
 def drop_path_rates(spec: ViTVariant, rate: float) -> list[float]:
@@ -386,11 +391,12 @@ def drop_path_rates(spec: ViTVariant, rate: float) -> list[float]:
 
 
 def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: float = 0.0,
-                 norm: bool = True, label: str | None = None) -> keras.Model:
+                 norm: bool = True, label: str | None = None, attention: str = DEFAULT) -> keras.Model:
     """The DINO encoder `name` (a VIT_VARIANTS key, or a ViTVariant): one [b, H/p, W/p, C] map per block of
     `layers` (1-based; default `four_blocks`). `norm`: apply the final LayerNorm to each map (as DINO's
-    own segmentation heads do). Blocks after the last one asked for are not built. `label`: the model's name
-    (default `name`, or "<family>_custom" for a ViTVariant)."""
+    own segmentation heads do). `attention`: each block's form of attention (models/attention.py's METHODS).
+    Blocks after the last one asked for are not built. `label`: the model's name (default `name`, or
+    "<family>_custom" for a ViTVariant)."""
     spec = VIT_VARIANTS[name] if isinstance(name, str) else name
     label = label or (name if isinstance(name, str) else f"{spec.family}_custom")
     chosen = tuple(layers or four_blocks(spec.depth))
@@ -407,7 +413,7 @@ def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: fl
     final = LayerNorm(epsilon=spec.epsilon, name="norm") if norm else None
     found = {}
     for i, rate in enumerate(drop_path_rates(spec, drop_path_rate), start=1):
-        x = _block(x, rope, spec, f"block{i}", rate)
+        x = _block(x, rope, spec, f"block{i}", rate, attention)
         if i in chosen:
             found[i] = PatchMap(1 + spec.registers, name=f"map{i}")(final(x) if final else x, grid)
         if i == max(chosen):

@@ -17,7 +17,7 @@ OBJECTIVE = "mask_classification"
 
 def build(cfg, num_classes: int) -> keras.Model:
     return eomt(vit_of(cfg), num_classes, cfg.num_queries, cfg.eomt_blocks, drop_path_rate=drop_path_rate(cfg),
-                label=cfg.backbone)
+                label=cfg.backbone, attention=cfg.attention)
 
 
 def _eomt_folder(cfg, num_classes: int):

@@ -49,11 +49,10 @@ import tensorflow as tf
 from keras import layers
 
 from seg_train.config.variants import VIT_VARIANTS, ViTVariant
+from seg_train.models.attention import DEFAULT
 from seg_train.models.dino.vit import dino_encoder, encoder_parts, run_block
 from seg_train.models.layers import LayerNorm, dense
 
-# The additive logit of a masked query-to-patch pair (the reference's); exp underflows to 0 in float32.
-MASKED = -1e9
 _TINY = float(np.finfo(np.float32).tiny)
 _UPSCALE_EPSILON = 1e-6
 
@@ -79,13 +78,12 @@ def mask_keeps(seeds, block: int, prob, queries: int):
     return u < tf.cast(prob, tf.float32)
 
 
-def attention_bias(mask_logits, keeps, grid_h, grid_w, q: int, prefix: int, tokens):
-    """float32 [b, T, T] added to the attention logits of a block on T tokens [q queries, CLS, registers,
-    patches]: MASKED where a query that keeps its mask (`keeps` [b, Q]) meets a patch whose mask logit at the
-    patch grid is <= 0; 0 elsewhere (patches and CLS attend to everything). `prefix`: CLS and registers."""
-    blocked = (_to_patch_grid(mask_logits, grid_h, grid_w, q) <= 0.0) & keeps[:, :, None]
-    bias = tf.where(blocked, tf.constant(MASKED, tf.float32), tf.constant(0.0, tf.float32))
-    return tf.pad(bias, [[0, 0], [0, tokens - q], [q + prefix, 0]])
+def blocked_patches(mask_logits, keeps, grid_h, grid_w, q: int):
+    """bool [b, Q, N]: the masked attention of a block on the tokens [q queries, CLS, registers, N patches] in
+    models/attention.py's compact form (the first Q rows, the last N columns): True (MASKED added to the logit)
+    where a query that keeps its mask (`keeps` [b, Q]) meets a patch whose mask logit at the patch grid is
+    <= 0; every other pair attends (patches and CLS to everything, queries to the queries, CLS, registers)."""
+    return (_to_patch_grid(mask_logits, grid_h, grid_w, q) <= 0.0) & keeps[:, :, None]
 
 
 def semantic_logits(class_logits, mask_logits, size):
@@ -102,7 +100,8 @@ class EoMT(keras.Model):
     here, at construction."""
 
     def __init__(self, spec: ViTVariant, num_classes: int, queries: int, eomt_blocks: int, upscale_blocks: int = 2,
-                 drop_path_rate: float = 0.0, label: str | None = None, name: str = "eomt", **kwargs):
+                 drop_path_rate: float = 0.0, label: str | None = None, name: str = "eomt",
+                 attention: str = DEFAULT, **kwargs):
         super().__init__(name=name, **kwargs)
         if not 1 <= eomt_blocks <= spec.depth:
             raise ValueError(f"eomt: eomt_blocks {eomt_blocks}: expected 1..{spec.depth} (the ViT's depth)")
@@ -110,7 +109,7 @@ class EoMT(keras.Model):
         self.eomt_blocks, self.upscale_blocks = eomt_blocks, upscale_blocks
         c = spec.width
         self.backbone = dino_encoder(spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True,
-                                     label=label)
+                                     label=label, attention=attention)
         self.queries = self.add_weight(shape=(queries, c), initializer=keras.initializers.RandomNormal(stddev=1.0),
                                        name="queries")
         self.class_head = dense(num_classes + 1, "class_head")
@@ -175,14 +174,14 @@ class EoMT(keras.Model):
             if i == self.first_eomt_block:
                 joined = tf.tile(tf.cast(self.queries, tokens.dtype)[None], [tf.shape(tokens)[0], 1, 1])
                 tokens = tf.concat([joined, tokens], axis=1)
-            bias = None
+            blocked = None
             if eomt and every:
                 out.append(self._predict(norm(tokens), grid_h, grid_w))
                 if mask_probs is not None:
                     j = i - self.first_eomt_block
                     keeps = mask_keeps(seeds, j, mask_probs[j], q)
-                    bias = attention_bias(out[-1][1], keeps, grid_h, grid_w, q, prefix, tf.shape(tokens)[1])
-            tokens = run_block(parts.blocks[i - 1], tokens, rope, bias=bias,
+                    blocked = blocked_patches(out[-1][1], keeps, grid_h, grid_w, q)
+            tokens = run_block(parts.blocks[i - 1], tokens, rope, blocked=blocked,
                                prefix=q + prefix if eomt else None, training=training)
         out.append(self._predict(norm(tokens), grid_h, grid_w))
         return out
@@ -208,9 +207,10 @@ class EoMT(keras.Model):
 
 
 def eomt(name, num_classes: int, queries: int = 100, eomt_blocks: int = 4, upscale_blocks: int = 2,
-         drop_path_rate: float = 0.0, label: str | None = None) -> EoMT:
+         drop_path_rate: float = 0.0, label: str | None = None, attention: str = DEFAULT) -> EoMT:
     """EoMT on the ViT `name` (a VIT_VARIANTS key, or a ViTVariant, then named `label`); call inside
-    `strategy.scope()` for one set of variables."""
+    `strategy.scope()` for one set of variables. `attention`: the ViT's form of attention (models/attention.py's
+    METHODS)."""
     spec = VIT_VARIANTS[name] if isinstance(name, str) else name
     return EoMT(spec, num_classes, queries, eomt_blocks, upscale_blocks, drop_path_rate,
-                label=name if isinstance(name, str) else label)
+                label=name if isinstance(name, str) else label, attention=attention)

@@ -20,6 +20,8 @@ import tensorflow as tf
 from keras import layers
 
 from seg_train.config.variants import MIT_VARIANTS
+from seg_train.models.attention import BLOCK, METHODS
+from seg_train.models.attention import attention as attend
 from seg_train.models.layers import LayerNorm, dense
 from seg_train.models.stochastic import DropPath
 
@@ -34,11 +36,15 @@ class EfficientAttention(layers.Layer):
     """Multi-head softmax(q k^T / sqrt(d)) v of a query map [b, h, w, c] and a key/value map [b, h', w', c].
 
     No weights: the projections are the Dense layers around it. Any h x w, also unknown in a trace.
+    `method`: models/attention.py's plain or blockwise form (`block` keys per block), the same function.
     """
 
-    def __init__(self, heads: int, **kwargs):
+    # plain: with keys from the reduced map the blockwise form saved no memory at 512 (docs/PERFORMANCE.md).
+    def __init__(self, heads: int, method: str = "plain", block: int = BLOCK, **kwargs):
         super().__init__(**kwargs)
-        self.heads = heads
+        if method not in METHODS:
+            raise ValueError(f"EfficientAttention: method {method!r}: expected one of {', '.join(METHODS)}")
+        self.heads, self.method, self.block = heads, method, block
 
     def call(self, q, k, v):
         c = q.shape[-1]
@@ -50,9 +56,8 @@ class EfficientAttention(layers.Layer):
             return tf.transpose(t, [0, 2, 1, 3])
 
         # Logits and softmax in float32 under a mixed policy (module doc); no-ops in float32.
-        logits = tf.matmul(split(tf.cast(q, tf.float32)), split(tf.cast(k, tf.float32)), transpose_b=True)
-        weights = tf.nn.softmax(logits * (d ** -0.5), axis=-1)
-        out = tf.matmul(tf.cast(weights, v.dtype), split(v))  # [b, heads, h * w, d]
+        out = attend(split(tf.cast(q, tf.float32)), split(tf.cast(k, tf.float32)), split(v), self.method,
+                     block=self.block)  # [b, heads, h * w, d]
         out = tf.transpose(out, [0, 2, 1, 3])
         return tf.reshape(out, [shape[0], shape[1], shape[2], c])
 
@@ -60,7 +65,7 @@ class EfficientAttention(layers.Layer):
         return q_shape
 
     def get_config(self):
-        return {**super().get_config(), "heads": self.heads}
+        return {**super().get_config(), "heads": self.heads, "method": self.method, "block": self.block}
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -84,7 +89,7 @@ def _conv_init():
     return keras.initializers.VarianceScaling(2.0, mode="fan_out", distribution="untruncated_normal")
 
 
-def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float = 0.0):
+def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float = 0.0, attention: str = "plain"):
     """One transformer block on the map x [b, h, w, width]; each residual branch dropped per sample with
     probability `drop_path` in training (two independent draws)."""
     y = _layer_norm(BLOCK_EPSILON, f"{name}_norm1")(x)
@@ -96,7 +101,7 @@ def _block(x, width: int, heads: int, sr_ratio: int, name: str, drop_path: float
         kv = _layer_norm(EPSILON, f"{name}_attn_sr_norm")(kv)
     k = dense(width, f"{name}_attn_k")(kv)
     v = dense(width, f"{name}_attn_v")(kv)
-    y = EfficientAttention(heads, name=f"{name}_attn")(q, k, v)
+    y = EfficientAttention(heads, attention, name=f"{name}_attn")(q, k, v)
     y = dense(width, f"{name}_attn_proj")(y)
     if drop_path:
         y = DropPath(drop_path, name=f"{name}_drop_path1")(y)
@@ -118,9 +123,11 @@ def drop_path_rates(name: str, rate: float) -> list[float]:
     return [rate * i / (n - 1) for i in range(n)]
 
 
-def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,), drop_path_rate: float = 0.0) -> keras.Model:
+def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,), drop_path_rate: float = 0.0,
+                    attention: str = "plain") -> keras.Model:
     """MiT `name`: the features at each of `low_strides` (4, 8 or 16), then the stride-32 features.
-    `drop_path_rate`: the last block's stochastic depth; blocks at rate 0 have no DropPath layer."""
+    `drop_path_rate`: the last block's stochastic depth; blocks at rate 0 have no DropPath layer. `attention`:
+    each block's form of attention (models/attention.py's METHODS)."""
     spec = MIT_VARIANTS[name]
     rates = iter(drop_path_rates(name, drop_path_rate))
     inp = keras.Input((None, None, 3), name="image")
@@ -133,6 +140,7 @@ def mix_transformer(name: str, low_strides: tuple[int, ...] = (4,), drop_path_ra
                           name=f"{s}_embed_conv")(x)
         x = _layer_norm(EPSILON, f"{s}_embed_norm")(x)
         for j in range(spec.depths[i]):
-            x = _block(x, spec.widths[i], spec.heads[i], spec.sr_ratios[i], f"{s}_block{j + 1}", next(rates))
+            x = _block(x, spec.widths[i], spec.heads[i], spec.sr_ratios[i], f"{s}_block{j + 1}", next(rates),
+                       attention)
         x = found[STRIDES[i]] = _layer_norm(EPSILON, f"{s}_norm")(x)
     return keras.Model(inp, [found[s] for s in low_strides] + [found[32]], name=name)
