@@ -103,11 +103,41 @@ class TFLiteModel:
                               f"one uint8 RGB image [1, H, W, 3] (seg-export --format tflite writes one), got {got}")
         self._input = inputs[0]["index"]
         self.height, self.width = (int(v) for v in inputs[0]["shape"][1:3])
-        self._output, self.num_classes = self._class_output(self.interpreter.get_output_details())
+        outputs = self.interpreter.get_output_details()
+        # data.task panoptic / instance: the raw class and mask logits (seg-export writes them), else a class map.
+        self.mask_outputs = self._mask_outputs(outputs)
+        if self.mask_outputs is None:
+            self._output, self.num_classes = self._class_output(outputs)
+        else:
+            self.num_classes = int(outputs[0]["shape"][-1] if self.mask_outputs[0] == outputs[0]["index"]
+                                   else outputs[1]["shape"][-1]) - 1
         self.invoke_seconds: list[float] = []
         # Warm-up: the first invoke prepares the delegate's kernels; it is not counted in the latency.
         self.interpreter.set_tensor(self._input, np.zeros((1, self.height, self.width, 3), np.uint8))
         self.interpreter.invoke()
+
+    @staticmethod
+    def _mask_outputs(outputs):
+        """(class logits index, mask logits index) of float outputs [1, Q, K + 1] and [1, Q, h, w], or None."""
+        by_rank = {len(d["shape"]): d for d in outputs if d["dtype"] == np.float32}
+        if len(outputs) != 2 or set(by_rank) != {3, 4} or by_rank[3]["shape"][1] != by_rank[4]["shape"][1]:
+            return None
+        return by_rank[3]["index"], by_rank[4]["index"]
+
+    def logits(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A panoptic / instance file: uint8 [H, W, 3] at the input's size (letterboxed: mask_evaluate.letterbox)
+        -> (class logits [Q, K + 1], mask logits [Q, h, w])."""
+        if self.mask_outputs is None:
+            raise ConfigError("not a panoptic / instance model", str(self.path),
+                              "a file with class and mask logits outputs (seg-export of a data.task panoptic or "
+                              "instance checkpoint)")
+        if image.shape[:2] != (self.height, self.width):
+            raise ValueError(f"image of size {image.shape[:2]}, the file takes {(self.height, self.width)}")
+        self.interpreter.set_tensor(self._input, np.ascontiguousarray(image, np.uint8)[None])
+        start = time.perf_counter()
+        self.interpreter.invoke()
+        self.invoke_seconds.append(time.perf_counter() - start)
+        return tuple(self.interpreter.get_tensor(i)[0] for i in self.mask_outputs)
 
     def _class_output(self, outputs):
         """(index of the class-map or score output, number of classes if the scores say it)."""
@@ -211,6 +241,31 @@ def evaluate_file(cfg: Config, model: TFLiteModel, split: str, progress: bool = 
             **metrics_to_json(metrics, names)}, metrics, names
 
 
+def evaluate_masks_file(cfg: Config, model: TFLiteModel, split: str, progress: bool = True):
+    """(evaluation record, mask_evaluate.MaskScores) of a panoptic / instance .tflite file on `split`: each image
+    letterboxed to the file's input size, its logits post-processed on the host as seg-eval does. Writes nothing."""
+    import dataclasses
+
+    from seg_train.data.split import open_split
+    from seg_train.infer.mask_evaluate import MaskSetup, evaluate_host
+
+    if model.mask_outputs is None:
+        model.logits(np.zeros((model.height, model.width, 3), np.uint8))  # the one-line error
+    setup = dataclasses.replace(MaskSetup.of(cfg), crop=(model.height, model.width))
+    if model.num_classes != setup.num_classes:
+        raise ConfigError("model and config disagree on the number of classes", str(model.path),
+                          f"{setup.num_classes} classes (data.num_classes), the model gives {model.num_classes}")
+    opened = open_split(cfg, split)
+    scores, n = evaluate_host(opened.reader, setup, model.logits, opened.class_names, progress)
+    sidecar = read_sidecar(model.path) or {}
+    return {"split": split, "model": str(model.path.resolve()), "format": "tflite",
+            "quantization": sidecar.get("quantization"), "checkpoint": sidecar.get("checkpoint"),
+            "step": sidecar.get("step"), "input_size": [model.height, model.width], "num_images": n,
+            "size_bytes": model.size_bytes, "latency_ms": model.latency_ms(),
+            "resize": "the image letterboxed to the input size (Pillow BILINEAR, padded with 0), the mask logits "
+                      "resized back bilinearly (infer/mask_evaluate.py)", **scores.to_json()}, scores
+
+
 def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, threads: int = 1,
                     progress: bool = True) -> dict:
     """seg-eval --model FILE.tflite: evaluates the file in LiteRT, prints the table, writes FILE.eval-<split>.json."""
@@ -225,6 +280,14 @@ def run_eval_tflite(cfg: Config, model_path: str, split: str | None = None, thre
     check_creatable_dir(out.parent, "eval output folder", "write access to the model file's folder")
     log.info("evaluating %s (LiteRT, %d thread(s), input %dx%d) on %s", model_path, threads, model.height,
              model.width, split)
+    if cfg.data.task != "semantic":
+        record, scores = evaluate_masks_file(cfg, model, split, progress)
+        write_json(out, record)
+        print(scores.table())
+        print(f"{record['num_images']} images, {model.path.name} ({record['quantization'] or 'tflite'}, "
+              f"{model.size_bytes / 1e6:.2f} MB): {scores.headline_text()}; LiteRT invoke "
+              f"{record['latency_ms']['median']:.1f} ms per image (median, {threads} thread(s)); wrote {out}")
+        return record
     record, metrics, names = evaluate_file(cfg, model, split, progress)
     write_json(out, record)
     lat = record["latency_ms"]
@@ -242,6 +305,17 @@ def run_predict_tflite(cfg: Config, model_path: str, inputs, output, threads: in
 
     files = collect_inputs(inputs, label_ids)
     out = check_output_dir(output)
+    if cfg.data.task != "semantic":
+        import dataclasses
+
+        from seg_train.infer.mask_evaluate import MaskSetup
+        from seg_train.infer.predict import check_mask_flags, predict_masks
+
+        check_mask_flags(cfg, label_ids)
+        model = TFLiteModel(model_path, threads)
+        setup = dataclasses.replace(MaskSetup.of(cfg), crop=(model.height, model.width))
+        cfg_crop = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, crop_size=setup.crop))
+        return predict_masks(cfg_crop, files, out, model.logits, progress, f"{model_path}, LiteRT")
     raw = raw_ids_of(cfg, label_ids)
     model = TFLiteModel(model_path, threads)
     written = write_predictions(files, out, model.classes, progress, raw)
