@@ -25,6 +25,10 @@ CITYSCAPES_TRAIN_IDS = (
     16, 17, 18,                                # 31 train, 32 motorcycle, 33 bicycle
 )
 
+# cityscapesScripts' labels with hasInstances (24 person .. 33 bicycle): their gtFine instanceIds hold
+# labelId * 1000 + k per instance, and the labelId alone where no instance was drawn (a group).
+CITYSCAPES_INSTANCE_LABEL_IDS = tuple(range(24, 34))
+
 
 @dataclass(frozen=True)
 class LayoutLabels:
@@ -34,12 +38,15 @@ class LayoutLabels:
     # raw value -> train id, None: ignore_label; raw values not listed have no mapping.
     label_map: Optional[dict[int, Optional[int]]] = None
     reduce_zero_label: bool = False
+    # The train ids with instances (data.thing_classes of the panoptic and instance tasks), if it knows them.
+    thing_classes: Optional[tuple[int, ...]] = None
 
 
 # The layouts that know their classes: Cityscapes' labelIds -> the 19 train ids, ADE20K's 0 = "other" and
 # classes 1..150. voc and pairs labels hold class indices.
 LAYOUT_LABELS = {
-    "cityscapes": LayoutLabels(19, dict(enumerate(CITYSCAPES_TRAIN_IDS))),
+    "cityscapes": LayoutLabels(19, dict(enumerate(CITYSCAPES_TRAIN_IDS)), thing_classes=tuple(
+        CITYSCAPES_TRAIN_IDS[i] for i in CITYSCAPES_INSTANCE_LABEL_IDS if CITYSCAPES_TRAIN_IDS[i] is not None)),
     "ade20k": LayoutLabels(150, reduce_zero_label=True),
 }
 

@@ -80,9 +80,10 @@ def resolve_defaults(cfg: Config) -> Config:
 def _resolve_data(cfg: Config) -> Config:
     """data.num_classes from the layout when it knows its classes; the label map checked before any work."""
     d = cfg.data
-    if d.synthetic and d.layout != "voc":
+    if d.synthetic and d.task == "semantic" and d.layout != "voc":
         raise ConfigError("synthetic data is VOC-layout", "data.layout",
                           f"expected voc (or no value) with data.synthetic: true, got {d.layout!r}")
+    _check_task(cfg)
     own = LAYOUT_LABELS.get(d.layout)
     if d.num_classes is None:
         if own is None:
@@ -93,6 +94,68 @@ def _resolve_data(cfg: Config) -> Config:
                           f"expected {own.num_classes} (the {d.layout} layout's classes; or leave it out), got "
                           f"{d.num_classes}; another class set needs a data.label_map of your own")
     label_ids(cfg.data)
+    return _resolve_thing_classes(cfg)
+
+
+# The layouts whose labels hold segments (class and instance), for data.task panoptic and instance.
+SEGMENT_LAYOUTS = ("coco_panoptic", "cityscapes")
+
+
+def _check_task(cfg: Config) -> None:
+    """data.task against the head, the layout and the keys that only one kind of label has."""
+    d = cfg.data
+    if d.task == "semantic":
+        if d.layout == "coco_panoptic":
+            raise ConfigError("not available for this task", "data.layout",
+                              "a layout of class labels with data.task semantic (coco_panoptic's labels are "
+                              "segments: data.task panoptic or instance)")
+        if d.thing_classes is not None:
+            raise ConfigError("not available for this task", "data.thing_classes",
+                              "no value with data.task semantic (things and stuff are the panoptic and instance "
+                              "tasks')")
+        return
+    if cfg.model.head != "eomt":
+        raise ConfigError("not available for this head", "data.task",
+                          f"semantic with model.head {cfg.model.head!r} (a per-pixel head predicts a class per "
+                          f"pixel, not segments; {d.task} needs model.head eomt)")
+    if d.synthetic and d.layout != "coco_panoptic":
+        raise ConfigError("synthetic panoptic data is COCO-panoptic-layout", "data.layout",
+                          f"expected coco_panoptic with data.synthetic: true and data.task {d.task}, got "
+                          f"{d.layout!r}")
+    if d.layout not in SEGMENT_LAYOUTS:
+        raise ConfigError("no segment labels in this layout", "data.layout",
+                          f"one of {', '.join(SEGMENT_LAYOUTS)} with data.task {d.task} (their labels hold each "
+                          f"pixel's instance), got {d.layout!r}")
+    keys = label_map_keys(d)
+    if d.layout == "coco_panoptic" and keys:
+        raise ConfigError("not available for this layout", keys[0],
+                          "no value with data.layout coco_panoptic (its JSON's categories map to train ids)")
+
+
+def _resolve_thing_classes(cfg: Config) -> Config:
+    """data.thing_classes: within the classes; a layout that knows its things fills it (coco_panoptic's come
+    from its JSON when the split is opened, data/panoptic.py)."""
+    d = cfg.data
+    if d.task == "semantic":
+        return cfg
+    if d.thing_classes is not None and d.thing_classes and max(d.thing_classes) >= d.num_classes:
+        raise ConfigError("no such class", "data.thing_classes",
+                          f"train ids in [0, {d.num_classes}) (data.num_classes), got {list(d.thing_classes)}")
+    own = LAYOUT_LABELS.get(d.layout)
+    if own is None or own.thing_classes is None:
+        return cfg
+    if label_map_keys(d):
+        if d.thing_classes is None:
+            raise ConfigError("thing classes unknown", "data.thing_classes",
+                              f"the train ids with instances under your {label_map_keys(d)[0]} (the layout's own "
+                              f"apply to its own train ids only)")
+        return cfg
+    if d.thing_classes is None:
+        return replace(cfg, "data.thing_classes", list(own.thing_classes))
+    if list(d.thing_classes) != list(own.thing_classes):
+        raise ConfigError("not the layout's things", "data.thing_classes",
+                          f"{list(own.thing_classes)} (or no value): the {d.layout} layout's classes with instances, "
+                          f"got {list(d.thing_classes)}")
     return cfg
 
 

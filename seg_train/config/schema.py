@@ -75,9 +75,9 @@ class DataConfig:
                     doc="the data set's folder in the layout data.layout names: a local path or a URL "
                         "(gs://, s3://, hdfs://) read through tf.io.gfile",
                     default_doc="required; with data.synthetic: data/<config name> in the current folder")
-    layout: str = _c("voc", choices=("voc", "cityscapes", "ade20k", "pairs"),
+    layout: str = _c("voc", choices=("voc", "cityscapes", "ade20k", "pairs", "coco_panoptic"),
                      doc="how the files are laid out (docs/DATA.md, 'Layouts'); pairs: list files of `image label` "
-                         "paths")
+                         "paths; coco_panoptic: COCO's panoptic JSON and PNGs")
     # Required unless the layout knows its classes (LAYOUT_LABELS); resolve_defaults fills it.
     num_classes: Optional[int] = _c(None, check=lambda v: None if 2 <= v <= 255 else "an integer in [2, 255]",
                                     doc="number of classes, 2..255 (cityscapes and ade20k: another value needs "
@@ -129,6 +129,15 @@ class DataConfig:
     photometric: Optional[dict[str, float]] = _c(None, check=_photometric,
                                                  doc="colour jitter of the training crops, keys brightness "
                                                      "(0, 255], contrast, saturation (0, 1], hue (0, 90]; null: off")
+    task: str = _c("semantic", choices=("semantic", "panoptic", "instance"),
+                   doc="what a label holds: semantic (a class per pixel), panoptic or instance (a segment per "
+                       "pixel: class and instance; docs/DATA.md, 'Panoptic and instance labels')")
+    thing_classes: Optional[list[int]] = _c(None, check=lambda v: None if list(v) == sorted(set(v)) and all(
+                                                i >= 0 for i in v) else "increasing train ids >= 0",
+                                            doc="the train ids that are things (have instances), the others stuff; "
+                                                "panoptic and instance tasks only",
+                                            default_doc="the layout's: coco_panoptic's JSON (`isthing`), "
+                                                        "cityscapes' 8 classes with instances")
 
 
 @dataclass(frozen=True)

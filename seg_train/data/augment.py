@@ -12,6 +12,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from seg_train.config import DataConfig
+from seg_train.data import segments
 
 PHOTOMETRIC_ORDER = ("brightness", "contrast", "saturation", "hue")
 
@@ -142,7 +143,8 @@ def crop_plan(cfg: DataConfig, seed: int, hw, k) -> CropPlan:
 def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
     """The crop `plan` describes, from uint8 `image` [H', W', 3] and `label` [H'', W''] whose top-left
     pixels are the source image's pixel `origin` (the whole image at [0, 0], or a part of it holding
-    at least plan.box of the image; the label is always whole). Normalised image, uint8 label.
+    at least plan.box of the image; the label is always whole). Normalised image, uint8 label (int32 segment
+    labels for data.task panoptic and instance).
 
     Element-wise steps work on [rows, cols * 3] views: TensorFlow broadcasts row/column vectors much
     faster than a [3]-vector over [h, w, 3].
@@ -187,7 +189,10 @@ def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
     mean = tf.constant(cfg.mean, tf.float32)
     image = tf.pad(image - tf.tile(mean, [cols])[None], [[0, ch - rows], [0, 3 * (cw - cols)]])
     image = image + tf.tile(mean, [cw])[None]
-    label = tf.pad(label, [[0, ch - rows], [0, cw - cols]], constant_values=cfg.ignore_label)
+    # Segment labels (data.task panoptic, instance: int32) pad with their ignore value and keep their dtype.
+    segment_labels = cfg.task != "semantic"
+    pad = segments.ignore_value(cfg.ignore_label) if segment_labels else cfg.ignore_label
+    label = tf.pad(label, [[0, ch - rows], [0, cw - cols]], constant_values=tf.cast(pad, label.dtype))
     if cfg.photometric:
         image = tf.reshape(image, [ch, cw, 3])
         # Its own key, folded off this sample's, so the crop draws do not depend on the jitter.
@@ -200,7 +205,7 @@ def crop(cfg: DataConfig, seed: int, image, label, plan: CropPlan, origin):
     image = (image - tf.tile(mean, [cw])[None]) / tf.tile(tf.constant(cfg.std, tf.float32), [cw])[None]
     image = tf.reshape(image, [ch, cw, 3])
     label.set_shape([ch, cw])
-    return image, tf.cast(label, tf.uint8)
+    return image, tf.cast(label, tf.int32 if segment_labels else tf.uint8)
 
 
 def augment(cfg: DataConfig, seed: int, image, label, k):

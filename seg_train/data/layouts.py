@@ -1,5 +1,5 @@
-"""Where a data set's files are, as each one ships (data.layout): voc, cityscapes, ade20k, pairs; every
-layout's listing, and the class names of the layouts that know them.
+"""Where a data set's files are, as each one ships (data.layout): voc, cityscapes, ade20k, pairs, coco_panoptic;
+every layout's listing, and the class names of the layouts that know them.
 
 A layout turns (data config, split) into samples (image and label paths, or a TFRecord record). What
 its label values mean is label_tables.LAYOUT_LABELS's; labels.py applies it. Files are reached through
@@ -14,9 +14,9 @@ from pathlib import Path
 import tensorflow as tf
 
 from seg_train.config import ConfigError, DataConfig
-from seg_train.data import files, records
+from seg_train.data import files, panoptic, records
 
-LAYOUTS = ("voc", "cityscapes", "ade20k", "pairs")
+LAYOUTS = ("voc", "cityscapes", "ade20k", "pairs", "coco_panoptic")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Sample:
     label: str
     # data.format: tfrecord: the record (records.RecordRef) holding both; image and label then name it.
     record: object = None
+    # coco_panoptic: the image's segments as its JSON lists them (panoptic.SegmentTable).
+    segments: object = None
 
 
 # ---- class names ---------------------------------------------------------------------------------------
@@ -65,6 +67,8 @@ def own_class_names(layout: str) -> tuple[str, ...] | None:
 
 # ---- listing ---------------------------------------------------------------------------------------------
 _CITYSCAPES_IMAGE, _CITYSCAPES_LABEL = "_leftImg8bit.png", "_gtFine_labelIds.png"
+# The panoptic and instance tasks read the instance ids beside the labelIds.
+_CITYSCAPES_SEGMENTS = "_gtFine_instanceIds.png"
 _VOC_IMAGE_DIR, _VOC_LABEL_DIR, _VOC_SPLIT_DIR = "JPEGImages", "SegmentationClass", "ImageSets/Segmentation"
 
 
@@ -94,19 +98,20 @@ def _check_file(path: str, data: DataConfig, what: str, expected: str) -> None:
 
 def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
     root = str(data.root)
+    label_suffix = _CITYSCAPES_LABEL if data.task == "semantic" else _CITYSCAPES_SEGMENTS
     images = _folder(files.join(root, "leftImg8bit", split),
                      f"expected Cityscapes' leftImg8bit/{split}/<city>/*{_CITYSCAPES_IMAGE} under data.root "
                      "(the split names a folder: train, val or test)")
     labels = _folder(files.join(root, "gtFine", split),
-                     f"expected Cityscapes' gtFine/{split}/<city>/*{_CITYSCAPES_LABEL} under data.root "
+                     f"expected Cityscapes' gtFine/{split}/<city>/*{label_suffix} under data.root "
                      "(gtFine_trainvaltest.zip unpacked next to leftImg8bit)")
-    present = set(tf.io.gfile.glob(files.join(labels, "*", f"*{_CITYSCAPES_LABEL}")))
+    present = set(tf.io.gfile.glob(files.join(labels, "*", f"*{label_suffix}")))
     out = []
     for image in _sorted(tf.io.gfile.glob(files.join(images, "*", f"*{_CITYSCAPES_IMAGE}"))):
         city, name = image.split("/")[-2:]
         stem = name[:-len(_CITYSCAPES_IMAGE)]
-        label = files.join(labels, city, f"{stem}{_CITYSCAPES_LABEL}")
-        _check_label(label, present, data, f"expected the gtFine labelIds PNG of {image}")
+        label = files.join(labels, city, f"{stem}{label_suffix}")
+        _check_label(label, present, data, f"expected the gtFine {label_suffix[7:-4]} PNG of {image}")
         out.append((stem, image, label))
     if not out:
         raise ConfigError("empty split", images, f"expected <city>/*{_CITYSCAPES_IMAGE} images")
@@ -210,7 +215,26 @@ def _voc(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
     return out
 
 
-_LISTERS = {"voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": _pairs}
+def _coco_panoptic(data: DataConfig, split: str) -> list[tuple[str, str, str, panoptic.SegmentTable]]:
+    """A COCO panoptic split (panoptic.py): one sample per entry of its JSON's annotations."""
+    path, pngs, images = panoptic.coco_folders(data, split)
+    raw = panoptic.read_json(path)
+    panoptic.coco_categories(raw, path, data.thing_classes)  # a JSON without isthing, or disagreeing, named now
+    _folder(pngs, f"expected the panoptic PNGs of {path} in annotations/panoptic_<split>/ under data.root")
+    _folder(images, "expected the images of the split in <split>/ or images/<split>/ under data.root")
+    present = set(tf.io.gfile.glob(files.join(pngs, "*.png")))
+    out = []
+    for image, png, table in panoptic.coco_entries(raw, path):
+        label = files.join(pngs, png)
+        _check_label(label, present, data, f"expected the panoptic PNG {png} that {path} names")
+        out.append((files.stem(image), files.join(images, image), label, table))
+    if not out:
+        raise ConfigError("empty split", path, "at least one annotation")
+    return out
+
+
+_LISTERS = {"voc": _voc, "cityscapes": _cityscapes, "ade20k": _ade20k, "pairs": _pairs,
+            "coco_panoptic": _coco_panoptic}
 
 
 def list_samples(data: DataConfig, split: str) -> list[Sample]:
@@ -222,7 +246,8 @@ def list_samples(data: DataConfig, split: str) -> list[Sample]:
     if not files.is_dir(root):
         raise ConfigError("data root not found", "data.root",
                           f"expected a {data.layout}-layout folder, got {root!r}")
-    return [Sample(sid, image, label) for sid, image, label in _LISTERS[data.layout](data, split)]
+    return [Sample(*entry[:3], segments=entry[3] if len(entry) > 3 else None)
+            for entry in _LISTERS[data.layout](data, split)]
 
 
 def _records(data: DataConfig, split: str) -> list[Sample]:
@@ -251,6 +276,8 @@ def split_location(data: DataConfig, split: str) -> str:
         return files.join(data.root, "images", split_folder(data, split))
     if data.layout == "pairs":
         return _list_file(data, split)
+    if data.layout == "coco_panoptic":
+        return panoptic.coco_folders(data, split)[0]
     return _voc_split_file(str(data.root), split)
 
 

@@ -12,6 +12,9 @@ decode -> augment (augment.py) -> per-tower batches, in order.py's sample order,
   gives the stand-in (data.on_bad_sample: skip).
 - The label map is applied both in `load_sample` and in the graph, from the same table, so every path
   (scan, class weights, data.cache, training) sees the same train ids.
+- data.task panoptic and instance: the label table is a panoptic.SegmentCodec and labels are int32 segment
+  labels (segments.py), decoded by it in the graph and in `load_segment_sample`; everything after the decode is
+  the same (nearest sampling of the label), padding with segments.ignore_value.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import tensorflow as tf
 from PIL import UnidentifiedImageError
 
 from seg_train.config import DataConfig, exception_text
-from seg_train.data import augment, files, labels, order, records
+from seg_train.data import augment, files, labels, order, records, segments
 from seg_train.data import decode as decoders
 from seg_train.data.augment import PHOTOMETRIC_ORDER, apply_photometric, photometric_draws  # noqa: F401 (re-exported)
 from seg_train.data.label_images import LOSSY_EXPECTED, LOSSY_WHAT, LossyLabel
 from seg_train.data.layouts import Sample
+from seg_train.data.panoptic import SegmentCodec
 
 log = logging.getLogger("seg_train")
 
@@ -44,22 +48,69 @@ class BadSample(ValueError):
         self.unmapped = unmapped or {}
 
 
-def record_contents(sample: Sample) -> tuple[bytes, bytes]:
-    """(encoded image, encoded label) of a data.format: tfrecord sample; BadSample naming the record."""
+def record_contents(sample: Sample, with_segments: bool = False) -> tuple:
+    """(encoded image, encoded label) of a data.format: tfrecord sample, and its segment table (records.
+    parse_segments) `with_segments`; BadSample naming the record."""
     try:
-        image, label, _ = records.parse_example(records.read_record(sample.record))
+        serialized = records.read_record(sample.record)
+        image, label, _ = records.parse_example(serialized)
+        table = records.parse_segments(serialized) if with_segments else None
     except Exception as e:  # noqa: BLE001 - a damaged record: whatever protobuf or the file system raises
         raise BadSample(f"unreadable record ({sample.image}, at byte {sample.record.offset}): expected a "
                         f"tf.train.Example with an encoded image and label ({type(e).__name__}: "
                         f"{exception_text(e)})") from None
-    return image, label
+    return (image, label, table) if with_segments else (image, label)
 
 
 def load(sample: Sample, num_classes: int, ignore_label: int,
-         label_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """load_sample of a Sample: its files, or its record (data.format: tfrecord)."""
+         label_table: np.ndarray | SegmentCodec | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """load_sample of a Sample: its files, or its record (data.format: tfrecord); load_segment_sample when the
+    label table is a SegmentCodec (data.task panoptic and instance)."""
+    if isinstance(label_table, SegmentCodec):
+        if sample.record is None:
+            return load_segment_sample(sample.image, sample.label, label_table, sample.segments)
+        image, label, table = record_contents(sample, with_segments=True)
+        return load_segment_sample(sample.image, sample.label, label_table, table, (image, label))
     contents = record_contents(sample) if sample.record is not None else None
     return load_sample(sample.image, sample.label, num_classes, ignore_label, label_table, contents)
+
+
+def load_segment_sample(image_path: str, label_path: str, codec: SegmentCodec, table=None,
+                        contents: tuple[bytes, bytes] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """load_sample for data.task panoptic and instance: (uint8 image, int32 segment labels) through `codec`,
+    `table` the image's segments (coco_panoptic), with load_sample's checks; BadSample names the file."""
+    image = _pillow_image(image_path, contents[0] if contents else None)
+    try:
+        data = contents[1] if contents else files.read_bytes(label_path)
+        label = codec.decode_np(data, table, label_path)
+    except FileNotFoundError:
+        raise BadSample(f"label not found ({label_path}): expected a PNG of segment ids") from None
+    except LossyLabel:
+        raise BadSample(f"{LOSSY_WHAT} ({label_path}): {LOSSY_EXPECTED}") from None
+    except UnidentifiedImageError:
+        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG (its bytes are of no image "
+                        "format Pillow reads)") from None
+    except ValueError as e:
+        raise BadSample(f"bad label ({label_path}): {e}") from None
+    except (OSError, SyntaxError) as e:
+        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({exception_text(e)})") from None
+    if label.shape != image.shape[:2]:
+        raise BadSample(f"label size differs from image ({label_path}): expected {image.shape[1]}x{image.shape[0]} "
+                        f"like {posixpath.basename(image_path)}, got {label.shape[1]}x{label.shape[0]}")
+    return image, label
+
+
+def _pillow_image(image_path: str, data: bytes | None) -> np.ndarray:
+    """load_sample's image decode (Pillow), BadSample naming the path."""
+    try:
+        return decoders.pillow_rgb(data if data is not None else files.read_bytes(image_path))
+    except FileNotFoundError:
+        raise BadSample(f"image not found ({image_path}): expected a readable JPEG/PNG image") from None
+    except UnidentifiedImageError:
+        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG (its bytes are of no "
+                        "image format Pillow reads)") from None
+    except (OSError, SyntaxError) as e:
+        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({exception_text(e)})") from None
 
 
 def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label: int,
@@ -70,15 +121,7 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
     two files (a TFRecord's; the paths then only name the sample in messages).
     """
     # Pillow's own messages would name the in-memory BytesIO, so these messages name the path.
-    try:
-        image = decoders.pillow_rgb(contents[0] if contents else files.read_bytes(image_path))
-    except FileNotFoundError:
-        raise BadSample(f"image not found ({image_path}): expected a readable JPEG/PNG image") from None
-    except UnidentifiedImageError:
-        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG (its bytes are of no "
-                        "image format Pillow reads)") from None
-    except (OSError, SyntaxError) as e:
-        raise BadSample(f"unreadable image ({image_path}): expected a valid JPEG/PNG ({exception_text(e)})") from None
+    image = _pillow_image(image_path, contents[0] if contents else None)
     try:
         label = decoders.pillow_label(contents[1] if contents else files.read_bytes(label_path), label_path)
     except FileNotFoundError:
@@ -121,6 +164,10 @@ class ImageReader:
         self.cfg, self.split, self.seed = cfg, split, seed
         self.label_table = label_table
         self.samples = samples
+        # data.task panoptic / instance: labels are int32 segment labels, decoded by the codec.
+        self.codec = label_table if isinstance(label_table, SegmentCodec) else None
+        self.label_dtype = tf.uint8 if self.codec is None else tf.int32
+        self.ignore_value = cfg.ignore_label if self.codec is None else segments.ignore_value(cfg.ignore_label)
         self._warned: set[str] = set()
         self._fell_back = False
         self._lock = threading.Lock()
@@ -171,7 +218,7 @@ class ImageReader:
                     log.warning("skipping bad sample (data.on_bad_sample: skip): %s", e)
             # A fully ignored stand-in keeps every later sample at its position in the stream, so
             # resume stays exact; it contributes no loss.
-            return np.zeros((8, 8, 3), np.uint8), np.full((8, 8), self.cfg.ignore_label, np.uint8)
+            return np.zeros((8, 8, 3), np.uint8), np.full((8, 8), self.ignore_value, self.label_dtype.as_numpy_dtype)
 
     def _decode_checked(self, index, fallback: bool):
         """load_sample in tf.numpy_function (through data.cache when it is on)."""
@@ -184,34 +231,54 @@ class ImageReader:
                             s.image, s.label)
             return out
 
-        image, label = tf.numpy_function(run, [index], [tf.uint8, tf.uint8], stateful=False)
+        image, label = tf.numpy_function(run, [index], [tf.uint8, self.label_dtype], stateful=False)
         image.set_shape([None, None, 3])
         label.set_shape([None, None])
         return image, label
 
-    def _decode_files(self, image_path, label_path):
+    def _decode_files(self, image_path, label_path, table=None):
         """TensorFlow's decode of one sample, with load_sample's checks as assertions."""
-        return self._decode_contents(tf.io.read_file(image_path), tf.io.read_file(label_path))
+        return self._decode_contents(tf.io.read_file(image_path), tf.io.read_file(label_path), table)
 
     def _read_record(self, index):
-        """Sample `index`'s record, parsed in the graph; read in a numpy_function, as TensorFlow has no op
-        that reads a byte range."""
+        """Sample `index`'s record, parsed in the graph: (image, label, segment table or None); read in a
+        numpy_function, as TensorFlow has no op that reads a byte range."""
         def read(i):
             return records.read_record(self.samples[int(i)].record)
 
         data = tf.numpy_function(read, [index], tf.string, stateful=False)
         data.set_shape([])
-        return records.parse_example_tf(data)
+        table = records.parse_segments_tf(data) if self.codec is not None and self.codec.kind == "coco" else None
+        return (*records.parse_example_tf(data), table)
 
-    def _decode_contents(self, image_contents, label_contents):
+    def _table_of(self, index):
+        """Sample `index`'s segment table (coco_panoptic files) as tensors (ids, category ids, iscrowd), else None."""
+        if self.codec is None or self.codec.kind != "coco":
+            return None
+        if not hasattr(self, "_tables"):
+            counts = [len(s.segments.ids) if s.segments is not None else 0 for s in self.samples]
+            flat = [(i, c, w) for s in self.samples if s.segments is not None
+                    for i, c, w in zip(s.segments.ids, s.segments.category_ids, s.segments.iscrowd)]
+            self._tables = (np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+                            np.asarray(flat, np.int64).reshape(-1, 3))
+        splits, flat = (tf.constant(a) for a in self._tables)
+        rows = flat[splits[index]:splits[index + 1]]
+        return rows[:, 0], rows[:, 1], rows[:, 2]
+
+    def _labels(self, label_contents, table):
+        """Encoded label bytes -> (train ids or segment labels, whether all pass load_sample's value checks)."""
+        if self.codec is not None:
+            return self.codec.decode_tf(label_contents, table)
+        return self._train_ids(decoders.decode_label(label_contents))
+
+    def _decode_contents(self, image_contents, label_contents, table=None):
         """TensorFlow's decode of encoded image and label bytes, with load_sample's checks as assertions."""
         image = decoders.decode_image(image_contents)
-        label = decoders.decode_label(label_contents)
-        ids, in_range = self._train_ids(label)
-        checks = [tf.debugging.assert_equal(tf.shape(label), tf.shape(image)[:2]),
+        ids, in_range = self._labels(label_contents, table)
+        checks = [tf.debugging.assert_equal(tf.shape(ids), tf.shape(image)[:2]),
                   tf.debugging.assert_equal(in_range, True)]
         with tf.control_dependencies(checks):
-            return tf.identity(image), tf.cast(ids, tf.uint8)
+            return tf.identity(image), tf.cast(ids, self.label_dtype)
 
     def _train_ids(self, label):
         """A decoded uint8 label -> (its train ids, whether all are classes or ignore_label). An unmapped
@@ -240,8 +307,8 @@ class ImageReader:
             fast = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_contents(*self._read_record(i)))
         else:
             paths = tf.constant([[s.image, s.label] for s in self.samples])
-            fast = tf.data.Dataset.from_tensors(tf.gather(paths, index)).map(
-                lambda p: self._decode_files(p[0], p[1]))
+            fast = tf.data.Dataset.from_tensors(index).map(
+                lambda i: self._decode_files(paths[i][0], paths[i][1], self._table_of(i)))
         checked = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_checked(i, fallback=True))
         return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
 
@@ -252,19 +319,23 @@ class ImageReader:
             return self.augment(*self._decode_checked(index, fallback=False), k)
         index = tf.cast(index, tf.int64)
         if self.cfg.format == "tfrecord":
-            fast = tf.data.Dataset.from_tensors(index).map(lambda i: self._decode_crop(*self._read_record(i), k))
+            def from_record(i):
+                image, label, table = self._read_record(i)
+                return self._decode_crop(image, label, k, table)
+
+            fast = tf.data.Dataset.from_tensors(index).map(from_record)
         else:
             paths = tf.constant([[s.image, s.label] for s in self.samples])
-            fast = tf.data.Dataset.from_tensors(tf.gather(paths, index)).map(
-                lambda p: self._decode_crop(tf.io.read_file(p[0]), tf.io.read_file(p[1]), k))
+            fast = tf.data.Dataset.from_tensors(index).map(
+                lambda i: self._decode_crop(tf.io.read_file(paths[i][0]), tf.io.read_file(paths[i][1]), k,
+                                            self._table_of(i)))
         checked = tf.data.Dataset.from_tensors(index).map(
             lambda i: self.augment(*self._decode_checked(i, fallback=True), k))
         return fast.ignore_errors().concatenate(checked).take(1).get_single_element()
 
-    def _decode_crop(self, image_contents, label_contents, k):
+    def _decode_crop(self, image_contents, label_contents, k, table=None):
         """`_decode_contents` then `augment`, a JPEG image decoded only where the crop reads it."""
-        label = decoders.decode_label(label_contents)
-        ids, in_range = self._train_ids(label)
+        ids, in_range = self._labels(label_contents, table)
 
         def jpeg():
             size = tf.io.extract_jpeg_shape(image_contents)[:2]
@@ -279,7 +350,7 @@ class ImageReader:
 
         size, image, crop_label = tf.cond(decoders.is_jpeg(image_contents), jpeg, other)
         # load_sample's checks, as in _decode_contents: on the whole label.
-        checks = [tf.debugging.assert_equal(tf.shape(label), size), tf.debugging.assert_equal(in_range, True)]
+        checks = [tf.debugging.assert_equal(tf.shape(ids), size), tf.debugging.assert_equal(in_range, True)]
         with tf.control_dependencies(checks):
             return tf.identity(image), tf.identity(crop_label)
 
@@ -324,7 +395,8 @@ class ImageReader:
           micro_batches: K (train.accumulate_steps): step s consumes micro-batches s*K .. s*K+K-1, so
             K micro-batches of B on N towers see the samples of one step of K*B on K*N towers.
         Returns:
-          Per-replica batches (image float32 [K*b, h, w, 3], label uint8 [K*b, h, w], micro-batch m
+          Per-replica batches (image float32 [K*b, h, w, 3], label uint8 [K*b, h, w] (int32 segment labels
+          for data.task panoptic and instance), micro-batch m
           in rows m*b .. m*b+b-1), taken by this pipeline's towers in turn.
         """
         per_replica = micro_batches * (global_batch // num_replicas)
@@ -342,8 +414,8 @@ class ImageReader:
     # ---- evaluation -------------------------------------------------------------------------------
     def eval_dataset(self, pad_to: int = 32, shard: tuple[int, int] = (0, 1)) -> tf.data.Dataset:
         """Full-resolution samples in split order: (image [1, H', W', 3], label [1, H', W'], index), padded
-        to a multiple of `pad_to` (labels with ignore_label, so padding is never counted)."""
-        cfg = self.cfg
+        to a multiple of `pad_to` (labels with ignore_label, or segments.ignore_value for segment labels, so
+        padding is never counted)."""
 
         def load(i):
             image, label = self.decode(i)
@@ -351,7 +423,7 @@ class ImageReader:
             ph, pw = (-h) % pad_to, (-w) % pad_to
             image = self.normalize(image)
             image = tf.pad(image, [[0, ph], [0, pw], [0, 0]])
-            label = tf.pad(label, [[0, ph], [0, pw]], constant_values=cfg.ignore_label)
+            label = tf.pad(label, [[0, ph], [0, pw]], constant_values=tf.cast(self.ignore_value, label.dtype))
             return image[None], label[None], i
 
         ds = tf.data.Dataset.range(len(self.samples)).shard(shard[1], shard[0])

@@ -9,6 +9,9 @@ masked CRC. CRCs are not checked: a damaged record fails in the decoder, which n
 
 Feature names are TensorFlow's segmentation readers' (DeepLab, Model Garden): `image/encoded` and
 `image/segmentation/class/encoded` required, the other `image/...` features written and used when present.
+Segment labels (data.task panoptic, instance) keep the label file's bytes as they ship (a COCO panoptic RGB PNG,
+a Cityscapes 16-bit instanceIds PNG: lossless, mapped when read like class labels) in the same feature, and a
+COCO image's segments_info as the int64 lists SEGMENT_KEYS; the split's categories go into its index file.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from seg_train.config import exception_text
 
 IMAGE_KEY = "image/encoded"
 LABEL_KEY = "image/segmentation/class/encoded"
+# A COCO panoptic image's segments_info: id, category_id, iscrowd of each segment, in its order.
+SEGMENT_KEYS = ("image/segmentation/segment/id", "image/segmentation/segment/category_id",
+                "image/segmentation/segment/iscrowd")
 INDEX_SUFFIX = ".index.json"
 INDEX_FORMAT = "seg-train-tfrecord-index"
 _HEADER = 12  # uint64 length + uint32 CRC of the length
@@ -108,6 +114,22 @@ def parse_example(serialized: bytes) -> tuple[bytes, bytes, str | None]:
     return image, label, sid.decode("utf-8", "replace") if sid is not None else None
 
 
+def parse_segments(serialized: bytes) -> tuple[tuple[int, ...], ...]:
+    """(segment ids, category ids, iscrowd) of a record (SEGMENT_KEYS; empty when absent)."""
+    from tensorflow.core.example import example_pb2
+
+    feature = example_pb2.Example.FromString(serialized).features.feature
+    return tuple(tuple(feature[k].int64_list.value) if k in feature else () for k in SEGMENT_KEYS)
+
+
+def parse_segments_tf(serialized):
+    """parse_segments inside a TensorFlow graph: three int64 vectors."""
+    import tensorflow as tf
+
+    parsed = tf.io.parse_single_example(serialized, {k: tf.io.VarLenFeature(tf.int64) for k in SEGMENT_KEYS})
+    return tuple(tf.sparse.to_dense(parsed[k]) for k in SEGMENT_KEYS)
+
+
 def parse_example_tf(serialized):
     """The same two features, parsed inside a TensorFlow graph (no Python, no GIL)."""
     import tensorflow as tf
@@ -184,8 +206,10 @@ def _png_of_indices(label: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def make_example(image_bytes: bytes, image_format: str, label: np.ndarray, sample_id: str):
-    """A tf.train.Example of one sample: the image file's bytes as they are, the label as an 'L' PNG."""
+def make_example(image_bytes: bytes, image_format: str, label: np.ndarray, sample_id: str, label_bytes=None,
+                 segments=None):
+    """A tf.train.Example of one sample: the image file's bytes as they are, the label as an 'L' PNG, or
+    `label_bytes` as they are with the segment table `segments` (SEGMENT_KEYS' lists) for segment labels."""
     import tensorflow as tf
 
     def b(v):
@@ -195,11 +219,15 @@ def make_example(image_bytes: bytes, image_format: str, label: np.ndarray, sampl
         return tf.train.Feature(int64_list=tf.train.Int64List(value=[v]))
 
     h, w = label.shape
-    return tf.train.Example(features=tf.train.Features(feature={
+    feature = {
         IMAGE_KEY: b(image_bytes), "image/format": b(image_format.encode()), "image/height": i(h),
         "image/width": i(w), "image/channels": i(3), "image/filename": b(f"{sample_id}.{image_format}".encode()),
-        "image/source_id": b(sample_id.encode()), LABEL_KEY: b(_png_of_indices(label)),
-        "image/segmentation/class/format": b(b"png")}))
+        "image/source_id": b(sample_id.encode()),
+        LABEL_KEY: b(_png_of_indices(label) if label_bytes is None else label_bytes),
+        "image/segmentation/class/format": b(b"png")}
+    for key, values in zip(SEGMENT_KEYS, segments or ()):
+        feature[key] = tf.train.Feature(int64_list=tf.train.Int64List(value=list(values)))
+    return tf.train.Example(features=tf.train.Features(feature=feature))
 
 
 def shard_name(prefix: str, i: int, n: int) -> str:
@@ -212,6 +240,36 @@ def _image_format(data: bytes) -> str | None:
     if data[:8] == b"\x89PNG\r\n\x1a\n":
         return "png"
     return None
+
+
+def encode_segment_sample(image_path: str, label_path: str, sample_id: str, codec, table) -> bytes:
+    """encode_sample for segment labels (data.task panoptic, instance): the label file's bytes as they are,
+    checked by decoding them with `codec` (panoptic.SegmentCodec) against `table` (the image's segments, or
+    None), which the record keeps. ValueError names a bad file."""
+    from PIL import Image
+
+    gfile = _gfile()
+    try:
+        with gfile.GFile(image_path, "rb") as f:
+            data = f.read()
+        fmt = _image_format(data)
+        with Image.open(io.BytesIO(data)) as im:
+            rgb = im.convert("RGB")
+        if fmt is None:
+            buf = io.BytesIO()
+            rgb.save(buf, format="PNG")
+            data, fmt = buf.getvalue(), "png"
+        with gfile.GFile(label_path, "rb") as f:
+            label_bytes = f.read()
+        label = codec.decode_np(label_bytes, table, label_path)
+    except Exception as e:  # noqa: BLE001 - whatever a decoder raises names the sample
+        raise ValueError(f"cannot convert sample {sample_id!r} ({image_path}, {label_path}): "
+                         f"{type(e).__name__}: {exception_text(e)}") from None
+    if label.shape != (rgb.height, rgb.width):
+        raise ValueError(f"label size differs from image ({label_path}): expected {rgb.width}x{rgb.height}, "
+                         f"got {label.shape[1]}x{label.shape[0]}")
+    rows = None if table is None else (table.ids, table.category_ids, table.iscrowd)
+    return make_example(data, fmt, label, sample_id, label_bytes, rows).SerializeToString()
 
 
 def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
@@ -249,26 +307,29 @@ def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
     return make_example(data, fmt, label, sample_id).SerializeToString()
 
 
-def write_split(samples, output: str, prefix: str, num_shards: int, progress=None) -> dict:
+def write_split(samples, output: str, prefix: str, num_shards: int, progress=None, encode=None,
+                index_extra: dict | None = None) -> dict:
     """Writes `samples` ((id, image path, label path) triples) as `num_shards` TFRecord shards and an index.
 
     Samples go to shards in contiguous runs, in split order. Returns the index (also written to
-    `<output>/<prefix>.index.json`).
+    `<output>/<prefix>.index.json`). `encode(image, label, id, position)`: a sample's serialized record
+    (default encode_sample); `index_extra`: more entries of the index (a panoptic split's categories).
     """
     import tensorflow as tf
 
     gfile = _gfile()
     gfile.makedirs(output)
     num_shards = max(1, min(num_shards, len(samples)))
-    index = {"format": INDEX_FORMAT, "version": 1, "num_records": len(samples), "shards": []}
+    index = {"format": INDEX_FORMAT, "version": 1, "num_records": len(samples), "shards": [], **(index_extra or {})}
     for s in range(num_shards):
-        part = samples[s * len(samples) // num_shards:(s + 1) * len(samples) // num_shards]
+        first = s * len(samples) // num_shards
+        part = samples[first:(s + 1) * len(samples) // num_shards]
         name = shard_name(prefix, s, num_shards)
         path = f"{output.rstrip('/')}/{name}"
         records, pos = [], 0
         with tf.io.TFRecordWriter(path) as writer:
-            for sid, image, label in part:
-                data = encode_sample(image, label, sid)
+            for n, (sid, image, label) in enumerate(part, first):
+                data = encode_sample(image, label, sid) if encode is None else encode(image, label, sid, n)
                 writer.write(data)
                 records.append([sid, pos + _HEADER, len(data)])
                 pos += _HEADER + len(data) + _FOOTER

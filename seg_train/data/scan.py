@@ -2,7 +2,8 @@
 
 Finds every bad file before training (missing, unreadable, colour or JPEG label, size mismatch,
 unmapped or out-of-range values), so it is named up front rather than crashing a run later. JPEG labels
-are counted apart: their damaged values still look like classes. The histogram counts train ids.
+are counted apart: their damaged values still look like classes. The histogram counts train ids; with segment
+labels (data.task panoptic, instance) also the segments and crowd regions of each class.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from seg_train.config import Config, ConfigError, exception_text
-from seg_train.data import class_weights, decode, files, scan_cache
+from seg_train.data import class_weights, decode, files, panoptic, scan_cache, segments
 from seg_train.data.label_images import is_lossy_message, read_label
 from seg_train.data.layouts import Sample
-from seg_train.data.reader import BadSample, ImageReader, load, load_sample
+from seg_train.data.reader import BadSample, ImageReader, load, load_sample, load_segment_sample
 from seg_train.util.progress import progress_bar, shown
 
 log = logging.getLogger("seg_train")
@@ -40,6 +41,9 @@ class ScanReport:
     unmapped_pixels: dict[int, int] = field(default_factory=dict)
     unmapped_samples: dict[int, int] = field(default_factory=dict)
     cached: Path | None = None  # the scan cache entry this report was read from (None: decoded now)
+    # Segment labels: segments per class (crowd regions included), and crowd regions per class.
+    segments: np.ndarray | None = None
+    crowd: np.ndarray | None = None
 
     @property
     def lossy(self) -> int:
@@ -58,12 +62,15 @@ def _check(sample: Sample, num_classes: int, ignore_label: int, label_table):
         # Whatever a decoder raises on a file makes that sample bad; it must be named, not crash the scan.
         return sample, (f"unreadable sample ({sample.image}, {sample.label}): expected a valid JPEG/PNG image and "
                         f"PNG label ({type(e).__name__}: {exception_text(e)})"), None
+    if isinstance(label_table, panoptic.SegmentCodec):
+        return sample, None, np.concatenate(segments.count(label, num_classes, ignore_label))
     counts = np.bincount(np.where(label == ignore_label, num_classes, label).ravel(), minlength=num_classes + 1)
     return sample, None, counts
 
 
 # The code that decides a sample's result: the scan cache keys its entries on its source (scan_cache.py).
-CHECKING_CODE = (_check, load_sample, read_label, decode.pillow_rgb, decode.pillow_label, files.read_bytes)
+CHECKING_CODE = (_check, load_sample, read_label, decode.pillow_rgb, decode.pillow_label, files.read_bytes,
+                 load_segment_sample, panoptic.SegmentCodec, panoptic.segment_values, segments.count)
 
 
 def checker_digest() -> str:
@@ -80,6 +87,8 @@ def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str =
     t0 = time.perf_counter()
     report = ScanReport(len(samples), histogram=np.zeros(num_classes + 1, np.int64),
                         image_pixels=np.zeros(num_classes, np.int64))
+    if isinstance(label_table, panoptic.SegmentCodec):
+        report.segments, report.crowd = np.zeros(num_classes, np.int64), np.zeros(num_classes, np.int64)
     bar = progress_bar(len(samples), f"checking {what}") if shown() else None
     with ThreadPoolExecutor(workers) as pool:
         for sample, problem, counts in pool.map(lambda s: _check(s, num_classes, ignore_label, label_table),
@@ -90,6 +99,10 @@ def scan(samples: list[Sample], num_classes: int, ignore_label: int, what: str =
                     report.unmapped_pixels[raw] = report.unmapped_pixels.get(raw, 0) + pixels
                     report.unmapped_samples[raw] = report.unmapped_samples.get(raw, 0) + 1
             else:
+                if report.segments is not None:
+                    counts, segs, crowd = np.split(counts, [num_classes + 1, 2 * num_classes + 1])
+                    report.segments += segs
+                    report.crowd += crowd
                 report.histogram += counts
                 labelled = counts[:num_classes]
                 report.image_pixels += np.where(labelled > 0, labelled.sum(), 0)
@@ -106,9 +119,15 @@ def format_report(report: ScanReport, class_names: list[str]) -> str:
     total = max(int(report.histogram.sum()), 1)
     width = max(len(n) for n in class_names + ["ignore"])
     lines = [f"{report.num_samples} samples, {len(report.bad)} bad, scanned in {report.seconds:.1f}s",
-             f"{'class':<{width}}  {'pixels':>12}  {'share':>7}"]
-    for name, n in zip(class_names + ["ignore"], report.histogram):
-        lines.append(f"{name:<{width}}  {int(n):>12}  {100.0 * n / total:6.2f}%")
+             f"{'class':<{width}}  {'pixels':>12}  {'share':>7}" + ("" if report.segments is None else
+                                                                   f"  {'segments':>9}  {'crowd':>7}")]
+    for i, (name, n) in enumerate(zip(class_names + ["ignore"], report.histogram)):
+        extra = "" if report.segments is None or i == len(class_names) else \
+            f"  {int(report.segments[i]):>9}  {int(report.crowd[i]):>7}"
+        lines.append(f"{name:<{width}}  {int(n):>12}  {100.0 * n / total:6.2f}%{extra}")
+    if report.segments is not None:
+        lines.append(f"segments: {int(report.segments.sum())} in {report.num_samples - len(report.bad)} images, "
+                     f"{int(report.crowd.sum())} of them crowd regions")
     absent = [n for n, c in zip(class_names, report.histogram[:-1]) if c == 0]
     if absent:
         lines.append(f"classes with no pixels: {', '.join(absent)}")
@@ -148,11 +167,13 @@ def scan_cached(cfg: Config, reader: ImageReader, what: str, shard: tuple[int, i
                                 shard, checker=checker_digest())
     hit = None if refresh else entry.load()
     if hit is not None:
-        bad, histogram, image_pixels = hit
+        bad, histogram, image_pixels, extra = hit
         return ScanReport(len(samples), [(samples[i], m) for i, m in bad], histogram, image_pixels,
-                          time.perf_counter() - t0, cached=entry.path)
+                          time.perf_counter() - t0, cached=entry.path, segments=extra.get("segments"),
+                          crowd=extra.get("crowd"))
     report = scan(samples, d.num_classes, d.ignore_label, what, label_table=reader.label_table)
-    entry.store(_bad_positions(samples, report.bad), report.histogram, report.image_pixels, report.seconds)
+    extra = {} if report.segments is None else {"segments": report.segments, "crowd": report.crowd}
+    entry.store(_bad_positions(samples, report.bad), report.histogram, report.image_pixels, report.seconds, extra)
     return report
 
 

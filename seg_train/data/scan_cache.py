@@ -6,7 +6,8 @@ An entry is reused only when all of these are unchanged:
 - every path with its size, mtime, ctime and inode (`rsync -t`, `cp -p`, `tar x` can keep an old mtime
   and size, and chmod changes readability; those change ctime or inode, which no user call can set
   back); remote file systems give size and mtime only;
-- data.num_classes, data.ignore_label and the label table;
+- data.num_classes, data.ignore_label and the label table (a panoptic.SegmentCodec's cache_key, and each
+  image's segment table from its JSON, for segment labels);
 - the checking code's source and the Pillow and TensorFlow versions;
 - the worker's share of the list.
 
@@ -116,6 +117,8 @@ class Entry:
             record = getattr(s, "record", None)
             for p in (s.image, s.label) if record is None else (record.shard,):
                 names.update(p.encode("utf-8", "surrogateescape") + b"\0")
+                if getattr(s, "segments", None) is not None:
+                    names.update(repr(s.segments).encode() + b"\0")
                 if record is not None:
                     names.update(f"{record.offset} {record.length}\0".encode())
                 try:
@@ -126,7 +129,9 @@ class Entry:
                 newest = max(newest, mtime_ns)
                 files.update(f"{p}\0{size} {mtime_ns} {ctime_ns} {inode}\n".encode("utf-8", "surrogateescape"))
         table = None
-        if label_table is not None:
+        if hasattr(label_table, "cache_key"):
+            table = hashlib.sha256(label_table.cache_key().encode()).hexdigest()
+        elif label_table is not None:
             t = np.ascontiguousarray(label_table)
             table = f"{t.dtype.str} {t.shape} {hashlib.sha256(t.tobytes()).hexdigest()}"
         key = {"format": FORMAT, "files": files.hexdigest(), "num_samples": len(samples), "shard": list(shard),
@@ -137,7 +142,8 @@ class Entry:
                    time.perf_counter() - t0)
 
     def load(self):
-        """(bad: [(index, message)], histogram, image_pixels) if the entry is there and current, else None."""
+        """(bad: [(index, message)], histogram, image_pixels, extra: {name: per-class counts}) if the entry is
+        there and current, else None."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
@@ -158,7 +164,8 @@ class Entry:
             log.warning("ignoring a corrupt scan cache entry (%s): scanning again", self.path)
             return None
         return ([(i, m) for i, m in data["bad"]], np.array(data["histogram"], np.int64),
-                np.array(data["image_pixels"], np.int64))
+                np.array(data["image_pixels"], np.int64),
+                {k: np.array(v, np.int64) for k, v in data.get("extra", {}).items()})
 
     def _valid(self, data) -> bool:
         def counts(values, n):
@@ -166,20 +173,25 @@ class Entry:
                     and all(type(x) is int and 0 <= x < 2**63 for x in values))
 
         bad = data["bad"]
+        extra = data.get("extra", {})
         return (counts(data["histogram"], self.num_classes + 1) and counts(data["image_pixels"], self.num_classes)
+                and isinstance(extra, dict) and all(counts(v, self.num_classes) for v in extra.values())
                 and isinstance(bad, list)
                 and all(isinstance(b, list) and len(b) == 2 and type(b[0]) is int and isinstance(b[1], str)
                         and 0 <= b[0] < self.num_samples for b in bad)
                 and all(a[0] < b[0] for a, b in zip(bad, bad[1:])))
 
-    def store(self, bad: list[tuple[int, str]], histogram, image_pixels, seconds: float) -> bool:
-        """Writes the entry atomically; a folder that cannot be written is a warning, never an error."""
+    def store(self, bad: list[tuple[int, str]], histogram, image_pixels, seconds: float, extra=None) -> bool:
+        """Writes the entry atomically; a folder that cannot be written is a warning, never an error. `extra`:
+        more per-class counts by name (segment labels' segments and crowd regions)."""
         if not self.storable:
             log.info("scan result not cached: some files changed less than %gs before the scan", RECENT_SECONDS)
             return False
         data = {"key": self.key, "bad": [[int(i), m] for i, m in bad],
                 "histogram": [int(x) for x in histogram], "image_pixels": [int(x) for x in image_pixels],
                 "scan_seconds": round(seconds, 3)}
+        if extra:
+            data["extra"] = {k: [int(x) for x in v] for k, v in extra.items()}
         tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from seg_train.config import Config, ConfigError
-from seg_train.data import checks, files, labels, layouts, synthetic
+from seg_train.data import checks, files, labels, layouts, panoptic, synthetic, synthetic_panoptic
 from seg_train.data.label_images import load_class_names
 from seg_train.data.layouts import Sample
 from seg_train.data.reader import ImageReader
@@ -37,8 +37,14 @@ class Split:
 
     @property
     def label_table(self):
-        """Raw label value -> train id (labels.label_table), or None: labels hold train ids as stored."""
+        """Raw label value -> train id (labels.label_table), or None: labels hold train ids as stored; for
+        data.task panoptic and instance the panoptic.SegmentCodec that decodes the segment labels."""
         return self.reader.label_table
+
+    @property
+    def categories(self) -> panoptic.Categories | None:
+        """data.task panoptic and instance: the classes' category ids, names and things (categories_of)."""
+        return None if self.reader.codec is None else self.reader.codec.categories
 
     @functools.cached_property
     def class_names(self) -> list[str]:
@@ -63,8 +69,18 @@ def open_split(cfg: Config, split: str, optional: bool = False) -> Split | None:
     d = cfg.data
     if optional and not layouts.split_exists(d, split):
         return None
-    table = labels.label_table(d)
+    table = labels.label_table(d) if d.task == "semantic" else panoptic.SegmentCodec(d, categories_of(cfg))
     return Split(cfg, split, ImageReader(d, split, cfg.seed, layouts.list_samples(d, split), table))
+
+
+def categories_of(cfg: Config) -> panoptic.Categories:
+    """The classes of data.task panoptic and instance by train id: category id (for writing predictions in the
+    data set's ids), name, thing or stuff (data.thing_classes, or the layout's: coco_panoptic's JSON, or its
+    TFRecords' index file). THE way the model side learns them; generates the synthetic set if asked for."""
+    _generate_synthetic(cfg)
+    names = layouts.own_class_names(cfg.data.layout)
+    return panoptic.categories(cfg.data, names if names is not None and len(names) == cfg.data.num_classes
+                               else None)
 
 
 def _generate_synthetic(cfg: Config) -> None:
@@ -75,7 +91,11 @@ def _generate_synthetic(cfg: Config) -> None:
     if not (Path(cfg.data.root) / synthetic.COMPLETE_MARKER).exists():
         log.info("generating the synthetic demo data set in %s", cfg.data.root)
     try:
-        synthetic.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+        if cfg.data.task == "semantic":
+            synthetic.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0)
+        else:
+            synthetic_panoptic.generate(cfg.data.root, num_classes=cfg.data.num_classes, seed=0,
+                                        thing_classes=cfg.data.thing_classes)
     except OSError as e:  # e.g. the disk filled up while writing
         raise ConfigError("cannot generate the synthetic data set", str(cfg.data.root),
                           f"a folder with room to write it ({e.strerror or e})") from None
@@ -86,6 +106,8 @@ def class_names_of(cfg: Config) -> list[str]:
     names, own = cfg.data.class_names, layouts.own_class_names(cfg.data.layout)
     if names is None and own is not None and len(own) == cfg.data.num_classes:
         names = list(own)
+    if names is None and cfg.data.layout == "coco_panoptic":
+        names = list(categories_of(cfg).names)
     path = files.join(cfg.data.root, "classes.txt")
     try:
         text = files.read_text(path) if names is None and files.is_file(path) else None
