@@ -108,11 +108,11 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
 def mask_metadata(cfg: Config) -> dict:
     """What a caller of a panoptic / instance export needs besides the logits: the task, the letterbox size, the
     post-processing settings, which classes are things and each train id's data-set category id."""
-    from seg_train.data.labels import raw_ids
+    from seg_train.data.split import categories_of
     from seg_train.infer.mask_evaluate import MaskSetup
 
     setup = MaskSetup.of(cfg)
-    out = {"task": cfg.data.task, "letterbox": list(setup.crop), "category_ids": raw_ids(cfg.data).tolist()}
+    out = {"task": cfg.data.task, "letterbox": list(setup.crop), "category_ids": list(categories_of(cfg).ids)}
     if cfg.data.task == "panoptic":
         out.update(thing_classes=np.flatnonzero(setup.is_thing).tolist(), mask_thresh=setup.mask_thresh,
                    overlap_thresh=setup.overlap_thresh)

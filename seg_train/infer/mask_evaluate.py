@@ -7,11 +7,11 @@ black to the crop (`letterbox`), one forward pass, the mask logits of the padded
 (mask_postprocess.resize_mask_logits) for the kept queries only. The same letterbox runs in front of seg-predict,
 the exported SavedModel's and TFLite file's callers and seg-eval --model, so all of them score what seg-eval scores.
 
-Ground truth from the segment labels (data/segments.py): a segment per value of a class below K (crowd regions,
-instance 999, are crowd segments of their class: one per class, as COCO's panoptic files hold them); unlabelled
-pixels (class data.ignore_label) are VOID. Panoptic: every segment (thing instances, stuff regions, crowds), the
-things per data.thing_classes. Instance: the thing instances (1..998) and the crowd regions (iscrowd); stuff pixels
-are no ground truth.
+Ground truth from the segment labels (data/segments.py's to_panoptic, to_instances): a segment per value (crowd
+regions, instance 999, are crowd segments of their class: one per class, as COCO's panoptic files hold them);
+unlabelled pixels (class data.ignore_label) are VOID. Panoptic: every segment (thing instances, stuff regions,
+crowds), things and stuff per the data's categories (data/split.py categories_of). Instance: the thing classes'
+instances and crowd regions (iscrowd); stuff pixels are no ground truth.
 
 Over the towers: each tower predicts one image per step (all of one shape, the crop); the host post-processes the
 images of its own towers and adds their states. Over the workers of a multi-worker run: the PQ states summed, the
@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from seg_train.config import ConfigError
-from seg_train.data.segments import CROWD, INSTANCE_BASE
+from seg_train.data import segments
 from seg_train.infer import mask_postprocess as post
 from seg_train.infer.instance_metrics import InstanceState, instance_image_state, instance_summary
 from seg_train.infer.panoptic_metrics import PanopticState, panoptic_image_state, panoptic_summary
@@ -58,17 +57,14 @@ class MaskSetup:
 
     @classmethod
     def of(cls, cfg, eval_cfg=None) -> MaskSetup:
-        """From `cfg` (its data keys) and `eval_cfg` (default cfg.eval: the post-processing thresholds)."""
+        """From `cfg` (its data keys; the things from data/split.py's categories_of) and `eval_cfg` (default
+        cfg.eval: the post-processing thresholds)."""
+        from seg_train.data.split import categories_of
+
         d, e = cfg.data, eval_cfg or cfg.eval
         if d.task not in TASKS:
             raise ValueError(f"MaskSetup: data.task {d.task!r} is not one of {TASKS}")
-        is_thing = np.ones(d.num_classes, bool)
-        if d.task == "panoptic":
-            if d.thing_classes is None:
-                raise ConfigError("no thing classes", "data.thing_classes",
-                                  "the train ids that are things, for data.task panoptic (the others are stuff)")
-            is_thing = np.zeros(d.num_classes, bool)
-            is_thing[[c for c in d.thing_classes if c < d.num_classes]] = True
+        is_thing = np.asarray(categories_of(cfg).is_thing, bool)
         return cls(d.task, d.num_classes, d.ignore_label, is_thing, tuple(int(v) for v in d.crop_size),
                    np.asarray(d.mean, np.float32), np.asarray(d.std, np.float32), e.mask_thresh, e.overlap_thresh)
 
@@ -89,41 +85,19 @@ def letterbox(image: np.ndarray, crop) -> np.ndarray:
     return out
 
 
-# ---- ground truth from segment labels -------------------------------------------------------------------------
-def panoptic_ground_truth(label, num_classes: int) -> tuple[np.ndarray, list[dict]]:
-    """(ids [H, W] int64: segment value + 1, 0 for VOID; segments [{id, category_id, iscrowd}]) of one segment-label
-    map: a segment per value present whose class is below num_classes."""
-    label = np.asarray(label, np.int64)
-    cls = label // INSTANCE_BASE
-    valid = (cls >= 0) & (cls < num_classes)
-    ids = np.where(valid, label + 1, 0)
-    values = np.unique(label[valid])
-    return ids, [{"id": int(v) + 1, "category_id": int(v // INSTANCE_BASE), "iscrowd": int(v % INSTANCE_BASE == CROWD)}
-                 for v in values]
-
-
-def instance_ground_truth(label, num_classes: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(masks [G, H, W] bool, labels [G] train ids, crowd [G] bool) of one segment-label map: the thing instances
-    (1..998) and crowd regions (999) of classes below num_classes."""
-    label = np.asarray(label, np.int64)
-    cls, inst = label // INSTANCE_BASE, label % INSTANCE_BASE
-    values = np.unique(label[(cls >= 0) & (cls < num_classes) & (inst > 0)])
-    masks = label[None] == values[:, None, None] if values.size else np.zeros((0,) + label.shape, bool)
-    return masks, (values // INSTANCE_BASE).astype(np.int64), values % INSTANCE_BASE == CROWD
-
-
 def image_state(setup: MaskSetup, image_id: int, class_logits, mask_logits, label):
     """(state, prediction) of one image: its class logits [Q, K + 1] and the padded crop's mask logits [Q, h, w]
-    post-processed at the label's size and scored against it."""
+    post-processed at the label's size and scored against the segment labels' ground truth (data/segments.py's
+    to_panoptic, to_instances: the things per is_thing)."""
     size = np.shape(label)
     if setup.task == "panoptic":
         pred = post.panoptic_prediction(class_logits, mask_logits, setup.is_thing, mask_thresh=setup.mask_thresh,
                                         overlap_thresh=setup.overlap_thresh, image_size=size, crop_size=setup.crop)
-        gt_ids, gt_segments = panoptic_ground_truth(label, setup.num_classes)
+        gt_ids, gt_segments = segments.to_panoptic(label, setup.ignore_label)
         state = panoptic_image_state(gt_ids, gt_segments, pred.segment_ids, pred.segments, setup.num_classes)
         return state, pred
     pred = post.instance_prediction(class_logits, mask_logits, image_size=size, crop_size=setup.crop)
-    masks, labels, crowd = instance_ground_truth(label, setup.num_classes)
+    masks, labels, crowd = segments.to_instances(label, setup.ignore_label, np.flatnonzero(setup.is_thing))
     state = instance_image_state(image_id, pred.masks, pred.scores, pred.labels, masks, labels, setup.num_classes,
                                  gt_crowd=crowd)
     return state, pred

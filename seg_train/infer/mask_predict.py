@@ -11,7 +11,7 @@ size. Written into the output folder:
   both      `<name>_overlay.png`: the image with one colour per segment (instance: the predictions scored above
             mask_pictures.SHOWN_SCORE).
 image_id is the file name's stem, as an integer when it is one (COCO's file names: 000000000139.jpg is image 139);
-category ids are the data set's own: the raw label value of each train id (data/labels.py raw_ids).
+category ids are the data set's own (data/split.py categories_of: COCO's category ids, Cityscapes' labelIds).
 """
 
 from __future__ import annotations

@@ -151,8 +151,7 @@ def check_mask_flags(cfg: Config, label_ids: bool) -> None:
 def predict_masks(cfg: Config, files, out: Path, module, progress: bool, source: str) -> list[Path]:
     """seg-predict for data.task panoptic / instance (infer/mask_predict.py): `module` gives the raw logits of a
     letterboxed image (serving.mask_serving_module, or a .tflite file's `logits`)."""
-    from seg_train.data.labels import raw_ids
-    from seg_train.data.split import class_names_of
+    from seg_train.data.split import categories_of, class_names_of
     from seg_train.infer.mask_evaluate import MaskSetup
     from seg_train.infer.mask_predict import summary_line, write_mask_predictions
 
@@ -163,7 +162,8 @@ def predict_masks(cfg: Config, files, out: Path, module, progress: bool, source:
             return result["class_logits"].numpy(), result["mask_logits"].numpy()
     else:
         logits_of = module
-    written = write_mask_predictions(files, out, logits_of, setup, raw_ids(cfg.data), class_names_of(cfg), progress)
+    written = write_mask_predictions(files, out, logits_of, setup, categories_of(cfg).ids, class_names_of(cfg),
+                                     progress)
     print(f"wrote {summary_line(cfg.data.task, len(files))} to {out} ({source})")
     return written
 
