@@ -249,8 +249,9 @@ def test_instance_seg_eval_ap_is_cocoevals_on_seg_predicts_results(panoptic_run)
 @pytest.mark.slow
 def test_evaluation_on_four_towers_equals_one(panoptic_run):
     """The PQ state and the AP state of the val images from 4 towers (the last step with one image and three idle
-    towers) equal 1 tower's exactly. Fails for only the first tower's images scored, a dummy image scored, the
-    states of the towers combined out of image order."""
+    towers) equal 1 tower's exactly; eval.overlap_thresh from the config changes which segments are kept. Fails
+    for only the first tower's images scored, a dummy image scored, the states of the towers combined out of image
+    order, eval.overlap_thresh dropped for its default."""
     from seg_train.data.split import open_split
     from seg_train.infer.load import load_state
     from tests.helpers import strategy
@@ -270,6 +271,188 @@ def test_evaluation_on_four_towers_equals_one(panoptic_run):
             assert n == 3
             states[task, towers] = scores.state.as_arrays()
     assert states["panoptic", 1]["fp"].sum() > 0 and states["instance", 1]["score"].size > 0
+    # eval.overlap_thresh reaches the evaluation: at its default 0.8 the same queries make other segments.
+    strict = mask_evaluate.MaskSetup.of(load(path, ["eval.mask_thresh=0.0"]))
+    assert (strict.mask_thresh, strict.overlap_thresh, setups["panoptic"].overlap_thresh) == (0.0, 0.8, 0.3)
+    scores, _ = mask_evaluate.evaluate(state, step, reader, strict, [str(c) for c in range(K)], False)
+    assert scores.state.fp.sum() + scores.state.tp.sum() < states["panoptic", 4]["fp"].sum() + \
+        states["panoptic", 4]["tp"].sum()
     for task in setups:
         for key, value in states[task, 1].items():
             np.testing.assert_array_equal(states[task, 4][key], value, err_msg=f"{task} {key}")
+
+
+# ---- the train step on segment labels ---------------------------------------------------------------------------
+def _segment_batch(b=4, seed=0):
+    """Images and segment labels [b, 32, 48]: stuff classes 0, 1 as bands, things 2, 3 as numbered boxes (two of a
+    class touching), a crowd box, unlabelled pixels on one image only."""
+    rng = np.random.default_rng(seed)
+    images = rng.normal(size=(b, 32, 48, 3)).astype(np.float32)
+    labels = np.zeros((b, 32, 48), np.int32)
+    labels[:, 16:] = 1000
+    for i in range(b):
+        for k in range(1 + i):
+            y, x = rng.integers(0, 24), rng.integers(0, 40)
+            labels[i, y:y + 8, x:x + 8] = (2 + k % 2) * 1000 + k + 1
+    labels[1, :6, :6] = 2999                 # a crowd of class 2
+    labels[0, :, :10] = 255000               # unlabelled, on one tower only
+    return images, labels
+
+
+@pytest.fixture(scope="module")
+def segment_steps(tmp_path_factory):
+    """Two SGD steps on 1 and 4 towers from the same seed and panoptic batch (drop path, annealing in progress)."""
+    import keras
+    import tensorflow as tf
+
+    from seg_train.run.state import TrainState
+    from seg_train.train.step import TrainStep
+    from tests.helpers import strategy, tiny_config
+
+    tmp = tmp_path_factory.mktemp("steps")
+    images, labels = _segment_batch()
+    out = {}
+    for name, towers in (("one", 1), ("four", 4)):
+        cfg = tiny_config(tmp / name, data={"crop_size": [32, 48], "task": "panoptic", "layout": "coco_panoptic",
+                                            "num_classes": K},
+                          model={"backbone": "dinov3_vits16", "head": "eomt", "eomt_blocks": 2, "num_queries": 6,
+                                 "weight_decay": 0.0, "drop_path_rate": 0.3},
+                          train={"optimizer": "sgd", "learning_rate": 0.05, "num_steps": 8,
+                                 "mask_annealing": [[0, 2], [1, 3]]}, loss={"mask_points": 64})
+        step = TrainStep(TrainState(cfg, strategy(towers)))
+        batch = next(iter(step.state.strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensors((images, labels)))))
+        first = float(step(batch).loss)
+        after_first = [v.numpy() for v in step.state.model.weights]
+        out[name] = (step, [first, float(step(batch).loss)], after_first)
+    yield images, labels, out
+    keras.backend.clear_session()
+
+
+@pytest.mark.slow
+def test_segment_step_on_four_towers_equals_one(segment_steps):
+    """Fails for the segment totals (masks, images) taken per tower instead of gathered in `prepare`, for the
+    segments cut to the queries in the loss but not in the totals."""
+    _, _, out = segment_steps
+    (one, l1, _), (four, l4, _) = out["one"], out["four"]
+    assert np.isfinite(l1).all() and l1[0] != l1[1]
+    np.testing.assert_allclose(l1, l4, rtol=2e-5)
+    for a, b in zip(one.state.model.weights, four.state.model.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=2e-5, err_msg=a.path)
+
+
+@pytest.mark.slow
+def test_segment_step_loss_is_the_panoptic_loss_of_the_predictions(segment_steps):
+    """Step 2's loss is mask_loss.py's panoptic total (held to transformers' EomtLoss on segment targets) of the
+    model's own predictions with the step's seeds. Fails for data.task not reaching the objective (the step
+    training semantic targets of the segment values' classes)."""
+    import tensorflow as tf
+
+    from seg_train.models import stochastic
+    from seg_train.objectives.mask_classification import mask_probabilities, sample_seeds
+    from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, losses_from_terms
+    from seg_train.run.state import TrainState
+    from tests.helpers import strategy
+
+    images, labels, out = segment_steps
+    step, losses, after_first = out["one"]
+    cfg = step.state.cfg
+    fresh = TrainState(cfg, strategy(1), optimizer=False)
+    fresh.model.set_weights(after_first)
+    ids = stochastic.sample_ids(1, 0, 0, 4, 1, 1)
+    probs = mask_probabilities(1, [(0, 2), (1, 3)])
+    with stochastic.per_sample(ids, cfg.seed):
+        preds = fresh.model.predictions(tf.constant(images), probs, sample_seeds(ids, cfg.seed, "mask"),
+                                        training=True)
+
+    def total(task):
+        opts = EomtLossOptions(num_classes=K, num_points=64, task=task)
+        terms = eomt_loss_terms(preds, tf.constant(labels), sample_seeds(ids, cfg.seed, "points"), opts)
+        return float(losses_from_terms(terms, opts)["loss"])
+
+    np.testing.assert_allclose(losses[1], total("panoptic"), rtol=1e-5)
+    assert abs(total("panoptic") - total("instance")) > 1e-3  # the tasks' targets differ on this batch
+
+
+@pytest.mark.slow
+def test_resumed_panoptic_run_is_bitwise_the_uninterrupted_one(tmp_path):
+    """seg-train on 2 towers on the synthetic panoptic set (AdamW, layer decay, drop path, annealing in progress),
+    rewound to step 2 and resumed: ckpt-4 bitwise the uninterrupted run's. Fails for segment draws (crops, points,
+    masks) keyed by anything but the seed and the sample."""
+    from tests.helpers import resume_bitwise
+
+    root = synthetic_panoptic.generate(tmp_path / "data", num_train=8, num_val=0, size=(40, 56), num_classes=K)
+    raw = _raw(root, num_steps=4, checkpoint_every=2, layer_decay=0.8, mask_annealing=[[1, 3], [2, 4]])
+    raw["data"]["val_split"] = "none"
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    keys = resume_bitwise(tmp_path / "cfg.yaml", tmp_path)
+    assert any("queries" in k for k in keys)
+
+
+# ---- export ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_exports_give_the_raw_logits_and_the_tflite_file_is_scored(panoptic_run):
+    """The SavedModel (loaded without seg_train) and the TFLite file (LiteRT) give the class and mask logits of the
+    checkpoint's model on a letterboxed val image; seg-eval --model FILE.tflite reports the PQ seg-eval reports for
+    the checkpoint. Fails for a normalisation other than the reader's, the semantic output exported, the file's
+    logits post-processed at another letterbox."""
+    import tensorflow as tf
+
+    from seg_train.infer.litert import TFLiteModel
+    from seg_train.infer.load import load_state
+    from tests.helpers import strategy
+
+    base, path = panoptic_run
+    _run(cli.export_main, ["--config", str(path), "--checkpoint", str(base / "run"), "--output", str(base / "sm")])
+    _run(cli.export_main, ["--config", str(path), "--checkpoint", str(base / "run"), "--output",
+                           str(base / "m.tflite"), "--format", "tflite"])
+    image = np.asarray(Image.open(sorted((base / "data" / "val").iterdir())[0]).convert("RGB"))
+    boxed = mask_evaluate.letterbox(image, (48, 48))
+    cfg = load(path)
+    state, _, _ = load_state(cfg, strategy(1), str(base / "run"))
+    x = (boxed.astype(np.float32) - np.asarray(cfg.data.mean, np.float32)) / np.asarray(cfg.data.std, np.float32)
+    want = [t.numpy()[0] for t in state.model.predictions(tf.constant(x[None]), training=False)[-1]]
+    served = tf.saved_model.load(str(base / "sm")).signatures["serving_default"](image=tf.constant(boxed))
+    tflite = TFLiteModel(base / "m.tflite").logits(boxed)
+    for got in ((served["class_logits"].numpy(), served["mask_logits"].numpy()), tflite):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    _run(cli.eval_main, ["--config", str(path), "--model", str(base / "m.tflite")] + LOOSE)
+    _run(cli.eval_main, ["--config", str(path), "--checkpoint", str(base / "run")] + LOOSE)
+    file_record = json.loads((base / "m.eval-val.json").read_text())
+    ckpt_record = json.loads((base / "run" / "eval" / "val-step2.json").read_text())
+    assert file_record["num_images"] == 3 and file_record["task"] == "panoptic"
+    for name, counts in ckpt_record["per_class"].items():
+        assert [file_record["per_class"][name][k] for k in ("tp", "fp", "fn")] == \
+            [counts[k] for k in ("tp", "fp", "fn")], name
+    assert file_record["pq"] == pytest.approx(ckpt_record["pq"], abs=1e-3)
+
+
+# ---- the recipes ------------------------------------------------------------------------------------------------
+def test_recipes_are_the_authors_configs():
+    """configs/coco_panoptic_eomt.yaml, coco_instance_eomt.yaml, cityscapes_panoptic_eomt.yaml load with the EoMT
+    authors' numbers written here: COCO (their DINOv3 ViT-L configs) 200 queries in 4 blocks, AdamW 2e-4, layer
+    decay 0.8, decay 0.05, warmup (2000, 3000), batch 16 of 640 crops, 12 epochs (7391 steps each for panoptic,
+    7329 for the 117266 train images with objects), windows starting [0, 29564, 44346, 59128] and ending [3000,
+    44346, 59128, 73910]; Cityscapes their semantic recipe (107 epochs of 186 steps, windows 3317 k)."""
+    folder = Path(__file__).resolve().parents[1] / "configs"
+    windows = [(0, 3000), (29564, 44346), (44346, 59128), (59128, 73910)]
+    for name, task, steps in (("coco_panoptic_eomt", "panoptic", 12 * 7391), ("coco_instance_eomt", "instance",
+                                                                            12 * 7329)):
+        c = load(folder / f"{name}.yaml")
+        t = c.train
+        assert (c.data.layout, c.data.task, c.data.num_classes, c.data.crop_size, c.data.batch_size) == \
+            ("coco_panoptic", task, 133, (640, 640), 16)
+        assert (c.model.backbone, c.model.head, c.model.num_queries, c.model.eomt_blocks) == \
+            ("dinov3_vitl16", "eomt", 200, 4)
+        assert (t.optimizer, t.learning_rate, t.layer_decay, t.weight_decay, t.lr_power, t.warmup_steps,
+                t.backbone_warmup_steps, t.num_steps, t.mask_annealing) == \
+            ("adamw", 2e-4, 0.8, 0.05, 0.9, 2000, 3000, steps, windows)
+        assert (c.eval.mask_thresh, c.eval.overlap_thresh, c.loss.mask_points) == (0.8, 0.8, 12544)
+    c = load(folder / "cityscapes_panoptic_eomt.yaml")
+    t = c.train
+    assert (c.data.layout, c.data.task, c.data.num_classes, c.data.crop_size, c.data.thing_classes) == \
+        ("cityscapes", "panoptic", 19, (1024, 1024), list(range(11, 19)))
+    assert (c.model.num_queries, t.learning_rate, t.warmup_steps, t.backbone_warmup_steps, t.num_steps) == \
+        (200, 1e-4, 500, 1000, 107 * 186)
+    assert t.mask_annealing == [(3317 * k, 3317 * (k + 1)) for k in range(1, 5)]

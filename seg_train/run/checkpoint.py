@@ -86,7 +86,7 @@ def read_best(run_dir: Path) -> dict | None:
 
 def keep_best(run_dir: Path, state, step: int, metrics) -> bool:
     """Saves the weights under RUN_DIR/best/ if the task's headline metric beats the best so far: mIoU, or for
-    data.task panoptic / instance PQ / mask AP (`metrics.headline` names it, `metrics.value` holds it).
+    data.task panoptic / instance PQ / mask AP (the scores' `headline` names it, their `value` holds it).
 
     The checkpoint is written first, then best.json atomically: a crash in between leaves the better
     checkpoint with the older best.json, never a half-written file. `step` names the checkpoint.
