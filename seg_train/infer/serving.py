@@ -65,7 +65,7 @@ def mask_serving_module(model, mean, std):
     def serve(image):
         h, w = tf.shape(image)[0], tf.shape(image)[1]
         image = tf.pad(image, [[0, (-h) % pad_to], [0, (-w) % pad_to], [0, 0]])
-        x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
+        x = (tf.cast(image, tf.float32) - mean) / std  # ImageReader.normalize's ops, as in serving_module
         class_logits, mask_logits = model.predictions(x[None], training=False)[-1]
         return {"class_logits": class_logits[0], "mask_logits": mask_logits[0]}
 

@@ -106,7 +106,7 @@ def mask_app_function(model, mean, std, height: int, width: int):
 
     @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.uint8, name="image")])
     def run(image):
-        x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
+        x = (tf.cast(image, tf.float32) - mean) / std  # ImageReader.normalize's ops, as in app_function
         class_logits, mask_logits = model.predictions(x, training=False)[-1]
         return {"class_logits": class_logits, "mask_logits": mask_logits}
 
