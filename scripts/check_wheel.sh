@@ -3,7 +3,8 @@
 #   build the wheel, install it with no extras into a fresh venv, check `--version`, and from an empty
 #   folder train a copy of configs/demo.yaml for 3 steps on 2 towers (TensorBoard events written),
 #   evaluate the result with seg-eval, export it to TFLite and check seg-eval --model's one-line error without
-#   the tflite extra and its run with it, then remove TensorBoard and check the one-line error.
+#   the tflite extra and its run with it, the same for ONNX (seg-export --format onnx's one-line error without
+#   the onnx extra, the export and seg-eval --model with it), then remove TensorBoard and check the one-line error.
 #
 # Usage: scripts/check_wheel.sh [WHEELHOUSE]
 #   WHEELHOUSE: a folder of wheels (from `pip download`) to install from instead of the package index,
@@ -96,6 +97,25 @@ step "the tflite extra installed: seg-eval --model runs the file in LiteRT"
 "$BIN/python" -m pip install "${PIP_OPTS[@]}" "${WHEEL[0]}[tflite]"
 "$BIN/seg-eval" --config demo.yaml --model demo_int8.tflite --json | tail -n 1 >record.json
 "$BIN/python" -c "import json; r = json.load(open('record.json')); assert r['format'] == 'tflite' and r['miou'] > 0, r"
+step "seg-export --format onnx without the onnx extra: one line"
+set +e
+"$BIN/seg-export" --config demo.yaml --checkpoint runs/demo --format onnx --output demo.onnx 2>err.txt
+code=$?
+set -e
+cat err.txt
+if [[ $code != 2 || $(wc -l <err.txt) != 1 ]] || ! grep -q "^error: tf2onnx is not installed" err.txt \
+        || [[ -e demo.onnx ]]; then
+    echo "check_wheel: expected exit 2 and one 'error: tf2onnx is not installed' line, got exit $code" >&2
+    exit 1
+fi
+step "the onnx extra installed: seg-export --format onnx, seg-eval --model runs the file in ONNX Runtime"
+"$BIN/python" -m pip install "${PIP_OPTS[@]}" "${WHEEL[0]}[onnx]"
+"$BIN/python" -m pip check
+"$BIN/seg-export" --config demo.yaml --checkpoint runs/demo --format onnx --output demo.onnx \
+    --set eval.bn_reestimate_batches=2
+test -s demo.onnx && test -s demo.json
+"$BIN/seg-eval" --config demo.yaml --model demo.onnx --json | tail -n 1 >record.json
+"$BIN/python" -c "import json; r = json.load(open('record.json')); assert r['format'] == 'onnx' and r['miou'] > 0, r"
 step "TensorBoard removed: one line before any work"
 "$BIN/python" -m pip uninstall -q -y tensorboard
 set +e

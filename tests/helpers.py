@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import h5py
@@ -875,6 +877,10 @@ WIRED_DATA = {
     # seg-train and seg-eval on a folder holding only the records (files: nothing to list); the reader's own
     # branch: tests/test_tfrecord.py::test_the_stream_over_records_is_the_stream_over_the_files (no fallback).
     "data.format": "tests/test_tfrecord.py::test_cityscapes_as_tfrecords_trains_and_evaluates",
+    # seg-train --check-data on Cityscapes' gtFine: the instanceIds scanned into segments and crowd per class.
+    "data.task": "tests/test_panoptic_data.py::test_check_data_scans_cityscapes_instance_ids_for_the_panoptic_task",
+    # open_split of a COCO panoptic JSON without isthing: the config's thing classes are the things.
+    "data.thing_classes": "tests/test_panoptic_data.py::test_coco_errors_are_one_line_naming_the_file",
     # The reader's stand-in; the scan's drop of bad samples (scan_split(cfg)):
     # tests/test_scan_cache.py::test_bad_samples_come_back_from_the_cache[skip].
     "data.on_bad_sample": "tests/test_decode.py::test_missing_file_is_named_in_one_line_and_skip_gives_the_stand_in",
@@ -912,10 +918,16 @@ EOMT_FIXTURE = Path(__file__).parent / "fixtures" / "eomt_model.npz"
 
 def eomt_from_reference(path: Path = EOMT_FIXTURE):
     """(model, fixture): seg-train's EoMT (models/eomt/eomt.py) built with the config numbers of the fixture that
-    scripts/reference_eomt_model.py writes, every weight mapped from its transformers name onto ours (each
-    fixture weight used exactly once, each of our variables set exactly once)."""
+    scripts/reference_eomt_model.py writes, its transformers weights loaded by seg-train's loader
+    (models/dino/transformers.py) from a folder written with the `safetensors` package under their
+    transformers names (the loader refuses a weight left over or missing, and sets each variable once)."""
+    import tempfile
+
+    from safetensors.numpy import save_file
+
     from seg_train.config.variants import ViTVariant
-    from seg_train.models.eomt.eomt import eomt
+    from seg_train.models.dino.transformers import check_eomt_folder, load_eomt_folder
+    from seg_train.models.eomt.eomt.eomt import eomt
 
     z = np.load(path)
     cfg = {k[len("config/"):]: z[k].item() for k in z.files if k.startswith("config/")}
@@ -926,51 +938,212 @@ def eomt_from_reference(path: Path = EOMT_FIXTURE):
     assert spec.epsilon == cfg["layer_norm_eps"]
     model = eomt(spec, cfg["num_labels"], queries=cfg["num_queries"], eomt_blocks=cfg["num_blocks"],
                  upscale_blocks=cfg["num_upscale_blocks"])
-    theirs = {k[len("w/"):]: z[k] for k in z.files if k.startswith("w/")}
-    ours = {v.path: v for v in model.weights}
-    pairs = {}
-
-    def put(mine: str, name: str, convert=lambda a: a):
-        assert mine not in pairs and name in theirs, (mine, name)
-        pairs[mine] = (name, convert(theirs[name]))
-
-    linear = np.transpose
-    put("patch_embed/kernel", "embeddings.patch_embeddings.projection.weight", lambda a: a.transpose(2, 3, 1, 0))
-    put("patch_embed/bias", "embeddings.patch_embeddings.projection.bias")
-    put("tokens/cls_token", "embeddings.cls_token")
-    put("tokens/register_tokens", "embeddings.register_tokens")
-    put("tokens/position_embeddings", "embeddings.position_embeddings.weight", lambda a: a[None])
-    for i in range(depth):
-        hf, me = f"layers.{i}", f"block{i + 1}"
-        for norm in ("norm1", "norm2"):
-            put(f"{me}_{norm}/gamma", f"{hf}.{norm}.weight")
-            put(f"{me}_{norm}/beta", f"{hf}.{norm}.bias")
-        for mine, name in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "out_proj")):
-            put(f"{me}_attn_{mine}/kernel", f"{hf}.attention.{name}.weight", linear)
-            put(f"{me}_attn_{mine}/bias", f"{hf}.attention.{name}.bias")
-        for mine, name in (("up", "fc1"), ("down", "fc2")):
-            put(f"{me}_mlp_{mine}/kernel", f"{hf}.mlp.{name}.weight", linear)
-            put(f"{me}_mlp_{mine}/bias", f"{hf}.mlp.{name}.bias")
-        put(f"{me}_ls1/gamma", f"{hf}.layer_scale1.lambda1")
-        put(f"{me}_ls2/gamma", f"{hf}.layer_scale2.lambda1")
-    put("norm/gamma", "layernorm.weight")
-    put("norm/beta", "layernorm.bias")
-    put("eomt/queries", "query.weight")
-    put("class_head/kernel", "class_predictor.weight", linear)
-    put("class_head/bias", "class_predictor.bias")
-    for i in range(1, 4):
-        put(f"mask_mlp{i}/kernel", f"mask_head.fc{i}.weight", linear)
-        put(f"mask_mlp{i}/bias", f"mask_head.fc{i}.bias")
-    for i in range(cfg["num_upscale_blocks"]):
-        hf, me = f"upscale_block.block.{i}", f"upscale{i + 1}"
-        # ConvTranspose2d [in, out, kh, kw] -> [kh, kw, out, in]; depthwise [C, 1, 3, 3] -> [3, 3, C, 1].
-        put(f"{me}_deconv/kernel", f"{hf}.conv1.weight", lambda a: a.transpose(2, 3, 1, 0))
-        put(f"{me}_deconv/bias", f"{hf}.conv1.bias")
-        put(f"{me}_dwconv/kernel", f"{hf}.conv2.weight", lambda a: a.transpose(2, 3, 0, 1))
-        put(f"{me}_norm/gamma", f"{hf}.layernorm2d.weight")
-        put(f"{me}_norm/beta", f"{hf}.layernorm2d.bias")
-    assert sorted(pairs) == sorted(ours), set(pairs) ^ set(ours)
-    assert sorted(name for name, _ in pairs.values()) == sorted(theirs)
-    for mine, (_, array) in pairs.items():
-        ours[mine].assign(array)
+    with tempfile.TemporaryDirectory() as folder:
+        save_file({k[len("w/"):]: z[k] for k in z.files if k.startswith("w/")}, Path(folder) / "model.safetensors")
+        config = {"architectures": ["EomtForUniversalSegmentation"], "model_type": "eomt", "hidden_act": "gelu",
+                  **cfg}
+        (Path(folder) / "config.json").write_text(json.dumps(config))
+        loaded = check_eomt_folder(folder, spec, "fixture", cfg["num_queries"], cfg["num_blocks"], cfg["num_labels"])
+        assert load_eomt_folder(model, loaded) == len(model.weights)
     return model, z
+
+
+# ---- transformers folders (tests/test_transformers_weights.py; scripts/reference_transformers_checkpoints.py) ----
+TRANSFORMERS_FIXTURES = Path(__file__).parent / "fixtures" / "transformers"
+ENCODER_CASES = ("dinov3_vit", "dinov2", "dinov2_registers")
+EOMT_CASES = ("eomt", "eomt_dinov3")
+
+
+def transformers_case(case: str):
+    """(folder, outputs, Variant, EoMT keys or None) of a fixture folder, the Variant read off its config.json by
+    transformers' meaning of each number (with the position resize transformers uses)."""
+    from seg_train.config.variants import ViTVariant as Variant
+
+    folder = TRANSFORMERS_FIXTURES / case
+    raw = json.loads((folder / "config.json").read_text())
+    v3 = raw["model_type"] in ("dinov3_vit", "eomt_dinov3")
+    c, p = raw["hidden_size"], raw["patch_size"]
+    common = dict(registers=raw.get("num_register_tokens", 0), layer_scale=raw["layerscale_value"])
+    if v3:
+        spec = Variant("dinov3", p, c, raw["num_hidden_layers"], raw["num_attention_heads"], raw["intermediate_size"],
+                       gated=raw["use_gated_mlp"], activation=raw["hidden_act"], key_bias=raw["key_bias"], **common)
+    else:
+        eomt = raw["model_type"] == "eomt"
+        spec = Variant("dinov2", p, c, raw["num_hidden_layers"], raw["num_attention_heads"], c * raw["mlp_ratio"],
+                       gated=raw["use_swiglu_ffn"], pos_grid=raw["image_size"] // p, cls_position=not eomt,
+                       antialias=raw["model_type"] == "dinov2_with_registers", torch_bicubic=True, **common)
+    assert spec.epsilon == raw["layer_norm_eps"], raw["layer_norm_eps"]
+    eomt_keys = {"queries": raw["num_queries"], "eomt_blocks": raw["num_blocks"], "classes": len(raw["id2label"])} \
+        if "num_queries" in raw else None
+    return folder, dict(np.load(TRANSFORMERS_FIXTURES / f"{case}.npz")), spec, eomt_keys
+
+
+def transformers_layout(architecture: str) -> dict:
+    """config.json and {tensor: [dtype, shape]} of a transformers model at dinov3_vits16's size (layouts.json)."""
+    return json.loads((TRANSFORMERS_FIXTURES / "layouts.json").read_text())[architecture]
+
+
+def write_transformers_folder(directory: Path, layout: dict, seed: int = 0, drop=(), config=None,
+                              shapes=None) -> dict:
+    """A transformers folder of `layout`'s config.json and tensors, stored as BF16 (values random: norm weights
+    and layer scales near 1, the rest N(0, 0.02)), written with the `safetensors` package; tensors `drop` left
+    out, `config` entries and tensor `shapes` {name: shape} changed. Returns the float32 values written."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    arrays, written = {}, {}
+    for name, (_, shape) in layout["tensors"].items():
+        if name in drop:
+            continue
+        shape = (shapes or {}).get(name, shape)
+        a = rng.normal(0.0, 0.02, shape).astype(np.float32)
+        if len(shape) == 1 and (name.endswith("lambda1") or "norm" in name and name.endswith("weight")):
+            a += 1.0
+        stored = a.astype(ml_dtypes.bfloat16)
+        arrays[name], written[name] = stored, stored.astype(np.float32)
+    save_file(arrays, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps({**layout["config"], **(config or {})}))
+    return written
+
+# ---- panoptic data as it ships (tests/test_panoptic_data.py, tests/test_config_wiring_data.py) ---------------
+# Five of COCO's panoptic categories with their real ids, names and isthing, and the train ids COCO's 133 would
+# give them here (in increasing id order), written out by hand.
+COCO_CATEGORIES = [{"id": 1, "name": "person", "isthing": 1, "supercategory": "person", "color": [220, 20, 60]},
+                   {"id": 3, "name": "car", "isthing": 1, "supercategory": "vehicle", "color": [0, 0, 142]},
+                   {"id": 184, "name": "tree-merged", "isthing": 0, "supercategory": "plant", "color": [107, 142, 35]},
+                   {"id": 199, "name": "wall-other-merged", "isthing": 0, "supercategory": "wall",
+                    "color": [102, 102, 156]},
+                   {"id": 200, "name": "rug-merged", "isthing": 0, "supercategory": "floor", "color": [250, 141, 255]}]
+COCO_TRAIN_ID_BY_HAND = {1: 0, 3: 1, 184: 2, 199: 3, 200: 4}
+COCO_IMAGES = ("000000000139", "000000000285", "000000000632")  # COCO val2017's first file names
+COCO_H, COCO_W = 24, 32
+
+
+def coco_scene(rng, n):
+    """One image's segments by hand: (segment ids [H, W], 0 unlabelled, and segments_info). Ids spread over all
+    three bytes; two persons and a car numbered by hand, a crowd of persons, two stuff classes."""
+    ids = np.zeros((COCO_H, COCO_W), np.int64)
+    wall, tree = 0x0A0B0C + n, 0x00FF01 + n  # stuff: 789260 + n (R 12, G 11, B 10), 65281 + n
+    person_a, person_b, car, crowd = 0x123456 + n, 0x000102, 0xFFFFFF - n, 0x010000
+    ids[:12] = wall
+    ids[12:] = tree
+    y, x = int(rng.integers(0, 6)), int(rng.integers(0, 8))
+    ids[y:y + 8, x:x + 6] = person_a
+    ids[y + 2:y + 10, x + 6:x + 10] = person_b  # touches person_a: only the ids keep them apart
+    ids[14:20, 20:30] = car
+    ids[20:24, 0:6] = crowd
+    ids[0, :] = 0  # unlabelled row
+    info = [{"id": wall, "category_id": 199, "iscrowd": 0}, {"id": person_a, "category_id": 1, "iscrowd": 0},
+            {"id": tree, "category_id": 184, "iscrowd": 0}, {"id": person_b, "category_id": 1, "iscrowd": 0},
+            {"id": crowd, "category_id": 1, "iscrowd": 1}, {"id": car, "category_id": 3, "iscrowd": 0}]
+    for s in info:
+        m = ids == s["id"]
+        rows, cols = np.flatnonzero(m.any(1)), np.flatnonzero(m.any(0))
+        s.update(area=int(m.sum()), bbox=[int(cols[0]), int(rows[0]), int(cols[-1] - cols[0] + 1),
+                                          int(rows[-1] - rows[0] + 1)])
+    return ids, info
+
+
+def coco_rgb(ids):
+    """COCO panoptic's PNG colours of segment ids, from the format's definition id = R + 256 G + 256^2 B."""
+    return np.stack([ids & 0xFF, (ids >> 8) & 0xFF, (ids >> 16) & 0xFF], -1).astype(np.uint8)
+
+
+def make_coco_panoptic_tree(root, rng, split="val2017", categories=None):
+    """A COCO panoptic split laid out as COCO ships it: annotations/panoptic_<split>.json, annotations/
+    panoptic_<split>/<image id>.png (RGB, written by Pillow), <split>/<image id>.jpg. Returns {stem: (ids, info)}."""
+    root = Path(root)
+    (root / "annotations" / f"panoptic_{split}").mkdir(parents=True)
+    (root / split).mkdir(parents=True)
+    images, annotations, scenes = [], [], {}
+    for n, stem in enumerate(COCO_IMAGES):
+        ids, info = coco_scene(rng, n)
+        Image.fromarray(layout_photo(rng)[:COCO_H, :COCO_W]).save(root / split / f"{stem}.jpg", quality=95)
+        Image.fromarray(coco_rgb(ids), mode="RGB").save(root / "annotations" / f"panoptic_{split}" / f"{stem}.png")
+        images.append({"id": int(stem), "file_name": f"{stem}.jpg", "height": COCO_H, "width": COCO_W})
+        annotations.append({"image_id": int(stem), "file_name": f"{stem}.png", "segments_info": info})
+        scenes[stem] = (ids, info)
+    (root / "annotations" / f"panoptic_{split}.json").write_text(json.dumps(
+        {"info": {}, "licenses": [], "images": images, "annotations": annotations,
+         "categories": COCO_CATEGORIES if categories is None else categories}))
+    return scenes
+
+
+def coco_labels_by_hand(ids, info, ignore_label=255):
+    """The segment labels of one COCO image, by hand: train id * 1000 + (0 stuff, 999 crowd, the thing's place
+    among the image's non-crowd things, 1-based), ignore_label * 1000 unlabelled."""
+    out = np.full(ids.shape, ignore_label * 1000, np.int64)
+    things = 0
+    for s in info:
+        train = COCO_TRAIN_ID_BY_HAND[s["category_id"]]
+        if s["iscrowd"]:
+            inst = 999
+        elif s["category_id"] in (1, 3):
+            things += 1
+            inst = things
+        else:
+            inst = 0
+        out[ids == s["id"]] = train * 1000 + inst
+    return out
+
+# ---- exported files run outside seg-train: stock LiteRT / ONNX Runtime in a fresh interpreter ------------
+# Each script imports only the runtime, its file reader and numpy (no seg_train, no TensorFlow: it asserts
+# so), runs the file on every image, saves the class maps, and prints what it read of the file as JSON.
+OUTSIDE_LITERT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    path, images = sys.argv[1], np.load(sys.argv[2])
+    plain = Interpreter(model_path=path, experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    plain.allocate_tensors()
+    ops = sorted({op["op_name"] for op in plain._get_ops_details()})
+    it = Interpreter(model_path=path)
+    it.allocate_tensors()
+    (inp,), outs = it.get_input_details(), it.get_output_details()
+    classes = []
+    for image in images:
+        it.set_tensor(inp["index"], image[None])
+        it.invoke()
+        classes.append(it.get_tensor(outs[0]["index"])[0])
+    np.save(sys.argv[3], np.stack(classes))
+    assert "seg_train" not in sys.modules and "tensorflow" not in sys.modules
+    print(json.dumps({"ops": ops, "input": [inp["dtype"].__name__, inp["shape"].tolist()],
+                      "outputs": [[o["dtype"].__name__, o["shape"].tolist()] for o in outs]}))
+""")
+# The outputs are found by name (classes, probabilities), as an app written from FILE.json finds them.
+OUTSIDE_ONNX = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import onnx
+    import onnxruntime
+    path, images = sys.argv[1], np.load(sys.argv[2])
+    model = onnx.load(path)
+    ops = sorted({node.op_type for node in model.graph.node})
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (inp,), outs = session.get_inputs(), session.get_outputs()
+    names = [o.name for o in outs]
+    results = [dict(zip(names, session.run(None, {inp.name: image[None]}))) for image in images]
+    np.save(sys.argv[3], np.stack([r["classes"][0] for r in results]))
+    if "probabilities" in names:
+        np.save(sys.argv[3][:-4] + "_probabilities.npy", np.stack([r["probabilities"][0] for r in results]))
+    assert "seg_train" not in sys.modules and "tensorflow" not in sys.modules
+    print(json.dumps({"ops": ops, "opset": [(o.domain, o.version) for o in model.opset_import],
+                      "input": [inp.name, inp.type, inp.shape], "outputs": [[o.name, o.type, o.shape] for o in outs]}))
+""")
+
+
+def run_outside(path, images_npy, out_npy):
+    """The .tflite (stock LiteRT) or .onnx (ONNX Runtime, CPU) file at `path` run on the images saved at
+    `images_npy` in a fresh interpreter (OUTSIDE_LITERT / OUTSIDE_ONNX, written beside the images): (what it
+    reported, its class maps, also saved at `out_npy`). A .onnx file's softmax, if it has one, is saved
+    beside them as <out_npy stem>_probabilities.npy."""
+    onnx = Path(path).suffix == ".onnx"
+    script = images_npy.parent / ("outside_onnx.py" if onnx else "outside.py")
+    script.write_text(OUTSIDE_ONNX if onnx else OUTSIDE_LITERT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, str(script), str(path), str(images_npy), str(out_npy)],
+                         capture_output=True, text=True, env=env, cwd=images_npy.parent, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), np.load(out_npy)

@@ -65,3 +65,20 @@ def test_float_ops_file_gets_its_own_rows():
     title = "| DeepLabV3+ MobileNetV2"
     assert f"{title} | TFLite int8 --float-ops, seg-eval --model | 59.80 | 49.70 | 3.50 | 20.0 | 10.0 |" in text
     assert f"{title}, --float-ops | -0.20 | -0.30 | 5.00x | 6.00x | 3.43x | SOFTMAX x8, CAST x1 |" in text
+
+
+def test_onnx_file_gets_a_row_and_its_comparison_with_the_float32_tflite_file():
+    """Fails for: the .onnx file's figures compared with another file than the float32 .tflite file of the
+    same checkpoint, or its speed ratio inverted."""
+    r = results()
+    r["models"][0]["files"]["onnx"] = file_result(0.601, 0.498, 80.0, 50.0, 11_900_000, {})
+    text = bench_deploy.render(r)
+    title = "| DeepLabV3+ MobileNetV2"
+    assert f"{title} | ONNX float32, seg-eval --model | 60.10 | 49.80 | 11.90 | 80.0 | 50.0 |" in text
+    # val +0.10, test -0.20; 100 / 80 = 1.25x, 60 / 50 = 1.20x faster than LiteRT.
+    assert f"{title} | +0.10 | -0.20 | 11.90 / 12.00 | 80.0 / 100.0 | 50.0 / 60.0 | 1.25x, 1.20x |" in text
+    # Timed together (bench_deploy.TOGETHER), those figures replace seg-eval's in the comparison.
+    r["models"][0]["together"] = {"ms": {"1": {"onnx": {"median": 70.0}, "none": {"median": 105.0}},
+                                         "2": {"onnx": {"median": 40.0}, "none": {"median": 30.0}}}}
+    text = bench_deploy.render(r)
+    assert f"{title} | +0.10 | -0.20 | 11.90 / 12.00 | 70.0 / 105.0 | 40.0 / 30.0 | 1.50x, 0.75x |" in text

@@ -87,6 +87,7 @@ def test_every_module_is_in_the_layout():
 OUTSIDE_ROOTS = {
     "tf", "keras", "np", "numpy", "yaml", "PIL", "Image", "os", "sys", "json", "tqdm", "h5py", "pytest",
     "tensorboard", "keras_hub", "kagglehub", "cityscapesscripts", "ai_edge_litert", "tflite", "absl", "scipy",
+    "onnx", "onnxruntime", "tf2onnx",
     "CommunicationOptions", "CommunicationImplementation", "libtensorflow_cc",  # TF's C++/collective API names
     "FILE", "RUN_DIR", "classes", "best", "leftImg8bit_trainvaltest", "gtFine_trainvaltest",  # file names
     "summary", "optimizer", "state", "cfg", "args", "self",  # objects of a code sample or a docstring
@@ -95,7 +96,8 @@ CONFIG_SECTIONS = ("data", "model", "train", "loss", "eval")
 # Names that are both a module of seg_train and a config section: in prose they mean the config key.
 AMBIGUOUS_MODULES = {"train", "data", "eval"}
 FILE_SUFFIXES = {"py", "md", "yaml", "yml", "json", "txt", "png", "jpg", "h5", "sh", "lock", "index", "tflite",
-                 "pb", "cfg", "toml", "tfrecord", "csv", "html", "gz", "zip", "whl", "so", "log", "out", "com"}
+                 "onnx", "pb", "cfg", "toml", "tfrecord", "csv", "html", "gz", "zip", "whl", "so", "log", "out", "com",
+                 "bin", "safetensors"}
 # Dotted names of the outside world that start like one of ours: Keras' Model.fit, Latin.
 OUTSIDE_NAMES = {"model.fit", "e.g", "i.e"}
 DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*)((?:\.[A-Za-z_]\w*)+)")

@@ -67,6 +67,8 @@ WIRED = {
     "model.sync_batchnorm": "test_model_keys_shape_the_lraspp_model",
     "model.bn_momentum": "test_model_keys_shape_the_deeplab_model",
     "model.weight_decay": "test_run_step1_weight_decay_is_numpys_of_the_seeded_model",
+    # (a transformers DINOv3 folder through a config file: tests/test_transformers_weights.py::
+    # test_backbone_folder_reaches_the_runs_model)
     "model.backbone_weights": "test_backbone_weights_reach_the_runs_model",
     "model.aspp_channels": "test_run_model_has_the_configured_widths",
     "model.decoder_channels": "test_run_model_has_the_configured_widths",
@@ -115,8 +117,13 @@ WIRED = {
     "model.segformer_channels": "test_segformer_channels_shape_the_segformer_head",
     # A keras-hub SegFormer preset loaded through the config (TrainState): keras-hub's own logits, which a
     # model built without the preset (random weights) cannot give.
+    # (a transformers EoMT folder through the seg-train command: tests/test_transformers_weights.py::
+    # test_run_starts_from_an_eomt_folder)
     "model.init_weights":
         "tests/test_presets.py::test_segformer_preset_gives_keras_hubs_levels_and_logits_classifier_kept",
+    # TrainState from a config file: EoMT's DINOv2 position table at the configured grid, the torch resize flag.
+    "model.position_grid": "tests/test_transformers_weights.py::test_position_keys_reach_the_runs_model",
+    "model.position_resize": "tests/test_transformers_weights.py::test_position_keys_reach_the_runs_model",
     # TrainState from a config file: the MiT's DropPath layers at keras-hub's rate for each block, and the head's
     # dropout; the masks they draw in the step are tests/test_segformer.py's 4-towers test (with vs without).
     "model.vit_layers": "tests/test_vit_wiring.py::test_vit_layers_and_neck_channels_reach_the_model",

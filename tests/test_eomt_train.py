@@ -22,7 +22,9 @@ import tensorflow as tf
 import yaml
 
 from seg_train import cli
+from seg_train.cli import preflight
 from seg_train.config import ConfigError, from_dict
+from seg_train.config.resolve import annealing_windows, check_trainable
 from seg_train.data import synthetic
 from seg_train.models import stochastic
 from seg_train.objectives.mask_classification import mask_probabilities, sample_seeds
@@ -45,7 +47,7 @@ def test_default_annealing_is_the_references_stagger():
     [3317 k, 3317 (k + 1)]: masking ends at 5/6 of training, not at its last step."""
     cfg = from_dict(_raw(train={"num_steps": 19902}))
     assert (cfg.model.num_queries, cfg.model.eomt_blocks) == (100, 4)
-    assert cfg.train.mask_annealing == [(3317, 6634), (6634, 9951), (9951, 13268), (13268, 16585)]
+    assert annealing_windows(cfg) == [(3317, 6634), (6634, 9951), (9951, 13268), (13268, 16585)]
 
 
 def test_annealing_probability_is_the_poly_curve():
@@ -58,7 +60,6 @@ def test_annealing_probability_is_the_poly_curve():
 
 
 @pytest.mark.parametrize("raw, key", [
-    (_raw(model={"num_queries": 2}), "model.num_queries"),
     (_raw(model={"eomt_blocks": 13}), "model.eomt_blocks"),
     (_raw(model={"vit_layers": [12]}), "model.vit_layers"),
     (_raw(loss={"type": "dice"}), "loss.type"),
@@ -77,6 +78,17 @@ def test_eomt_keys_refused_in_one_line(raw, key):
     with pytest.raises(ConfigError) as err:
         from_dict(raw)
     assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fewer_queries_than_classes_refused_for_training_only():
+    """2 queries for 3 classes: the config loads (seg-eval of a published EoMT: ADE20K's have 100 queries for 150
+    classes), the training commands' check refuses it in one line. Fails for: the matcher fed more masks than
+    queries (an error inside the traced step), or evaluation refused."""
+    cfg = from_dict(_raw(model={"num_queries": 2}))
+    with pytest.raises(ConfigError) as err:
+        preflight.for_training(cfg)
+    assert str(err.value).startswith("fewer queries than classes (model.num_queries): at least data.num_classes (3)")
+    check_trainable(from_dict(_raw(model={"num_queries": 3})))
 
 
 # ---- the step ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from PIL import Image
 from seg_train import cli
 from seg_train import config as config_lib
 from seg_train.config import ConfigError
+from seg_train.config.resolve import annealing_windows
 from seg_train.data import layouts
 from seg_train.data.scan import class_weights_for_split
 from seg_train.data.split import class_names_of
@@ -274,5 +275,24 @@ def test_shipped_configs_load():
         assert (c.model.head, c.model.num_queries, c.data.crop_size, c.data.batch_size) == ("eomt", queries, crop, 16)
         assert (t.optimizer, t.learning_rate, t.layer_decay, t.weight_decay, t.lr_power) == ("adamw", 1e-4, 0.8,
                                                                                              0.05, 0.9)
-        assert (t.num_steps, t.warmup_steps, t.backbone_warmup_steps, t.mask_annealing) == (steps, 500, 1000,
-                                                                                            windows)
+        assert (t.num_steps, t.warmup_steps, t.backbone_warmup_steps, annealing_windows(c)) == (steps, 500, 1000,
+                                                                                                windows)
+    # The published EoMT-L checkpoints (the reference's model zoos: 512 / 1024 inputs, 100 queries, the last 4 of 24
+    # blocks; DINOv2 ones at patch 16, their position grid image_size / 16) and the fine-tuning from COCO (its
+    # DINOv3 ADE20K semantic config: AdamW 2e-4, decay 0.05, no layer decay, warmup (2000, 3000), 16 epochs of 1264
+    # steps, annealing starts (0, 6520, 9780, 13040) and ends (3000, 9780, 13040, 16300); the COCO model's 200
+    # queries), each starting from a folder under presets/.
+    for name, backbone, grid, crop, queries in (("ade20k_eomt_large", "dinov2_vitl16_reg", 32, (512, 512), 100),
+                                                ("cityscapes_eomt_large", "dinov2_vitl16_reg", 64, (1024, 1024), 100),
+                                                ("ade20k_eomt_dinov3_large", "dinov3_vitl16", None, (512, 512), 100),
+                                                ("ade20k_eomt_from_coco", "dinov3_vitl16", None, (512, 512), 200)):
+        c = cfgs[name]
+        m = c.model
+        assert (m.backbone, m.head, m.num_queries, m.eomt_blocks, m.position_grid) == (backbone, "eomt", queries, 4,
+                                                                                      grid), name
+        assert (c.data.crop_size, c.eval.mode, c.eval.crop_size, c.eval.stride) == (crop, "slide", crop, crop), name
+        assert m.init_weights.parent == folder.parent / "presets" and m.backbone_weights is None, name
+    t = cfgs["ade20k_eomt_from_coco"].train
+    assert (t.optimizer, t.learning_rate, t.weight_decay, t.layer_decay, t.lr_power, t.warmup_steps,
+            t.backbone_warmup_steps, t.num_steps) == ("adamw", 2e-4, 0.05, None, 0.9, 2000, 3000, 16 * 1264)
+    assert annealing_windows(cfgs["ade20k_eomt_from_coco"]) == [(0, 3000), (6520, 9780), (9780, 13040), (13040, 16300)]

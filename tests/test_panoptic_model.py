@@ -25,6 +25,7 @@ from PIL import Image
 
 from seg_train import cli
 from seg_train.config import ConfigError, from_dict, load
+from seg_train.config.resolve import annealing_windows, check_trainable
 from seg_train.data import synthetic_panoptic
 from seg_train.infer import mask_evaluate
 from seg_train.infer.mask_postprocess import scaled_size
@@ -122,14 +123,14 @@ def test_inference_modes_refused_for_mask_tasks(tmp_path, key, value):
 
 
 def test_fewer_queries_than_classes_allowed_for_segments(tmp_path):
-    """Semantic EoMT needs a query per class; the segment tasks need a query per segment of an image, whatever K.
-    Fails for the semantic check applied to panoptic configs."""
+    """Training semantic EoMT needs a query per class; the segment tasks need a query per segment of an image,
+    whatever K. Fails for the semantic check applied to panoptic configs."""
     raw = _raw(tmp_path / "data")
     raw["model"]["num_queries"] = 3
-    assert from_dict(raw).model.num_queries == 3
+    check_trainable(from_dict(raw))
     raw["data"] = {"root": "x", "num_classes": 4, "crop_size": [48, 48]}
     with pytest.raises(ConfigError, match="model.num_queries"):
-        from_dict(raw)
+        check_trainable(from_dict(raw))
 
 
 # ---- a run ------------------------------------------------------------------------------------------------------
@@ -456,4 +457,4 @@ def test_recipes_are_the_authors_configs():
         ("cityscapes", "panoptic", 19, (1024, 1024), list(range(11, 19)))
     assert (c.model.num_queries, t.learning_rate, t.warmup_steps, t.backbone_warmup_steps, t.num_steps) == \
         (200, 1e-4, 500, 1000, 107 * 186)
-    assert t.mask_annealing == [(3317 * k, 3317 * (k + 1)) for k in range(1, 5)]
+    assert annealing_windows(c) == [(3317 * k, 3317 * (k + 1)) for k in range(1, 5)]

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from seg_train.infer.metrics import compute_metrics
 from seg_train.infer.tflite_export import run_export_tflite
 from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.state import TrainState
-from tests.helpers import confusion_matrix, tiny_config
+from tests.helpers import confusion_matrix, run_outside, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -58,42 +57,6 @@ def val_samples(run):
     ids = (root / "ImageSets" / "Segmentation" / "val.txt").read_text().split()
     return [(np.asarray(Image.open(root / "JPEGImages" / f"{i}.jpg").convert("RGB")),
              np.asarray(Image.open(root / "SegmentationClass" / f"{i}.png"))) for i in ids]
-
-
-# Run in a fresh interpreter that imports only LiteRT and numpy: no seg_train, no TensorFlow.
-OUTSIDE = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    from ai_edge_litert.interpreter import Interpreter, OpResolverType
-    path, images = sys.argv[1], np.load(sys.argv[2])
-    plain = Interpreter(model_path=path, experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
-    plain.allocate_tensors()
-    ops = sorted({op["op_name"] for op in plain._get_ops_details()})
-    it = Interpreter(model_path=path)
-    it.allocate_tensors()
-    (inp,), outs = it.get_input_details(), it.get_output_details()
-    classes = []
-    for image in images:
-        it.set_tensor(inp["index"], image[None])
-        it.invoke()
-        classes.append(it.get_tensor(outs[0]["index"])[0])
-    np.save(sys.argv[3], np.stack(classes))
-    assert "seg_train" not in sys.modules and "tensorflow" not in sys.modules
-    print(json.dumps({"ops": ops, "input": [inp["dtype"].__name__, inp["shape"].tolist()],
-                      "outputs": [[o["dtype"].__name__, o["shape"].tolist()] for o in outs]}))
-""")
-
-
-def run_outside(path, images_npy, out_npy):
-    """The .tflite at `path` run on the images saved at `images_npy` by stock LiteRT in a fresh interpreter
-    (OUTSIDE, written beside the images): (what it reported, its class maps, also saved at `out_npy`)."""
-    script = images_npy.parent / "outside.py"
-    script.write_text(OUTSIDE)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, str(script), str(path), str(images_npy), str(out_npy)],
-                         capture_output=True, text=True, env=env, cwd=images_npy.parent, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), np.load(out_npy)
 
 
 def keras_classes(run, images):

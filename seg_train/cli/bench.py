@@ -9,6 +9,7 @@ import sys
 
 from seg_train.cli import preflight, process
 from seg_train.config import ConfigError
+from seg_train.config.resolve import check_trainable
 from seg_train.util import exit_codes
 
 
@@ -121,6 +122,7 @@ def bench_main(argv=None) -> int:
                 raise ConfigError(f"invalid --{name.replace('_', '-')}", f"--{name.replace('_', '-')}",
                                   f"expected an integer >= 0, got {getattr(args, name)}")
         preflight.for_evaluation(cfg)
+        check_trainable(cfg)
         process.import_tensorflow(args.debug)
         from seg_train.bench import runner as bench
         from seg_train.parallel import replicas
@@ -167,6 +169,7 @@ def verify_towers_main(args) -> int:
     from seg_train.bench.verify import check_towers
     check_towers(cfg, towers[0])
     preflight.for_evaluation(cfg)
+    check_trainable(cfg)
     process.import_tensorflow(args.debug)
     from seg_train.bench import verify
     from seg_train.parallel import replicas

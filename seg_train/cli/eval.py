@@ -1,4 +1,4 @@
-"""seg-eval: a checkpoint (or a .tflite file in LiteRT) evaluated at full resolution."""
+"""seg-eval: a checkpoint (or a .tflite file in LiteRT, a .onnx file in ONNX Runtime) evaluated at full resolution."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ def eval_main(argv=None) -> int:
             process.print_json(record)
 
     def run_model(cfg, args):
-        from seg_train.infer.litert import run_eval_tflite
-        record = run_eval_tflite(cfg, args.model, args.split, args.threads)
+        from seg_train.infer.litert import run_eval_model
+        record = run_eval_model(cfg, args.model, args.split, args.threads)
         if args.json:
             process.print_json(record)
 
     return process.checkpoint_command(
         argv, "seg-eval", f"Evaluate a checkpoint ({process.MODEL_FAMILIES}) at full resolution, or a "
-        ".tflite file in LiteRT: per-class IoU, mIoU, pixel accuracy. Writes RUN_DIR/eval/<split>-step<k>.json "
-        "(a checkpoint) or FILE.eval-<split>.json beside FILE.tflite.", add_arguments, lambda args: None, run,
-        run_model)
+        ".tflite file in LiteRT, a .onnx file in ONNX Runtime: per-class IoU, mIoU, pixel accuracy. Writes "
+        "RUN_DIR/eval/<split>-step<k>.json (a checkpoint; RUN_DIR/eval/<split>-init.json without one: the model as "
+        "model.init_weights starts it, e.g. a published EoMT) or FILE.eval-<split>.json beside the file.",
+        add_arguments, lambda args: None, run, run_model, start_weights=True)

@@ -1,4 +1,4 @@
-"""seg-predict: whole images segmented by a checkpoint or a .tflite file."""
+"""seg-predict: whole images segmented by a checkpoint, a .tflite or a .onnx file."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def predict_main(argv=None) -> int:
         run_predict(cfg, strategy, args.checkpoint, args.inputs, args.output, label_ids=args.label_ids)
 
     def run_model(cfg, args):
-        from seg_train.infer.litert import run_predict_tflite
-        run_predict_tflite(cfg, args.model, args.inputs, args.output, args.threads, label_ids=args.label_ids)
+        from seg_train.infer.litert import run_predict_model
+        run_predict_model(cfg, args.model, args.inputs, args.output, args.threads, label_ids=args.label_ids)
 
     return process.checkpoint_command(
         argv, "seg-predict", f"Segment whole images with a checkpoint ({process.MODEL_FAMILIES}) or a .tflite "
-        "file (each in one pass: any size that fits in memory; with --model, resized to the .tflite file's input "
+        "or .onnx file (each in one pass: any size that fits in memory; with --model, resized to the file's input "
         "size and back): <name>.png (palette PNG of class indices, original size) and <name>_overlay.jpg for each "
         "input, or with --label-ids one PNG of the data set's raw label values.", add_arguments, fail_fast, run,
         run_model)

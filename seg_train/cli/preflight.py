@@ -10,6 +10,7 @@ import os
 import re
 
 from seg_train.config import Config, ConfigError, exception_text
+from seg_train.config.resolve import check_trainable
 from seg_train.data.checks import check_data_root, check_synthetic_data
 from seg_train.util.paths import check_creatable_dir
 
@@ -69,6 +70,7 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
 
 def for_training(cfg: Config) -> None:
     """Everything seg-train needs that can be checked before TensorFlow starts."""
+    check_trainable(cfg)
     check_summary_backend()
     check_data_root(cfg)
     check_run_dir(cfg.run_dir)

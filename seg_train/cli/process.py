@@ -267,18 +267,21 @@ def setup(args, run_dir_flag=None, checks=None):
     return cfg, strategy
 
 
-def add_checkpoint_arg(parser: argparse.ArgumentParser, model_flag: bool = False) -> None:
+def add_checkpoint_arg(parser: argparse.ArgumentParser, model_flag: bool = False, optional: bool = False) -> None:
     help_ = "a run dir (newest checkpoint), its checkpoints/ or best/ folder, or a checkpoint prefix"
+    if optional:
+        help_ += "; none: the model as model.init_weights starts it"
     if not model_flag:
         parser.add_argument("--checkpoint", required=True, metavar="CKPT_OR_RUN_DIR", help=help_)
         return
-    which = parser.add_mutually_exclusive_group(required=True)
+    which = parser.add_mutually_exclusive_group(required=not optional)
     which.add_argument("--checkpoint", metavar="CKPT_OR_RUN_DIR", help=help_)
-    which.add_argument("--model", metavar="FILE.tflite",
-                       help="a .tflite file (seg-export --format tflite), run in LiteRT's interpreter "
-                            "(needs pip install 'seg-train[tflite]')")
+    which.add_argument("--model", metavar="FILE.tflite|FILE.onnx",
+                       help="a .tflite file (seg-export --format tflite), run in LiteRT's interpreter (needs pip "
+                            "install 'seg-train[tflite]'), or a .onnx file (--format onnx), run in ONNX Runtime "
+                            "(needs pip install 'seg-train[onnx]')")
     parser.add_argument("--threads", type=int, default=1,
-                        help="LiteRT interpreter threads with --model (default 1)")
+                        help="LiteRT / ONNX Runtime threads with --model (default 1)")
 
 
 def precheck_checkpoint(path: str) -> None:
@@ -290,28 +293,34 @@ def precheck_checkpoint(path: str) -> None:
 
 
 def precheck_model(args) -> None:
-    """--model: the file exists and LiteRT is installed, before TensorFlow's slow import."""
+    """--model: the file exists and its runtime (LiteRT, ONNX Runtime) is installed, before TensorFlow's slow
+    import."""
     from pathlib import Path
 
-    from seg_train.infer.litert import check_threads, interpreter_class
+    from seg_train.infer.litert import check_runtime, check_threads
     if not Path(args.model).is_file():
-        raise ConfigError("model file not found", args.model, "a .tflite file (seg-export --format tflite)")
+        raise ConfigError("model file not found", args.model,
+                          "a .tflite or .onnx file (seg-export --format tflite or onnx)")
     check_threads(args.threads)
-    interpreter_class("--model")
+    check_runtime(args.model, "--model")
 
 
-def checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fast, run, run_model=None) -> int:
+def checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fast, run, run_model=None,
+                       start_weights: bool = False) -> int:
     """seg-eval, seg-predict and seg-export: a config, towers and CKPT_OR_RUN_DIR.
 
     Args:
       add_arguments: adds the command's own arguments to the parser.
       fail_fast: checks the command's arguments before TensorFlow's slow start.
       run: run(cfg, strategy, args), the command itself.
-      run_model: run_model(cfg, args) for --model FILE.tflite, run by LiteRT without towers (None: no --model).
+      run_model: run_model(cfg, args) for --model FILE.tflite|FILE.onnx, run by LiteRT or ONNX Runtime without
+        towers (None: no --model).
+      start_weights: without --checkpoint (and --model), run on the model as model.init_weights starts it
+        (args.checkpoint None).
     """
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_common(parser)
-    add_checkpoint_arg(parser, model_flag=run_model is not None)
+    add_checkpoint_arg(parser, model_flag=run_model is not None, optional=start_weights)
     add_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -326,12 +335,24 @@ def checkpoint_command(argv, prog: str, description: str, add_arguments, fail_fa
             import_tensorflow(args.debug)  # the reader lists and opens files through tf.io.gfile
             run_model(cfg, args)
             return 0
-        precheck_checkpoint(args.checkpoint)
-        cfg, strategy = setup(args, checks=preflight.for_evaluation)
+        if args.checkpoint is not None:
+            precheck_checkpoint(args.checkpoint)
+            cfg, strategy = setup(args, checks=preflight.for_evaluation)
+        else:
+            cfg, strategy = setup(args, checks=_starting_weights_checks)
         run(cfg, strategy, args)
         return 0
 
     return run_guarded(main, args, end_process=argv is None)
+
+
+def _starting_weights_checks(cfg) -> None:
+    """No --checkpoint: the config must say where the model starts from (model.init_weights)."""
+    if cfg.model.init_weights is None:
+        raise ConfigError("nothing to evaluate", "--checkpoint",
+                          "a checkpoint, --model FILE.tflite, or a config with model.init_weights (the model as "
+                          "it starts from them)")
+    preflight.for_evaluation(cfg)
 
 
 def print_json(record: dict) -> None:

@@ -239,13 +239,21 @@ def _resolve_model(cfg: Config) -> Config:
                           f"expected 4 (or no value) with model.backbone {m.backbone!r}: the Mix Transformer has "
                           f"no stride-2 features, got {m.decoder_stride}")
     if m.init_weights is not None:
-        if not mit or m.head != "segformer":
+        eomt = m.backbone in DINO_BACKBONES and m.head == "eomt"
+        if not eomt and (not mit or m.head != "segformer"):
             raise ConfigError("not available for this model", "model.init_weights",
                               f"a keras-hub SegFormer preset needs model.backbone mit_b0..mit_b5 and model.head "
-                              f"segformer, got {m.backbone!r} and {m.head!r}")
+                              f"segformer, a transformers EoMT folder a dinov*_ backbone and model.head eomt, got "
+                              f"{m.backbone!r} and {m.head!r}")
         if m.backbone_weights is not None:
             raise ConfigError("two initialisations", "model.backbone_weights",
-                              "null with model.init_weights (the SegFormer preset holds the encoder too)")
+                              f"null with model.init_weights (the {'EoMT folder' if eomt else 'SegFormer preset'} "
+                              f"holds the encoder too)")
+    for key, value in (("model.position_grid", m.position_grid), ("model.position_resize", m.position_resize)):
+        if value is not None and not m.backbone.startswith("dinov2_"):
+            raise ConfigError("not available for this backbone", key,
+                              f"no value with model.backbone {m.backbone!r}: it sets DINOv2's learned positions "
+                              f"(dinov2_*), got {value!r}")
     if mit:
         for key, size in (("data.crop_size", cfg.data.crop_size), ("eval.crop_size", cfg.eval.crop_size)):
             if size is not None and min(size) < MIT_MIN_SIZE:
@@ -296,8 +304,24 @@ def default_mask_annealing(num_steps: int, blocks: int) -> list[tuple[int, int]]
     """train.mask_annealing when not given: the EoMT reference's stagger. Training is cut in n + 2 equal parts;
     block k (1-based) of n is annealed over part k + 1, steps k T / (n + 2) .. (k + 1) T / (n + 2): masking is
     on for every block through the first part and off for all of them through the last one (its Cityscapes
-    config: 19902 steps, 4 blocks -> windows of 3317 steps, the last ending at 16585)."""
+    config: 19902 steps, 4 blocks -> windows of 3317 steps, the last ending at 16585). With fewer than n + 2
+    steps some windows are empty (start = end): a step from 1 to 0 at `start` (eomt_step.mask_probabilities)."""
     return [(k * num_steps // (blocks + 2), (k + 1) * num_steps // (blocks + 2)) for k in range(1, blocks + 1)]
+
+
+def annealing_windows(cfg: Config) -> list[tuple[int, int]]:
+    """The EoMT blocks' annealing windows a run uses: train.mask_annealing as given, else derived from the
+    current train.num_steps (default_mask_annealing).
+
+    Derived here, where the run uses them, and never stored in the config: a config that leaves the key unset
+    keeps it unset in RUN_DIR/config.yaml, so raising train.num_steps to extend a run stretches the windows
+    as it stretches the poly schedule (both are fractions of the run's length), and the run dir's config
+    still resolves unchanged (rundir.check_resume_config). Stored, they would stay where the shorter run put
+    them while the learning rate stretched, and the extension would read as a change of the windows."""
+    t = cfg.train
+    if t.mask_annealing is not None:
+        return [tuple(w) for w in t.mask_annealing]
+    return default_mask_annealing(t.num_steps, cfg.model.eomt_blocks)
 
 
 def _check_eomt(cfg: Config) -> Config:
@@ -319,10 +343,6 @@ def _check_eomt(cfg: Config) -> Config:
         key = "model.vit_layers" if m.vit_layers is not None else "model.neck"
         raise ConfigError("not available for this head", key,
                           "no value with model.head eomt (its queries read the last block's tokens)")
-    if cfg.data.task == "semantic" and m.num_queries < cfg.data.num_classes:
-        raise ConfigError("fewer queries than classes", "model.num_queries",
-                          f"at least data.num_classes ({cfg.data.num_classes}): each class present in an image is "
-                          f"matched to its own query, got {m.num_queries}")
     refused = {"loss.type": loss.type != "cross_entropy", "loss.terms": loss.terms is not None,
                "loss.class_weights": loss.class_weights is not None,
                "loss.top_k_percent_pixels": loss.top_k_percent_pixels < 1.0,
@@ -336,11 +356,23 @@ def _check_eomt(cfg: Config) -> Config:
         raise ConfigError("not available for this head", "train.jit_compile",
                           "false with model.head eomt (its matcher's loops are not built for XLA here)")
     if t.mask_annealing is None:
-        return replace(cfg, "train.mask_annealing", default_mask_annealing(t.num_steps, m.eomt_blocks))
+        return cfg  # derived from num_steps where it is used (annealing_windows)
     if len(t.mask_annealing) != m.eomt_blocks:
         raise ConfigError("one window per EoMT block", "train.mask_annealing",
                           f"{m.eomt_blocks} [start, end] pairs (model.eomt_blocks), got {len(t.mask_annealing)}")
     return cfg
+
+
+def check_trainable(cfg: Config) -> None:
+    """What only training needs (seg-train, seg-bench): EoMT's matcher gives each class present in an image its
+    own query, so at least data.num_classes of them. Evaluation takes fewer (the published ADE20K EoMTs have 100
+    queries for 150 classes). The panoptic and instance tasks match a query per segment, whatever the classes (an
+    image's segments beyond the queries are left out: objectives/mask_loss.py)."""
+    m = cfg.model
+    if m.head == "eomt" and cfg.data.task == "semantic" and m.num_queries < cfg.data.num_classes:
+        raise ConfigError("fewer queries than classes", "model.num_queries",
+                          f"at least data.num_classes ({cfg.data.num_classes}) to train: each class present in an "
+                          f"image is matched to its own query, got {m.num_queries}")
 
 
 def _check_two_stage_warmup(cfg: Config) -> None:

@@ -144,7 +144,7 @@ class DataConfig:
 class ModelConfig:
     backbone: str = _c("mobilenetv2", choices=BACKBONES,
                        doc="the backbone; mit_b0..mit_b5: the Mix Transformer, SegFormer's encoder; dinov3_*, "
-                           "dinov2_*: the DINO ViTs (patch 16 / 14)")
+                           "dinov2_*: the DINO ViTs (patch 16 / 14; dinov2_vit*16_reg: EoMT's DINOv2 at patch 16)")
     head: str = _c("deeplabv3plus", choices=("deeplabv3plus", "lraspp", "segformer", "linear", "eomt"),
                    doc="the head: DeepLabV3+, Lite R-ASPP, SegFormer's all-MLP decoder, linear (BN + 1x1 conv "
                        "on a ViT's patch features, the DINO papers' protocol) or eomt (mask classification "
@@ -167,7 +167,8 @@ class ModelConfig:
     backbone_weights: Optional[Path] = _c(None, path=True,
                                           doc="the backbone's Keras ImageNet .h5 file (mit_*: a keras-hub MiT "
                                               "preset directory; dinov*_: a keras-hub DINOv3 / DINOv2 preset "
-                                              "directory)")
+                                              "directory, or a transformers DINOv3ViTModel / Dinov2Model / "
+                                              "Dinov2WithRegistersModel folder)")
     aspp_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s ASPP width")
     decoder_channels: int = _c(256, check=_positive, doc="DeepLabV3+'s decoder width")
     low_level_channels: int = _c(48, check=_positive, doc="DeepLabV3+'s projection width of the stride-4 features")
@@ -189,7 +190,10 @@ class ModelConfig:
                                            default_doc="with head segformer: 256 (mit_b0, mit_b1, others), "
                                                        "768 (mit_b2..mit_b5)")
     init_weights: Optional[Path] = _c(None, path=True,
-                                      doc="a keras-hub SegFormer preset directory: encoder and head start from it")
+                                      doc="the whole model's start: a keras-hub SegFormer preset directory "
+                                          "(head segformer), or a transformers EomtForUniversalSegmentation / "
+                                          "EomtDinov3ForUniversalSegmentation folder (head eomt; its class head "
+                                          "only when it has data.num_classes classes)")
     # Both drawn per sample (models/stochastic.py); None: filled by default_drop_path_rate, ...
     drop_path_rate: Optional[float] = _c(None, check=_fraction,
                                          doc="stochastic depth of the transformer blocks, in [0, 1): mit_* and "
@@ -215,6 +219,18 @@ class ModelConfig:
     num_queries: int = _c(100, check=_positive, doc="eomt: learned queries (masks predicted per image), at least "
                                                    "data.num_classes; the reference's 200 for ADE20K")
     eomt_blocks: int = _c(4, check=_positive, doc="eomt: the ViT's last blocks the queries go through")
+    # DINOv2's learned positions (models/vit.py's Variant.pos_grid, torch_bicubic); None: the backbone's own.
+    position_grid: Optional[int] = _c(None, check=_positive,
+                                      doc="dinov2_*: the side G of the learned G x G position table (resized to "
+                                          "each input's patch grid); a transformers folder's image_size / "
+                                          "patch_size",
+                                      default_doc="37 (518 / 14) for dinov2_vit*14*, 40 (640 / 16) for EoMT's "
+                                                  "dinov2_vit*16_reg")
+    position_resize: Optional[str] = _c(None, choices=("tensorflow", "torch"),
+                                        doc="dinov2_*: the bicubic resize of the position table to another grid: "
+                                            "tensorflow (keras-hub's) or torch (transformers'; a transformers "
+                                            "DINOv2 folder needs it)",
+                                        default_doc="tensorflow for dinov2_vit*14*, torch for dinov2_vit*16_reg")
     freeze_backbone: bool = _c(False, doc="no gradient through the backbone: no backward pass, no optimizer "
                                           "slots, its BN in inference mode; its weights stay as loaded")
 
@@ -270,11 +286,12 @@ class TrainConfig:
     head_lr_multiplier: float = _c(1.0, check=_positive,
                                    doc="the head's variables learn at this multiple of the learning rate")
     mask_annealing: Optional[list[tuple[int, int]]] = _c(
-        None, check=lambda v: None if all(0 <= a < b for a, b in v) else "[start, end] steps with 0 <= start < end",
+        None, check=lambda v: None if all(0 <= a <= b for a, b in v) else "[start, end] steps with 0 <= start <= end",
         doc="eomt: per EoMT block (first first) the [start, end] steps over which its masked attention's "
-            "probability falls from 1 to 0 as (1 - progress)^0.9",
+            "probability falls from 1 to 0 as (1 - progress)^0.9 (start = end: 1 before that step, 0 from it)",
         default_doc="with head eomt: the reference's stagger, block k of n over steps [k, k + 1] x "
-                    "num_steps / (n + 2)")
+                    "num_steps / (n + 2), derived from num_steps at each start (not saved: an extended run's "
+                    "windows stretch with it)")
     layer_decay: Optional[float] = _c(None, check=lambda v: None if 0 < v <= 1 else "a number in (0, 1]",
                                       doc="dinov*_: layer-wise learning-rate decay; block i of L learns at "
                                           "decay^(L - i), the embeddings at decay^L, the head at 1 (null: off)")

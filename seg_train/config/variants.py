@@ -59,6 +59,8 @@ class ViTVariant:
     antialias: bool = False   # DINOv2: antialias_in_interpolation (True in the register presets)
     cls_position: bool = True  # DINOv2: the position embedding has a CLS entry (keras-hub's); False: the
     #                            patches' grid only, CLS without one (transformers' EoMT, models/eomt/eomt.py)
+    torch_bicubic: bool = False  # DINOv2: the grid resized as torch's bicubic (transformers' Dinov2Model):
+    #                              models/dino/vit.py torch_bicubic_matrix; TensorFlow's otherwise (keras-hub's)
 
     @property
     def epsilon(self) -> float:
@@ -89,6 +91,12 @@ VIT_VARIANTS = {
 }
 VIT_VARIANTS.update({f"{n}_reg": replace(v, registers=4, antialias=True)
                      for n, v in list(VIT_VARIANTS.items()) if v.family == "dinov2"})
+# EoMT's DINOv2 ViTs (its published checkpoints, transformers' EomtForUniversalSegmentation): the register
+# models at patch 16, positions for the patches only on a 40 x 40 grid (640 / 16; model.position_grid).
+VIT_VARIANTS.update({f"dinov2_vit{size}16_reg": replace(VIT_VARIANTS[f"dinov2_vit{size}14_reg"], patch=16,
+                                                        pos_grid=40, antialias=False, cls_position=False,
+                                                        torch_bicubic=True)
+                     for size in "sblg"})
 DINO_BACKBONES = tuple(VIT_VARIANTS)
 
 

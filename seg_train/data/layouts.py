@@ -111,7 +111,7 @@ def _cityscapes(data: DataConfig, split: str) -> list[tuple[str, str, str]]:
         city, name = image.split("/")[-2:]
         stem = name[:-len(_CITYSCAPES_IMAGE)]
         label = files.join(labels, city, f"{stem}{label_suffix}")
-        _check_label(label, present, data, f"expected the gtFine {label_suffix[7:-4]} PNG of {image}")
+        _check_label(label, present, data, f"expected the gtFine {label_suffix[8:-4]} PNG of {image}")
         out.append((stem, image, label))
     if not out:
         raise ConfigError("empty split", images, f"expected <city>/*{_CITYSCAPES_IMAGE} images")

@@ -214,11 +214,10 @@ def cityscapes_categories(data: DataConfig, names=None) -> Categories:
 
 
 # ---- segment labels from a table ----------------------------------------------------------------------------
-def segment_values(table: SegmentTable | tuple, cats: Categories) -> np.ndarray:
+def segment_values(table: SegmentTable, cats: Categories) -> np.ndarray:
     """Each listed segment's label (segments.py): its train class, instance 1.. for thing segments in list order,
     CROWD for crowd, STUFF for stuff. ValueError for an unknown category or too many instances."""
-    ids, cat_ids, crowd = (np.asarray(a, np.int64) for a in (table[:3] if isinstance(table, tuple) else
-                                                              (table.ids, table.category_ids, table.iscrowd)))
+    ids, cat_ids, crowd = (np.asarray(a, np.int64) for a in (table.ids, table.category_ids, table.iscrowd))
     sorted_ids, train_of = cats.lookup()
     pos = np.minimum(np.searchsorted(sorted_ids, cat_ids), len(sorted_ids) - 1)
     unknown = sorted_ids[pos] != cat_ids

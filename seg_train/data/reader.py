@@ -34,7 +34,7 @@ from seg_train.data import decode as decoders
 from seg_train.data.augment import PHOTOMETRIC_ORDER, apply_photometric, photometric_draws  # noqa: F401 (re-exported)
 from seg_train.data.label_images import LOSSY_EXPECTED, LOSSY_WHAT, LossyLabel
 from seg_train.data.layouts import Sample
-from seg_train.data.panoptic import SegmentCodec
+from seg_train.data.panoptic import SegmentCodec, SegmentTable
 
 log = logging.getLogger("seg_train")
 
@@ -54,7 +54,7 @@ def record_contents(sample: Sample, with_segments: bool = False) -> tuple:
     try:
         serialized = records.read_record(sample.record)
         image, label, _ = records.parse_example(serialized)
-        table = records.parse_segments(serialized) if with_segments else None
+        table = SegmentTable(*records.parse_segments(serialized)) if with_segments else None
     except Exception as e:  # noqa: BLE001 - a damaged record: whatever protobuf or the file system raises
         raise BadSample(f"unreadable record ({sample.image}, at byte {sample.record.offset}): expected a "
                         f"tf.train.Example with an encoded image and label ({type(e).__name__}: "
@@ -255,13 +255,14 @@ class ImageReader:
         """Sample `index`'s segment table (coco_panoptic files) as tensors (ids, category ids, iscrowd), else None."""
         if self.codec is None or self.codec.kind != "coco":
             return None
-        if not hasattr(self, "_tables"):
+        # Built from the samples as they are now (the scan may have dropped bad ones), once per list.
+        if getattr(self, "_tables", (None,))[0] is not self.samples:
             counts = [len(s.segments.ids) if s.segments is not None else 0 for s in self.samples]
             flat = [(i, c, w) for s in self.samples if s.segments is not None
                     for i, c, w in zip(s.segments.ids, s.segments.category_ids, s.segments.iscrowd)]
-            self._tables = (np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            self._tables = (self.samples, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
                             np.asarray(flat, np.int64).reshape(-1, 3))
-        splits, flat = (tf.constant(a) for a in self._tables)
+        splits, flat = (tf.constant(a) for a in self._tables[1:])
         rows = flat[splits[index]:splits[index + 1]]
         return rows[:, 0], rows[:, 1], rows[:, 2]
 

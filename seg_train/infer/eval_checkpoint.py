@@ -25,16 +25,18 @@ def split_tag(split: str) -> str:
     return Path(split).stem if ("/" in split or os.sep in split or split.endswith(".txt")) else split
 
 
-def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, split: str | None = None,
+def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str | None, split: str | None = None,
              progress: bool = True) -> dict:
-    """seg-eval: evaluates a checkpoint on a split, prints the table, writes RUN_DIR/eval/<split>-step<k>.json.
+    """seg-eval: evaluates a checkpoint on a split, prints the table, writes RUN_DIR/eval/<split>-step<k>.json;
+    `checkpoint` None: the model as model.init_weights starts it, RUN_DIR/eval/<split>-init.json (cfg.run_dir).
 
     Returns:
       The JSON record that was written.
     """
     split = split or cfg.data.val_split
     # The JSON goes next to the checkpoint's run dir: check it can be written before the work.
-    out_dir = run_dir_of(os.path.abspath(ckpt_lib.resolve(checkpoint))) / "eval"
+    out_dir = (run_dir_of(os.path.abspath(ckpt_lib.resolve(checkpoint))) if checkpoint is not None
+               else Path(cfg.run_dir)) / "eval"
     check_creatable_dir(out_dir, "eval output folder", "write access to the checkpoint's run dir")
     opened = open_split(cfg, split)
     reader, names = opened.reader, opened.class_names
@@ -51,7 +53,7 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str, spl
               "bn_stats_reestimated": reestimated, "inference": modes.as_dict(cfg.eval),
               **(mask_inference(cfg) if masks else {}),
               **(metrics.to_json() if masks else metrics_to_json(metrics, names))}
-    path = out_dir / f"{split_tag(split)}-step{step}.json"
+    path = out_dir / f"{split_tag(split)}-{'init' if checkpoint is None else f'step{step}'}.json"
     write_json(path, record)
     print(metrics.table() if masks else format_table(metrics, names))
     headline = metrics.headline_text() if masks else f"mIoU {100 * metrics.miou:.2f}%"

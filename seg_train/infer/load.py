@@ -52,12 +52,16 @@ def inference_class_weights(cfg: Config, prefix: str, class_names: list[str] | N
     return read_class_weights(run_dir_of(prefix), names, cfg.loss.class_weights)
 
 
-def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
-    """Builds a TrainState for `cfg` (without an optimizer) and loads the weights of CKPT_OR_RUN_DIR into it.
+def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str | None):
+    """Builds a TrainState for `cfg` (without an optimizer) and loads the weights of CKPT_OR_RUN_DIR into it;
+    `checkpoint` None: the model as model.init_weights starts it (step 0).
 
     Returns:
-      (state, checkpoint prefix, the checkpoint's step).
+      (state, checkpoint prefix (the start weights' path), the checkpoint's step).
     """
+    if checkpoint is None:
+        start = config_lib.replace(cfg, "loss.class_weights", None)
+        return TrainState(start, strategy, optimizer=False), str(cfg.model.init_weights), 0
     prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
     # The checkpoint holds every weight, so the pretrained file is not read again (it may have moved).
     # The class weights change no variable and a named scheme would scan the train split: left out.
@@ -76,7 +80,7 @@ def load_state(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str):
     return state, prefix, step
 
 
-def load_evaluator(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str,
+def load_evaluator(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str | None,
                    class_names: list[str] | None = None):
     """`load_state`, and the Evaluator the commands use on it (cfg.eval's modes and logit adjustment).
 
@@ -84,7 +88,15 @@ def load_evaluator(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: st
       (infer.evaluate.Evaluator, checkpoint prefix, the checkpoint's step); the state is evaluator.state.
     """
     # Resolved before the model is built: a missing or mismatched class_weights.json fails fast.
-    prefix = os.path.abspath(ckpt_lib.resolve(checkpoint))
-    offsets = modes.score_offsets(cfg.eval, inference_class_weights(cfg, prefix, class_names))
+    weights = None
+    if checkpoint is not None:
+        weights = inference_class_weights(cfg, os.path.abspath(ckpt_lib.resolve(checkpoint)), class_names)
+    elif cfg.eval.logit_adjustment and isinstance(cfg.loss.class_weights, list):
+        weights = cfg.loss.class_weights
+    elif cfg.eval.logit_adjustment:
+        raise ConfigError("no class weights to adjust by", "eval.logit_adjustment",
+                          "0 without a checkpoint, or loss.class_weights as a list (a named scheme's weights are "
+                          "a run's, RUN_DIR/class_weights.json)")
+    offsets = modes.score_offsets(cfg.eval, weights)
     state, prefix, step = load_state(cfg, strategy, checkpoint)
     return Evaluator(state, cfg.eval, score_offsets=offsets), prefix, step

@@ -39,6 +39,9 @@ log = logging.getLogger("seg_train")
 TASKS = ("panoptic", "instance")
 HEADLINE = {"semantic": "miou", "panoptic": "pq", "instance": "ap"}  # what best/ follows, per task
 NUM_EXAMPLES = 4  # val images shown in eval/examples
+LETTERBOX = ("the image letterboxed to the input size (Pillow BILINEAR so that its long side fits, padded with 0 "
+             "below and right; infer/mask_evaluate.py), the mask logits of the kept queries resized back "
+             "(infer/mask_postprocess.py)")  # what exported files' callers do, as FILE.json and records say
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import tempfile
 import warnings
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,19 +31,26 @@ from seg_train.config.variants import VIT_VARIANTS
 log = logging.getLogger("seg_train")
 
 QUANTIZATIONS = ("none", "float16", "int8")
+# FILE.json's words for the input every exported file takes.
+INPUT_DESCRIPTION = {"color": "RGB", "range": "0..255", "normalization": "(x - mean) / std, inside the model"}
 
 
-def check_output_file(path: str | os.PathLike, force: bool) -> Path:
-    """The .tflite path: new, or an existing file with `force`; never a folder."""
+def check_output_file(path: str | os.PathLike, force: bool, suffix: str = ".tflite") -> Path:
+    """The output file's path (.tflite, or `suffix`): new, or an existing file with `force`; never a folder."""
     from seg_train.util.paths import check_creatable_dir
 
     out = Path(path)
-    if out.suffix != ".tflite":
-        raise ConfigError("output is not a .tflite file", str(out), "a file name ending in .tflite")
+    if out.suffix != suffix:
+        raise ConfigError(f"output is not a {suffix} file", str(out), f"a file name ending in {suffix}")
     if out.is_dir():
-        raise ConfigError("output is a folder", str(out), "a .tflite file name")
+        raise ConfigError("output is a folder", str(out), f"a {suffix} file name")
     if out.exists() and not force:
         raise ConfigError("output file exists", str(out), "a new file name (pass --force to replace it)")
+    # m.tflite and m.onnx would share m.json, the description of each: the other file would lose its own.
+    for other in (out.with_suffix(s) for s in (".tflite", ".onnx") if s != suffix):
+        if other.exists():
+            raise ConfigError("output name taken by another export", str(out),
+                              f"a name of its own ({other.name} is described by {out.with_suffix('.json').name})")
     check_creatable_dir(out.parent, "output folder", "choose another --output")
     return out
 
@@ -59,18 +67,22 @@ def input_size(cfg: Config, flag) -> tuple[int, int]:
         h, w = cfg.eval.crop_size or cfg.data.crop_size
     patch = VIT_VARIANTS[cfg.model.backbone].patch if cfg.model.backbone in VIT_VARIANTS else 1
     if h % patch or w % patch:
-        # The file has one fixed input (no padding inside), and a ViT takes whole patches only.
+        # The file has one fixed input, and a ViT takes whole patches only (the one padding inside is the
+        # pyramid's one patch, tflite_pad_to).
         raise ConfigError("not whole patches", "--input-size",
                           f"height and width multiples of {patch} for model.backbone {cfg.model.backbone!r}, "
                           f"got {h} {w}")
     return int(h), int(w)
 
 
-def app_function(model, mean, std, height: int, width: int, probabilities: bool = False, offsets=None):
+def app_function(model, mean, std, height: int, width: int, probabilities: bool = False, offsets=None,
+                 pad_to: int = 1):
     """The tf.function an app runs: uint8 [1, H, W, 3] -> {"classes": uint8 [1, H, W] (, "probabilities")}.
 
     `offsets` (eval.logit_adjustment; modes.score_offsets) are subtracted from the logits before the
-    argmax and the softmax, as in seg-eval's single view.
+    argmax and the softmax, as in seg-eval's single view. `pad_to`: the normalised image padded inside at the
+    bottom / right with zeros (the mean colour) to a multiple of it and the logits cropped back, as seg-eval's
+    passes are (`tflite_pad_to`).
     """
     import tensorflow as tf
 
@@ -84,7 +96,10 @@ def app_function(model, mean, std, height: int, width: int, probabilities: bool 
     @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.uint8, name="image")])
     def run(image):
         x = (tf.cast(image, tf.float32) - mean) / std  # the same ops as ImageReader.normalize
-        logits = model(x, training=False)
+        pad_h, pad_w = -height % pad_to, -width % pad_to
+        if pad_h or pad_w:
+            x = tf.pad(x, [[0, 0], [0, pad_h], [0, pad_w], [0, 0]])
+        logits = model(x, training=False)[:, :height, :width]
         if offsets is not None:
             logits = logits - tf.constant(offsets, tf.float32)
         out = {"classes": tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32), tf.uint8)}
@@ -113,11 +128,76 @@ def mask_app_function(model, mean, std, height: int, width: int):
     return run
 
 
+def tflite_pad_to(cfg: Config, model) -> int:
+    """What a .tflite file pads its fixed input to inside: a ViT's models.input_multiple (2p under the simple
+    pyramid's pooled level, so a file at an odd patch grid predicts as seg-eval does at that size); 1 for the
+    other backbones, whose files run at their input size (their convs keep every pixel; no padding to 32)."""
+    from seg_train import models
+
+    return models.input_multiple(model) if cfg.model.backbone in VIT_VARIANTS else 1
+
+
 def frozen_function(fn):
     """The concrete function of `fn` with its variables turned into constants (module doc)."""
     from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
 
     return convert_variables_to_constants_v2(fn.get_concrete_function())
+
+
+class AppExport(NamedTuple):
+    """A checkpoint's app function, frozen at the file's input size: what the .tflite and .onnx files are
+    converted from (`frozen_app`)."""
+
+    frozen: object        # the frozen concrete function (frozen_function)
+    prefix: str           # the checkpoint
+    step: int
+    class_names: list
+    bn_reestimated: bool
+    height: int
+    width: int
+    score_offsets: object  # eval.logit_adjustment's, inside the function (modes.score_offsets)
+
+
+def frozen_app(cfg: Config, strategy, checkpoint: str, size=None, probabilities: bool = False,
+               progress: bool = True) -> AppExport:
+    """The checkpoint loaded (BN statistics re-estimated as seg-eval does) and its app function frozen."""
+    from seg_train.data.split import class_names_of
+    from seg_train.infer.load import load_evaluator
+
+    height, width = input_size(cfg, size)
+    names = class_names_of(cfg)
+    masks = cfg.data.task != "semantic"
+    if masks and probabilities:
+        raise ConfigError("not available for this task", "--probabilities",
+                          f"no --probabilities with data.task {cfg.data.task}: the file's outputs are the class and "
+                          "mask logits")
+    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
+    reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
+    if masks:
+        frozen = frozen_function(mask_app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width))
+    else:
+        frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
+                                              probabilities, evaluator.score_offsets,
+                                              tflite_pad_to(cfg, evaluator.state.model)))
+    return AppExport(frozen, prefix, step, names, reestimated, height, width, evaluator.score_offsets)
+
+
+def sidecar(cfg: Config, app: AppExport, fmt: str) -> dict:
+    """What FILE.json says of every exported file, whatever its format: where it comes from, its input size,
+    the normalisation and the classes inside it, and how an app resizes for it."""
+    from seg_train.infer import modes
+    from seg_train.infer.export import mask_metadata
+    from seg_train.infer.litert import RESIZE
+    from seg_train.infer.mask_evaluate import LETTERBOX
+
+    masks = cfg.data.task != "semantic"
+    return {"format": fmt, "checkpoint": app.prefix, "step": app.step, "input_size": [app.height, app.width],
+            "mean": list(cfg.data.mean), "std": list(cfg.data.std), "num_classes": cfg.data.num_classes,
+            "class_names": app.class_names, "bn_stats_reestimated": app.bn_reestimated,
+            "app_resize": LETTERBOX if masks else RESIZE, "logit_adjustment": cfg.eval.logit_adjustment,
+            "score_offsets": modes.offsets_by_class(app.score_offsets, app.class_names),
+            **(mask_metadata(cfg) if masks else {})}
+
 
 
 def calibration_samples(cfg: Config, count: int):
@@ -232,12 +312,8 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
                       check: bool = False, threads: int = 1, progress: bool = True,
                       float_ops: tuple[str, ...] = ()) -> Path:
     """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
-    from seg_train.data.split import class_names_of
-    from seg_train.infer import modes
-    from seg_train.infer.export import mask_metadata
     from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
-    from seg_train.infer.load import load_evaluator
-    from seg_train.infer.mask_evaluate import letterbox
+    from seg_train.infer.mask_evaluate import LETTERBOX, letterbox
     from seg_train.run.rundir import write_atomic, write_json
     from seg_train.util.progress import progress_bar
 
@@ -248,20 +324,9 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     out = check_output_file(output, force)
     if check:
         interpreter_class("seg-export --check")  # fail before the work, not after it
-    height, width = input_size(cfg, size)
-    names = class_names_of(cfg)
+    app = frozen_app(cfg, strategy, checkpoint, size, probabilities, progress)
+    frozen, prefix, step, height, width = app.frozen, app.prefix, app.step, app.height, app.width
     masks = cfg.data.task != "semantic"
-    if masks and probabilities:
-        raise ConfigError("not available for this task", "--probabilities",
-                          f"no --probabilities with data.task {cfg.data.task}: the file's outputs are the class and "
-                          "mask logits")
-    evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
-    reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
-    if masks:
-        frozen = frozen_function(mask_app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width))
-    else:
-        frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
-                                              probabilities, evaluator.score_offsets))
 
     calibration, representative = None, None
     if quantize == "int8":
@@ -280,8 +345,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
 
         calibration = {"split": cfg.data.train_split, "images": len(samples), "seed": cfg.seed,
                        "selection": "the first images of a permutation of the split seeded by the run's seed",
-                       "resize": "letterboxed (infer/mask_evaluate.py)" if masks else RESIZE,
-                       "ids": [s.id for s in samples]}
+                       "resize": LETTERBOX if masks else RESIZE, "ids": [s.id for s in samples]}
     log.info("converting step %d to TFLite (%s, input %dx%d)", step, quantize, height, width)
     content = convert(frozen, quantize, representative, tuple(float_ops))
     ops, floating, inputs, outputs = describe(content)
@@ -290,18 +354,10 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         raise ConfigError("not an op of this model", "--float-ops",
                           f"op names of the converted file ({', '.join(ops)}), got {', '.join(absent)}")
     meta = {
-        "format": "tflite", "checkpoint": prefix, "step": step, "quantization": quantize,
-        "input": {**inputs[0], "color": "RGB", "range": "0..255",
-                  "normalization": "(x - mean) / std, inside the model"},
-        "outputs": outputs, "input_size": [height, width],
-        "mean": list(cfg.data.mean), "std": list(cfg.data.std),
-        "num_classes": cfg.data.num_classes, "class_names": names, "calibration": calibration,
+        **sidecar(cfg, app, "tflite"), "quantization": quantize,
+        "input": {**inputs[0], **INPUT_DESCRIPTION}, "outputs": outputs, "calibration": calibration,
         "size_bytes": len(content), "builtin_ops_only": True, "ops": ops, "float32_ops": floating,
         "float_ops_requested": list(float_ops),
-        "bn_stats_reestimated": reestimated, "app_resize": RESIZE,
-        "logit_adjustment": cfg.eval.logit_adjustment,
-        "score_offsets": modes.offsets_by_class(evaluator.score_offsets, names),
-        **(mask_metadata(cfg) if masks else {}),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, lambda tmp: tmp.write_bytes(content))
@@ -318,8 +374,9 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
 
 def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: bool = True) -> list[dict]:
     """seg-export --check: the exported file and (if quantized) the float32 conversion of the same model,
-    both evaluated in LiteRT on data.val_split; prints them side by side. Returns the records."""
-    from seg_train.infer.litert import TFLiteModel, evaluate_file, evaluate_masks_file, read_sidecar, sidecar_path
+    both evaluated in their runtime (LiteRT, ONNX Runtime for a .onnx file) on data.val_split; prints them
+    side by side. Returns the records."""
+    from seg_train.infer.litert import evaluate_file, evaluate_masks_file, open_model, read_sidecar, sidecar_path
     from seg_train.run.rundir import write_json
 
     split = cfg.data.val_split
@@ -335,7 +392,7 @@ def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: 
             files.append(("float32 (not written)", float_path))
         files.append((f"{path.name}", path))
         for label, file in files:
-            model = TFLiteModel(file, threads, "seg-export --check")
+            model = open_model(file, threads, "seg-export --check")
             if cfg.data.task != "semantic":
                 record, _ = evaluate_masks_file(cfg, model, split, progress)
             else:
@@ -345,7 +402,7 @@ def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: 
     key = {"semantic": "miou", "panoptic": "pq", "instance": "ap"}[cfg.data.task]
     title = {"miou": "mIoU", "pq": "PQ", "ap": "mask AP"}[key]
     name_w = max(len(r["label"]) for r in rows)
-    print(f"check on {split} ({rows[0]['num_images']} images), LiteRT, {threads} thread(s):")
+    print(f"check on {split} ({rows[0]['num_images']} images), {rows[-1]['runtime']}, {threads} thread(s):")
     print(f"  {'model':<{name_w}}  {title + ' %':>7}  {'size MB':>8}  {'ms/image':>9}")
     for r in rows:
         print(f"  {r['label']:<{name_w}}  {100 * r[key]:7.2f}  {r['size_bytes'] / 1e6:8.2f}  "

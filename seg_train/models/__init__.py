@@ -2,7 +2,7 @@
 (config/variants.py family_of) to its module, and every family module has the same entries:
 
   build(cfg, num_classes) -> keras.Model    the model with its initial weights (seeded by the caller)
-  check_weights(cfg)                        the weight files the config names, checked before anything is built
+  check_weights(cfg, num_classes)           the weight files the config names, checked before anything is built
   load_weights(model, cfg)                  those files into the built model (backbone presets, whole-model starts)
   backbone_levels(model)                    id(variable) -> depth in the encoder (layer-wise decay), or None
   OBJECTIVE                                 the objective it trains with (objectives/: per_pixel, mask_classification)
@@ -25,6 +25,7 @@ from seg_train.config import ModelConfig
 from seg_train.config.resolve import model_defaults
 from seg_train.config.variants import family_of
 from seg_train.models import cnn, dino, eomt, mit
+from seg_train.models.dino.neck import PatchPairPool
 from seg_train.models.dino.vit import PatchGrid
 from seg_train.models.layers import ResizeLike
 from seg_train.models.structure import backbone_of, backbone_variable_mask, batchnorm_layers, freeze_batchnorm
@@ -56,7 +57,7 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
     """
     cfg = model_defaults(cfg)
     fam = family(cfg)
-    fam.check_weights(cfg)  # a wrong file refused before building
+    fam.check_weights(cfg, num_classes)  # a wrong file refused before building
     keras.utils.set_random_seed(seed)
     model = fam.build(cfg, num_classes)
     fam.load_weights(model, cfg)
@@ -70,7 +71,11 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
 
 
 def input_multiple(model: keras.Model) -> int:
-    """What every input side must be a multiple of: a ViT's patch size, else 32 (the conv backbones' and
-    MiT's deepest stride, so whole images keep their features aligned); inference pads to it."""
+    """What every input side must be a multiple of: a ViT's patch size p, 2p under the simple pyramid's
+    stride-2p level (an even patch grid, so each of its cells pools a whole pair of patches: neck.PatchPairPool),
+    else 32 (the conv backbones' and MiT's deepest stride, so whole images keep their features aligned);
+    inference pads to it."""
     grids = [layer.patch for layer in backbone_of(model).layers if isinstance(layer, PatchGrid)]
+    if grids and any(isinstance(layer, PatchPairPool) for layer in model.layers):
+        return 2 * grids[0]
     return grids[0] if grids else 32

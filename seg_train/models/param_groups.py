@@ -2,8 +2,9 @@
 train.head_lr_multiplier) and, on a ViT, layer-wise decay (train.layer_decay).
 
 Layer-wise decay as BEiT and EoMT fine-tune ViTs: with L blocks, block i (1-based) learns at decay^(L - i), the
-patch embedding and the CLS / register tokens and position embeddings at decay^L (the lowest), the final
-LayerNorm with the last block (decay^0), everything outside the backbone at 1; the backbone multiplier applies
+patch embedding and the CLS / register tokens and position embeddings at decay^L (the lowest; EoMT's grouping
+puts them with block 1), the final LayerNorm with the last block (decay^0, as EoMT's grouping:
+tests/test_layer_decay_reference.py), everything outside the backbone at 1; the backbone multiplier applies
 on top. L is the number of blocks built (blocks after the last one model.vit_layers names are not). Which
 variable sits at which level the encoder declares (its family's `backbone_levels`), not its layer names.
 

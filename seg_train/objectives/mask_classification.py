@@ -21,6 +21,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from seg_train.config.resolve import annealing_windows
 from seg_train.models.eomt.eomt import semantic_logits
 from seg_train.models.stochastic import salt as salt_of
 from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, targets_of
@@ -33,10 +34,14 @@ POWER = 0.9
 
 def mask_probabilities(step, windows) -> tf.Tensor:
     """float32 [n]: block k's masked-attention probability at `step`: 1 before its window [start, end), 0 from its
-    end, (1 - (step - start) / (end - start)) ** 0.9 inside."""
+    end, (1 - (step - start) / (end - start)) ** 0.9 inside. An empty window (start = end, as a short run derives
+    some) holds no step, so those two rules are all of it: 1 before `start`, 0 from it (not 0/0)."""
     step = tf.cast(step, tf.float32)
     out = []
     for start, end in windows:
+        if end == start:
+            out.append(tf.where(step < float(start), 1.0, 0.0))
+            continue
         progress = tf.clip_by_value((step - float(start)) / float(end - start), 0.0, 1.0)
         out.append(tf.pow(1.0 - progress, POWER))
     return tf.stack(out)
@@ -54,7 +59,7 @@ class MaskClassification:
 
     def __init__(self, model, cfg, class_weights=None):
         self.model, self.seed = model, cfg.seed
-        self.windows = [tuple(w) for w in cfg.train.mask_annealing]
+        self.windows = annealing_windows(cfg)
         self.queries = cfg.model.num_queries
         self.opts = EomtLossOptions(num_classes=cfg.data.num_classes, ignore_label=cfg.data.ignore_label,
                                     num_points=cfg.loss.mask_points, task=cfg.data.task)

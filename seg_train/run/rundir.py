@@ -14,6 +14,7 @@ import yaml
 
 from seg_train import config as config_lib
 from seg_train.config import Config, ConfigError, exception_text, flatten
+from seg_train.config.resolve import default_mask_annealing
 
 log = logging.getLogger("seg_train")
 
@@ -162,6 +163,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _derived_windows(saved: dict) -> bool:
+    """Whether a run dir's flat config holds the EoMT annealing windows an older seg-train derived from its
+    train.num_steps and wrote there: those were never chosen, so they count as unset and follow num_steps
+    (resolve.annealing_windows) like a newer run's. Windows given by hand that equal them are taken the same."""
+    windows, steps = saved.get("train.mask_annealing"), saved.get("train.num_steps")
+    blocks = saved.get("model.eomt_blocks", _default_of("model.eomt_blocks"))
+    if not (isinstance(windows, list) and isinstance(steps, int) and isinstance(blocks, int)):
+        return False
+    return windows == [list(w) for w in default_mask_annealing(steps, blocks)]
+
+
 def check_resume_config(cfg: Config, run_dir: Path, allow_change: bool) -> None:
     """Refuses to resume with a config that changes what the checkpoint means.
 
@@ -180,6 +192,8 @@ def check_resume_config(cfg: Config, run_dir: Path, allow_change: bool) -> None:
                           "the YAML mapping seg-train wrote there (restore it, or use another --run-dir)")
     saved = flatten(loaded)
     new = flatten(cfg.to_dict())
+    if new.get("train.mask_annealing") is None and _derived_windows(saved):
+        saved["train.mask_annealing"] = None
     changed = []
     for k in sorted(set(saved) | set(new)):
         old_value, new_value = saved.get(k, _ABSENT), new.get(k, _ABSENT)

@@ -21,7 +21,7 @@ def build(cfg, num_classes: int) -> keras.Model:
     return head.build(backbone, num_classes, cfg, choice)
 
 
-def check_weights(cfg) -> None:
+def check_weights(cfg, num_classes: int) -> None:
     if cfg.backbone_weights is not None:
         imagenet.check_file(cfg.backbone, cfg.backbone_weights)
 

@@ -7,9 +7,10 @@ last one). The maps come out of the ViT's final LayerNorm, as in those protocols
 
 Simple pyramid (Li et al., "Exploring Plain Vision Transformer Backbones for Object Detection", 2022): from the
 last block's map at the patch stride p: two 2x2 transposed convs (LayerNorm + GELU between) to p / 4, one to
-p / 2, the map itself at p, 2x2 max pooling to 2p; each level then a 1x1 and a 3x3 conv without bias, each
-followed by a LayerNorm over the channels. With p = 16 these are strides 4, 8, 16 and 32, the strides the
-heads are written for (with p = 14: 3.5, 7, 14, 28; the heads resize to their inputs' actual sizes).
+p / 2, the map itself at p, 2x2 max pooling to 2p (PatchPairPool: no patch dropped on an odd grid); each level
+then a 1x1 and a 3x3 conv without bias, each followed by a LayerNorm over the channels. With p = 16 these are
+strides 4, 8, 16 and 32, the strides the heads are written for (with p = 14: 3.5, 7, 14, 28; the heads resize
+to their inputs' actual sizes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,26 @@ from seg_train.models.layers import LayerNorm, ResizeLike
 
 # The levels by their nominal stride (patch 16) -> how many times the patch grid they are.
 LEVELS = {4: "x4", 8: "x2", 16: "x1", 32: "pool"}
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class PatchPairPool(layers.MaxPooling2D):
+    """The pyramid's stride-2p level: 2x2 max pooling of the patch map, "same" padded.
+
+    On an odd grid (DINOv2's 518 = 37 x 14, 336 / 16 = 21) "valid" pooling would drop the last patch row and
+    column, and the heads would stretch what is left over the whole image. "Same" pads the bottom / right
+    with -inf: the last pooled cell holds the last patch alone and no patch is lost, at any grid (a training
+    crop of whole patches; a model called directly). The cells are then whole pairs of patches only on an
+    even grid, where the heads' resizes between levels are exact 2:1: so inference pads its inputs to 2p
+    under this level (models.input_multiple finds it by this class), as it pads a conv backbone's to its
+    deepest stride.
+    """
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("pool_size", 2)
+        kwargs.setdefault("strides", 2)
+        kwargs.setdefault("padding", "same")
+        super().__init__(**kwargs)
 
 
 def linear_head(encoder: keras.Model, num_classes: int, choice: LayerChoice, bn_momentum: float = 0.9,
@@ -73,7 +94,7 @@ class SimplePyramid:
             elif level == "x1":
                 y = x
             else:
-                y = layers.MaxPooling2D(2, strides=2, name=f"{name}_pool")(x)
+                y = PatchPairPool(name=f"{name}_pool")(x)
             y = layers.Conv2D(self.channels, 1, use_bias=False, name=f"{name}_lateral")(y)
             y = LayerNorm(epsilon=1e-6, name=f"{name}_lateral_norm")(y)
             y = layers.Conv2D(self.channels, 3, padding="same", use_bias=False, name=f"{name}_output")(y)

@@ -2,8 +2,9 @@
 
 A plain ViT with CLS and register tokens and layer-scaled pre-norm blocks. DINOv3 (patch 16) puts
 rotary embeddings on the patch tokens' q and k from the actual grid; DINOv2 (patch 14) adds a learned
-37x37 position embedding resized bicubically to the actual grid. The output is the patch tokens of the
-chosen blocks as [b, H/p, W/p, C] maps.
+37x37 position embedding resized bicubically to the actual grid (TensorFlow's resize as keras-hub's, or
+torch's as transformers': ViTVariant.torch_bicubic). The output is the patch tokens of the chosen blocks as
+[b, H/p, W/p, C] maps. The transformers format loads through models/dino/transformers.py.
 
 Not keras-hub's DINOV3Backbone/DINOV2Backbone: those compute the rotary table and resized positions
 for the one input shape they were built for, while evaluation is traced once for unknown H and W.
@@ -45,14 +46,41 @@ def rope_tables(grid_h, grid_w, head_dim: int, theta: float):
     return tf.cos(angles), tf.sin(angles)
 
 
-def resize_positions(pos, grid_h, grid_w, antialias: bool, cls: bool = True):
+def torch_bicubic_matrix(n_in: int, n_out):
+    """[n_out, n_in] float32: the 1-D resize of torch's F.interpolate(mode="bicubic", align_corners=False,
+    antialias=False) given a size, as a matrix: source x = (i + 0.5) * n_in / n_out - 0.5, Keys' cubic with
+    a = -0.75 on its 4 neighbours, indices clamped at the edges. TensorFlow's bicubic differs (a = -0.5, taps
+    outside the image dropped); with antialias the two libraries agree (tests/test_transformers_weights.py)."""
+    a = -0.75
+    scale = tf.cast(n_in, tf.float32) / tf.cast(n_out, tf.float32)
+    src = (tf.cast(tf.range(n_out), tf.float32) + 0.5) * scale - 0.5
+    start = tf.floor(src)
+    t = src - start
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    weights = (far(t + 1), near(t), near(1 - t), far(2 - t))
+    first = tf.cast(start, tf.int32) - 1
+    return tf.add_n([tf.one_hot(tf.clip_by_value(first + k, 0, n_in - 1), n_in) * w[:, None]
+                     for k, w in enumerate(weights)])
+
+
+def resize_positions(pos, grid_h, grid_w, antialias: bool, cls: bool = True, torch_bicubic: bool = False):
     """DINOv2's position embedding [1, 1 + G*G, C] (`cls` false: [1, G*G, C]) for a grid_h x grid_w patch
     grid: the CLS entry kept, the grid resized bicubically in float32 (tf.image.resize: keras.ops.image.resize
-    refuses a dynamic size; at the G x G grid the resize is the identity)."""
+    refuses a dynamic size; at the G x G grid the resize is the identity). `torch_bicubic` without
+    `antialias`: torch's bicubic (`torch_bicubic_matrix`) on each axis."""
     c, first = pos.shape[-1], int(cls)
     g = int(round((pos.shape[1] - first) ** 0.5))
     grid = tf.reshape(tf.cast(pos[:, first:], tf.float32), [1, g, g, c])
-    grid = tf.image.resize(grid, (grid_h, grid_w), method="bicubic", antialias=antialias)
+    if torch_bicubic and not antialias:
+        grid = tf.einsum("hi,bijc,wj->bhwc", torch_bicubic_matrix(g, grid_h), grid, torch_bicubic_matrix(g, grid_w))
+    else:
+        grid = tf.image.resize(grid, (grid_h, grid_w), method="bicubic", antialias=antialias)
     grid = tf.reshape(grid, [1, -1, c])
     return tf.concat([tf.cast(pos[:, :1], tf.float32), grid], axis=1) if cls else grid
 
@@ -89,10 +117,10 @@ class Tokens(layers.Layer):
     """
 
     def __init__(self, registers: int, pos_grid: int = 0, antialias: bool = False, cls_position: bool = True,
-                 **kwargs):
+                 torch_bicubic: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.registers, self.pos_grid, self.antialias = registers, pos_grid, antialias
-        self.cls_position = cls_position
+        self.cls_position, self.torch_bicubic = cls_position, torch_bicubic
 
     def build(self, shape):
         c = shape[-1]
@@ -111,7 +139,7 @@ class Tokens(layers.Layer):
         cls = tf.tile(tf.cast(self.cls_token, x.dtype), [b, 1, 1])
         if self.pos_grid:
             pos = resize_positions(self.position_embeddings, shape[1], shape[2], self.antialias,
-                                   self.cls_position)
+                                   self.cls_position, self.torch_bicubic)
             if not self.cls_position:
                 patches = patches + tf.cast(pos, x.dtype)
         tokens = tf.concat([cls, patches], axis=1)
@@ -127,7 +155,7 @@ class Tokens(layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "registers": self.registers, "pos_grid": self.pos_grid,
-                "antialias": self.antialias, "cls_position": self.cls_position}
+                "antialias": self.antialias, "cls_position": self.cls_position, "torch_bicubic": self.torch_bicubic}
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -358,12 +386,13 @@ def drop_path_rates(spec: ViTVariant, rate: float) -> list[float]:
 
 
 def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: float = 0.0,
-                 norm: bool = True) -> keras.Model:
+                 norm: bool = True, label: str | None = None) -> keras.Model:
     """The DINO encoder `name` (a VIT_VARIANTS key, or a ViTVariant): one [b, H/p, W/p, C] map per block of
     `layers` (1-based; default `four_blocks`). `norm`: apply the final LayerNorm to each map (as DINO's
-    own segmentation heads do). Blocks after the last one asked for are not built."""
+    own segmentation heads do). Blocks after the last one asked for are not built. `label`: the model's name
+    (default `name`, or "<family>_custom" for a ViTVariant)."""
     spec = VIT_VARIANTS[name] if isinstance(name, str) else name
-    label = name if isinstance(name, str) else f"{spec.family}_custom"
+    label = label or (name if isinstance(name, str) else f"{spec.family}_custom")
     chosen = tuple(layers or four_blocks(spec.depth))
     if not all(1 <= i <= spec.depth for i in chosen):
         raise ValueError(f"dino_encoder {label}: layers {chosen}: expected block numbers 1..{spec.depth}")
@@ -372,7 +401,8 @@ def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: fl
     grid = keras.layers.Conv2D(spec.width, spec.patch, strides=spec.patch, name="patch_embed",
                                kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))(x)
     v2 = spec.family == "dinov2"
-    x = Tokens(spec.registers, spec.pos_grid if v2 else 0, spec.antialias, spec.cls_position, name="tokens")(grid)
+    x = Tokens(spec.registers, spec.pos_grid if v2 else 0, spec.antialias, spec.cls_position, spec.torch_bicubic,
+               name="tokens")(grid)
     rope = () if v2 else RopeTables(spec.width // spec.heads, spec.rope_theta, name="rope")(grid)
     final = LayerNorm(epsilon=spec.epsilon, name="norm") if norm else None
     found = {}

@@ -35,8 +35,9 @@ log(max(scores, tiny)) so that argmax and a softmax over classes (flip / scale a
 other heads' logits; softmax of them is the scores normalised to sum 1.
 
 Positions: transformers' EoMT has learned position embeddings for its one patch grid on the patches only
-(ViTVariant(cls_position=False)); here, as for DINOv2, they are resized bicubically to the actual grid (the
-identity at its own grid), so any size works. Mixed precision: the ViT's float32 LayerNorm moments and
+(ViTVariant(cls_position=False); config/variants.py's dinov2_vit*16_reg); here, as for DINOv2, they are resized
+bicubically (torch's) to the actual grid (the identity at its own grid), so any size works. Its folders load through
+models/dino/transformers.py. Mixed precision: the ViT's float32 LayerNorm moments and
 softmax; predictions and the semantic output in float32.
 """
 
@@ -108,18 +109,22 @@ class EoMT(keras.Model):
         self.spec, self.num_classes, self.num_queries = spec, num_classes, queries
         self.eomt_blocks, self.upscale_blocks = eomt_blocks, upscale_blocks
         c = spec.width
-        self.backbone = dino_encoder(label or spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True)
+        self.backbone = dino_encoder(spec, layers=(spec.depth,), drop_path_rate=drop_path_rate, norm=True,
+                                     label=label)
         self.queries = self.add_weight(shape=(queries, c), initializer=keras.initializers.RandomNormal(stddev=1.0),
                                        name="queries")
         self.class_head = dense(num_classes + 1, "class_head")
-        self.mask_mlp = [dense(c, "mask_mlp1", activation="gelu"), dense(c, "mask_mlp2", activation="gelu"),
-                         dense(c, "mask_mlp3")]
-        self.upscale = []  # per block: deconv, GELU, depthwise conv, LayerNorm
+        # Tuples, not lists: Keras 3 keeps a list of layers out of tf.train.Checkpoint's object graph (its
+        # TrackedList is no TensorFlow trackable), so a checkpoint restoring the model alone would miss them.
+        self.mask_mlp = (dense(c, "mask_mlp1", activation="gelu"), dense(c, "mask_mlp2", activation="gelu"),
+                         dense(c, "mask_mlp3"))
+        upscale = []  # per block: deconv, GELU, depthwise conv, LayerNorm
         for i in range(1, upscale_blocks + 1):
-            self.upscale += [layers.Conv2DTranspose(c, 2, strides=2, name=f"upscale{i}_deconv"),
-                             layers.Activation("gelu", name=f"upscale{i}_gelu"),
-                             layers.DepthwiseConv2D(3, padding="same", use_bias=False, name=f"upscale{i}_dwconv"),
-                             LayerNorm(epsilon=_UPSCALE_EPSILON, name=f"upscale{i}_norm")]
+            upscale += [layers.Conv2DTranspose(c, 2, strides=2, name=f"upscale{i}_deconv"),
+                        layers.Activation("gelu", name=f"upscale{i}_gelu"),
+                        layers.DepthwiseConv2D(3, padding="same", use_bias=False, name=f"upscale{i}_dwconv"),
+                        LayerNorm(epsilon=_UPSCALE_EPSILON, name=f"upscale{i}_norm")]
+        self.upscale = tuple(upscale)
         vector, grid = (None, c), (None, None, None, c)
         self.class_head.build(vector)
         for layer in self.mask_mlp:
@@ -203,9 +208,9 @@ class EoMT(keras.Model):
 
 
 def eomt(name, num_classes: int, queries: int = 100, eomt_blocks: int = 4, upscale_blocks: int = 2,
-         drop_path_rate: float = 0.0) -> EoMT:
-    """EoMT on the ViT `name` (a VIT_VARIANTS key, or a ViTVariant); call inside `strategy.scope()` for one set of
-    variables."""
+         drop_path_rate: float = 0.0, label: str | None = None) -> EoMT:
+    """EoMT on the ViT `name` (a VIT_VARIANTS key, or a ViTVariant, then named `label`); call inside
+    `strategy.scope()` for one set of variables."""
     spec = VIT_VARIANTS[name] if isinstance(name, str) else name
     return EoMT(spec, num_classes, queries, eomt_blocks, upscale_blocks, drop_path_rate,
-                label=name if isinstance(name, str) else None)
+                label=name if isinstance(name, str) else label)

@@ -29,7 +29,7 @@ def build(cfg, num_classes: int) -> keras.Model:
     return head.build(backbone, num_classes, cfg, layer_choice(cfg))
 
 
-def check_weights(cfg) -> None:
+def check_weights(cfg, num_classes: int) -> None:
     if cfg.backbone_weights is not None:
         check_mit_preset(cfg.backbone_weights, cfg.backbone)
     if cfg.init_weights is not None:
