@@ -4,14 +4,17 @@ matcher, and the matcher alone: how much of an EoMT step the matching takes.
 
     python benchmarks/bench_eomt_loss.py [--batch 8] [--size 512] [--classes 5] [--present N] [--queries 100]
                                          [--blocks 4] [--steps 3] [--windows 5] [--warmup 2] [--step-ms MS]
-                                         [--output FILE.json]
+                                         [--segments N] [--output FILE.json]
 
 Random predictions of the step's shapes: --blocks + 1 prediction layers (one before each EoMT block and the
 final one, as the train step's deep supervision), each class logits [b, Q, K+1] and mask logits
 [b, Q, size/4, size/4]; label maps [b, size, size] of random 64x64 tiles with an ignored border, each image's
 tiles drawn from --present of the K classes (its own random choice; default all K, so most images hold every
 class: the matcher's largest problem, K masks per image). ADE20K's images hold about ten of its 150 classes:
---classes 150 --present 10.
+--classes 150 --present 10. --segments N: panoptic targets instead (data.task panoptic: segment labels, one mask
+per segment) of N + 1 segments per image: N tiles of the 64x64 grid are thing instances 1..N of classes drawn from
+the image's --present, the other tiles one stuff region of the image's first class; COCO's images hold up to about
+a hundred (--classes 133 --queries 200 --segments 100).
 
 Three tf.functions (no XLA) on one CPU device, on the same tensors:
   loss               eomt_loss_terms and the weighted total, and its gradient with respect to the predictions
@@ -56,6 +59,7 @@ def _parse(argv):
     p.add_argument("--windows", type=int, default=5, help="timed windows per part (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per part first (default 2)")
     p.add_argument("--step-ms", type=float, help="a train step's wall ms, for each part's share of it")
+    p.add_argument("--segments", type=int, help="panoptic targets: thing segments per image (default: semantic)")
     p.add_argument("--output", type=Path, help="also write the results as JSON here")
     args = p.parse_args(argv)
     if args.size % 4:
@@ -65,8 +69,10 @@ def _parse(argv):
     args.present = args.classes if args.present is None else args.present
     if not 1 <= args.present <= args.classes:
         p.error(f"--present {args.present}: expected 1 .. --classes ({args.classes})")
-    if args.queries < args.classes:
+    if args.segments is None and args.queries < args.classes:
         p.error(f"--queries {args.queries}: expected at least --classes ({args.classes})")
+    if args.segments is not None and not 1 <= args.segments < min(args.queries, (-(-args.size // 64)) ** 2):
+        p.error(f"--segments {args.segments}: expected 1 .. min(--queries, 64x64 tiles) - 1")
     if args.warmup < 1:
         p.error("--warmup: expected >= 1 (tracing is never timed)")
     return args
@@ -86,9 +92,20 @@ def _inputs(args):
     tile_classes = np.take_along_axis(chosen, rng.integers(0, args.present, (b, tiles * tiles)), 1)
     labels = np.kron(tile_classes.reshape(b, tiles, tiles), np.ones((64, 64), np.int64))
     labels = labels[:, :args.size, :args.size].astype("int32")
-    labels[:, :4], labels[:, :, :4] = 255, 255
+    if args.segments is not None:
+        # Segment labels: N tiles numbered instances 1..N, the other tiles the image's first class as stuff.
+        number = np.zeros((b, tiles * tiles), np.int64)
+        for i in range(b):
+            number[i, rng.choice(tiles * tiles, args.segments, replace=False)] = np.arange(1, args.segments + 1)
+        tile_values = np.where(number > 0, tile_classes * 1000 + number, chosen[:, :1] * 1000)
+        labels = np.kron(tile_values.reshape(b, tiles, tiles), np.ones((64, 64), np.int64))
+        labels = labels[:, :args.size, :args.size].astype("int32")
+        labels[:, :4], labels[:, :, :4] = 255000, 255000
+    else:
+        labels[:, :4], labels[:, :, :4] = 255, 255
     seeds = np.stack([np.arange(b), np.full(b, 12345)], axis=1).astype("int32")
-    costs = [rng.normal(0, 1, (b, q, k)).astype("float32") for _ in range(layers)]
+    slots = k if args.segments is None else args.segments + 1
+    costs = [rng.normal(0, 1, (b, q, slots)).astype("float32") for _ in range(layers)]
     return predictions, labels, seeds, costs
 
 
@@ -123,7 +140,8 @@ def _functions(args, predictions, labels, seeds, costs):
     from seg_train.objectives import mask_loss as eomt_loss
     from seg_train.objectives.matching import batched_linear_sum_assignment
 
-    opts = eomt_loss.EomtLossOptions(num_classes=args.classes, num_points=args.points)
+    task = "semantic" if args.segments is None else "panoptic"
+    opts = eomt_loss.EomtLossOptions(num_classes=args.classes, num_points=args.points, task=task)
     preds = [(tf.constant(c), tf.constant(m)) for c, m in predictions]
     labels_t, seeds_t = tf.constant(labels), tf.constant(seeds)
     costs_t = [tf.constant(c) for c in costs]
@@ -136,7 +154,7 @@ def _functions(args, predictions, labels, seeds, costs):
         return loss, tape.gradient(loss, preds)
 
     def matcher(costs, labels):
-        _, num_valid = eomt_loss.semantic_targets(labels, args.classes)
+        _, _, num_valid = eomt_loss.targets_of(labels, opts, max_segments=args.queries)
         return [batched_linear_sum_assignment(c, num_valid)[0] for c in costs]
 
     with_matcher = tf.function(loss_and_grad).get_concrete_function(preds, labels_t, seeds_t)
@@ -188,12 +206,13 @@ def main(argv=None) -> int:
     from seg_train.util.sysinfo import peak_rss_mb
 
     record = {k: getattr(args, k) for k in ("batch", "size", "classes", "present", "queries", "blocks", "points",
-                                            "steps", "windows", "warmup", "step_ms")}
+                                            "steps", "windows", "warmup", "step_ms", "segments")}
     record.update(results=results, peak_rss_mib=peak_rss_mb(), machine=machine_info())
     if args.output:
         args.output.write_text(json.dumps(record, indent=1) + "\n")
     layers = args.blocks + 1
-    print(f"{args.batch} x {args.size}x{args.size} labels, K={args.classes} ({args.present} per image), "
+    targets = "semantic targets" if args.segments is None else f"panoptic targets, {args.segments + 1} per image"
+    print(f"{args.batch} x {args.size}x{args.size} labels ({targets}), K={args.classes} ({args.present} per image), "
           f"Q={args.queries}, {layers} layers of "
           f"masks at {args.size // 4}x{args.size // 4}, {args.points} points, float32, 1 CPU device; median of "
           f"{args.windows} windows of {args.steps} calls per part, interleaved\n")

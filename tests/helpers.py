@@ -895,6 +895,9 @@ WIRED_DATA = {
     "eval.crop_size": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
     "eval.stride": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
     "eval.logit_adjustment": WIRED_DATA_HERE + "test_seg_eval_counts_what_the_modes_give_by_hand",
+    "eval.mask_thresh": "tests/test_panoptic_model.py::"
+                        "test_seg_eval_pq_is_the_official_evaluators_on_seg_predicts_files",
+    "eval.overlap_thresh": "tests/test_panoptic_model.py::test_evaluation_on_four_towers_equals_one",
 }
 
 

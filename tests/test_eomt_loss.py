@@ -282,3 +282,187 @@ def test_traced_equals_eager_and_gradients_reach_the_logits():
     gc, gm = tape.gradient(loss, [c, m])
     assert np.all(np.isfinite(gc.numpy())) and np.any(gc.numpy() != 0)
     assert np.all(np.isfinite(gm.numpy())) and np.any(gm.numpy() != 0)
+
+
+# ---- panoptic and instance targets (segment labels: class * 1000 + instance) --------------------------------
+SEGMENTS_FIXTURE = "tests/fixtures/eomt_loss_segments.npz"
+
+
+def _segment_fixture(task):
+    f = np.load(SEGMENTS_FIXTURE)
+    preds = [(f["class_logits"][i], f["mask_logits"][i]) for i in range(f["class_logits"].shape[0])]
+    return f, preds, f["labels"]
+
+
+def test_segment_targets_by_hand():
+    """segment_targets on hand-made segment labels: one slot per thing instance and per stuff class present,
+    ascending values; crowd (999), unlabelled (class 255) and out-of-range classes make no slot; the instance
+    task keeps thing instances only; an image without a segment has none; the cap keeps the first values.
+    Fails for segments keyed by class alone (two instances of a class one mask), by instance alone (instance 1
+    of two classes one mask), crowd regions made targets, stuff kept as an instance target."""
+    k = 4
+    labels = np.full((3, 5, 6), 255000, np.int32)
+    labels[0, :2] = 0                   # stuff class 0
+    labels[0, 2, :3] = 1001             # class 1, instance 1
+    labels[0, 2, 3:] = 1002             # class 1, instance 2
+    labels[0, 3, :3] = 3001             # class 3, instance 1 (same instance number, other class)
+    labels[0, 3, 3:] = 3999             # crowd of class 3
+    labels[0, 4, :2] = 2000             # stuff class 2
+    labels[0, 4, 2] = 255007            # unlabelled, whatever its instance
+    labels[0, 4, 3:] = 7001             # class 7 >= K: no segment
+    labels[2] = 1999                    # all crowd
+    values, classes, num_valid = (t.numpy() for t in E.segment_targets(labels, k, 255))
+    np.testing.assert_array_equal(num_valid, [5, 0, 0])
+    np.testing.assert_array_equal(values[0], [0, 1001, 1002, 2000, 3001])
+    np.testing.assert_array_equal(classes[0], [0, 1, 1, 2, 3])
+    assert np.all(values[1:] == -1)
+    values, classes, num_valid = (t.numpy() for t in E.segment_targets(labels, k, 255, things_only=True))
+    np.testing.assert_array_equal(num_valid, [3, 0, 0])
+    np.testing.assert_array_equal(values[0, :3], [1001, 1002, 3001])
+    np.testing.assert_array_equal(classes[0, :3], [1, 1, 3])
+    values, _, num_valid = (t.numpy() for t in E.segment_targets(labels, k, 255, max_segments=2))
+    np.testing.assert_array_equal(num_valid, [2, 0, 0])
+    np.testing.assert_array_equal(values[0], [0, 1001])
+    # No segment anywhere: one empty slot, so no shape is empty.
+    values, _, num_valid = (t.numpy() for t in E.segment_targets(labels[1:], k, 255))
+    assert values.shape == (2, 1) and np.all(values == -1) and np.all(num_valid == 0)
+
+
+@pytest.mark.parametrize("task", ["panoptic", "instance"])
+def test_segment_grid_matches_and_terms_are_the_references(task):
+    """Full-grid mode on segment labels: the matched (query, mask) pairs and each term of each layer are
+    transformers' EomtLoss's on the EoMT authors' targets (one mask per segment value, class = value // 1000;
+    instance: things only, stuff as background), within rtol 1e-5. Fails for targets per class instead of per
+    segment (the semantic targets), the instance task training stuff masks or ignoring stuff pixels, a mask's class
+    taken from the instance part."""
+    f, preds, labels = _segment_fixture(task)
+    opts = E.EomtLossOptions(num_classes=5, random_points=False, task=task)
+    terms, matches = E.eomt_loss_terms(preds, labels, seeds_for(2), opts, return_matches=True)
+    num_valid = f[f"{task}_num_valid"]
+    _, _, ours = E.targets_of(labels, opts)
+    np.testing.assert_array_equal(ours.numpy(), num_valid)
+    g = int(num_valid.max())
+    np.testing.assert_array_equal(matches.numpy(), f[f"{task}_grid_matches"][:, :, :g])
+    got, total = numbers(terms, opts)
+    np.testing.assert_allclose(got, f[f"{task}_grid_terms"], rtol=1e-5)
+    np.testing.assert_allclose(total, np.sum(np.array([2.0, 5.0, 5.0])[:, None] * f[f"{task}_grid_terms"]),
+                               rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["panoptic", "instance"])
+def test_segment_random_sampling_agrees_with_the_reference_in_distribution(task):
+    """The reference's own sampling on segment targets: each term's mean over SEEDS seeds within Z standard errors
+    of the reference's mean over its runs. Fails for points drawn per class rather than per segment slot, or the
+    same points for every slot of an image."""
+    f, preds, labels = _segment_fixture(task)
+    opts = E.EomtLossOptions(num_classes=5, num_points=int(f["random_points"]), task=task)
+    b = labels.shape[0]
+    tiled = [(np.tile(c, (SEEDS, 1, 1)), np.tile(m, (SEEDS, 1, 1, 1))) for c, m in preds]
+    got, _ = numbers(E.eomt_loss_terms(tiled, np.tile(labels, (SEEDS, 1, 1)), seeds_for(b * SEEDS, 5), opts), opts)
+    se = f[f"{task}_random_std"] * np.sqrt(1.0 / SEEDS + 1.0 / int(f["random_reps"]))
+    z = (got - f[f"{task}_random_mean"]) / se
+    assert np.all(np.abs(z) < Z), f"z-scores [term, layer]:\n{z}\nours {got}\nreference {f[f'{task}_random_mean']}"
+
+
+def _segment_grid_by_hand(class_logits, mask_logits, labels, k, things_only):
+    """Full-grid mode on segment labels at twice the prediction's resolution, in numpy (as _grid_terms_by_hand):
+    a point whose 2 x 2 label block holds an unlabelled (class 255) or crowd (instance 999) pixel is dropped."""
+    b, q, h, w = mask_logits.shape
+    blocks = labels.reshape(b, h, 2, w, 2).transpose(0, 1, 3, 2, 4).reshape(b, h * w, 4)
+    out = dict(class_sum=0.0, class_weight=0.0, mask_sum=0.0, dice_sum=0.0, mask_count=0.0)
+    for i in range(b):
+        v = labels[i]
+        segment = (v // 1000 < k) & (v % 1000 != 999) & ((v % 1000 > 0) if things_only else True)
+        present = np.unique(v[segment])
+        kept = ~np.any((blocks[i] // 1000 == 255) | (blocks[i] % 1000 == 999), -1)
+        x = mask_logits[i].reshape(q, -1).astype(np.float64)[:, kept]
+        t = np.stack([np.mean(blocks[i] == s, -1) for s in present]).reshape(len(present), -1)[:, kept]
+        n = max(kept.sum(), 1)
+        sp_pos, sp_neg = np.logaddexp(0, -x), np.logaddexp(0, x)
+        p = 1 / (1 + np.exp(-x))
+        z = class_logits[i].astype(np.float64)
+        prob = np.exp(z - z.max(-1, keepdims=True))
+        prob /= prob.sum(-1, keepdims=True)
+        cost = 5 * (sp_pos @ t.T + sp_neg @ (1 - t).T) / n + 2 * -prob[:, present // 1000] \
+            + 5 * (1 - (2 * p @ t.T + 1) / (p.sum(-1)[:, None] + t.sum(-1)[None, :] + 1))
+        rows, cols = linear_sum_assignment(cost)
+        target = np.full(q, k)
+        target[rows] = present[cols] // 1000
+        weight = np.where(target == k, 0.1, 1.0)
+        ce = np.log(np.exp(z).sum(-1)) - z[np.arange(q), target]
+        out["class_sum"] += np.sum(weight * ce)
+        out["class_weight"] += weight.sum()
+        for r, c in zip(rows, cols):
+            out["mask_sum"] += np.mean(sp_pos[r] * t[c] + sp_neg[r] * (1 - t[c]))
+            out["dice_sum"] += 1 - (2 * np.sum(p[r] * t[c]) + 1) / (p[r].sum() + t[c].sum() + 1)
+        out["mask_count"] += len(present)
+    return out
+
+
+@pytest.mark.parametrize("task", ["panoptic", "instance"])
+def test_crowd_and_unlabelled_points_count_in_no_term_by_hand(task):
+    """Full grid, segment labels at twice the resolution with crowd regions (a whole block and a band straddling
+    blocks) and unlabelled pixels: every term equals numpy's with the points touching them dropped and crowd made
+    no target; moving the logits there changes nothing. Fails for crowd points counted as background of every mask
+    (the EoMT authors' crowd handling), crowd regions made targets, unlabelled pixels taken for segments."""
+    rng = np.random.default_rng(5)
+    b, q, k, h, w = 2, 8, 4, 8, 8
+    classes = rng.integers(0, k, (b, 4, 4))
+    instances = np.where(classes >= 2, rng.integers(1, 4, (b, 4, 4)), 0)  # classes 2, 3 things, 0, 1 stuff
+    labels = (classes * 1000 + instances).repeat(4, 1).repeat(4, 2).astype(np.int32)
+    labels[0, 4:8, 4:8] = 2999                      # a crowd block
+    labels[0, 9:12] = 3999                          # a crowd band across grid blocks
+    labels[1, rng.random((16, 16)) < 0.1] = 255000  # scattered unlabelled pixels
+    class_logits = rng.normal(0, 1.5, (b, q, k + 1)).astype(np.float32)
+    mask_logits = rng.normal(0, 2, (b, q, h, w)).astype(np.float32)
+    opts = E.EomtLossOptions(num_classes=k, random_points=False, task=task)
+    terms = E.eomt_loss_terms([(class_logits, mask_logits)], labels, seeds_for(2), opts)
+    want = _segment_grid_by_hand(class_logits, mask_logits, labels, k, task == "instance")
+    for name, value in want.items():
+        np.testing.assert_allclose(terms[name].numpy()[0], value, rtol=1e-5, err_msg=name)
+    blocks = labels.reshape(2, 8, 2, 8, 2).transpose(0, 1, 3, 2, 4).reshape(2, 8, 8, 4)
+    dropped = np.any((blocks // 1000 == 255) | (blocks % 1000 == 999), -1)
+    assert dropped[0].sum() > 0 and dropped[1].sum() > 0 and not dropped.all()
+    moved = np.where(dropped[:, None], mask_logits + 7.0, mask_logits)
+    again = E.eomt_loss_terms([(class_logits, moved)], labels, seeds_for(2), opts)
+    for name in E.TERMS:
+        np.testing.assert_allclose(again[name].numpy(), terms[name].numpy(), rtol=1e-6, err_msg=name)
+
+
+def test_segment_halves_summed_are_the_whole_batch():
+    """Tower invariance on panoptic targets with random points: the terms of a batch's two halves, summed, equal
+    the whole batch's, the halves holding 2 and up to 9 segments per image (each its own compacted slot count).
+    Fails for draws keyed by the batch's slot count or position, a mask count of one half."""
+    rng = np.random.default_rng(8)
+    b, q, k = 4, 10, 3
+    classes = rng.integers(0, k, (b, 4, 4))
+    labels = (classes * 1000 + np.where(classes > 0, rng.integers(1, 4, (b, 4, 4)), 0))
+    labels[:2] = rng.integers(0, 2, (2, 4, 4)) * 1001
+    labels = labels.repeat(4, 1).repeat(4, 2).astype(np.int32)
+    counts = [len(np.unique(x)) for x in labels]
+    assert max(counts[:2]) == 2 and max(counts[2:]) >= 5
+    preds = [(rng.normal(size=(b, q, k + 1)).astype(np.float32), rng.normal(size=(b, q, 8, 8)).astype(np.float32))
+             for _ in range(2)]
+    seeds = rng.integers(0, 2**31 - 1, (b, 2)).astype(np.int32)
+    opts = E.EomtLossOptions(num_classes=k, num_points=50, task="panoptic")
+    whole = E.eomt_loss_terms(preds, labels, seeds, opts)
+    halves = [E.eomt_loss_terms([(c[s], m[s]) for c, m in preds], labels[s], seeds[s], opts)
+              for s in (slice(0, 2), slice(2, 4))]
+    for name in E.TERMS:
+        np.testing.assert_allclose(halves[0][name].numpy() + halves[1][name].numpy(), whole[name].numpy(),
+                                   rtol=1e-5, err_msg=name)
+
+
+def test_more_segments_than_queries_are_cut_to_the_queries():
+    """An image with more segments than queries: the matcher takes the first Q (ascending values), the mask count
+    is Q, the terms finite. Fails for a matcher asked for more masks than queries (an assertion at run time), or a
+    mask count of every segment while only Q are matched."""
+    rng = np.random.default_rng(9)
+    labels = (1000 + np.arange(36).reshape(6, 6) % 7 + 1)[None].repeat(4, 1).repeat(4, 2).astype(np.int32)
+    preds = [(rng.normal(size=(1, 5, 3)).astype(np.float32), rng.normal(size=(1, 5, 6, 6)).astype(np.float32))]
+    opts = E.EomtLossOptions(num_classes=2, random_points=False, task="instance")
+    terms, matches = E.eomt_loss_terms(preds, labels, seeds_for(1), opts, return_matches=True)
+    assert float(terms["mask_count"][0]) == 5.0
+    assert sorted(matches.numpy()[0, 0].tolist()) == [0, 1, 2, 3, 4]
+    assert all(np.isfinite(v.numpy()).all() for v in terms.values())

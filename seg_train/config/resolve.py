@@ -366,9 +366,10 @@ def _check_eomt(cfg: Config) -> Config:
 def check_trainable(cfg: Config) -> None:
     """What only training needs (seg-train, seg-bench): EoMT's matcher gives each class present in an image its
     own query, so at least data.num_classes of them. Evaluation takes fewer (the published ADE20K EoMTs have 100
-    queries for 150 classes)."""
+    queries for 150 classes). The panoptic and instance tasks match a query per segment, whatever the classes (an
+    image's segments beyond the queries are left out: objectives/mask_loss.py)."""
     m = cfg.model
-    if m.head == "eomt" and m.num_queries < cfg.data.num_classes:
+    if m.head == "eomt" and cfg.data.task == "semantic" and m.num_queries < cfg.data.num_classes:
         raise ConfigError("fewer queries than classes", "model.num_queries",
                           f"at least data.num_classes ({cfg.data.num_classes}) to train: each class present in an "
                           f"image is matched to its own query, got {m.num_queries}")
@@ -419,6 +420,15 @@ def _resolve_eval(cfg: Config) -> Config:
     if e.mode == "slide" and e.crop_size is None:
         raise ConfigError("missing value", "eval.crop_size",
                           "expected [height, width] of the sliding window when eval.mode is slide")
+    if cfg.data.task != "semantic":
+        # The panoptic and instance evaluation is the reference's one letterboxed pass (infer/mask_evaluate.py).
+        refused = {"eval.mode": e.mode != "whole", "eval.flip": e.flip, "eval.scales": list(e.scales) != [1.0],
+                   "eval.logit_adjustment": bool(e.logit_adjustment)}
+        for key, on in refused.items():
+            if on:
+                raise ConfigError("not available for this task", key,
+                                  f"its default with data.task {cfg.data.task} (one pass on the image resized to "
+                                  "fit data.crop_size, as EoMT evaluates it)")
     if e.crop_size is not None and e.stride is None:
         cfg = replace(cfg, "eval.stride", tuple(-(-2 * c // 3) for c in e.crop_size))
     elif e.crop_size is not None and any(s > c for s, c in zip(e.stride, e.crop_size)):

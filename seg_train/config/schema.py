@@ -392,6 +392,13 @@ class EvalConfig:
     stride: Optional[tuple[int, int]] = _c(None, check=_pair_positive,
                                            doc="[h, w] step between windows, at most eval.crop_size",
                                            default_doc="null; with eval.crop_size: two thirds of it, rounded up")
+    # data.task panoptic: EoMT's post-processing (seg_train/infer/mask_postprocess.py), the reference's values.
+    mask_thresh: float = _c(0.8, check=lambda v: None if 0 <= v < 1 else "a number in [0, 1)",
+                            doc="data.task panoptic: a query makes a segment when its class probability is above "
+                                "this, in [0, 1)")
+    overlap_thresh: float = _c(0.8, check=lambda v: None if 0 <= v <= 1 else "a number in [0, 1]",
+                               doc="data.task panoptic: a segment is kept when the pixels it wins / its pixels at "
+                                   "mask probability >= 0.5 is at least this, in [0, 1]")
     # Post-hoc logit adjustment (modes.score_offsets): tau * log(loss.class_weights) off the scores.
     logit_adjustment: float = _c(0.0, check=_non_negative,
                                  doc="tau >= 0: probabilities divided by loss.class_weights ** tau before the "

@@ -48,11 +48,22 @@ def run_eval(cfg: Config, strategy: tf.distribute.Strategy, checkpoint: str | No
     log.info("evaluating %s (step %d) on %d %s images, %d tower(s), %s", prefix, step, len(reader), split,
              strategy.num_replicas_in_sync, modes.describe(cfg.eval))
     metrics, num_images = evaluator.evaluate(reader, names, progress)
+    masks = hasattr(metrics, "headline")  # data.task panoptic / instance: mask_evaluate.MaskScores
     record = {"split": split, "checkpoint": prefix, "step": step, "num_images": num_images,
               "bn_stats_reestimated": reestimated, "inference": modes.as_dict(cfg.eval),
-              **metrics_to_json(metrics, names)}
+              **(mask_inference(cfg) if masks else {}),
+              **(metrics.to_json() if masks else metrics_to_json(metrics, names))}
     path = out_dir / f"{split_tag(split)}-{'init' if checkpoint is None else f'step{step}'}.json"
     write_json(path, record)
-    print(format_table(metrics, names))
-    print(f"{num_images} images, step {step}: mIoU {100 * metrics.miou:.2f}%; wrote {path}")
+    print(metrics.table() if masks else format_table(metrics, names))
+    headline = metrics.headline_text() if masks else f"mIoU {100 * metrics.miou:.2f}%"
+    print(f"{num_images} images, step {step}: {headline}; wrote {path}")
     return record
+
+
+def mask_inference(cfg: Config) -> dict:
+    """The post-processing settings of a panoptic or instance evaluation, for its JSON record."""
+    out = {"letterbox": list(cfg.data.crop_size)}
+    if cfg.data.task == "panoptic":
+        out.update(mask_thresh=cfg.eval.mask_thresh, overlap_thresh=cfg.eval.overlap_thresh)
+    return {"postprocess": out}

@@ -25,7 +25,7 @@ from seg_train.infer import modes
 from seg_train.infer.examples import NUM_EXAMPLES, predict_examples
 from seg_train.infer.metrics import SegMetrics, compute_metrics
 from seg_train.infer.precise_bn import PreciseBN
-from seg_train.infer.serving import serving_module
+from seg_train.infer.serving import mask_serving_module, serving_module
 from seg_train.parallel.towers import TowerPass
 from seg_train.util.progress import progress_bar
 
@@ -101,18 +101,23 @@ class Evaluator:
         self.precise_bn = PreciseBN(state)
         self._step = None  # the eval step, traced at the first evaluation
         self._examples = None  # the eval examples' serving module, traced at their first prediction
+        self._mask_step = None  # data.task panoptic / instance: their eval step (mask_evaluate.make_step)
+        self._mask_examples = []  # ... and the pictures of their last evaluation
 
     def evaluate(self, reader: ImageReader, class_names, progress: bool = True) -> tuple[SegMetrics, int]:
         """Evaluates the state's model on every image of `reader`'s split at full resolution.
 
         Returns:
-          (metrics from the summed confusion matrix, number of images evaluated).
+          (metrics from the summed confusion matrix, number of images evaluated); for data.task panoptic and
+          instance (metrics: mask_evaluate.MaskScores, PQ or mask AP, number of images evaluated).
         """
         state = self.state
         c = state.cfg.data.num_classes
         if len(class_names) != c:
             raise ConfigError("wrong number of class names", "data.class_names",
                               f"expected {c} names (data.num_classes), got {len(class_names)}")
+        if state.cfg.data.task != "semantic":
+            return self._evaluate_masks(reader, class_names, progress)
         if reader.cfg.ignore_label != state.cfg.data.ignore_label:
             raise ValueError("the reader and the state disagree on data.ignore_label")
         if self._step is None:
@@ -140,6 +145,19 @@ class Evaluator:
                               f"expected pixels whose label is not data.ignore_label ({reader.cfg.ignore_label})")
         return compute_metrics(cm), num_images
 
+    def _evaluate_masks(self, reader: ImageReader, class_names, progress: bool):
+        from seg_train.infer import mask_evaluate
+
+        setup = mask_evaluate.MaskSetup.of(self.state.cfg, self.eval_cfg)
+        if self._mask_step is None:
+            self._mask_step = mask_evaluate.make_step(self.state, setup.crop)
+        scores, count = mask_evaluate.evaluate(self.state, self._mask_step, reader, setup, class_names, progress)
+        if scores.value is None:
+            raise ConfigError("nothing to score", f"split {reader.split}",
+                              f"ground-truth segments (data.task {setup.task}): no class has any")
+        self._mask_examples = scores.examples
+        return scores, count
+
     def reestimate_bn(self, reader: ImageReader, num_batches: int, progress: bool = True) -> bool:
         """Precise BN on the training split's `reader` (precise_bn.PreciseBN.reestimate)."""
         return self.precise_bn.reestimate(reader, num_batches, progress)
@@ -152,11 +170,18 @@ class Evaluator:
         """The serving module of the state's model with these modes and offsets; a new one per call."""
         return serving_module(self.state.model, mean, std, self.eval_cfg, self.score_offsets)
 
+    def mask_serving_module(self, mean, std):
+        """data.task panoptic / instance: the raw-output serving module of the state's model
+        (serving.mask_serving_module); a new one per call."""
+        return mask_serving_module(self.state.model, mean, std)
+
     def predict_examples(self, reader: ImageReader, k: int = NUM_EXAMPLES):
         """eval/examples: the first k images of the val split `reader` with their predictions.
 
         The serving module is built at the first call, with `reader`'s normalisation, and kept.
         """
+        if self.state.cfg.data.task != "semantic":
+            return self._mask_examples[:k]  # drawn by the evaluation itself: (image, ground truth, prediction) RGB
         if self._examples is None:
             self._examples = self.serving_module(reader.cfg.mean, reader.cfg.std)
         return predict_examples(self._examples, reader, k)
@@ -166,8 +191,15 @@ class Evaluator:
 def write_eval_summaries(writer, step: int, metrics: SegMetrics, class_names) -> None:
     """TensorBoard scalars eval/miou, eval/pixel_accuracy, eval/mean_class_accuracy, eval/iou/<class>.
 
-    Classes with an undefined IoU are left out.
+    Classes with an undefined IoU are left out. Panoptic and instance evaluations (mask_evaluate.MaskScores): their
+    scalars (eval/pq, eval/pq_things, eval/pq_stuff, eval/sq .., eval/pq/<class>; eval/ap, eval/ap50, ..).
     """
+    if hasattr(metrics, "scalars"):
+        with writer.as_default(step=step):
+            for tag, value in metrics.scalars().items():
+                tf.summary.scalar(tag, value)
+        writer.flush()
+        return
     with writer.as_default(step=step):
         tf.summary.scalar("eval/miou", metrics.miou)
         tf.summary.scalar("eval/pixel_accuracy", metrics.pixel_accuracy)

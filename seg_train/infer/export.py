@@ -15,6 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from seg_train.config import Config, ConfigError
 
 log = logging.getLogger("seg_train")
@@ -69,7 +71,15 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
     names = class_names_of(cfg)
     evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
-    module = evaluator.serving_module(cfg.data.mean, cfg.data.std)
+    masks = cfg.data.task != "semantic"
+    module = (evaluator.mask_serving_module if masks else evaluator.serving_module)(cfg.data.mean, cfg.data.std)
+    signature = ("serving_default: image uint8 [height, width, 3] -> classes int32 [height, width], "
+                 "probabilities float32 [height, width, num_classes]")
+    if masks:
+        signature = ("serving_default: image uint8 [height, width, 3], the image letterboxed to the crop "
+                     "(resized with Pillow's BILINEAR so that its long side fits, padded below and right with 0) -> "
+                     "class_logits float32 [queries, num_classes + 1] (the last class: no object), mask_logits "
+                     "float32 [queries, height / patch * 4, width / patch * 4]; post-processing outside the model")
 
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():  # left over by an interrupted export
@@ -83,13 +93,27 @@ def run_export(cfg: Config, strategy, checkpoint: str, output: str | os.PathLike
             "mean": list(cfg.data.mean), "std": list(cfg.data.std), "bn_stats_reestimated": reestimated,
             "inference": modes.as_dict(cfg.eval),
             "score_offsets": modes.offsets_by_class(evaluator.score_offsets, names),
-            "signature": "serving_default: image uint8 [height, width, 3] -> classes int32 [height, width], "
-                         "probabilities float32 [height, width, num_classes]",
+            "signature": signature,
+            **(mask_metadata(cfg) if masks else {}),
         }, indent=1) + "\n")
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"exported step {step} ({prefix}) to {out}: serving_default(image uint8 [h, w, 3]) -> classes [h, w] "
-          f"({modes.describe(cfg.eval)})")
+    what = "class_logits, mask_logits (letterboxed input)" if masks else f"classes [h, w] ({modes.describe(cfg.eval)})"
+    print(f"exported step {step} ({prefix}) to {out}: serving_default(image uint8 [h, w, 3]) -> {what}")
+    return out
+
+
+def mask_metadata(cfg: Config) -> dict:
+    """What a caller of a panoptic / instance export needs besides the logits: the task, the letterbox size, the
+    post-processing settings, which classes are things and each train id's data-set category id."""
+    from seg_train.data.split import categories_of
+    from seg_train.infer.mask_evaluate import MaskSetup
+
+    setup = MaskSetup.of(cfg)
+    out = {"task": cfg.data.task, "letterbox": list(setup.crop), "category_ids": list(categories_of(cfg).ids)}
+    if cfg.data.task == "panoptic":
+        out.update(thing_classes=np.flatnonzero(setup.is_thing).tolist(), mask_thresh=setup.mask_thresh,
+                   overlap_thresh=setup.overlap_thresh)
     return out

@@ -103,10 +103,38 @@ class FileModel:
                               f"got {got}")
         self._input = inputs[0][0]
         self.height, self.width = (int(v) for v in inputs[0][1][1:3])
-        self._output, self.num_classes = self._class_output(runner.outputs)
+        # data.task panoptic / instance: the raw class and mask logits (seg-export writes them), else a class map.
+        self.mask_outputs = self._mask_outputs(runner.outputs)
+        if self.mask_outputs is None:
+            self._output, self.num_classes = self._class_output(runner.outputs)
+        else:
+            self._output = self.mask_outputs[0]
+            self.num_classes = int(next(s for h, s, _ in runner.outputs if h == self._output)[-1]) - 1
         # Warm-up: the first call prepares the runtime's kernels; it is not counted in the latency.
         runner.run(self._input, self._output, np.zeros((1, self.height, self.width, 3), np.uint8))
         self.invoke_seconds: list[float] = []
+
+    @staticmethod
+    def _mask_outputs(outputs):
+        """(class logits handle, mask logits handle) of float outputs [1, Q, K + 1] and [1, Q, h, w], or None."""
+        by_rank = {len(s): (h, s) for h, s, d in outputs if np.dtype(d) == np.float32}
+        if len(outputs) != 2 or set(by_rank) != {3, 4} or by_rank[3][1][1] != by_rank[4][1][1]:
+            return None
+        return by_rank[3][0], by_rank[4][0]
+
+    def logits(self, image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A panoptic / instance file: uint8 [H, W, 3] at the input's size (letterboxed: mask_evaluate.letterbox)
+        -> (class logits [Q, K + 1], mask logits [Q, h, w]), from one call of the runtime."""
+        if self.mask_outputs is None:
+            raise ConfigError("not a panoptic / instance model", str(self.path),
+                              "a file with class and mask logits outputs (seg-export of a data.task panoptic or "
+                              "instance checkpoint)")
+        if image.shape[:2] != (self.height, self.width):
+            raise ValueError(f"image of size {image.shape[:2]}, the file takes {(self.height, self.width)}")
+        outs, seconds = self.runner.run_all(self._input, self.mask_outputs,
+                                            np.ascontiguousarray(image, np.uint8)[None])
+        self.invoke_seconds.append(seconds)
+        return outs[0][0], outs[1][0]
 
     def _class_output(self, outputs):
         """(handle of the class-map or score output, number of classes if the scores say it)."""
@@ -174,6 +202,11 @@ class LiteRTFile:
         self.interpreter.invoke()
         seconds = time.perf_counter() - start
         return self.interpreter.get_tensor(output_index), seconds
+
+    def run_all(self, input_index, output_indices, x: np.ndarray) -> tuple[list, float]:
+        """`run` reading several outputs of the one call."""
+        out, seconds = self.run(input_index, output_indices[0], x)
+        return [out] + [self.interpreter.get_tensor(i) for i in output_indices[1:]], seconds
 
 
 class TFLiteModel(FileModel):
@@ -267,6 +300,30 @@ def evaluate_file(cfg: Config, model: FileModel, split: str, progress: bool = Tr
             **metrics_to_json(metrics, names)}, metrics, names
 
 
+def evaluate_masks_file(cfg: Config, model: FileModel, split: str, progress: bool = True):
+    """(evaluation record, mask_evaluate.MaskScores) of a panoptic / instance file on `split`: each image letterboxed
+    to the file's input size, its logits post-processed on the host as seg-eval does. Writes nothing."""
+    import dataclasses
+
+    from seg_train.data.split import open_split
+    from seg_train.infer.mask_evaluate import LETTERBOX, MaskSetup, evaluate_host
+
+    if model.mask_outputs is None:
+        model.logits(np.zeros((model.height, model.width, 3), np.uint8))  # the one-line error
+    setup = dataclasses.replace(MaskSetup.of(cfg), crop=(model.height, model.width))
+    if model.num_classes != setup.num_classes:
+        raise ConfigError("model and config disagree on the number of classes", str(model.path),
+                          f"{setup.num_classes} classes (data.num_classes), the model gives {model.num_classes}")
+    opened = open_split(cfg, split)
+    scores, n = evaluate_host(opened.reader, setup, model.logits, opened.class_names, progress)
+    sidecar = read_sidecar(model.path) or {}
+    return {"split": split, "model": str(model.path.resolve()), "format": model.format, "runtime": model.runtime,
+            "quantization": sidecar.get("quantization"), "checkpoint": sidecar.get("checkpoint"),
+            "step": sidecar.get("step"), "input_size": [model.height, model.width], "num_images": n,
+            "size_bytes": model.size_bytes, "latency_ms": model.latency_ms(), "resize": LETTERBOX,
+            **scores.to_json()}, scores
+
+
 def run_eval_model(cfg: Config, model_path: str, split: str | None = None, threads: int = 1,
                     progress: bool = True) -> dict:
     """seg-eval --model FILE.tflite|FILE.onnx: evaluates the file in LiteRT or ONNX Runtime, prints the table,
@@ -282,6 +339,14 @@ def run_eval_model(cfg: Config, model_path: str, split: str | None = None, threa
     check_creatable_dir(out.parent, "eval output folder", "write access to the model file's folder")
     log.info("evaluating %s (%s, %d thread(s), input %dx%d) on %s", model_path, model.runtime, threads,
              model.height, model.width, split)
+    if cfg.data.task != "semantic":
+        record, scores = evaluate_masks_file(cfg, model, split, progress)
+        write_json(out, record)
+        print(scores.table())
+        print(f"{record['num_images']} images, {model.path.name} ({record['quantization'] or model.format}, "
+              f"{model.size_bytes / 1e6:.2f} MB): {scores.headline_text()}; {model.runtime} run "
+              f"{record['latency_ms']['median']:.1f} ms per image (median, {threads} thread(s)); wrote {out}")
+        return record
     record, metrics, names = evaluate_file(cfg, model, split, progress)
     write_json(out, record)
     lat = record["latency_ms"]
@@ -299,6 +364,15 @@ def run_predict_model(cfg: Config, model_path: str, inputs, output, threads: int
 
     files = collect_inputs(inputs, label_ids)
     out = check_output_dir(output)
+    if cfg.data.task != "semantic":
+        import dataclasses
+
+        from seg_train.infer.predict import check_mask_flags, predict_masks
+
+        check_mask_flags(cfg, label_ids)
+        model = open_model(model_path, threads)
+        at_input = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, crop_size=(model.height, model.width)))
+        return predict_masks(at_input, files, out, model.logits, progress, f"{model_path}, {model.runtime}")
     raw = raw_ids_of(cfg, label_ids)
     model = open_model(model_path, threads)
     written = write_predictions(files, out, model.classes, progress, raw)

@@ -164,6 +164,10 @@ def run_export_onnx(cfg: Config, strategy, checkpoint: str, output: str | os.Pat
     from seg_train.infer.tflite_export import INPUT_DESCRIPTION, check_output_file, frozen_app, run_check, sidecar
     from seg_train.run.rundir import write_atomic, write_json
 
+    if cfg.data.task != "semantic":
+        raise ConfigError("not available for this task", "--format onnx",
+                          f"--format tflite or a SavedModel with data.task {cfg.data.task} (their raw class and mask "
+                          "logits are read by seg-eval / seg-predict --model; the ONNX file is not)")
     out = check_output_file(output, force, ".onnx")
     tf2onnx = converter("seg-export --format onnx")  # fail before the work, not after it
     if check:

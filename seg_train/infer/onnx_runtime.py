@@ -75,3 +75,9 @@ class ONNXFile:
         start = time.perf_counter()
         (out,) = self.session.run([output_name], {input_name: x})
         return out, time.perf_counter() - start
+
+    def run_all(self, input_name: str, output_names, x: np.ndarray) -> tuple[list, float]:
+        """`run` reading several outputs of the one call."""
+        start = time.perf_counter()
+        outs = self.session.run(list(output_names), {input_name: x})
+        return outs, time.perf_counter() - start

@@ -124,14 +124,47 @@ def run_predict(cfg: Config, strategy, checkpoint: str, inputs, output: str | os
 
     files = collect_inputs(inputs, label_ids)
     out = check_output_dir(output)
+    if cfg.data.task != "semantic":
+        check_mask_flags(cfg, label_ids)
     raw = raw_ids_of(cfg, label_ids)
     evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint)
     # As in seg-eval and seg-export, so predictions match the exported model and the eval numbers.
     evaluator.maybe_reestimate_bn(cfg, progress)
+    if cfg.data.task != "semantic":
+        return predict_masks(cfg, files, out, evaluator.mask_serving_module(cfg.data.mean, cfg.data.std),
+                             progress, f"step {step}, {prefix}")
     module = evaluator.serving_module(cfg.data.mean, cfg.data.std)
     written = write_predictions(files, out, lambda image: module.serve(tf.constant(image))["classes"].numpy(),
                                 progress, raw)
     print(f"wrote {written_summary(cfg, len(written), raw)} to {out} (step {step}, {prefix})")
+    return written
+
+
+def check_mask_flags(cfg: Config, label_ids: bool) -> None:
+    """--label-ids is semantic segmentation's: refused for data.task panoptic / instance."""
+    if label_ids:
+        raise ConfigError("not available for this task", "--label-ids",
+                          f"no --label-ids with data.task {cfg.data.task}: seg-predict writes COCO's "
+                          f"{'panoptic PNG + JSON' if cfg.data.task == 'panoptic' else 'results JSON'} instead")
+
+
+def predict_masks(cfg: Config, files, out: Path, module, progress: bool, source: str) -> list[Path]:
+    """seg-predict for data.task panoptic / instance (infer/mask_predict.py): `module` gives the raw logits of a
+    letterboxed image (serving.mask_serving_module, or a .tflite file's `logits`)."""
+    from seg_train.data.split import categories_of, class_names_of
+    from seg_train.infer.mask_evaluate import MaskSetup
+    from seg_train.infer.mask_predict import summary_line, write_mask_predictions
+
+    setup = MaskSetup.of(cfg)
+    if hasattr(module, "serve"):
+        def logits_of(image):
+            result = module.serve(image)
+            return result["class_logits"].numpy(), result["mask_logits"].numpy()
+    else:
+        logits_of = module
+    written = write_mask_predictions(files, out, logits_of, setup, categories_of(cfg).ids, class_names_of(cfg),
+                                     progress)
+    print(f"wrote {summary_line(cfg.data.task, len(files))} to {out} ({source})")
     return written
 
 

@@ -40,3 +40,34 @@ def serving_module(model, mean, std, eval_cfg=None, offsets=None):
 
     module.serve = serve
     return module
+
+
+def mask_serving_module(model, mean, std):
+    """A tf.Module holding an EoMT `model` for data.task panoptic / instance, whose `serve` gives its raw outputs;
+    the letterbox before and the post-processing after it are the caller's (infer/mask_evaluate.py's letterbox,
+    infer/mask_postprocess.py), as in evaluation.
+
+    `serve(image)`: image uint8 [height, width, 3] (RGB; the letterboxed crop, height and width multiples of the
+    patch, else padded with black to them) -> {"class_logits": float32 [Q, K + 1] (the last class "no object"),
+    "mask_logits": float32 [Q, h, w] of the (padded) input, h, w = 4 x its patch grid}.
+    """
+    import tensorflow as tf
+
+    from seg_train import models
+
+    pad_to = models.input_multiple(model)
+    module = tf.Module()
+    module.model = model
+    mean = tf.constant(mean, tf.float32)
+    std = tf.constant(std, tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, 3], tf.uint8, name="image")])
+    def serve(image):
+        h, w = tf.shape(image)[0], tf.shape(image)[1]
+        image = tf.pad(image, [[0, (-h) % pad_to], [0, (-w) % pad_to], [0, 0]])
+        x = (tf.cast(image, tf.float32) - mean) / std  # ImageReader.normalize's ops, as in serving_module
+        class_logits, mask_logits = model.predictions(x[None], training=False)[-1]
+        return {"class_logits": class_logits[0], "mask_logits": mask_logits[0]}
+
+    module.serve = serve
+    return module

@@ -61,6 +61,8 @@ def input_size(cfg: Config, flag) -> tuple[int, int]:
         h, w = flag
         if h < 8 or w < 8:
             raise ConfigError("invalid --input-size", "--input-size", f"height and width of at least 8, got {h} {w}")
+    elif cfg.data.task != "semantic":
+        h, w = cfg.data.crop_size  # the letterbox of the panoptic / instance evaluation
     else:
         h, w = cfg.eval.crop_size or cfg.data.crop_size
     patch = VIT_VARIANTS[cfg.model.backbone].patch if cfg.model.backbone in VIT_VARIANTS else 1
@@ -113,6 +115,24 @@ def app_function(model, mean, std, height: int, width: int, probabilities: bool 
     return run
 
 
+def mask_app_function(model, mean, std, height: int, width: int):
+    """data.task panoptic / instance: uint8 [1, H, W, 3] (the letterboxed image) -> {"class_logits": float32
+    [1, Q, K + 1], "mask_logits": float32 [1, Q, h, w]}, the raw outputs; the letterbox and the post-processing
+    run outside the file (infer/mask_evaluate.py, infer/mask_postprocess.py)."""
+    import tensorflow as tf
+
+    mean = tf.constant(mean, tf.float32)
+    std = tf.constant(std, tf.float32)
+
+    @tf.function(input_signature=[tf.TensorSpec([1, height, width, 3], tf.uint8, name="image")])
+    def run(image):
+        x = (tf.cast(image, tf.float32) - mean) / std  # ImageReader.normalize's ops, as in app_function
+        class_logits, mask_logits = model.predictions(x, training=False)[-1]
+        return {"class_logits": class_logits, "mask_logits": mask_logits}
+
+    return run
+
+
 def tflite_pad_to(cfg: Config, model) -> int:
     """What a .tflite file pads its fixed input to inside: a ViT's models.input_multiple (2p under the simple
     pyramid's pooled level, so a file at an odd patch grid predicts as seg-eval does at that size); 1 for the
@@ -151,11 +171,19 @@ def frozen_app(cfg: Config, strategy, checkpoint: str, size=None, probabilities:
 
     height, width = input_size(cfg, size)
     names = class_names_of(cfg)
+    masks = cfg.data.task != "semantic"
+    if masks and probabilities:
+        raise ConfigError("not available for this task", "--probabilities",
+                          f"no --probabilities with data.task {cfg.data.task}: the file's outputs are the class and "
+                          "mask logits")
     evaluator, prefix, step = load_evaluator(cfg, strategy, checkpoint, names)
     reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
-    frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
-                                          probabilities, evaluator.score_offsets,
-                                          tflite_pad_to(cfg, evaluator.state.model)))
+    if masks:
+        frozen = frozen_function(mask_app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width))
+    else:
+        frozen = frozen_function(app_function(evaluator.state.model, cfg.data.mean, cfg.data.std, height, width,
+                                              probabilities, evaluator.score_offsets,
+                                              tflite_pad_to(cfg, evaluator.state.model)))
     return AppExport(frozen, prefix, step, names, reestimated, height, width, evaluator.score_offsets)
 
 
@@ -163,13 +191,18 @@ def sidecar(cfg: Config, app: AppExport, fmt: str) -> dict:
     """What FILE.json says of every exported file, whatever its format: where it comes from, its input size,
     the normalisation and the classes inside it, and how an app resizes for it."""
     from seg_train.infer import modes
+    from seg_train.infer.export import mask_metadata
     from seg_train.infer.litert import RESIZE
+    from seg_train.infer.mask_evaluate import LETTERBOX
 
+    masks = cfg.data.task != "semantic"
     return {"format": fmt, "checkpoint": app.prefix, "step": app.step, "input_size": [app.height, app.width],
             "mean": list(cfg.data.mean), "std": list(cfg.data.std), "num_classes": cfg.data.num_classes,
-            "class_names": app.class_names, "bn_stats_reestimated": app.bn_reestimated, "app_resize": RESIZE,
-            "logit_adjustment": cfg.eval.logit_adjustment,
-            "score_offsets": modes.offsets_by_class(app.score_offsets, app.class_names)}
+            "class_names": app.class_names, "bn_stats_reestimated": app.bn_reestimated,
+            "app_resize": LETTERBOX if masks else RESIZE, "logit_adjustment": cfg.eval.logit_adjustment,
+            "score_offsets": modes.offsets_by_class(app.score_offsets, app.class_names),
+            **(mask_metadata(cfg) if masks else {})}
+
 
 
 def calibration_samples(cfg: Config, count: int):
@@ -264,8 +297,11 @@ def describe(content: bytes) -> tuple[dict, dict, list, list]:
                 "shape": [int(v) for v in d["shape"]]}
 
     inputs = [tensor(d, "image") for d in interpreter.get_input_details()]
-    outputs = [tensor(d, "classes" if len(d["shape"]) == 3 else "probabilities")
-               for d in interpreter.get_output_details()]
+    details = interpreter.get_output_details()
+    if any(np.dtype(d["dtype"]) == np.float32 and len(d["shape"]) == 3 for d in details):  # panoptic / instance
+        outputs = [tensor(d, "class_logits" if len(d["shape"]) == 3 else "mask_logits") for d in details]
+    else:
+        outputs = [tensor(d, "classes" if len(d["shape"]) == 3 else "probabilities") for d in details]
     return dict(sorted(ops.items())), dict(sorted(floating.items())), inputs, outputs
 
 
@@ -282,6 +318,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
                       float_ops: tuple[str, ...] = ()) -> Path:
     """seg-export --format tflite: writes FILE.tflite and FILE.json; with `check`, measures it (run_check)."""
     from seg_train.infer.litert import RESIZE, interpreter_class, sidecar_path, to_input_size
+    from seg_train.infer.mask_evaluate import LETTERBOX, letterbox
     from seg_train.run.rundir import write_atomic, write_json
     from seg_train.util.progress import progress_bar
 
@@ -294,6 +331,7 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
         interpreter_class("seg-export --check")  # fail before the work, not after it
     app = frozen_app(cfg, strategy, checkpoint, size, probabilities, progress)
     frozen, prefix, step, height, width = app.frozen, app.prefix, app.step, app.height, app.width
+    masks = cfg.data.task != "semantic"
 
     calibration, representative = None, None
     if quantize == "int8":
@@ -307,12 +345,12 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
             with progress_bar(len(samples), "int8 calibration", enabled=progress) as bar:
                 for sample in samples:
                     image, _ = reader_lib.load(sample, cfg.data.num_classes, cfg.data.ignore_label, train.label_table)
-                    yield [to_input_size(image, height, width)[None]]
+                    yield [(letterbox(image, (height, width)) if masks else to_input_size(image, height, width))[None]]
                     bar.update(1)
 
         calibration = {"split": cfg.data.train_split, "images": len(samples), "seed": cfg.seed,
                        "selection": "the first images of a permutation of the split seeded by the run's seed",
-                       "resize": RESIZE, "ids": [s.id for s in samples]}
+                       "resize": LETTERBOX if masks else RESIZE, "ids": [s.id for s in samples]}
     log.info("converting step %d to TFLite (%s, input %dx%d)", step, quantize, height, width)
     content = convert(frozen, quantize, representative, tuple(float_ops))
     ops, floating, inputs, outputs = describe(content)
@@ -331,9 +369,9 @@ def run_export_tflite(cfg: Config, strategy, checkpoint: str, output: str | os.P
     write_json(sidecar_path(out), meta)
     where = "" if quantize != "int8" else \
         f"; float32 ops: {', '.join(f'{k} x{v}' for k, v in floating.items()) or 'none'}"
+    result = "class_logits, mask_logits (letterboxed input)" if masks else f"classes uint8 [1, {height}, {width}]"
     print(f"exported step {step} ({prefix}) to {out}: {quantize}, {len(content) / 1e6:.2f} MB, "
-          f"image uint8 [1, {height}, {width}, 3] -> classes uint8 [1, {height}, {width}]{where}; "
-          f"wrote {sidecar_path(out)}")
+          f"image uint8 [1, {height}, {width}, 3] -> {result}{where}; wrote {sidecar_path(out)}")
     if check:
         run_check(cfg, out, frozen if quantize != "none" else None, threads, progress)
     return out
@@ -343,7 +381,7 @@ def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: 
     """seg-export --check: the exported file and (if quantized) the float32 conversion of the same model,
     both evaluated in their runtime (LiteRT, ONNX Runtime for a .onnx file) on data.val_split; prints them
     side by side. Returns the records."""
-    from seg_train.infer.litert import evaluate_file, open_model, read_sidecar, sidecar_path
+    from seg_train.infer.litert import evaluate_file, evaluate_masks_file, open_model, read_sidecar, sidecar_path
     from seg_train.run.rundir import write_json
 
     split = cfg.data.val_split
@@ -359,18 +397,24 @@ def run_check(cfg: Config, path: Path, frozen=None, threads: int = 1, progress: 
             files.append(("float32 (not written)", float_path))
         files.append((f"{path.name}", path))
         for label, file in files:
-            record, _, _ = evaluate_file(cfg, open_model(file, threads, "seg-export --check"), split, progress)
+            model = open_model(file, threads, "seg-export --check")
+            if cfg.data.task != "semantic":
+                record, _ = evaluate_masks_file(cfg, model, split, progress)
+            else:
+                record, _, _ = evaluate_file(cfg, model, split, progress)
             record["label"] = label
             rows.append(record)
+    key = {"semantic": "miou", "panoptic": "pq", "instance": "ap"}[cfg.data.task]
+    title = {"miou": "mIoU", "pq": "PQ", "ap": "mask AP"}[key]
     name_w = max(len(r["label"]) for r in rows)
     print(f"check on {split} ({rows[0]['num_images']} images), {rows[-1]['runtime']}, {threads} thread(s):")
-    print(f"  {'model':<{name_w}}  {'mIoU %':>7}  {'size MB':>8}  {'ms/image':>9}")
+    print(f"  {'model':<{name_w}}  {title + ' %':>7}  {'size MB':>8}  {'ms/image':>9}")
     for r in rows:
-        print(f"  {r['label']:<{name_w}}  {100 * r['miou']:7.2f}  {r['size_bytes'] / 1e6:8.2f}  "
+        print(f"  {r['label']:<{name_w}}  {100 * r[key]:7.2f}  {r['size_bytes'] / 1e6:8.2f}  "
               f"{r['latency_ms']['median']:9.1f}")
     if len(rows) == 2:
         f, q = rows
-        print(f"  exported - float32: {100 * (q['miou'] - f['miou']):+.2f} mIoU, "
+        print(f"  exported - float32: {100 * (q[key] - f[key]):+.2f} {title}, "
               f"{f['latency_ms']['median'] / q['latency_ms']['median']:.2f}x the speed, "
               f"{f['size_bytes'] / q['size_bytes']:.2f}x smaller")
     return rows

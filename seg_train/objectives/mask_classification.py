@@ -24,7 +24,7 @@ import tensorflow as tf
 from seg_train.config.resolve import annealing_windows
 from seg_train.models.eomt.eomt import semantic_logits
 from seg_train.models.stochastic import salt as salt_of
-from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, semantic_targets
+from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, targets_of
 from seg_train.objectives.micro import Micro
 from seg_train.parallel import collectives
 
@@ -62,11 +62,12 @@ class MaskClassification:
         self.windows = annealing_windows(cfg)
         self.queries = cfg.model.num_queries
         self.opts = EomtLossOptions(num_classes=cfg.data.num_classes, ignore_label=cfg.data.ignore_label,
-                                    num_points=cfg.loss.mask_points)
+                                    num_points=cfg.loss.mask_points, task=cfg.data.task)
 
     def local_totals(self, labels) -> tf.Tensor:
-        """float32 [2]: (target masks, images) in this tower's labels [rows, H, W] (all its micro-batches)."""
-        _, num_valid = semantic_targets(labels, self.opts.num_classes)
+        """float32 [2]: (target masks, images) in this tower's labels [rows, H, W] (all its micro-batches): one
+        mask per class present (semantic) or per segment, at most the queries' count (panoptic, instance)."""
+        _, _, num_valid = targets_of(labels, self.opts, max_segments=self.queries)
         return tf.stack([tf.cast(tf.reduce_sum(num_valid), tf.float32), tf.cast(tf.shape(labels)[0], tf.float32)])
 
     def prepare(self, labels) -> tf.Tensor:
@@ -98,5 +99,15 @@ class MaskClassification:
                               + (o.mask_weight * terms["mask_sum"] + o.dice_weight * terms["dice_sum"]) / count)
         rows = tf.cast(tf.shape(labels)[0], tf.float32)
         class_logits, mask_logits = predictions[-1]
+        scores = semantic_logits if self.opts.task == "semantic" else query_scores
         return Micro(share * images_total, rows, new_state,
-                     lambda: semantic_logits(class_logits, mask_logits, tf.shape(images)[1:3]))
+                     lambda: scores(class_logits, mask_logits, tf.shape(images)[1:3]))
+
+
+def query_scores(class_logits, mask_logits, size):
+    """[b, H, W, Q] float32: each query's best real-class probability x sigmoid(its mask logits resized bilinearly to
+    `size`), whose argmax is the query that owns a pixel in the panoptic post-processing before its thresholds (the
+    training pictures of the panoptic and instance tasks)."""
+    masks = tf.image.resize(tf.transpose(tf.cast(mask_logits, tf.float32), [0, 2, 3, 1]), size, method="bilinear")
+    probs = tf.reduce_max(tf.nn.softmax(tf.cast(class_logits, tf.float32), axis=-1)[..., :-1], axis=-1)
+    return tf.sigmoid(masks) * probs[:, tf.newaxis, tf.newaxis, :]

@@ -2,10 +2,16 @@
 TensorFlow ops, traceable inside the train step (no host round trip, no numpy at run time). Held to Hugging
 Face transformers' EomtLoss / EomtHungarianMatcher (scripts/reference_eomt_loss.py, tests/test_eomt_loss.py).
 
-Targets: each image's semantic label map gives one binary mask per class present, in ascending class order,
-in the first `num_valid` of G = num_classes slots (`semantic_targets`). Dense masks are never built: a mask's
-value at a point is read from the label map directly (`_sample_labels`), which equals bilinear sampling of
-the binary mask.
+Targets (`EomtLossOptions.task`):
+  semantic   each image's label map gives one binary mask per class present, in ascending class order, in the
+             first `num_valid` of G = num_classes slots (`semantic_targets`);
+  panoptic   each image's segment labels (data/segments.py: class * 1000 + instance) give one mask per segment
+             value present: one per thing instance (instance 1..998) and one per stuff class (instance 0), in
+             ascending value order (`segment_targets`); a mask's class is its value // 1000;
+  instance   the same, thing instances only: stuff pixels (instance 0) are every mask's background.
+Dense masks are never built: a mask's value at a point is read from the label map directly (`_sample_labels`:
+the label equal to the slot's value, a class or a segment value), which equals bilinear sampling of the binary
+mask.
 
 Per prediction layer (a list of (class_logits [b, Q, K+1], mask_logits [b, Q, h, w]), the final one last; each
 layer matched on its own, as the reference's deep supervision does):
@@ -25,8 +31,11 @@ grid; prediction logits and label maps are sampled at the same normalised points
 
 Ignored pixels: the reference has no mask there (every class's target is 0). Here a point LANDS ON an ignored
 pixel when a label pixel with a positive bilinear weight in its footprint (the up to 4 pixels interpolated) is
-`ignore_label`; such a point counts in neither the BCE (mean over the other points), the dice sums nor the
-matching costs. With no ignored pixel the numbers are the reference's.
+ignored; such a point counts in neither the BCE (mean over the other points), the dice sums nor the matching
+costs. With no ignored pixel the numbers are the reference's. Ignored: `ignore_label` (semantic); class
+`ignore_label` (unlabelled) or instance 999 (a crowd region) for panoptic and instance targets. The EoMT
+authors' data sets drop crowd segments from the targets, so their crowd pixels are every mask's background
+(target 0) instead: the two differ only at points on crowd and unlabelled pixels.
 
 Randomness is keyed: seeds int32 [b, 2], one per sample; each draw is stateless (Philox) from that sample's
 seed folded with the layer index and the purpose (MATCHING, LOSS), so a sample's points do not depend on the
@@ -44,9 +53,11 @@ max(num_masks, 1) included); its total is the sum over layers of class_weight * 
 mask_weight * loss_mask + dice_weight * loss_dice. The denominators carry no gradient.
 
 Slots are compacted: the matching and the loss points use only the first G' = max over the batch of
-num_valid slots (at least 1), so a batch's cost grows with the classes its images hold, not with K (ADE20K's
-images hold about ten of its 150): b * G' * (int(3.0 P) + P - int(0.75 P)) points per layer at the defaults
-(P = num_points). A slot's points do not depend on G': each sample's draw is one Philox stream and slot g reads
+num_valid slots (at least 1), so a batch's cost grows with the classes (segments) its images hold, not with K
+(ADE20K's images hold about ten of its 150 classes; COCO's up to about a hundred segments): b * G' *
+(int(3.0 P) + P - int(0.75 P)) points per layer at the defaults (P = num_points). Segments beyond the
+queries' count Q in an image (ascending values, so the highest values) are left out: the matcher needs
+Q >= masks. A slot's points do not depend on G': each sample's draw is one Philox stream and slot g reads
 its own stretch of it (stateless draws of a larger shape start with those of a smaller one), so a tower whose
 images hold fewer classes draws the same points for its slots as the whole batch would, and 1 tower = N towers.
 """
@@ -57,6 +68,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from seg_train.data.segments import CROWD, INSTANCE_BASE
 from seg_train.objectives.matching import batched_linear_sum_assignment
 
 MATCHING, LOSS = 0, 1  # the purposes folded into a sample's seed
@@ -76,6 +88,7 @@ class EomtLossOptions:
     oversample_ratio: float = 3.0
     importance_sample_ratio: float = 0.75
     random_points: bool = True       # False: every pixel centre of the prediction grid, no draw
+    task: str = "semantic"           # the targets (module doc): semantic, panoptic or instance
 
 
 def semantic_targets(labels, num_classes: int):
@@ -91,6 +104,49 @@ def semantic_targets(labels, num_classes: int):
     k = tf.range(num_classes)
     classes = tf.argsort(tf.where(present, k, k + num_classes), axis=-1, stable=True)
     return tf.cast(classes, tf.int32), tf.reduce_sum(tf.cast(present, tf.int32), axis=-1)
+
+
+TASKS = ("semantic", "panoptic", "instance")
+
+
+def segment_targets(labels, num_classes: int, ignore_label: int, things_only: bool = False,
+                    max_segments: int | None = None):
+    """The segments present in each segment-label map [b, H, W] (data/segments.py): (values int32 [b, G'],
+    classes int32 [b, G'], num_valid int32 [b]), G' = max(num_valid) (at least 1). The first num_valid[i] slots
+    hold image i's segment values ascending, the rest -1 (no pixel has it) and class 0.
+
+    A segment is a value whose class is in [0, num_classes) and whose instance is not CROWD; with
+    `things_only` also not 0 (stuff). `max_segments`: at most this many per image (the first ones)."""
+    labels = tf.cast(labels, tf.int32)
+    b = tf.shape(labels)[0]
+    flat = tf.reshape(labels, [b, -1])
+    cls, inst = flat // INSTANCE_BASE, flat % INSTANCE_BASE
+    valid = (cls >= 0) & (cls < num_classes) & (inst != CROWD)
+    if things_only:
+        valid &= inst > 0
+    absent = tf.int32.max
+    ordered = tf.sort(tf.where(valid, flat, absent), axis=-1)
+    first = tf.concat([tf.ones([b, 1], tf.bool), ordered[:, 1:] != ordered[:, :-1]], 1) & (ordered != absent)
+    where = tf.where(first)  # row-major: each image's first occurrences, ascending
+    ragged = tf.RaggedTensor.from_value_rowids(tf.gather_nd(ordered, where), where[:, 0], nrows=tf.cast(b, tf.int64))
+    values = ragged.to_tensor(default_value=-1)
+    num_valid = tf.cast(ragged.row_lengths(), tf.int32)
+    if max_segments is not None:
+        values, num_valid = values[:, :max_segments], tf.minimum(num_valid, max_segments)
+    values = tf.pad(values, [[0, 0], [0, tf.maximum(1 - tf.shape(values)[1], 0)]], constant_values=-1)
+    classes = tf.where(values >= 0, values // INSTANCE_BASE, 0)
+    return values, classes, num_valid
+
+
+def targets_of(labels, opts: "EomtLossOptions", max_segments: int | None = None):
+    """(values, classes, num_valid) of `labels` for opts.task: semantic_targets (values = classes, all K slots)
+    or segment_targets."""
+    if opts.task == "semantic":
+        classes, num_valid = semantic_targets(labels, opts.num_classes)
+        return classes, classes, num_valid
+    if opts.task not in TASKS:
+        raise ValueError(f"EomtLossOptions.task {opts.task!r}: expected one of {', '.join(TASKS)}")
+    return segment_targets(labels, opts.num_classes, opts.ignore_label, opts.task == "instance", max_segments)
 
 
 def target_masks(labels, classes, num_valid):
@@ -147,10 +203,11 @@ def _sample_logits(logits, points):
     return out
 
 
-def _sample_labels(labels, classes, num_valid, points, ignore_label: int):
+def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segments: bool = False):
     """The slots' target masks sampled bilinearly (as the dense binary masks would be) at points [b, N, 2]
     (shared) or [b, G, N, 2] (per slot): (targets float32 [b, G, N], kept float32 [b, N] or [b, G, N]: 0 where
-    the point lands on an ignored pixel, module doc)."""
+    the point lands on an ignored pixel, module doc). `classes`: each slot's label value (a class, or with
+    `segments` a segment value)."""
     labels = tf.cast(labels, tf.int32)
     h, w = tf.shape(labels)[1], tf.shape(labels)[2]
     flat = tf.reshape(labels, [tf.shape(labels)[0], -1])
@@ -162,7 +219,11 @@ def _sample_labels(labels, classes, num_valid, points, ignore_label: int):
     hit = tf.equal(corner, classes[:, :, tf.newaxis, tf.newaxis])
     slot_valid = tf.range(tf.shape(classes)[1])[tf.newaxis, :] < num_valid[:, tf.newaxis]
     targets = tf.reduce_sum(tf.where(hit, weight, 0.0), -1) * tf.cast(slot_valid, tf.float32)[:, :, tf.newaxis]
-    ignored = tf.reduce_any(tf.equal(corner, ignore_label) & (weight > 0.0), -1)
+    if segments:
+        ignored = tf.equal(corner // INSTANCE_BASE, ignore_label) | tf.equal(corner % INSTANCE_BASE, CROWD)
+    else:
+        ignored = tf.equal(corner, ignore_label)
+    ignored = tf.reduce_any(ignored & (weight > 0.0), -1)
     kept = 1.0 - tf.cast(ignored, tf.float32)
     return targets, (kept[:, 0] if shared else kept)
 
@@ -181,14 +242,16 @@ def _draw(seeds, layer: int, purpose: int, shape):
     return tf.map_fn(one, tf.cast(seeds, tf.int32), fn_output_signature=tf.TensorSpec(static, tf.float32))
 
 
-def _match(class_logits, mask_logits, labels, classes, num_valid, points, opts: EomtLossOptions):
+def _match(class_logits, mask_logits, labels, values, classes, num_valid, points, opts: EomtLossOptions):
     """The reference matcher's assignment: (row_of_col [b, G], col_of_row [b, Q]) of
-    batched_linear_sum_assignment on its cost, points [b, N, 2] shared by an image's queries and masks."""
+    batched_linear_sum_assignment on its cost, points [b, N, 2] shared by an image's queries and masks; `values`
+    the slots' label values, `classes` their classes."""
     class_logits, mask_logits = tf.stop_gradient(class_logits), tf.stop_gradient(mask_logits)
     probs = tf.nn.softmax(class_logits, axis=-1)
     cost_class = -tf.gather(probs, classes, axis=2, batch_dims=1)  # [b, Q, G]
     pred = _sample_logits(mask_logits, points)  # [b, Q, N]
-    target, kept = _sample_labels(labels, classes, num_valid, points, opts.ignore_label)  # [b, G, N], [b, N]
+    target, kept = _sample_labels(labels, values, num_valid, points, opts.ignore_label,
+                                  opts.task != "semantic")  # [b, G, N], [b, N]
     kept = kept[:, tf.newaxis, :]
     n = tf.maximum(tf.reduce_sum(kept, -1, keepdims=True), 1.0)  # [b, 1, 1]
     pos = tf.nn.softplus(-pred) * kept / n  # BCE against 1
@@ -218,7 +281,7 @@ def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
     return tf.concat([tf.gather(over, top, axis=2, batch_dims=2), rest], axis=2)
 
 
-def _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, layer: int,
+def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds, layer: int,
                  opts: EomtLossOptions):
     """One prediction layer's (class_sum, class_weight, mask_sum, dice_sum, mask_count) and its matching."""
     class_logits = tf.cast(class_logits, tf.float32)
@@ -230,7 +293,8 @@ def _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, l
     else:
         grid = grid_points(h, w)
         match_points = tf.broadcast_to(grid, [b, h * w, 2])
-    row_of_col, col_of_row = _match(class_logits, mask_logits, labels, classes, num_valid, match_points, opts)
+    row_of_col, col_of_row = _match(class_logits, mask_logits, labels, values, classes, num_valid, match_points,
+                                    opts)
 
     # Class term: every query, the matched ones their mask's class, the others no-object (class K).
     k = opts.num_classes
@@ -250,7 +314,7 @@ def _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, l
     else:
         points = tf.broadcast_to(grid_points(h, w), [b, g, h * w, 2])
     logits = _sample_logits(pred, points)  # [b, G, N]
-    target, kept = _sample_labels(labels, classes, num_valid, points, opts.ignore_label)
+    target, kept = _sample_labels(labels, values, num_valid, points, opts.ignore_label, opts.task != "semantic")
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits) * kept
     bce = tf.reduce_sum(bce, -1) / tf.maximum(tf.reduce_sum(kept, -1), 1.0)
     p = tf.sigmoid(logits) * kept
@@ -269,28 +333,36 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
     """The loss's numerators and denominators per layer (module doc).
 
     predictions: a list of (class_logits [b, Q, K+1], mask_logits [b, Q, h, w]), the final layer last; h, w
-      static; Q >= K (every class may be present: the target slots are K, the matcher needs Q >= K).
-    labels: int [b, H, W] (any resolution). seeds: int32 [b, 2], one per sample (unused with
-      random_points=False).
+      static; semantic: Q >= K (every class may be present: the target slots are K, the matcher needs Q >= K).
+    labels: int [b, H, W] (any resolution): class ids (semantic) or segment labels (panoptic, instance). seeds:
+      int32 [b, 2], one per sample (unused with random_points=False).
     Returns {name: float32 [L]} for the names in TERMS; with return_matches, also the matched query of
-    every target slot per layer, int32 [L, b, G] (-1 in padding slots; slots as `semantic_targets`).
+    every target slot per layer, int32 [L, b, G] (-1 in padding slots; slots as `semantic_targets`, G = K, or
+    as `segment_targets`, G = G').
     """
+    semantic = opts.task == "semantic"
+    queries = None
     for class_logits, mask_logits in predictions:
         q, k1 = class_logits.shape[1], class_logits.shape[2]
-        if (k1 is not None and k1 != opts.num_classes + 1) or (q is not None and q < opts.num_classes):
+        queries = q
+        if (k1 is not None and k1 != opts.num_classes + 1) or (semantic and q is not None and q < opts.num_classes):
+            least = f"queries >= {opts.num_classes}" if semantic else "queries"
             raise ValueError(f"eomt_loss_terms: class logits of shape {class_logits.shape} for {opts.num_classes} "
-                             f"classes; expected [batch, queries >= {opts.num_classes}, {opts.num_classes + 1}]")
-    classes, num_valid = semantic_targets(labels, opts.num_classes)
-    # Only the slots some image of the batch fills (module doc); at least one, so no shape is empty.
-    compact = tf.maximum(tf.reduce_max(num_valid), 1)
-    classes = classes[:, :compact]
+                             f"classes; expected [batch, {least}, {opts.num_classes + 1}]")
+    values, classes, num_valid = targets_of(labels, opts, max_segments=queries)
+    if semantic:
+        # Only the slots some image of the batch fills (module doc); at least one, so no shape is empty.
+        compact = tf.maximum(tf.reduce_max(num_valid), 1)
+        classes = values = classes[:, :compact]
     per_layer, matches = [], []
     for layer, (class_logits, mask_logits) in enumerate(predictions):
-        terms, row_of_col = _layer_terms(class_logits, mask_logits, labels, classes, num_valid, seeds, layer,
-                                         opts)
+        terms, row_of_col = _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds,
+                                         layer, opts)
         per_layer.append(terms)
-        # Back to all K slots for the caller: -1 in the slots compacted away, as in any padding slot.
-        matches.append(tf.pad(row_of_col, [[0, 0], [0, opts.num_classes - compact]], constant_values=-1))
+        if semantic:
+            # Back to all K slots for the caller: -1 in the slots compacted away, as in any padding slot.
+            row_of_col = tf.pad(row_of_col, [[0, 0], [0, opts.num_classes - compact]], constant_values=-1)
+        matches.append(row_of_col)
     out = {name: tf.stack([t[i] for t in per_layer]) for i, name in enumerate(TERMS)}
     return (out, tf.stack(matches)) if return_matches else out
 

@@ -75,7 +75,8 @@ def resolve(path: str | Path) -> str:
 
 
 def read_best(run_dir: Path) -> dict | None:
-    """RUN_DIR/best/best.json ({'step', 'miou', 'pixel_accuracy', 'checkpoint'}), or None if there is no best yet."""
+    """RUN_DIR/best/best.json ({'step', 'miou', 'pixel_accuracy', 'checkpoint'}; panoptic / instance: 'pq' / 'ap'
+    instead of the last two), or None if there is no best yet."""
     path = Path(run_dir) / BEST_DIR / BEST_JSON
     try:
         return json.loads(path.read_text())
@@ -84,21 +85,26 @@ def read_best(run_dir: Path) -> dict | None:
 
 
 def keep_best(run_dir: Path, state, step: int, metrics) -> bool:
-    """Saves the weights under RUN_DIR/best/ if mIoU beats the best so far.
+    """Saves the weights under RUN_DIR/best/ if the task's headline metric beats the best so far: mIoU, or for
+    data.task panoptic / instance PQ / mask AP (the scores' `headline` names it, their `value` holds it).
 
     The checkpoint is written first, then best.json atomically: a crash in between leaves the better
     checkpoint with the older best.json, never a half-written file. `step` names the checkpoint.
 
     `state`: a TrainState (model, step and bn_stats_step saved); `metrics`: this evaluation's
-    SegMetrics. Returns True if mIoU improved and the checkpoint was written.
+    SegMetrics (or infer/mask_evaluate.py's MaskScores). Returns True if the metric improved and the checkpoint
+    was written.
     """
     best_dir = Path(run_dir) / BEST_DIR
     best = read_best(run_dir)
-    if best is not None and not metrics.miou > best["miou"]:
+    name, value = (metrics.headline, metrics.value) if hasattr(metrics, "headline") else ("miou", metrics.miou)
+    if best is not None and not value > best.get(name, float("-inf")):
         return False
     ckpt = tf.train.Checkpoint(model=state.model, step=state.step, bn_stats_step=state.bn_stats_step)
     manager = tf.train.CheckpointManager(ckpt, str(best_dir), max_to_keep=1)
     prefix = manager.save(checkpoint_number=step)
-    write_json(best_dir / BEST_JSON, {"step": int(step), "miou": metrics.miou, "pixel_accuracy": metrics.pixel_accuracy,
-                                      "checkpoint": Path(prefix).name})
+    record = {"step": int(step), name: value}
+    if name == "miou":
+        record["pixel_accuracy"] = metrics.pixel_accuracy
+    write_json(best_dir / BEST_JSON, {**record, "checkpoint": Path(prefix).name})
     return True

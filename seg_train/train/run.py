@@ -46,7 +46,8 @@ class Run(NamedTuple):
         seg-bench wraps it)."""
         cfg = self.cfg
         batches = Feed(dist_data)  # released without waiting for TensorFlow's teardown (data/feed.py)
-        summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std)
+        summaries = Summaries(write_dir, voc_colormap(), cfg.data.ignore_label, cfg.data.mean, cfg.data.std,
+                              segment_classes=None if cfg.data.task == "semantic" else cfg.data.num_classes)
         profiler = profiler or StepProfiler(write_dir, None)
         side = HostSide(cfg, self.state, summaries, bar, self.strategy.num_replicas_in_sync, profiler, trace_s,
                         log_level=log_level, first_step_path=first_step_path)

@@ -27,7 +27,11 @@ def confusion_matrix_title(step: int) -> str:
 class Summaries:
     """Writes event files under `run_dir`; `mean`, `std`: the data normalisation, undone for pictures."""
 
-    def __init__(self, run_dir: Path, palette: np.ndarray, ignore_label: int, mean, std, max_images: int = 2):
+    def __init__(self, run_dir: Path, palette: np.ndarray, ignore_label: int, mean, std, max_images: int = 2,
+                 segment_classes: int | None = None):
+        """`segment_classes`: data.num_classes when the labels are segment labels (data.task panoptic / instance):
+        the triplets then show one colour per segment, the prediction's per query (infer/mask_pictures.py)."""
+        self.segment_classes = segment_classes
         self.run_dir = Path(run_dir)
         self.writer = tf.summary.create_file_writer(str(run_dir))
         self.palette, self.ignore_label = palette, ignore_label
@@ -74,6 +78,9 @@ class Summaries:
                 k = min(self.max_images, len(images))
                 rgb = np.clip(images[:k] * self.std + self.mean, 0, 255).astype(np.uint8)
                 tf.summary.image(f"tower_{i}/image", rgb, max_outputs=k)
+                if self.segment_classes is not None:
+                    self._segment_triplets(i, rgb, labels[:k], preds[:k])
+                    continue
                 tf.summary.image(f"tower_{i}/label", np.stack(
                     [colorize(label, self.palette, self.ignore_label) for label in labels[:k]]), max_outputs=k)
                 # Ignored pixels are marked in the prediction too, so the two panels line up.
@@ -83,6 +90,20 @@ class Summaries:
                 tf.summary.image(f"tower_{i}/triplet", np.stack(
                     [plots.sample_panels(im, lb, pr, self.palette, self.ignore_label, overlay=True)
                      for im, lb, pr in zip(rgb, labels[:k], preds[:k])]), max_outputs=k)
+
+    def _segment_triplets(self, i: int, rgb, labels, preds) -> None:
+        from seg_train.data.segments import INSTANCE_BASE
+        from seg_train.infer import mask_pictures
+
+        label_rgb = [mask_pictures.label_colours(lb, self.segment_classes) for lb in labels]
+        void = [lb // INSTANCE_BASE >= self.segment_classes for lb in labels]
+        pred_rgb = [mask_pictures.segment_colours(pr.astype(np.int64) + 1, v) for pr, v in zip(preds, void)]
+        k = len(rgb)
+        tf.summary.image(f"tower_{i}/label", np.stack(label_rgb), max_outputs=k)
+        tf.summary.image(f"tower_{i}/prediction", np.stack(pred_rgb), max_outputs=k)
+        tf.summary.image(f"tower_{i}/triplet", np.stack(
+            [plots.side_by_side([im, lb, pr, plots.blend(im, mask_pictures.segment_colours(p.astype(np.int64) + 1))])
+             for im, lb, pr, p in zip(rgb, label_rgb, pred_rgb, preds)]), max_outputs=k)
 
     def eval_pictures(self, step: int, confusion_matrix: np.ndarray, class_names,
                       examples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = ()) -> None:
@@ -102,6 +123,16 @@ class Summaries:
                 # Val images differ in size and one summary holds one shape: pad to the largest.
                 tf.summary.image("eval/examples", plots.pad_to_common(pictures), max_outputs=len(pictures))
         self.writer.flush()
+
+    def eval_segment_pictures(self, step: int, examples) -> None:
+        """eval/examples of a panoptic or instance evaluation: (image, ground truth, prediction) uint8 RGB each,
+        one colour per segment (infer/mask_pictures.py)."""
+        pictures = [plots.side_by_side([plots.fit(p, EVAL_EXAMPLE_SIDE, nearest=k > 0) for k, p in enumerate(panels)])
+                    for panels in examples]
+        if pictures:
+            with self.writer.as_default(step=step):
+                tf.summary.image("eval/examples", plots.pad_to_common(pictures), max_outputs=len(pictures))
+            self.writer.flush()
 
     def histogram(self, step: int, tag: str, values) -> None:
         with self.writer.as_default(step=step):

@@ -129,8 +129,16 @@ def run_evaluation(cfg: Config, evaluator: evaluate.Evaluator, reader: ImageRead
         reestimated = evaluator.maybe_reestimate_bn(cfg, progress)
         metrics, count = evaluator.evaluate(reader, names, progress=progress)
         evaluate.write_eval_summaries(summaries.writer, step, metrics, names)
-        summaries.eval_pictures(step, metrics.confusion_matrix, names, evaluator.predict_examples(reader))
+        if hasattr(metrics, "headline"):  # panoptic / instance: mask_evaluate.MaskScores
+            summaries.eval_segment_pictures(step, evaluator.predict_examples(reader))
+        else:
+            summaries.eval_pictures(step, metrics.confusion_matrix, names, evaluator.predict_examples(reader))
         improved = ckpt_lib.keep_best(run_dir, state, step, metrics)
+    if hasattr(metrics, "headline"):
+        log.info("eval at step %d on %d %s images (%sBN statistics %s): %s%s\n%s", step, count, cfg.data.val_split,
+                 "EMA weights, " if state.ema is not None else "", "re-estimated" if reestimated else "as trained",
+                 metrics.headline_text(), " (new best, kept in best/)" if improved else "", metrics.table())
+        return
     log.info("eval at step %d on %d %s images (%s, %sBN statistics %s): mIoU %.2f%%, pixel accuracy %.2f%%%s\n%s",
              step, count, cfg.data.val_split, modes.describe(state.cfg.eval),
              "EMA weights, " if state.ema is not None else "",
