@@ -7,15 +7,15 @@ seconds per step and the peak resident memory of a fresh process per variant.
                                          [--rounds 2] [--steps 3] [--warmup 1] [--precision float32]
                                          [--output FILE.json]
 
---model: a DINO encoder (models/vit.py's dino_encoder, every block, the final LayerNorm) or a MiT (models/mit.py's
-mix_transformer, its four stages), random weights. A variant is `plain` or `blockwise:BLOCK` (keys per block). For
-each size, every variant runs in a process of its own (a fresh process: its peak memory is its own), the variants
-in the given order, and the whole sequence --rounds times (A B C A B C: a change of machine load hits every variant
-alike). Each process builds the model, traces one tf.function (the mean square of the outputs, its gradient with
-respect to every trainable variable; no optimizer), runs --warmup untimed steps (the first one traces) and
---steps timed steps, and reports the median seconds per step, the CPU seconds per step (all its threads), its
-resident memory before the first step (VmRSS), its peak (VmHWM) and, where TensorFlow's CPU allocator keeps
-statistics, the allocator's peak.
+--model: a DINO encoder (models/dino/vit.py's dino_encoder, every block, the final LayerNorm) or a MiT
+(models/mit/encoder.py's mix_transformer, its four stages), random weights. A variant is `plain` or
+`blockwise:BLOCK` (keys per block). For each size, every variant runs in a process of its own (a fresh process: its
+peak memory is its own), the variants in the given order, and the whole sequence --rounds times (A B C A B C: a
+change of machine load hits every variant alike). Each process builds the model, traces one tf.function (the mean
+square of the outputs, its gradient with respect to every trainable variable; no optimizer), runs --warmup untimed
+steps (the first one traces) and --steps timed steps, and reports the median seconds per step, the CPU seconds per
+step (all its threads), its resident memory before the first step (VmRSS), its peak (VmHWM) and, where TensorFlow's
+CPU allocator keeps statistics, the allocator's peak.
 
 The table also gives, by arithmetic, what the attention keeps per block for the backward pass: plain, the float32
 softmax [b, heads, Tq, Tk] (under mixed precision also its half-precision copy); blockwise, the float32 output and

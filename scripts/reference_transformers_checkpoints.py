@@ -79,7 +79,7 @@ CASES = {
 }
 SIZES = {0: (16, 16), 1: (12, 28)}  # input k: (H, W); k = 1 only where transformers runs it (module doc)
 NON_SQUARE = ("dinov3_vit", "dinov2", "dinov2_registers", "eomt_dinov3")
-# dinov3_vits16 (seg-train's models/vit.py VARIANTS) in transformers' terms, for layouts.json.
+# dinov3_vits16 (seg-train's config/variants.py VIT_VARIANTS) in transformers' terms, for layouts.json.
 VITS16 = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, patch_size=16,
               num_register_tokens=4)
 LAYOUTS = {"DINOv3ViTModel": (DINOv3ViTModel, DINOv3ViTConfig(**VITS16)),

@@ -219,7 +219,7 @@ class ModelConfig:
     num_queries: int = _c(100, check=_positive, doc="eomt: learned queries (masks predicted per image), at least "
                                                    "data.num_classes; the reference's 200 for ADE20K")
     eomt_blocks: int = _c(4, check=_positive, doc="eomt: the ViT's last blocks the queries go through")
-    # DINOv2's learned positions (models/vit.py's Variant.pos_grid, torch_bicubic); None: the backbone's own.
+    # DINOv2's learned positions (config/variants.py's ViTVariant.pos_grid, torch_bicubic); None: the backbone's own.
     position_grid: Optional[int] = _c(None, check=_positive,
                                       doc="dinov2_*: the side G of the learned G x G position table (resized to "
                                           "each input's patch grid); a transformers folder's image_size / "

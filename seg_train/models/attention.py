@@ -24,13 +24,13 @@ and the output has v's dtype.
 
 Masks: `bias` float32 [b, Tq, Tk] is added to every head's logits (differentiable). `blocked` bool [b, R, C] is
 the compact form of a constant mask: MASKED is added where it is True, in the first R query rows and the last C
-key columns (EoMT's queries before CLS, registers and patches: R = queries, C = patches; models/eomt.py). The
+key columns (EoMT's queries before CLS, registers and patches: R = queries, C = patches; models/eomt/eomt.py). The
 plain form expands it to the [b, Tq, Tk] bias; the blockwise form adds it block by block (no gradient). A row
 whose every key is masked gets what the plain softmax gives for logits + MASKED (MASKED is added, not
 substituted, in both forms).
 
-Used by the DINO ViTs and EoMT (models/vit.py's Attention, `model.attention`, DEFAULT) and available to MiT's
-attention (models/mit.py; plain there: its keys come from a spatially reduced map, few enough that the blockwise
+Used by the DINO ViTs and EoMT (models/dino/vit.py's Attention, `model.attention`, DEFAULT) and available to MiT's
+attention (models/mit/encoder.py; plain there: its keys come from a spatially reduced map, few enough that the blockwise
 form saved no memory). TFLite: the converter turns the loop into WHILE ops and its int8 calibration crashed on
 them, so seg-export --format tflite traces the plain form (`plain_only`, infer/tflite_export.py's app
 function); a SavedModel keeps the configured form.

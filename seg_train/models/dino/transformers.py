@@ -1,5 +1,5 @@
 """Checkpoints in the transformers format (a folder with config.json and model.safetensors, or a sharded
-model.safetensors.index.json) loaded into models/vit.py's DINO encoders and models/eomt.py's EoMT, without
+model.safetensors.index.json) loaded into models/dino/vit.py's DINO encoders and models/eomt/eomt.py's EoMT, without
 PyTorch or transformers (safetensors read by models/safetensors_file.py).
 
   model.backbone_weights: DIR   DINOv3ViTModel (dinov3_*), Dinov2Model (dinov2_vit*14), Dinov2WithRegistersModel
@@ -23,12 +23,12 @@ class head when its classes are not data.num_classes (+ "no object"): it keeps i
 one-line notice (fine-tuning COCO's 133 classes to ADE20K's 150).
 
 Layouts (torch -> Keras): Linear [out, in] -> Dense [in, out]; Conv2d [out, in, kh, kw] -> [kh, kw, in, out];
-ConvTranspose2d [in, out, kh, kw] -> [kh, kw, out, in]; depthwise [C, 1, 3, 3] -> [3, 3, C, 1]; SwiGLU's
-gate_proj and up_proj side by side in one Dense (gate first: vit.SwiGLU's first half), DINOv2's fused
-weights_in as it is; DINOv2's position table [1, 1 + G*G, C] as it is, EoMT's [G*G, C] without a CLS entry
-(vit.Variant.cls_position false). Positions are resized as transformers resizes them (vit.Variant.torch_bicubic:
-model.position_resize torch). What transformers' classes cannot do, seg-train's do: EoMT at another size than
-its config's image_size (positions resized, or RoPE), masked attention at any grid.
+ConvTranspose2d [in, out, kh, kw] -> [kh, kw, out, in]; depthwise [C, 1, 3, 3] -> [3, 3, C, 1]; SwiGLU's gate_proj
+and up_proj side by side in one Dense (gate first: vit.SwiGLU's first half), DINOv2's fused weights_in as it is;
+DINOv2's position table [1, 1 + G*G, C] as it is, EoMT's [G*G, C] without a CLS entry
+(variants.ViTVariant.cls_position false). Positions are resized as transformers resizes them
+(variants.ViTVariant.torch_bicubic: model.position_resize torch). What transformers' classes cannot do, seg-train's
+do: EoMT at another size than its config's image_size (positions resized, or RoPE), masked attention at any grid.
 
 Held to transformers by tests/test_transformers_weights.py (folders scripts/reference_transformers_checkpoints.py
 writes with save_pretrained, and transformers' outputs on them).
@@ -77,7 +77,7 @@ _DEFAULTS = {
                                            "num_hidden_layers": 24, "num_attention_heads": 16,
                                            "layer_norm_eps": 1e-6, "image_size": 640},
 }
-UPSCALE_BLOCKS = 2  # models/eomt.py builds two (4 x the patch grid), as every EoMT checkpoint has
+UPSCALE_BLOCKS = 2  # models/eomt/eomt.py builds two (4 x the patch grid), as every EoMT checkpoint has
 
 
 def _read_config(directory) -> tuple[Path, dict] | None:
