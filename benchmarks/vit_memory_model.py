@@ -83,6 +83,10 @@ FIT_MAPS = 2.0
 # docs/PERFORMANCE.md's allocator peaks of the whole ViT-S/16 encoder (12 blocks, batch 1, float32, no optimizer):
 # crop -> (plain, blockwise:256) MiB.
 MEASURED_ENCODER = {224: (214, 208), 512: (1220, 781), 1024: (12052, 2954)}
+# The same under mixed_bfloat16 at 512. Its blockwise figure is the CPU's floor under that policy, not activations:
+# the probe's encoders of 1, 2, 6 and 12 blocks peaked at 795, 803, 846 and 909 MiB, 10.3 MiB per block (its float32
+# weights and their bfloat16 copy), plain or blockwise alike; only the plain form's 12 blocks rise above it.
+MEASURED_ENCODER_MIXED = {512: (1209, 911)}
 # The issue's peer run (ViT-S/16 EoMT, 200 queries in the last 4 blocks, 150 classes, AdamW, float32, plain
 # attention then): seg-train's process peak RSS, MiB, at 2 x 224 and 1 x 512, and transformers' (PyTorch SDPA).
 PEER = {"seg-train": (2705, 4233), "transformers": (1996, 2944)}
@@ -383,6 +387,15 @@ def main(argv=None) -> int:
             lst = w + activation_bytes(mdl, form, False, False)
             fit = w + activation_bytes(mdl, form, False, True)
             print(f"| {crop} ({tokens(crop, vs)}) | {form} | {measured:,} | {lst / MIB:,.0f} | {fit / MIB:,.0f} | "
+                  f"{fit / MIB / measured:.2f} |")
+
+    for crop, (plain, blockwise) in MEASURED_ENCODER_MIXED.items():
+        for form, measured in (("plain", plain), ("blockwise", blockwise)):
+            mdl = Model(vs, crop)
+            w16 = w + 2 * sum(params(mdl))
+            lst, fit = (w16 + activation_bytes(mdl, form, True, fitted) for fitted in (False, True))
+            print(f"| {crop} ({tokens(crop, vs)}), mixed_bfloat16 | {form} | {measured:,}"
+                  f"{' (the floor)' if form == 'blockwise' else ''} | {lst / MIB:,.0f} | {fit / MIB:,.0f} | "
                   f"{fit / MIB / measured:.2f} |")
 
     eomt = Model(vs, 512, "eomt", 200, 4, 150)
