@@ -37,8 +37,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 LIST = ROOT / "scripts" / "mutants.yaml"
-# What the tests need of the repository (docs and README: tests read configs and docs' templates).
-COPY = ["seg_train", "tests", "scripts", "configs", "docs", "setup.cfg", "pyproject.toml", "README.md", "Makefile"]
+# What the tests need of the repository (docs and README: tests read configs and docs' templates; benchmarks: the
+# tests of the benchmark scripts load them).
+COPY = ["seg_train", "tests", "scripts", "benchmarks", "configs", "docs", "setup.cfg", "pyproject.toml", "README.md",
+        "Makefile"]
 KEYS = ("name", "file", "find", "replace", "why", "tests")
 
 
