@@ -68,7 +68,6 @@ def test_annealing_probability_is_the_poly_curve():
     ({**_raw(loss={"mask_points": 100}), "model": {"backbone": "dinov3_vits16", "head": "linear"}},
      "loss.mask_points"),
     (_raw(train={"mask_annealing": [[0, 10]]}), "train.mask_annealing"),
-    (_raw(train={"jit_compile": True}), "train.jit_compile"),
     (_raw(train={"mask_annealing": [[10, 5]] * 4}), "train.mask_annealing"),
     ({**_raw(train={"mask_annealing": [[0, 10]]}), "model": {"backbone": "dinov3_vits16", "head": "linear"}},
      "train.mask_annealing"),

@@ -352,9 +352,6 @@ def _check_eomt(cfg: Config) -> Config:
             raise ConfigError("not available for this head", key,
                               "its default with model.head eomt: EoMT trains with its own mask-classification loss "
                               "(matched class cross-entropy, mask BCE and dice), not a per-pixel one")
-    if t.jit_compile:
-        raise ConfigError("not available for this head", "train.jit_compile",
-                          "false with model.head eomt (its matcher's loops are not built for XLA here)")
     if t.mask_annealing is None:
         return cfg  # derived from num_steps where it is used (annealing_windows)
     if len(t.mask_annealing) != m.eomt_blocks:

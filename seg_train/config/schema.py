@@ -269,7 +269,8 @@ class TrainConfig:
                      doc="on a non-finite loss, gradient or BN update: stop (exit 3) or skip the step")
     precision: str = _c("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"),
                         doc="float32 or a mixed precision (float16: dynamic loss scaling)")
-    jit_compile: bool = _c(False, doc="XLA-compile each tower's pass (not with sync_batchnorm)")
+    jit_compile: bool = _c(False, doc="XLA-compile each tower's pass (not with sync_batchnorm); with EoMT the "
+                                      "model's forward and backward only, not the matcher and loss")
     allreduce: str = _c("auto", choices=("auto", "nccl", "hierarchical_copy", "reduction_to_one_device", "ring"),
                         doc="the cross-tower all-reduce; several machines: ring or nccl")
     allreduce_pack_mb: float = _c(PACK_MB_DEFAULT, check=_non_negative,

@@ -53,6 +53,20 @@ def salt(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def uniform(shape, seed) -> tf.Tensor:
+    """float32 U[0, 1) of `shape` from a stateless seed [2]: TensorFlow's own Philox draw (the device's
+    automatic choice on CPUs and GPUs), the same inside an XLA cluster (train.jit_compile).
+
+    Written out because XLA's lowering of tf.random.stateless_uniform gives other floats than TensorFlow's
+    kernels from the same seed: its automatic algorithm is not Philox, and even with alg="philox" it turns the
+    same 32 random bits into a float its own way. The bits agree, so the float is made here as TensorFlow's
+    kernels make it: the low 23 bits as the mantissa of a float in [1, 2), minus 1.
+    """
+    bits = tf.random.stateless_uniform(shape, seed, minval=None, maxval=None, dtype=tf.uint32, alg="philox")
+    one_to_two = tf.bitwise.bitwise_or(tf.bitwise.bitwise_and(bits, 0x7FFFFF), 0x3F800000)
+    return tf.bitcast(one_to_two, tf.float32) - 1.0
+
+
 def _row_uniform(row_shape, name: str):
     """U[0, 1) of shape [rows, *row_shape], row i drawn from (sample_ids[i], salt(seed, name)); None outside
     `per_sample`."""
@@ -61,7 +75,7 @@ def _row_uniform(row_shape, name: str):
         return None
     ids, seed = keys
     salted = tf.constant(salt(seed, name), tf.int64)
-    return tf.stack([tf.random.stateless_uniform(row_shape, tf.stack([k, salted])) for k in tf.unstack(ids)])
+    return tf.stack([uniform(row_shape, tf.stack([k, salted])) for k in tf.unstack(ids)])
 
 
 def _kept(x, rate: float, row_shape, name: str):

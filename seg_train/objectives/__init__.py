@@ -15,6 +15,8 @@ The interface the step calls (train/step.py), the same for every head, so the st
          divides the sum over towers and micro-batches of the sums by the sum of the normalizers), the model's new
          non-trainable values (its BN statistics), and a function giving its per-pixel class scores [b, h, w, K]
          (the image summaries' predictions, computed only when asked)
+  objective.compile_tower     whether train.jit_compile XLA-compiles the whole tower pass (True), or the objective
+                              compiles only what XLA can take itself (False: the model's forward)
 
 Which objective a model takes is its family's (models.objective_of); `objective_for` maps that name to the class.
 """

@@ -57,12 +57,31 @@ def sample_seeds(sample_ids, seed: int, purpose: str) -> tf.Tensor:
 class MaskClassification:
     """The EoMT loss of one model and config, for the train step (`class_weights`: not used; per-pixel only)."""
 
+    compile_tower = False  # train.jit_compile: the model's forward alone (__init__)
+
     def __init__(self, model, cfg, class_weights=None):
         self.model, self.seed = model, cfg.seed
         self.windows = annealing_windows(cfg)
         self.queries = cfg.model.num_queries
         self.opts = EomtLossOptions(num_classes=cfg.data.num_classes, ignore_label=cfg.data.ignore_label,
                                     num_points=cfg.loss.mask_points, task=cfg.data.task)
+        # train.jit_compile compiles the model's forward here (and so its gradient), not the whole tower pass:
+        # the targets' slot count (the classes or segments a batch holds, mask_loss.py's compaction) and the
+        # matcher's sizes inside its loops are data-dependent shapes, which XLA refuses ("Input 1 to node PadV2
+        # must be a compile-time constant"; the matcher's Fill likewise); padding them to the worst case (every
+        # class, every query) would multiply the loss's point sampling by K / G' for nothing. The attention, what
+        # XLA fuses, is all in the forward. The forward's random draws are TensorFlow's under XLA too
+        # (models/stochastic.py uniform), so the compiled step is the plain one to round-off.
+        self.jit_compile = cfg.train.jit_compile
+
+    def _forward(self, tv, st, images, probs, seeds):
+        """(every layer's predictions, the model's new non-trainable values): the stateless training forward."""
+        model = self.model
+        mapping = list(zip(model.trainable_variables, tv)) + list(zip(model.non_trainable_variables, st))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            predictions = model.predictions(images, probs, seeds, training=True)
+        current = [scope.get_current_value(v) for v in model.non_trainable_variables]
+        return predictions, [value if now is None else now for now, value in zip(current, st)]
 
     def local_totals(self, labels) -> tf.Tensor:
         """float32 [2]: (target masks, images) in this tower's labels [rows, H, W] (all its micro-batches): one
@@ -82,14 +101,9 @@ class MaskClassification:
 
         `totals`: `prepare`'s. loss_sum / normalizer summed over the towers and micro-batches is the global loss:
         loss_sum = (this micro-batch's share) x (global images), normalizer = its rows (module doc)."""
-        model = self.model
-        mapping = list(zip(model.trainable_variables, tv)) + list(zip(model.non_trainable_variables, st))
         probs = mask_probabilities(step, self.windows)
-        with keras.StatelessScope(state_mapping=mapping) as scope:
-            predictions = model.predictions(images, probs, sample_seeds(sample_ids, self.seed, "mask"),
-                                            training=True)
-        current = [scope.get_current_value(v) for v in model.non_trainable_variables]
-        new_state = [value if now is None else now for now, value in zip(current, st)]
+        forward = tf.function(self._forward, jit_compile=True) if self.jit_compile else self._forward
+        predictions, new_state = forward(tv, st, images, probs, sample_seeds(sample_ids, self.seed, "mask"))
         terms = eomt_loss_terms(predictions, labels, sample_seeds(sample_ids, self.seed, "points"), self.opts)
         masks, images_total = totals[0], totals[1]
         o = self.opts

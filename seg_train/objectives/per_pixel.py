@@ -17,6 +17,8 @@ class PerPixel:
     config is used as it is.
     """
 
+    compile_tower = True  # train.jit_compile: the whole tower pass in one XLA cluster
+
     def __init__(self, model, cfg, class_weights=None):
         if class_weights is None and cfg.loss.class_weights is not None:
             if isinstance(cfg.loss.class_weights, str):

@@ -100,7 +100,7 @@ class TrainStep:
         self._state_layout = collectives.pack_layout([v.shape for v in state.bn_variables], pack_bytes)
         self._tower_pass = TowerPass(functools.partial(self._tower, unrolled=state.per_tower_trace), state.variables,
                                      state.non_trainable, per_tower=state.per_tower_trace,
-                                     jit_compile=cfg.train.jit_compile or None)
+                                     jit_compile=(cfg.train.jit_compile and self.objective.compile_tower) or None)
         self._update = Update(state, self._grad_layout, self._state_layout)
         self._step_fn = tf.function(self._train_step)
         self._probe_fn = tf.function(self._probe)

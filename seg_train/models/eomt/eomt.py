@@ -14,8 +14,8 @@ Masked attention (training only): before each of the last `eomt_blocks` blocks a
 tokens going in, and in that block query q of sample i attends only to the patches where that prediction's
 mask logit, resized bilinearly to the patch grid, is > 0 (queries, CLS and registers always). Each (sample,
 query) keeps its mask with the block's probability p (the caller anneals p to 0); the draw is
-tf.random.stateless_uniform from the sample's seed folded with the block index, so a sample's draw depends
-on nothing else in the batch or on the towers.
+TensorFlow's Philox uniform (stochastic.uniform: the same under XLA) from the sample's seed folded with the
+block index, so a sample's draw depends on nothing else in the batch or on the towers.
 
 Interface (EoMT, built by `eomt`):
   model(images, training=False)                   [b, H, W, K] float32 semantic "logits" (below)
@@ -49,6 +49,7 @@ import tensorflow as tf
 from keras import layers
 
 from seg_train.config.variants import VIT_VARIANTS, ViTVariant
+from seg_train.models import stochastic
 from seg_train.models.attention import DEFAULT
 from seg_train.models.dino.vit import dino_encoder, encoder_parts, run_block
 from seg_train.models.layers import LayerNorm, dense
@@ -72,7 +73,7 @@ def mask_keeps(seeds, block: int, prob, queries: int):
     device's automatic choice). prob 0 keeps none, 1 all."""
     def draw(seed):
         key = tf.random.experimental.stateless_fold_in(seed, block, alg="philox")
-        return tf.random.stateless_uniform([queries], key, alg="philox")
+        return stochastic.uniform([queries], key)  # as tf.random.stateless_uniform, also under XLA
 
     u = tf.map_fn(draw, tf.cast(seeds, tf.int32), fn_output_signature=tf.float32)
     return u < tf.cast(prob, tf.float32)
