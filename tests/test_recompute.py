@@ -82,6 +82,7 @@ def _encoder_forward(model, x):
     return model(x, training=True)
 
 
+@pytest.mark.slow  # two gradient graphs of a tiny ViT traced and run: several seconds each
 @pytest.mark.parametrize("spec, precision", [(V3, "float32"), (V2, "float32"), (V3, "mixed_float16")],
                          ids=["dinov3", "dinov2", "dinov3-mixed"])
 def test_vit_gradients_are_the_stored_ones_bitwise(spec, precision):
@@ -113,6 +114,7 @@ def _eomt_forward(model, x):
     return [t for pair in model.predictions(x, probs, seeds, training=True) for t in pair]
 
 
+@pytest.mark.slow  # two gradient graphs of a tiny EoMT traced and run: several seconds
 def test_eomt_gradients_are_the_stored_ones_bitwise():
     """A tiny EoMT (3 blocks, the last 2 EoMT blocks, 4 queries, drop path 0.3) in training with block 1's masks
     kept and block 2's kept with probability 0.5: every prediction, weight gradient and the image's gradient
