@@ -101,6 +101,7 @@ WIRED = {
     "train.allreduce_pack_mb": "test_traced_step_xla_and_all_reduce_packs",
     "train.allreduce_num_packs": "test_allreduce_keys_reach_the_strategy",
     "train.accumulate_steps": "test_run_step1_tower_losses_are_numpys_on_the_first_batch",
+    "train.recompute": "tests/test_recompute.py::test_recompute_key_reaches_the_model",
     "train.clip_global_norm": "test_clip_passes_a_norm_below_the_bound_and_scales_one_above_to_it",
     "train.ema_decay": "test_run_evaluates_and_keeps_the_ema_weights",
     "train.collective_timeout": "unobservable: it only bounds a collective whose peer is alive but silent; a peer "

@@ -270,7 +270,8 @@ def _check_vit(cfg: Config) -> Config:
     m = cfg.model
     if m.backbone not in DINO_BACKBONES:
         given = {"model.vit_layers": m.vit_layers is not None, "model.neck": m.neck is not None,
-                 "model.head": m.head in ("linear", "eomt"), "train.layer_decay": cfg.train.layer_decay is not None}
+                 "model.head": m.head in ("linear", "eomt"), "train.layer_decay": cfg.train.layer_decay is not None,
+                 "train.recompute": cfg.train.recompute != "none"}
         for key, on in given.items():
             if on:
                 raise ConfigError("not available for this backbone", key,

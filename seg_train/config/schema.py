@@ -277,6 +277,10 @@ class TrainConfig:
                                   doc="gradients cross the towers in packs of at most this many MB (0: one per "
                                       "tensor)")
     accumulate_steps: int = _c(1, check=_positive, doc="micro-batches per update (each of data.batch_size images)")
+    recompute: str = _c("none", choices=("none", "blocks"),
+                        doc="dinov*_ and eomt: keep every activation for the backward pass (none), or only each "
+                            "transformer block's input, its forward run again in the backward pass (blocks: less "
+                            "memory, about one more forward pass of compute; the same gradients)")
     clip_global_norm: Optional[float] = _c(None, check=_positive,
                                            doc="clip the all-reduced gradient to this global L2 norm (null: off)")
     allreduce_num_packs: int = _c(1, check=_positive,

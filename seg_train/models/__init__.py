@@ -26,12 +26,12 @@ from seg_train.config.resolve import model_defaults
 from seg_train.config.variants import family_of
 from seg_train.models import cnn, dino, eomt, mit
 from seg_train.models.dino.neck import PatchPairPool
-from seg_train.models.dino.vit import PatchGrid
+from seg_train.models.dino.vit import PatchGrid, ViTEncoder
 from seg_train.models.layers import ResizeLike
 from seg_train.models.structure import backbone_of, backbone_variable_mask, batchnorm_layers, freeze_batchnorm
 
-__all__ = ["build", "family", "objective_of", "FAMILIES", "ResizeLike", "backbone_of", "backbone_variable_mask",
-           "batchnorm_layers", "freeze_batchnorm", "input_multiple"]
+__all__ = ["build", "family", "objective_of", "set_recompute", "FAMILIES", "ResizeLike", "backbone_of",
+           "backbone_variable_mask", "batchnorm_layers", "freeze_batchnorm", "input_multiple"]
 
 FAMILIES = {"cnn": cnn, "mit": mit, "dino": dino, "eomt": eomt}
 
@@ -68,6 +68,18 @@ def build(cfg: ModelConfig, num_classes: int, seed: int = 0) -> keras.Model:
         # layers run on their moving statistics (Keras 3's frozen BN).
         backbone_of(model).trainable = False
     return model
+
+
+def set_recompute(model: keras.Model, mode: str) -> None:
+    """train.recompute on a built model: "blocks" has the training calls of its ViT (dino/vit.py ViTEncoder, which
+    EoMT runs block by block too) recompute each block's activations in the backward pass (models/recompute.py);
+    "none" stores them. Only the ViTs have blocks to recompute (config/resolve.py refuses the key for the others)."""
+    if mode == "none":
+        return
+    backbone = backbone_of(model)
+    if not isinstance(backbone, ViTEncoder):
+        raise ValueError(f"recompute {mode!r}: expected a ViT backbone, got {backbone.name}")
+    backbone.recompute = mode
 
 
 def input_multiple(model: keras.Model) -> int:

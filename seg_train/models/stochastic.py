@@ -36,6 +36,12 @@ def per_sample(sample_ids, seed: int):
         _local.keys = previous
 
 
+def active():
+    """(sample_ids, seed) of the enclosing `per_sample`, or None: what a recomputation in the backward pass
+    (models/recompute.py), traced after the block has closed, enters again to draw the same masks."""
+    return getattr(_local, "keys", None)
+
+
 def sample_ids(step, micro, tower, rows: int, towers: int, micro_batches: int):
     """The global sample counter of each row of one micro-batch on one tower: int64 [rows].
 

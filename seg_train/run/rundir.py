@@ -29,7 +29,7 @@ HARMLESS = {
     "train.jit_compile", "train.allreduce", "train.allreduce_pack_mb", "train.allreduce_num_packs",
     "train.collective_timeout",
     # Same maths, other kernels (models/atrous.py, models/fused_bn.py, models/attention.py); the same data, cached.
-    "model.fast_atrous", "model.fused_batchnorm", "model.attention", "data.cache",
+    "model.fast_atrous", "model.fused_batchnorm", "model.attention", "train.recompute", "data.cache",
     # Where the pre-training scan's result is kept between runs (it is the same result either way).
     "data.scan_cache", "data.scan_cache_dir",
     # What is recorded, not what is trained.

@@ -40,6 +40,7 @@ class TrainState:
             keras.config.set_dtype_policy("float32" if t.precision == "float32" else t.precision)
             try:
                 self.model = models.build(cfg.model, cfg.data.num_classes, cfg.seed)
+                models.set_recompute(self.model, t.recompute)
             finally:
                 keras.config.set_dtype_policy(previous)
             self.loss_scaling = LossScale(t.precision == "mixed_float16", only_first)

@@ -27,6 +27,7 @@ from seg_train.config.variants import VIT_VARIANTS, ViTVariant, four_blocks, swi
 from seg_train.models.attention import BLOCK, DEFAULT, METHODS
 from seg_train.models.attention import attention as attend
 from seg_train.models.layers import LayerNorm, dense
+from seg_train.models.recompute import recompute
 from seg_train.models.stochastic import DropPath
 
 
@@ -378,6 +379,39 @@ def run_block(parts: dict, x, rope=(), bias=None, prefix=None, training=None, bl
     return parts["add2"]([x, y])
 
 
+def run_blocks(parts: dict, x, rope=(), recomputed: bool = False, **kwargs):
+    """`run_block`, its activations recomputed in the backward pass instead of stored when `recomputed`
+    (train.recompute: blocks; models/recompute.py); `kwargs`: run_block's."""
+    def one(tokens):
+        return run_block(parts, tokens, rope, **kwargs)
+
+    return recompute(one, x, parts.values()) if recomputed else one(x)
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+class ViTEncoder(keras.Model):
+    """`dino_encoder`'s functional model. With `recompute` "blocks" (train.recompute; set after building) a
+    training call runs the same layers on the same graph block by block (`run_blocks`), each block's activations
+    recomputed in the backward pass; any other call runs the functional graph."""
+
+    recompute = "none"
+    layers_chosen: tuple = ()
+
+    def call(self, inputs, training=None, mask=None):
+        if not training or self.recompute == "none":
+            return super().call(inputs, training=training, mask=mask)
+        parts = encoder_parts(self)
+        grid = parts.patch_embed(parts.patch_check(inputs))
+        x = parts.tokens(grid)
+        rope = parts.rope(grid) if parts.rope is not None else ()
+        found = {}
+        for i, block in enumerate(parts.blocks, start=1):
+            x = run_blocks(block, x, rope, recomputed=True, training=training)
+            if i in self.layers_chosen:
+                found[i] = self.get_layer(f"map{i}")(parts.norm(x) if parts.norm else x, grid)
+        return [found[i] for i in self.layers_chosen]
+
+
 def _block(x, rope, spec: ViTVariant, name: str, drop_path: float, attention: str = DEFAULT):
     """One block on the tokens x [b, T, C]; each residual branch dropped per sample with `drop_path`."""
     return run_block(_block_layers(spec, name, drop_path, attention), x, rope)
@@ -418,4 +452,6 @@ def dino_encoder(name, layers: tuple[int, ...] | None = None, drop_path_rate: fl
             found[i] = PatchMap(1 + spec.registers, name=f"map{i}")(final(x) if final else x, grid)
         if i == max(chosen):
             break
-    return keras.Model(inp, [found[i] for i in chosen], name=label)
+    model = ViTEncoder(inp, [found[i] for i in chosen], name=label)
+    model.layers_chosen = chosen
+    return model

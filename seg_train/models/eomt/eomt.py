@@ -51,7 +51,7 @@ from keras import layers
 from seg_train.config.variants import VIT_VARIANTS, ViTVariant
 from seg_train.models import stochastic
 from seg_train.models.attention import DEFAULT
-from seg_train.models.dino.vit import dino_encoder, encoder_parts, run_block
+from seg_train.models.dino.vit import dino_encoder, encoder_parts, run_blocks
 from seg_train.models.layers import LayerNorm, dense
 
 _TINY = float(np.finfo(np.float32).tiny)
@@ -169,6 +169,8 @@ class EoMT(keras.Model):
             if mask_probs.shape.rank != 1 or mask_probs.shape[0] not in (None, self.eomt_blocks):
                 raise ValueError(f"EoMT.predictions: mask_probs of shape {mask_probs.shape}: expected one "
                                  f"probability per EoMT block, [{self.eomt_blocks}]")
+        # train.recompute (models/recompute.py); the mask draws stay outside the recomputed blocks.
+        recomputed = bool(training) and self.backbone.recompute != "none"
         out = []
         for i in range(1, spec.depth + 1):
             eomt = i >= self.first_eomt_block
@@ -182,8 +184,8 @@ class EoMT(keras.Model):
                     j = i - self.first_eomt_block
                     keeps = mask_keeps(seeds, j, mask_probs[j], q)
                     blocked = blocked_patches(out[-1][1], keeps, grid_h, grid_w, q)
-            tokens = run_block(parts.blocks[i - 1], tokens, rope, blocked=blocked,
-                               prefix=q + prefix if eomt else None, training=training)
+            tokens = run_blocks(parts.blocks[i - 1], tokens, rope, recomputed=recomputed, blocked=blocked,
+                                prefix=q + prefix if eomt else None, training=training)
         out.append(self._predict(norm(tokens), grid_h, grid_w))
         return out
 
