@@ -22,7 +22,7 @@ import tensorflow as tf
 import yaml
 
 from seg_train.config import ConfigError, from_dict
-from seg_train.config.variants import ViTVariant
+from seg_train.config.variants import VIT_VARIANTS, ViTVariant
 from seg_train.data import synthetic
 from seg_train.models import backbone_of, stochastic
 from seg_train.models.dino.vit import dino_encoder
@@ -34,6 +34,9 @@ from tests.helpers import resume_bitwise, strategy, tiny_config
 V3 = ViTVariant("dinov3", 8, 32, 3, 2, 64, registers=2, key_bias=False, layer_scale=0.5)
 V2 = ViTVariant("dinov2", 8, 32, 3, 2, 64, registers=1, gated=True, pos_grid=3, layer_scale=0.5)
 MATMULS = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
+# In place of dinov3_vits16 while the in-process run tests build from config files (the loader and builders read
+# the table): 3 blocks of width 32 at patch 16 trace in seconds where ViT-S's 12 blocks of 384 take a minute.
+TINY_VITS16 = ViTVariant("dinov3", 16, 32, 3, 2, 64, registers=4, key_bias=False)
 
 
 def _random_values(model, seed):
@@ -148,50 +151,69 @@ def _config(tmp_path, recompute):
                               "mask_annealing": [[0, 2], [1, 3]]}, loss={"mask_points": 64})
 
 
-@pytest.mark.slow  # ViT-S models built from config files: seconds
+@pytest.mark.slow  # models built from config files: seconds
 def test_recompute_key_reaches_the_model(tmp_path):
-    """train.recompute from a config file, through TrainState, on a linear head over block 1 of a DINOv3 ViT-S/16:
-    the traced gradient of a training call holds more products with blocks than with none (the block's forward
-    again). Fails for: the key dropped between the config and the model."""
+    """train.recompute from a config file, through TrainState, on a linear head over block 1 of dinov3_vits16
+    (TINY_VITS16 in its place): the traced gradient of a training call holds more products with blocks than with
+    none (the block's forward again). Fails for: the key dropped between the config and the model."""
     counts = {}
-    for mode in ("none", "blocks"):
-        cfg = tiny_config(tmp_path / mode, data={"crop_size": [32, 32]}, train={"recompute": mode},
-                          model={"backbone": "dinov3_vits16", "head": "linear", "vit_layers": [1]})
-        model = TrainState(cfg, strategy(1), optimizer=False).model
-
-        @tf.function
-        def grads(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_sum(tf.square(model(x, training=True)))
-            return tape.gradient(loss, model.trainable_variables)
-
-        graph = grads.get_concrete_function(tf.TensorSpec([1, 32, 32, 3], tf.float32)).graph
-        counts[mode] = sum(op in MATMULS for op in _ops(graph))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
+        for mode in ("none", "blocks"):
+            counts[mode] = _gradient_matmuls(tmp_path / mode, mode)
     keras.backend.clear_session()
     assert counts["blocks"] > counts["none"], counts
 
 
-@pytest.mark.slow  # three ViT-S EoMT steps traced: about a minute
+def _gradient_matmuls(tmp_path, mode):
+    cfg = tiny_config(tmp_path, data={"crop_size": [32, 32]}, train={"recompute": mode},
+                      model={"backbone": "dinov3_vits16", "head": "linear", "vit_layers": [1]})
+    model = TrainState(cfg, strategy(1), optimizer=False).model
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x, training=True)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    graph = grads.get_concrete_function(tf.TensorSpec([1, 32, 32, 3], tf.float32)).graph
+    return sum(op in MATMULS for op in _ops(graph))
+
+
+@pytest.mark.slow  # three EoMT steps traced
 def test_recompute_key_reaches_the_step_and_four_towers_equal_one(tmp_path):
-    """Two SGD steps of EoMT on a DINOv3 ViT-S/16 (drop path 0.3, annealing in progress) from a config file with
-    train.recompute: blocks, on 1 and 4 towers, and on 1 tower without it: the traced step holds the
-    recomputation (more products than without), 4 towers equal 1 (as without recompute, tests/test_eomt_train.py),
-    and 1 tower equals the stored step's weights. Fails for: the key dropped between the config and the model,
-    masks or drop path redrawn per tower or per recomputation."""
+    """Two SGD steps of EoMT on dinov3_vits16 (TINY_VITS16 in its place; drop path 0.3, annealing in progress) from a
+    config file with train.recompute: blocks, on 1 and 4 towers, and on 1 tower without it: the traced step
+    holds the recomputation (more products than without), 4 towers equal 1 (as without recompute,
+    tests/test_eomt_train.py), and 1 tower equals the stored step's weights. Fails for: the key dropped between
+    the config and the model, masks or drop path redrawn per tower or per recomputation."""
     rng = np.random.default_rng(0)
     images = rng.normal(size=(4, 32, 48, 3)).astype(np.float32)
     labels = rng.integers(0, 3, (4, 32, 48)).astype(np.uint8)
     labels[0, :12] = 255
     out = {}
-    for name, recompute, towers in (("stored", "none", 1), ("one", "blocks", 1), ("four", "blocks", 4)):
-        step = TrainStep(TrainState(_config(tmp_path / name, recompute), strategy(towers)))
-        assert backbone_of(step.state.model).recompute == recompute
-        data = step.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-        matmuls = sum(op in MATMULS for op in _ops(step.concrete_function(data.element_spec).graph))
-        batch = next(iter(data))
-        losses = [float(step(batch).loss) for _ in range(2)]
-        out[name] = (matmuls, losses, [(v.path, v.numpy()) for v in step.state.model.weights])
+    patch = pytest.MonkeyPatch()
+    patch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
+    try:
+        for name, recompute, towers in (("stored", "none", 1), ("one", "blocks", 1), ("four", "blocks", 4)):
+            out[name] = _two_steps(tmp_path / name, recompute, towers, images, labels)
+    finally:
+        patch.undo()
     keras.backend.clear_session()
+    _check_steps(out)
+
+
+def _two_steps(tmp_path, recompute, towers, images, labels):
+    step = TrainStep(TrainState(_config(tmp_path, recompute), strategy(towers)))
+    assert backbone_of(step.state.model).recompute == recompute
+    data = step.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+    matmuls = sum(op in MATMULS for op in _ops(step.concrete_function(data.element_spec).graph))
+    batch = next(iter(data))
+    losses = [float(step(batch).loss) for _ in range(2)]
+    return matmuls, losses, [(v.path, v.numpy()) for v in step.state.model.weights]
+
+
+def _check_steps(out):
     assert out["one"][0] > out["stored"][0], (out["one"][0], out["stored"][0])
     assert np.isfinite(out["one"][1]).all() and out["one"][1][0] != out["one"][1][1]
     assert out["one"][1] == out["stored"][1]
