@@ -232,8 +232,9 @@ def test_head_and_backbone_choices(tmp_path):
         ("model.backbone=mobilenetv3", "error: invalid value (model.backbone): expected one of tiny, mobilenetv2, "
          "mobilenetv3_large, mobilenetv3_small, resnet50, resnet101, mit_b0, mit_b1, mit_b2, mit_b3, mit_b4, mit_b5, "
          "dinov3_vits16, dinov3_vits16plus, dinov3_vitb16, dinov3_vitl16, dinov3_vith16plus, dinov2_vits14, "
-         "dinov2_vits14_reg, dinov2_vitb14, dinov2_vitb14_reg, dinov2_vitl14, dinov2_vitl14_reg, dinov2_vitg14, "
-         "dinov2_vitg14_reg, got 'mobilenetv3'"),
+         "dinov2_vitb14, dinov2_vitl14, dinov2_vitg14, dinov2_vits14_reg, dinov2_vitb14_reg, dinov2_vitl14_reg, "
+         "dinov2_vitg14_reg, dinov2_vits16_reg, dinov2_vitb16_reg, dinov2_vitl16_reg, dinov2_vitg16_reg, "
+         "got 'mobilenetv3'"),
         ("model.lraspp_channels=0", "error: out of range (model.lraspp_channels): expected a positive number, got 0"),
     ]:
         err = io.StringIO()

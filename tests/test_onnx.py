@@ -301,9 +301,9 @@ def tiny_vit(name):
     """A 2-block ViT of `name`'s family (width 32, 2 heads): its patch, registers, gated MLP, position scheme."""
     from dataclasses import replace
 
-    from seg_train.models.dino.vit import VARIANTS
+    from seg_train.config.variants import VIT_VARIANTS
 
-    spec = VARIANTS[name]
+    spec = VIT_VARIANTS[name]
     return replace(spec, width=32, depth=2, heads=2, mlp=64, pos_grid=4)
 
 
@@ -314,13 +314,13 @@ def test_every_family_converts_and_predicts_what_keras_does_outside_seg_train(fa
     wrongly or leaves out (TensorFlow's Erfc in every ViT's GELU), a layout or normalisation slip."""
     from seg_train import models
     from seg_train.config import ModelConfig
+    from seg_train.config.variants import VIT_VARIANTS
     from seg_train.infer.onnx_export import convert
     from seg_train.infer.tflite_export import app_function, frozen_function
-    from seg_train.models.dino import vit
 
     head, backbone, (h, w), keys = FAMILIES[family]
-    if backbone in vit.VARIANTS:
-        monkeypatch.setitem(vit.VARIANTS, backbone, tiny_vit(backbone))
+    if backbone in VIT_VARIANTS:
+        monkeypatch.setitem(VIT_VARIANTS, backbone, tiny_vit(backbone))
     model = models.build(ModelConfig(backbone=backbone, head=head, **keys), 3)
     # At its initial weights a model's logits hardly vary over the image (EoMT's by 3e-4, a MobileNetV3's by
     # 5e-3): one class everywhere, which would prove nothing. Weights of He's scale vary them by about 1.

@@ -356,7 +356,8 @@ def test_defaults_resolved_from_the_backbone():
      "'mit_b0': the Mix Transformer has no stride-2 features, got 2"),
     ({"model": {"backbone": "mit_b0", "init_weights": "p"}},
      "error: not available for this model (model.init_weights): a keras-hub SegFormer preset needs model.backbone "
-     "mit_b0..mit_b5 and model.head segformer, got 'mit_b0' and 'deeplabv3plus'"),
+     "mit_b0..mit_b5 and model.head segformer, a transformers EoMT folder a dinov*_ backbone and model.head eomt, "
+     "got 'mit_b0' and 'deeplabv3plus'"),
     ({"model": {"backbone": "mit_b0", "head": "segformer", "init_weights": "p", "backbone_weights": "q"}},
      "error: two initialisations (model.backbone_weights): null with model.init_weights (the SegFormer preset holds "
      "the encoder too)"),
