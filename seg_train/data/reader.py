@@ -19,6 +19,7 @@ decode -> augment (augment.py) -> per-tower batches, in order.py's sample order,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import posixpath
@@ -80,24 +81,35 @@ def load_segment_sample(image_path: str, label_path: str, codec: SegmentCodec, t
     """load_sample for data.task panoptic and instance: (uint8 image, int32 segment labels) through `codec`,
     `table` the image's segments (coco_panoptic), with load_sample's checks; BadSample names the file."""
     image = _pillow_image(image_path, contents[0] if contents else None)
+    with _label_errors(label_path, "segment ids"):
+        label = codec.decode_np(contents[1] if contents else files.read_bytes(label_path), table, label_path)
+    _check_label_size(label, image, image_path, label_path)
+    return image, label
+
+
+@contextlib.contextmanager
+def _label_errors(label_path: str, content: str):
+    """A label file's read and decode errors as one-line BadSamples naming the path (Pillow's own messages would
+    name the in-memory BytesIO); `content`: what the PNG holds, for the missing-file message."""
     try:
-        data = contents[1] if contents else files.read_bytes(label_path)
-        label = codec.decode_np(data, table, label_path)
+        yield
     except FileNotFoundError:
-        raise BadSample(f"label not found ({label_path}): expected a PNG of segment ids") from None
+        raise BadSample(f"label not found ({label_path}): expected a PNG of {content}") from None
     except LossyLabel:
         raise BadSample(f"{LOSSY_WHAT} ({label_path}): {LOSSY_EXPECTED}") from None
     except UnidentifiedImageError:
         raise BadSample(f"unreadable label ({label_path}): expected a valid PNG (its bytes are of no image "
                         "format Pillow reads)") from None
     except ValueError as e:
-        raise BadSample(f"bad label ({label_path}): {e}") from None
+        raise BadSample(f"bad label ({label_path}): {str(e).replace(f'{label_path}: ', '')}") from None
     except (OSError, SyntaxError) as e:
         raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({exception_text(e)})") from None
+
+
+def _check_label_size(label: np.ndarray, image: np.ndarray, image_path: str, label_path: str) -> None:
     if label.shape != image.shape[:2]:
         raise BadSample(f"label size differs from image ({label_path}): expected {image.shape[1]}x{image.shape[0]} "
                         f"like {posixpath.basename(image_path)}, got {label.shape[1]}x{label.shape[0]}")
-    return image, label
 
 
 def _pillow_image(image_path: str, data: bytes | None) -> np.ndarray:
@@ -122,22 +134,9 @@ def load_sample(image_path: str, label_path: str, num_classes: int, ignore_label
     """
     # Pillow's own messages would name the in-memory BytesIO, so these messages name the path.
     image = _pillow_image(image_path, contents[0] if contents else None)
-    try:
+    with _label_errors(label_path, "class indices"):
         label = decoders.pillow_label(contents[1] if contents else files.read_bytes(label_path), label_path)
-    except FileNotFoundError:
-        raise BadSample(f"label not found ({label_path}): expected a PNG of class indices") from None
-    except LossyLabel:
-        raise BadSample(f"{LOSSY_WHAT} ({label_path}): {LOSSY_EXPECTED}") from None
-    except UnidentifiedImageError:
-        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG (its bytes are of no image "
-                        "format Pillow reads)") from None
-    except ValueError as e:
-        raise BadSample(f"bad label ({label_path}): {str(e).replace(f'{label_path}: ', '')}") from None
-    except (OSError, SyntaxError) as e:
-        raise BadSample(f"unreadable label ({label_path}): expected a valid PNG ({exception_text(e)})") from None
-    if label.shape != image.shape[:2]:
-        raise BadSample(f"label size differs from image ({label_path}): expected {image.shape[1]}x{image.shape[0]} "
-                        f"like {posixpath.basename(image_path)}, got {label.shape[1]}x{label.shape[0]}")
+    _check_label_size(label, image, image_path, label_path)
     raw = label
     if label_table is not None:
         mapped = labels.apply(label_table, raw)
