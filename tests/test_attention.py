@@ -252,11 +252,10 @@ def test_backward_keeps_no_tq_by_tk_map(method, stored):
 
     step(q, k, v)  # traced and run once: later allocations are the step's own
     device = CPU_DEVICES[0].replace("/device:", "")
-    try:
-        tf.config.experimental.reset_memory_stats(device)
-        before = tf.config.experimental.get_memory_info(device)["current"]
-    except ValueError as e:
-        pytest.skip(f"the CPU allocator keeps no statistics here ({e})")
+    # TensorFlow 2.21's CPU allocator keeps these statistics (the pinned build CI installs): no skip, a missing
+    # statistic fails the test rather than hiding it.
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
     step(q, k, v)
     peak = tf.config.experimental.get_memory_info(device)["peak"] - before
     one_map = b * h * t * t * 4
