@@ -246,28 +246,16 @@ def encode_segment_sample(image_path: str, label_path: str, sample_id: str, code
     """encode_sample for segment labels (data.task panoptic, instance): the label file's bytes as they are,
     checked by decoding them with `codec` (panoptic.SegmentCodec) against `table` (the image's segments, or
     None), which the record keeps. ValueError names a bad file."""
-    from PIL import Image
-
     gfile = _gfile()
     try:
-        with gfile.GFile(image_path, "rb") as f:
-            data = f.read()
-        fmt = _image_format(data)
-        with Image.open(io.BytesIO(data)) as im:
-            rgb = im.convert("RGB")
-        if fmt is None:
-            buf = io.BytesIO()
-            rgb.save(buf, format="PNG")
-            data, fmt = buf.getvalue(), "png"
+        data, fmt, size = _stored_image(gfile, image_path)
         with gfile.GFile(label_path, "rb") as f:
             label_bytes = f.read()
         label = codec.decode_np(label_bytes, table, label_path)
     except Exception as e:  # noqa: BLE001 - whatever a decoder raises names the sample
         raise ValueError(f"cannot convert sample {sample_id!r} ({image_path}, {label_path}): "
                          f"{type(e).__name__}: {exception_text(e)}") from None
-    if label.shape != (rgb.height, rgb.width):
-        raise ValueError(f"label size differs from image ({label_path}): expected {rgb.width}x{rgb.height}, "
-                         f"got {label.shape[1]}x{label.shape[0]}")
+    _check_size(label, size, label_path)
     rows = None if table is None else (table.ids, table.category_ids, table.iscrowd)
     return make_example(data, fmt, label, sample_id, label_bytes, rows).SerializeToString()
 
@@ -278,21 +266,11 @@ def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
     A JPEG or PNG image is stored as its bytes, any other format as PNG. The label is stored as an 'L'
     PNG of class indices (decode_png would read a palette PNG as colours). ValueError names a bad file.
     """
-    from PIL import Image
-
     from seg_train.data.label_images import LossyLabel, read_label
 
     gfile = _gfile()
     try:
-        with gfile.GFile(image_path, "rb") as f:
-            data = f.read()
-        fmt = _image_format(data)
-        with Image.open(io.BytesIO(data)) as im:
-            rgb = im.convert("RGB")  # a full decode: a truncated file fails here, not in training
-        if fmt is None:
-            buf = io.BytesIO()
-            rgb.save(buf, format="PNG")
-            data, fmt = buf.getvalue(), "png"
+        data, fmt, size = _stored_image(gfile, image_path)
         with gfile.GFile(label_path, "rb") as f:
             label = read_label(io.BytesIO(f.read()), name=label_path)
     except LossyLabel:  # its own line (naming the label): what is wrong and what to do
@@ -301,10 +279,31 @@ def encode_sample(image_path: str, label_path: str, sample_id: str) -> bytes:
         # exception_text: Pillow decodes from memory here, and its messages would carry the BytesIO's repr.
         raise ValueError(f"cannot convert sample {sample_id!r} ({image_path}, {label_path}): "
                          f"{type(e).__name__}: {exception_text(e)}") from None
-    if label.shape != (rgb.height, rgb.width):
-        raise ValueError(f"label size differs from image ({label_path}): expected {rgb.width}x{rgb.height}, "
-                         f"got {label.shape[1]}x{label.shape[0]}")
+    _check_size(label, size, label_path)
     return make_example(data, fmt, label, sample_id).SerializeToString()
+
+
+def _stored_image(gfile, image_path: str) -> tuple[bytes, str, tuple[int, int]]:
+    """The image as a record stores it (a JPEG or PNG as its bytes, any other format as PNG), its format and
+    (width, height). A full decode: a truncated file fails here, not in training."""
+    from PIL import Image
+
+    with gfile.GFile(image_path, "rb") as f:
+        data = f.read()
+    fmt = _image_format(data)
+    with Image.open(io.BytesIO(data)) as im:
+        rgb = im.convert("RGB")
+    if fmt is None:
+        buf = io.BytesIO()
+        rgb.save(buf, format="PNG")
+        data, fmt = buf.getvalue(), "png"
+    return data, fmt, rgb.size
+
+
+def _check_size(label, size: tuple[int, int], label_path: str) -> None:
+    if label.shape != (size[1], size[0]):
+        raise ValueError(f"label size differs from image ({label_path}): expected {size[0]}x{size[1]}, "
+                         f"got {label.shape[1]}x{label.shape[0]}")
 
 
 def write_split(samples, output: str, prefix: str, num_shards: int, progress=None, encode=None,
