@@ -228,8 +228,16 @@ def generate(
     height, width = (int(s) for s in size)
     if height < 8 or width < 8:
         raise ValueError(f"size={tuple(size)}; expected (height, width) of at least 8 pixels each")
+    params = dict(num_train=num_train, num_val=num_val, size=[height, width], num_classes=num_classes, seed=seed)
+    return publish(root, lambda tmp: _write_dataset(tmp, num_train, num_val, (height, width), num_classes, seed),
+                   params)
+
+
+def publish(root: Path, write, params: dict) -> Path:
+    """Runs `write(tmp)` into a sibling temporary directory, writes ``.complete`` (the `params`) last and renames
+    it into place, so ``root`` is absent or complete; another process that got there first wins. Refuses a
+    ``root`` that holds anything else (it may be a user's directory: never delete what we did not create)."""
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        # Never delete what we did not create: it may be a user's directory.
         raise FileExistsError(
             f"{root} exists but is not a complete demo data set (no {COMPLETE_MARKER}); "
             "remove it or choose another directory"
@@ -240,8 +248,7 @@ def generate(
     if tmp.exists():  # left over by a crashed earlier process that had our pid
         shutil.rmtree(tmp)
     try:
-        _write_dataset(tmp, num_train, num_val, (height, width), num_classes, seed)
-        params = dict(num_train=num_train, num_val=num_val, size=[height, width], num_classes=num_classes, seed=seed)
+        write(tmp)
         (tmp / COMPLETE_MARKER).write_text(json.dumps(params) + "\n")
         try:
             os.replace(tmp, root)  # atomic; also succeeds over an empty directory

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import colorsys
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-COMPLETE_MARKER = ".complete"  # the semantic demo set's (data/synthetic.py), so data/checks.py reads both alike
+from seg_train.data import synthetic
+
+COMPLETE_MARKER = synthetic.COMPLETE_MARKER  # the semantic demo set's, so data/checks.py reads both alike
 STUFF_NAMES = ("sky", "grass", "water", "wall", "road", "sand")
 THING_SHAPES = ("disc", "box", "diamond", "bar")
 
@@ -188,31 +188,15 @@ def generate(root: str | Path, num_train: int = 160, num_val: int = 40, size: tu
         raise ValueError(f"thing_classes={things}; expected at least one thing and one stuff class of {num_classes}")
     if num_train < 1 or num_val < 0 or min(size) < 16:
         raise ValueError("expected num_train >= 1, num_val >= 0 and images of at least 16 x 16")
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise FileExistsError(f"{root} exists but is not a complete demo data set (no {COMPLETE_MARKER}); "
-                              "remove it or choose another directory")
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.with_name(f"{root.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    params = dict(num_train=num_train, num_val=num_val, size=list(size), num_classes=num_classes, seed=seed,
+                  thing_classes=things)
+
+    def write(tmp: Path) -> None:
         rng = np.random.default_rng(seed)
         _write_split(tmp, "train", 1, num_train, rng, size, num_classes, things)
         _write_split(tmp, "val", 1 + num_train, num_val, rng, size, num_classes, things)
-        params = dict(num_train=num_train, num_val=num_val, size=list(size), num_classes=num_classes, seed=seed,
-                      thing_classes=things)
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(params) + "\n")
-        try:
-            os.replace(tmp, root)
-        except OSError:
-            if (root / COMPLETE_MARKER).is_file():  # another worker got there first
-                shutil.rmtree(tmp, ignore_errors=True)
-                return root
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return root
+
+    return synthetic.publish(root, write, params)
 
 
 def main(argv: list[str] | None = None) -> int:
