@@ -265,21 +265,30 @@ def test_draws_are_keyed_by_sample_layer_and_purpose():
 
 @pytest.mark.slow
 def test_traced_equals_eager_and_gradients_reach_the_logits():
-    """Inside a tf.function (the train step's way) the terms equal eager ones; the gradient reaches both
+    """Inside a tf.function (the train step's way) the terms and their gradients equal eager ones, on three
+    prediction layers (traced, the layers share one function called per layer); the gradient reaches both
     logits, none flows through the matching. Fails for a host round trip (numpy) at run time, a Python-side
-    branch on tensor values."""
+    branch on tensor values, and for the traced per-layer function drawing one layer's points for every layer
+    (a layer index frozen into its trace)."""
     class_logits, mask_logits, labels, k = _ignore_case()
     opts = E.EomtLossOptions(num_classes=k, num_points=64)
     seeds = seeds_for(2, 9)
-    eager = E.eomt_loss_terms([(class_logits, mask_logits)], labels, seeds, opts)
-    traced = tf.function(lambda c, m, lab, s: E.eomt_loss_terms([(c, m)], lab, s, opts))(
-        class_logits, mask_logits, labels, seeds)
+    scales = (1.0, 0.5, 2.0)
+
+    def loss_and_grads(c, m):
+        with tf.GradientTape() as tape:
+            tape.watch([c, m])
+            terms = E.eomt_loss_terms([(c * s, m * s) for s in scales], labels, seeds, opts)
+            loss = E.losses_from_terms(terms, opts)["loss"]
+        return terms, tape.gradient(loss, [c, m])
+
+    c, m = tf.constant(class_logits), tf.constant(mask_logits)
+    eager, (gc, gm) = loss_and_grads(c, m)
+    traced, (tc, tm) = tf.function(loss_and_grads, autograph=False)(c, m)
     for name in E.TERMS:
         np.testing.assert_allclose(traced[name].numpy(), eager[name].numpy(), rtol=1e-5, err_msg=name)
-    c, m = tf.Variable(class_logits), tf.Variable(mask_logits)
-    with tf.GradientTape() as tape:
-        loss = E.losses_from_terms(E.eomt_loss_terms([(c, m)], labels, seeds, opts), opts)["loss"]
-    gc, gm = tape.gradient(loss, [c, m])
+    np.testing.assert_allclose(tc.numpy(), gc.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(tm.numpy(), gm.numpy(), rtol=1e-5, atol=1e-7)
     assert np.all(np.isfinite(gc.numpy())) and np.any(gc.numpy() != 0)
     assert np.all(np.isfinite(gm.numpy())) and np.any(gm.numpy() != 0)
 

@@ -66,7 +66,7 @@ def _make_eval_step(state, eval_cfg, offsets):
     # One trace for all image sizes: n images and n labels of unknown height and width.
     image_spec, label_spec = tf.TensorSpec([1, None, None, 3], tf.float32), tf.TensorSpec([1, None, None], tf.uint8)
 
-    @tf.function(input_signature=[[image_spec] * n, [label_spec] * n])
+    @tf.function(input_signature=[[image_spec] * n, [label_spec] * n], autograph=False)
     def step(images, labels):
         def tower_input(ctx):
             i = ctx.replica_id_in_sync_group

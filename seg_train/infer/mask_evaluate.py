@@ -259,7 +259,7 @@ def make_step(state, crop):
             class_logits, mask_logits = model.predictions(image, training=False)[-1]
         return class_logits[0], mask_logits[0]
 
-    @tf.function(input_signature=[[spec] * n])
+    @tf.function(input_signature=[[spec] * n], autograph=False)
     def step(images):
         def tower_input(ctx):
             return tf.identity(images[ctx.replica_id_in_sync_group])

@@ -153,7 +153,7 @@ def class_scores(model_fn, image, cfg, num_classes: int, pad_to: int = PAD_TO, o
         logits = _view_logits(model_fn, image, cfg, cfg.scales[0], num_classes, pad_to)
         return logits if offsets is None else logits - tf.constant(offsets, tf.float32)
     # Not inlined, so the graph holds the network once instead of once per view.
-    model_fn = tf.function(model_fn, input_signature=[tf.TensorSpec([1, None, None, 3], tf.float32)],
+    model_fn = tf.function(model_fn, input_signature=[tf.TensorSpec([1, None, None, 3], tf.float32)], autograph=False,
                            experimental_attributes={"_noinline": True})
     total = None
     for scale in cfg.scales:

@@ -157,7 +157,7 @@ class PreciseBN:
                 flat += [tf.reshape(tf.cast(count, tf.float32), [1]), mean, m2]
             return tf.concat(flat, axis=0)
 
-        @tf.function
+        @tf.function(autograph=False)
         def forward(batch):
             images, _ = batch
             per_tower = strategy.experimental_local_results(images)[0]

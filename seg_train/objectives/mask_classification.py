@@ -102,7 +102,7 @@ class MaskClassification:
         `totals`: `prepare`'s. loss_sum / normalizer summed over the towers and micro-batches is the global loss:
         loss_sum = (this micro-batch's share) x (global images), normalizer = its rows (module doc)."""
         probs = mask_probabilities(step, self.windows)
-        forward = tf.function(self._forward, jit_compile=True) if self.jit_compile else self._forward
+        forward = tf.function(self._forward, jit_compile=True, autograph=False) if self.jit_compile else self._forward
         predictions, new_state = forward(tv, st, images, probs, sample_seeds(sample_ids, self.seed, "mask"))
         terms = eomt_loss_terms(predictions, labels, sample_seeds(sample_ids, self.seed, "points"), self.opts)
         masks, images_total = totals[0], totals[1]

@@ -355,9 +355,18 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
         compact = tf.maximum(tf.reduce_max(num_valid), 1)
         classes = values = classes[:, :compact]
     per_layer, matches = [], []
+    layer_terms = _layer_terms
+    if tf.inside_function() and len(predictions) > 1:
+        # The layers' predictions have one shape, so inside a trace (the train step's) their loss is one function
+        # traced once and called per layer, the layer index an argument: the graph holds the loss and its gradient
+        # once instead of once per layer (about a third of EoMT's train-step graph otherwise: docs/PERFORMANCE.md,
+        # "Start-up"). Not inlined, so Grappler optimises it once too. The draws are the same (the layer index
+        # folded into the seeds is the same number, as a tensor).
+        layer_terms = tf.function(_layer_terms, autograph=False, reduce_retracing=True,
+                                  experimental_attributes={"_noinline": True})
     for layer, (class_logits, mask_logits) in enumerate(predictions):
-        terms, row_of_col = _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds,
-                                         layer, opts)
+        terms, row_of_col = layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds,
+                                        tf.constant(layer) if layer_terms is not _layer_terms else layer, opts)
         per_layer.append(terms)
         if semantic:
             # Back to all K slots for the caller: -1 in the slots compacted away, as in any padding slot.

@@ -48,7 +48,7 @@ def batched_linear_sum_assignment(cost, num_valid):
                      fn_output_signature=(tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32)))
 
 
-@tf.function(input_signature=_SPEC)
+@tf.function(input_signature=_SPEC, autograph=False)
 def _assign(cost, valid):
     q, g = tf.shape(cost)[0], tf.shape(cost)[1]
     with tf.control_dependencies([tf.debugging.assert_greater_equal(

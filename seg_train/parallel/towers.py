@@ -42,7 +42,8 @@ def shared(python_function, jit_compile=None):
     Call it with the calling tower's resource handles (`handles`), never with variables captured
     by the trace: a captured variable would be the first tower's on every tower.
     """
-    return tf.function(python_function, jit_compile=jit_compile, experimental_attributes={"_noinline": True})
+    return tf.function(python_function, jit_compile=jit_compile, autograph=False,
+                       experimental_attributes={"_noinline": True})
 
 
 class TowerPass:

@@ -102,8 +102,11 @@ class TrainStep:
                                      state.non_trainable, per_tower=state.per_tower_trace,
                                      jit_compile=(cfg.train.jit_compile and self.objective.compile_tower) or None)
         self._update = Update(state, self._grad_layout, self._state_layout)
-        self._step_fn = tf.function(self._train_step)
-        self._probe_fn = tf.function(self._probe)
+        # autograph=False (here and in every function the step traces: parallel/towers.py, the matcher): the step
+        # is written with tf.cond / tf.while_loop, and AutoGraph's rewriting of every Python function it calls
+        # cost about a third of the trace (docs/PERFORMANCE.md, "Start-up").
+        self._step_fn = tf.function(self._train_step, autograph=False)
+        self._probe_fn = tf.function(self._probe, autograph=False)
 
     # ---- the tower: forward and backward over the micro-batches --------------------------------------
     def _micro(self, tv, st, images, labels, scale, want_preds, sample_ids, step, context):
