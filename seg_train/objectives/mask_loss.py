@@ -228,18 +228,31 @@ def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segmen
     return targets, (kept[:, 0] if shared else kept)
 
 
-def _draw(seeds, layer: int, purpose: int, shape):
+def _per_row(fn, seeds, shape):
+    """fn(seed [2]) for each row of seeds [b, 2], stacked: float32 [b, *shape] (int32 [b, 2] with shape None)."""
+    seeds = tf.cast(tf.convert_to_tensor(seeds), tf.int32)
+    if seeds.shape[0] is not None:  # a static batch (the train step's): one draw per row, unrolled
+        return tf.stack([fn(s) for s in tf.unstack(seeds)])
+    spec = tf.TensorSpec([2], tf.int32) if shape is None else \
+        tf.TensorSpec([d if isinstance(d, int) else None for d in shape], tf.float32)
+    return tf.map_fn(fn, seeds, fn_output_signature=spec)
+
+
+def _layer_seeds(seeds, layer):
+    """int32 [b, 2]: each row's seed folded with the layer index (what `_draw` folds first)."""
+    return _per_row(lambda seed: tf.random.experimental.stateless_fold_in(seed, layer, alg="philox"), seeds, None)
+
+
+def _draw(seeds, layer: int | None, purpose: int, shape):
     """U[0, 1) of shape [b, *shape], row i from seeds[i] folded with (layer, purpose); Philox, stateless. The
-    leading entry of `shape` may be a tensor (the compacted slot count): a larger one extends the stream."""
+    leading entry of `shape` may be a tensor (the compacted slot count): a larger one extends the stream.
+    layer None: the seeds are `_layer_seeds`' already."""
     def one(seed):
-        seed = tf.random.experimental.stateless_fold_in(seed, layer, alg="philox")
+        if layer is not None:
+            seed = tf.random.experimental.stateless_fold_in(seed, layer, alg="philox")
         seed = tf.random.experimental.stateless_fold_in(seed, purpose, alg="philox")
         return tf.random.stateless_uniform(shape, seed, alg="philox")
-    seeds = tf.convert_to_tensor(seeds)
-    if seeds.shape[0] is not None:  # a static batch (the train step's): one draw per row, unrolled
-        return tf.stack([one(s) for s in tf.unstack(tf.cast(seeds, tf.int32))])
-    static = [d if isinstance(d, int) else None for d in shape]
-    return tf.map_fn(one, tf.cast(seeds, tf.int32), fn_output_signature=tf.TensorSpec(static, tf.float32))
+    return _per_row(one, seeds, shape)
 
 
 def _match(class_logits, mask_logits, labels, values, classes, num_valid, points, opts: EomtLossOptions):
@@ -267,7 +280,7 @@ def _match(class_logits, mask_logits, labels, values, classes, num_valid, points
     return batched_linear_sum_assignment(cost, num_valid)
 
 
-def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
+def _loss_points(pred, seeds, layer: int | None, opts: EomtLossOptions):
     """Each slot's points [b, G, num_points, 2]: the most uncertain of the oversampled ones, then uniform
     ones (the reference's sample_points_using_uncertainty). pred: the slots' matched logits [b, G, h, w]."""
     g = tf.shape(pred)[1]
@@ -281,9 +294,10 @@ def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
     return tf.concat([tf.gather(over, top, axis=2, batch_dims=2), rest], axis=2)
 
 
-def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds, layer: int,
+def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds, layer: int | None,
                  opts: EomtLossOptions):
-    """One prediction layer's (class_sum, class_weight, mask_sum, dice_sum, mask_count) and its matching."""
+    """One prediction layer's (class_sum, class_weight, mask_sum, dice_sum, mask_count) and its matching; `layer`
+    None: the seeds are `_layer_seeds`' already."""
     class_logits = tf.cast(class_logits, tf.float32)
     mask_logits = tf.cast(mask_logits, tf.float32)
     b = tf.shape(mask_logits)[0]
@@ -355,18 +369,22 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
         compact = tf.maximum(tf.reduce_max(num_valid), 1)
         classes = values = classes[:, :compact]
     per_layer, matches = [], []
-    layer_terms = _layer_terms
-    if tf.inside_function() and len(predictions) > 1:
+    traced = tf.inside_function() and len(predictions) > 1
+    if traced:
         # The layers' predictions have one shape, so inside a trace (the train step's) their loss is one function
-        # traced once and called per layer, the layer index an argument: the graph holds the loss and its gradient
-        # once instead of once per layer (about a third of EoMT's train-step graph otherwise: docs/PERFORMANCE.md,
-        # "Start-up"). Not inlined, so Grappler optimises it once too. The draws are the same (the layer index
-        # folded into the seeds is the same number, as a tensor).
+        # traced once and called per layer: the graph holds the loss and its gradient once instead of once per
+        # layer (about a third of EoMT's train-step graph otherwise: docs/PERFORMANCE.md, "Start-up"). Not
+        # inlined. The layer index reaches it folded into the seeds (the same draws): a constant argument would
+        # make Grappler specialise, and so optimise, the function once per layer.
         layer_terms = tf.function(_layer_terms, autograph=False, reduce_retracing=True,
                                   experimental_attributes={"_noinline": True})
     for layer, (class_logits, mask_logits) in enumerate(predictions):
-        terms, row_of_col = layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds,
-                                        tf.constant(layer) if layer_terms is not _layer_terms else layer, opts)
+        if traced:
+            terms, row_of_col = layer_terms(class_logits, mask_logits, labels, values, classes, num_valid,
+                                            _layer_seeds(seeds, layer), None, opts)
+        else:
+            terms, row_of_col = _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds,
+                                             layer, opts)
         per_layer.append(terms)
         if semantic:
             # Back to all K slots for the caller: -1 in the slots compacted away, as in any padding slot.
