@@ -373,7 +373,7 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
     if traced:
         # The layers' predictions have one shape, so inside a trace (the train step's) their loss is one function
         # traced once and called per layer: the graph holds the loss and its gradient once instead of once per
-        # layer (about a third of EoMT's train-step graph otherwise: docs/PERFORMANCE.md, "Start-up"). Not
+        # layer (about a third of EoMT's train-step graph otherwise: docs/PERFORMANCE.md, "EoMT's start-up"). Not
         # inlined. The layer index reaches it folded into the seeds (the same draws): a constant argument would
         # make Grappler specialise, and so optimise, the function once per layer.
         layer_terms = tf.function(_layer_terms, autograph=False, reduce_retracing=True,

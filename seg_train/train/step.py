@@ -104,7 +104,7 @@ class TrainStep:
         self._update = Update(state, self._grad_layout, self._state_layout)
         # autograph=False (here and in every function the step traces: parallel/towers.py, the matcher): the step
         # is written with tf.cond / tf.while_loop, and AutoGraph's rewriting of every Python function it calls
-        # cost about a third of the trace (docs/PERFORMANCE.md, "Start-up").
+        # cost about a third of the trace (docs/PERFORMANCE.md, "EoMT's start-up").
         self._step_fn = tf.function(self._train_step, autograph=False)
         self._probe_fn = tf.function(self._probe, autograph=False)
 
