@@ -163,7 +163,7 @@ class TrainStep:
                     lambda m, *_: m < k, body, (tf.constant(1), grads, bn, loss_sum, norm),
                     parallel_iterations=1)
         grad_packs = collectives.pack(grads, self._grad_layout)
-        grad_sq = tf.add_n([tf.reduce_sum(tf.square(p)) for p in grad_packs])
+        grad_sq = 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in grad_packs])  # one op: no squared copy
         finite = tf.cast(tf.math.is_finite(grad_sq) & tf.math.is_finite(loss_sum), tf.float32)
         # BN statistics: the mean over micro-batches and towers of each one's updated statistics.
         bn_packs = [p * (1.0 / (k * n)) for p in collectives.pack(bn, self._state_layout)]

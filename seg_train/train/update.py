@@ -174,14 +174,17 @@ class Update:
         # The normaliser is 0 only when nothing counts; the gradient is then 0.
         to_mean = tf.math.divide_no_nan(scale_back / loss_scale, norm_total)
         coeff = cfg.model.weight_decay or 0.0  # the L2 term (0 with AdamW: config/resolve.py)
-        # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
-        decayed = [read_handle(h, v) if d else tf.zeros(v.shape) for h, v, d in
-                   zip(var_handles, variables, self._decay)]
-        w_packs = collectives.pack(decayed, self._grad_layout)
-        update = [g * to_mean + coeff * w for g, w in zip(grad_packs, w_packs)] if coeff else \
-            [g * to_mean for g in grad_packs]
-        weight_decay = 0.5 * coeff * tf.add_n([tf.reduce_sum(tf.square(w)) for w in w_packs])
-        global_norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(u)) for u in update]))
+        if coeff:
+            # The decayed weights in the packs' layout (zeros for biases, BN scales and offsets).
+            decayed = [read_handle(h, v) if d else tf.zeros(v.shape) for h, v, d in
+                       zip(var_handles, variables, self._decay)]
+            w_packs = collectives.pack(decayed, self._grad_layout)
+            update = [g * to_mean + coeff * w for g, w in zip(grad_packs, w_packs)]
+            weight_decay = coeff * tf.add_n([tf.nn.l2_loss(w) for w in w_packs])
+        else:  # no L2 term: the weights are neither packed nor squared (a pass over every weight saved)
+            update = [g * to_mean for g in grad_packs]
+            weight_decay = tf.constant(0.0)
+        global_norm = tf.sqrt(2.0 * tf.add_n([tf.nn.l2_loss(u) for u in update]))
         finite = tf.math.is_finite(global_norm) & tf.math.is_finite(loss_total) & \
             (tf.reduce_min(towers.bn_finite) > 0.5)
         clip = cfg.train.clip_global_norm

@@ -219,12 +219,19 @@ class Attention(layers.Layer):
         out = attend(q, k, split(v), self.method, bias=bias, blocked=blocked, block=self.block)
         return tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [shape[0], -1, c])
 
-    def _rotate(self, t, cos, sin, prefix: int):
-        head, patches = t[:, :, :prefix], t[:, :, prefix:]
-        half = t.shape[-1] // 2
+    def _rotate(self, t, cos, sin, prefix):
+        # The first `prefix` tokens take cos 1 and sin 0: t * 1 + swapped * 0 is t exactly (and so is its
+        # gradient), so every token goes through the same ops. Slicing the patches out and concatenating the
+        # prefix back cost a StridedSliceGrad (a zero-filled copy of the whole tensor) per slice in the backward
+        # pass, several times the rotation's own arithmetic on the CPU; the halves swapped by a reverse of a
+        # [.., 2, d / 2] view (its gradient is the same reverse) instead of two slices, for the same reason.
+        shape, d = tf.shape(t), t.shape[-1]
+        cos = tf.pad(cos, [[prefix, 0], [0, 0]], constant_values=1.0)
+        sin = tf.pad(sin, [[prefix, 0], [0, 0]])
         # rotate_half(x) * sin = [-x2, x1] * [s1, s2] = [x2, x1] * [-s1, s2]: the same products, no negation.
-        swapped = tf.concat([patches[..., half:], patches[..., :half]], axis=-1)
-        return tf.concat([head, patches * cos + swapped * sin], axis=2)
+        halves = tf.reshape(t, tf.concat([shape[:-1], [2, d // 2]], axis=0))
+        swapped = tf.reshape(tf.reverse(halves, axis=[-2]), shape)
+        return t * cos + swapped * sin
 
     def compute_output_shape(self, q_shape, *_):
         return q_shape
