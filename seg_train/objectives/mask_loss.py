@@ -168,14 +168,10 @@ def grid_points(height: int, width: int):
     return tf.reshape(tf.stack([x, y], -1), [-1, 2])
 
 
-def _footprint(points, height, width):
-    """Bilinear footprint of points [..., 2] (x, y) on a height x width grid (align_corners=False, zero padding):
-    the 4 corners as (flat index int32 [...], 0 outside the grid; weight float32 [...], 0 outside) pairs."""
-    return _corners(points[..., 0], points[..., 1], height, width)
-
-
 def _corners(x, y, height, width):
-    """`_footprint` of the points with normalised coordinates x, y [...]. The corners stay 4 tensors: stacked on
+    """Bilinear footprint of points with normalised coordinates x, y [...] on a height x width grid
+    (align_corners=False, zero padding): the 4 corners as (flat index int32 [...], 0 outside the grid; weight
+    float32 [...], 0 outside) pairs. The corners stay 4 tensors: stacked on
     a last axis of 4 (as [..., 4]) they cost an element-wise interleave (Pack) and 4 strided slices back out,
     each about as dear as a corner's sampling."""
     x = x * tf.cast(width, tf.float32) - 0.5
@@ -192,39 +188,61 @@ def _corners(x, y, height, width):
     return out
 
 
-def _sample_shared(logits, corners):
-    """Bilinear samples float32 [b, N, R] of logits [b, R, h, w] at the corners ([b, N] each, `_corners` on h x w)
-    of points shared by the rows, point-major.
+def _padded_corners(x, y, height, width):
+    """The 4 bilinear corners of points with normalised coordinates x, y [...] in [0, 1] (as `_corners`: same
+    order, same weights) as flat indices into the height x width grid padded with one zero pixel on every side,
+    (height + 2) x (width + 2) (`_padded`). Every corner lies inside the padded grid, so zero padding needs no
+    masks: a third of `_corners`' element-wise work, which cost as much as the gathers it feeds."""
+    x = x * tf.cast(width, tf.float32) - 0.5
+    y = y * tf.cast(height, tf.float32) - 0.5
+    x0, y0 = tf.floor(x), tf.floor(y)
+    fx, fy = x - x0, y - y0
+    stride = width + 2
+    top_left = (tf.cast(y0, tf.int32) + 1) * stride + tf.cast(x0, tf.int32) + 1
+    out = []
+    for dy, wy in ((0, 1.0 - fy), (stride, fy)):
+        for dx, wx in ((0, 1.0 - fx), (1, fx)):
+            out.append((top_left + (dy + dx), wy * wx))
+    return out
 
-    The pixels are put row-major first ([b, h w, R]), so that a corner of a point is one gather of R contiguous
-    floats: GatherV2 of single floats (indices along the last axis, [b, R, N] out) cost several times the
-    transpose and the row gathers together. One corner at a time, so no [b, N, 4, R] tensor is held."""
+
+def _padded(logits):
+    """logits [b, R, h, w] -> [b, R, (h + 2) (w + 2)]: one zero pixel on every side, flattened."""
     shape = tf.shape(logits)
-    table = tf.transpose(tf.reshape(logits, [shape[0], shape[1], -1]), [0, 2, 1])  # [b, h w, R]
+    padded = tf.pad(logits, [[0, 0], [0, 0], [1, 1], [1, 1]])
+    return tf.reshape(padded, [shape[0], shape[1], (shape[2] + 2) * (shape[3] + 2)])
+
+
+def _sample_shared(logits, x, y):
+    """Bilinear samples float32 [b, N, R] of logits [b, R, h, w] at points x, y [b, N] shared by the rows,
+    point-major.
+
+    The pixels are put row-major first ([b, pixels, R]), so that a corner of a point is one gather of R
+    contiguous floats: GatherV2 of single floats (indices along the last axis, [b, R, N] out) cost several times
+    the transpose and the row gathers together. One corner at a time, so no [b, N, 4, R] tensor is held."""
+    table = tf.transpose(_padded(logits), [0, 2, 1])  # [b, pixels, R]
     out = 0.0
-    for index, weight in corners:
+    for index, weight in _padded_corners(x, y, tf.shape(logits)[2], tf.shape(logits)[3]):
         out += tf.gather(table, index, batch_dims=1) * weight[..., tf.newaxis]
     return out
 
 
-def _sample_rows(logits, corners):
-    """Bilinear samples float32 [b, R, N] of logits [b, R, h, w] at the corners ([b, R, N] each: each row its own
-    points)."""
-    shape = tf.shape(logits)
-    flat = tf.reshape(logits, [shape[0], shape[1], -1])
+def _sample_rows(logits, x, y):
+    """Bilinear samples float32 [b, R, N] of logits [b, R, h, w] at points x, y [b, R, N] (each row its own)."""
+    flat = _padded(logits)
     out = 0.0
-    for index, weight in corners:
+    for index, weight in _padded_corners(x, y, tf.shape(logits)[2], tf.shape(logits)[3]):
         out += tf.gather(flat, index, axis=2, batch_dims=2) * weight
     return out
 
 
 def _sample_logits(logits, points):
     """Bilinear samples float32 [b, R, N] of logits [b, R, h, w] at points [b, N, 2] (shared by the rows) or
-    [b, R, N, 2] (each row its own)."""
-    corners = _footprint(points, tf.shape(logits)[2], tf.shape(logits)[3])
+    [b, R, N, 2] (each row its own), in [0, 1]."""
+    x, y = points[..., 0], points[..., 1]
     if points.shape.rank == 3:
-        return tf.transpose(_sample_shared(logits, corners), [0, 2, 1])
-    return _sample_rows(logits, corners)
+        return tf.transpose(_sample_shared(logits, x, y), [0, 2, 1])
+    return _sample_rows(logits, x, y)
 
 
 def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segments: bool = False):
@@ -277,7 +295,7 @@ def _match(class_logits, mask_logits, labels, values, classes, num_valid, points
     probs = tf.nn.softmax(class_logits, axis=-1)
     cost_class = -tf.gather(probs, classes, axis=2, batch_dims=1)  # [b, Q, G]
     x, y = points[..., 0], points[..., 1]
-    pred = _sample_shared(mask_logits, _corners(x, y, tf.shape(mask_logits)[2], tf.shape(mask_logits)[3]))  # [b, N, Q]
+    pred = _sample_shared(mask_logits, x, y)  # [b, N, Q]
     target, kept = _sample_labels(labels, values, num_valid, (x, y), opts.ignore_label,
                                   opts.task != "semantic")  # [b, G, N], [b, N]
     n = tf.maximum(tf.reduce_sum(kept, -1), 1.0)[:, tf.newaxis, tf.newaxis]  # [b, 1, 1]
@@ -306,8 +324,7 @@ def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
     uniform = opts.num_points - uncertain
     draws = _draw(seeds, layer, LOSS, [g, sampled + uniform, 2])
     x, y = draws[..., 0], draws[..., 1]  # the coordinates apart once, not per use ([..., 2] slices are strided)
-    corners = _corners(x[:, :, :sampled], y[:, :, :sampled], tf.shape(pred)[2], tf.shape(pred)[3])
-    uncertainty = -tf.abs(_sample_rows(tf.stop_gradient(pred), corners))  # [b, G, sampled]
+    uncertainty = -tf.abs(_sample_rows(tf.stop_gradient(pred), x[:, :, :sampled], y[:, :, :sampled]))
     top = tf.math.top_k(uncertainty, k=uncertain, sorted=False).indices
     return tuple(tf.concat([tf.gather(c[:, :, :sampled], top, axis=2, batch_dims=2), c[:, :, sampled:]], axis=2)
                  for c in (x, y))
@@ -325,8 +342,9 @@ def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, 
     else:
         grid = grid_points(h, w)
         match_points = tf.broadcast_to(grid, [b, h * w, 2])
-    row_of_col, col_of_row = _match(class_logits, mask_logits, labels, values, classes, num_valid, match_points,
-                                    opts)
+    with tf.name_scope("match"):
+        row_of_col, col_of_row = _match(class_logits, mask_logits, labels, values, classes, num_valid,
+                                        match_points, opts)
 
     # Class term: every query, the matched ones their mask's class, the others no-object (class K).
     k = opts.num_classes
@@ -342,11 +360,12 @@ def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, 
     pred = tf.gather(mask_logits, tf.maximum(row_of_col, 0), batch_dims=1)  # [b, G, h, w]
     g = tf.shape(classes)[1]
     if opts.random_points:
-        x, y = _loss_points(pred, seeds, layer, opts)
+        with tf.name_scope("points"):
+            x, y = _loss_points(pred, seeds, layer, opts)
     else:
         grid = tf.broadcast_to(grid_points(h, w), [b, g, h * w, 2])
         x, y = grid[..., 0], grid[..., 1]
-    logits = _sample_rows(pred, _corners(x, y, h, w))  # [b, G, N]
+    logits = _sample_rows(pred, x, y)  # [b, G, N]
     target, kept = _sample_labels(labels, values, num_valid, (x, y), opts.ignore_label, opts.task != "semantic")
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits) * kept
     bce = tf.reduce_sum(bce, -1) / tf.maximum(tf.reduce_sum(kept, -1), 1.0)
