@@ -168,64 +168,109 @@ def grid_points(height: int, width: int):
     return tf.reshape(tf.stack([x, y], -1), [-1, 2])
 
 
-def _footprint(points, height, width):
-    """Bilinear footprint of points [..., 2] on a height x width grid (align_corners=False, zero padding):
-    the 4 corners' flat indices int32 [..., 4] (0 outside the grid) and weights float32 [..., 4] (0 outside)."""
-    x = points[..., 0] * tf.cast(width, tf.float32) - 0.5
-    y = points[..., 1] * tf.cast(height, tf.float32) - 0.5
+def _corners(x, y, height, width):
+    """Bilinear footprint of points with normalised coordinates x, y [...] on a height x width grid
+    (align_corners=False, zero padding): the 4 corners as (flat index int32 [...], 0 outside the grid; weight
+    float32 [...], 0 outside) pairs. The corners stay 4 tensors: stacked on
+    a last axis of 4 (as [..., 4]) they cost an element-wise interleave (Pack) and 4 strided slices back out,
+    each about as dear as a corner's sampling."""
+    x = x * tf.cast(width, tf.float32) - 0.5
+    y = y * tf.cast(height, tf.float32) - 0.5
     x0, y0 = tf.floor(x), tf.floor(y)
     fx, fy = x - x0, y - y0
     x0, y0 = tf.cast(x0, tf.int32), tf.cast(y0, tf.int32)
-    index, weight = [], []
+    out = []
     for dy, wy in ((0, 1.0 - fy), (1, fy)):
         for dx, wx in ((0, 1.0 - fx), (1, fx)):
             xi, yi = x0 + dx, y0 + dy
             inside = (xi >= 0) & (xi < width) & (yi >= 0) & (yi < height)
-            index.append(tf.where(inside, yi * width + xi, 0))
-            weight.append(tf.where(inside, wy * wx, 0.0))
-    return tf.stack(index, -1), tf.stack(weight, -1)
+            out.append((tf.where(inside, yi * width + xi, 0), tf.where(inside, wy * wx, 0.0)))
+    return out
+
+
+def _padded_corners(x, y, height, width):
+    """The 4 bilinear corners of points with normalised coordinates x, y [...] in [0, 1] (as `_corners`: same
+    order, same weights) as flat indices into the height x width grid padded with one zero pixel on every side,
+    (height + 2) x (width + 2) (`_padded`). Every corner lies inside the padded grid, so zero padding needs no
+    masks: a third of `_corners`' element-wise work, which cost as much as the gathers it feeds."""
+    x = x * tf.cast(width, tf.float32) - 0.5
+    y = y * tf.cast(height, tf.float32) - 0.5
+    x0, y0 = tf.floor(x), tf.floor(y)
+    fx, fy = x - x0, y - y0
+    stride = width + 2
+    top_left = (tf.cast(y0, tf.int32) + 1) * stride + tf.cast(x0, tf.int32) + 1
+    out = []
+    for dy, wy in ((0, 1.0 - fy), (stride, fy)):
+        for dx, wx in ((0, 1.0 - fx), (1, fx)):
+            out.append((top_left + (dy + dx), wy * wx))
+    return out
+
+
+def _padded(logits):
+    """logits [b, R, h, w] -> [b, R, (h + 2) (w + 2)]: one zero pixel on every side, flattened."""
+    shape = tf.shape(logits)
+    padded = tf.pad(logits, [[0, 0], [0, 0], [1, 1], [1, 1]])
+    return tf.reshape(padded, [shape[0], shape[1], (shape[2] + 2) * (shape[3] + 2)])
+
+
+def _sample_shared(logits, x, y):
+    """Bilinear samples float32 [b, N, R] of logits [b, R, h, w] at points x, y [b, N] shared by the rows,
+    point-major.
+
+    The pixels are put row-major first ([b, pixels, R]), so that a corner of a point is one gather of R
+    contiguous floats: GatherV2 of single floats (indices along the last axis, [b, R, N] out) cost several times
+    the transpose and the row gathers together. One corner at a time, so no [b, N, 4, R] tensor is held."""
+    table = tf.transpose(_padded(logits), [0, 2, 1])  # [b, pixels, R]
+    out = 0.0
+    for index, weight in _padded_corners(x, y, tf.shape(logits)[2], tf.shape(logits)[3]):
+        out += tf.gather(table, index, batch_dims=1) * weight[..., tf.newaxis]
+    return out
+
+
+def _sample_rows(logits, x, y):
+    """Bilinear samples float32 [b, R, N] of logits [b, R, h, w] at points x, y [b, R, N] (each row its own)."""
+    flat = _padded(logits)
+    out = 0.0
+    for index, weight in _padded_corners(x, y, tf.shape(logits)[2], tf.shape(logits)[3]):
+        out += tf.gather(flat, index, axis=2, batch_dims=2) * weight
+    return out
 
 
 def _sample_logits(logits, points):
     """Bilinear samples float32 [b, R, N] of logits [b, R, h, w] at points [b, N, 2] (shared by the rows) or
-    [b, R, N, 2] (each row its own). One corner at a time, so no [b, R, N, 4] tensor is held."""
-    h, w = tf.shape(logits)[2], tf.shape(logits)[3]
-    flat = tf.reshape(logits, [tf.shape(logits)[0], tf.shape(logits)[1], -1])
-    index, weight = _footprint(points, h, w)
-    shared = points.shape.rank == 3
-    out = 0.0
-    for c in range(4):
-        if shared:  # [b, N] indices for every row
-            v = tf.gather(flat, index[..., c], axis=2, batch_dims=1)
-            out += v * weight[:, tf.newaxis, :, c]
-        else:
-            out += tf.gather(flat, index[..., c], axis=2, batch_dims=2) * weight[..., c]
-    return out
+    [b, R, N, 2] (each row its own), in [0, 1]."""
+    x, y = points[..., 0], points[..., 1]
+    if points.shape.rank == 3:
+        return tf.transpose(_sample_shared(logits, x, y), [0, 2, 1])
+    return _sample_rows(logits, x, y)
 
 
 def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segments: bool = False):
     """The slots' target masks sampled bilinearly (as the dense binary masks would be) at points [b, N, 2]
     (shared) or [b, G, N, 2] (per slot): (targets float32 [b, G, N], kept float32 [b, N] or [b, G, N]: 0 where
     the point lands on an ignored pixel, module doc). `classes`: each slot's label value (a class, or with
-    `segments` a segment value)."""
+    `segments` a segment value). `points` may also be given as (x, y), each [b, N] or [b, G, N]."""
     labels = tf.cast(labels, tf.int32)
     h, w = tf.shape(labels)[1], tf.shape(labels)[2]
     flat = tf.reshape(labels, [tf.shape(labels)[0], -1])
-    index, weight = _footprint(points, h, w)
-    shared = points.shape.rank == 3
-    corner = tf.gather(flat, index, batch_dims=1)  # labels of the corners, [b, (G,) N, 4]
-    if shared:
-        corner, weight = corner[:, tf.newaxis], weight[:, tf.newaxis]  # [b, 1, N, 4]
-    hit = tf.equal(corner, classes[:, :, tf.newaxis, tf.newaxis])
+    x, y = points if isinstance(points, tuple) else (points[..., 0], points[..., 1])
+    shared = x.shape.rank == 2
+    value = classes[:, :, tf.newaxis]
+    targets, ignored = 0.0, None
+    for index, weight in _corners(x, y, h, w):
+        corner = tf.gather(flat, index, batch_dims=1)  # the corner's label, [b, (G,) N]
+        if segments:
+            off = tf.equal(corner // INSTANCE_BASE, ignore_label) | tf.equal(corner % INSTANCE_BASE, CROWD)
+        else:
+            off = tf.equal(corner, ignore_label)
+        off &= weight > 0.0
+        ignored = off if ignored is None else ignored | off
+        if shared:
+            corner, weight = corner[:, tf.newaxis], weight[:, tf.newaxis]  # [b, 1, N]
+        targets += tf.where(tf.equal(corner, value), weight, 0.0)
     slot_valid = tf.range(tf.shape(classes)[1])[tf.newaxis, :] < num_valid[:, tf.newaxis]
-    targets = tf.reduce_sum(tf.where(hit, weight, 0.0), -1) * tf.cast(slot_valid, tf.float32)[:, :, tf.newaxis]
-    if segments:
-        ignored = tf.equal(corner // INSTANCE_BASE, ignore_label) | tf.equal(corner % INSTANCE_BASE, CROWD)
-    else:
-        ignored = tf.equal(corner, ignore_label)
-    ignored = tf.reduce_any(ignored & (weight > 0.0), -1)
-    kept = 1.0 - tf.cast(ignored, tf.float32)
-    return targets, (kept[:, 0] if shared else kept)
+    targets *= tf.cast(slot_valid, tf.float32)[:, :, tf.newaxis]
+    return targets, 1.0 - tf.cast(ignored, tf.float32)
 
 
 def _per_row(fn, seeds, shape):
@@ -262,36 +307,40 @@ def _match(class_logits, mask_logits, labels, values, classes, num_valid, points
     class_logits, mask_logits = tf.stop_gradient(class_logits), tf.stop_gradient(mask_logits)
     probs = tf.nn.softmax(class_logits, axis=-1)
     cost_class = -tf.gather(probs, classes, axis=2, batch_dims=1)  # [b, Q, G]
-    pred = _sample_logits(mask_logits, points)  # [b, Q, N]
-    target, kept = _sample_labels(labels, values, num_valid, points, opts.ignore_label,
+    x, y = points[..., 0], points[..., 1]
+    pred = _sample_shared(mask_logits, x, y)  # [b, N, Q]
+    target, kept = _sample_labels(labels, values, num_valid, (x, y), opts.ignore_label,
                                   opts.task != "semantic")  # [b, G, N], [b, N]
-    kept = kept[:, tf.newaxis, :]
-    n = tf.maximum(tf.reduce_sum(kept, -1, keepdims=True), 1.0)  # [b, 1, 1]
-    pos = tf.nn.softplus(-pred) * kept / n  # BCE against 1
-    neg = tf.nn.softplus(pred) * kept / n   # BCE against 0
-    cost_mask = tf.matmul(pos, target, transpose_b=True) + tf.matmul(neg, 1.0 - target, transpose_b=True)
-    p = tf.sigmoid(pred) * kept
-    t = target * kept
-    numerator = 2.0 * tf.matmul(p, t, transpose_b=True)
-    denominator = tf.reduce_sum(p, -1)[:, :, tf.newaxis] + tf.reduce_sum(t, -1)[:, tf.newaxis, :]
+    n = tf.maximum(tf.reduce_sum(kept, -1), 1.0)[:, tf.newaxis, tf.newaxis]  # [b, 1, 1]
+    t = target * kept[:, tf.newaxis, :]
+    kept = kept[:, tf.newaxis, :]  # [b, 1, N]
+    # The reference's BCE cost, softplus(-x) @ t + softplus(x) @ (1 - t) over the points, written with
+    # softplus(-x) = softplus(x) - x as sum(softplus(x)) - x @ t: one softplus over the [N, Q] samples instead of
+    # two, one product with the targets instead of two (the same sums but for round-off).
+    cost_mask = (tf.matmul(kept, tf.nn.softplus(pred)) - tf.matmul(t, pred)) / n  # [b, G, Q]
+    p = tf.sigmoid(pred)
+    numerator = 2.0 * tf.matmul(t, p)  # [b, G, Q]
+    denominator = tf.matmul(kept, p) + tf.reduce_sum(t, -1)[:, :, tf.newaxis]
     cost_dice = 1.0 - (numerator + 1.0) / (denominator + 1.0)
-    cost = opts.mask_weight * cost_mask + opts.class_weight * cost_class + opts.dice_weight * cost_dice
+    cost_points = tf.transpose(opts.mask_weight * cost_mask + opts.dice_weight * cost_dice, [0, 2, 1])
+    cost = cost_points + opts.class_weight * cost_class
     cost = tf.where(tf.math.is_finite(cost), cost, _FLOAT32_MAX)
     return batched_linear_sum_assignment(cost, num_valid)
 
 
 def _loss_points(pred, seeds, layer: int | None, opts: EomtLossOptions):
-    """Each slot's points [b, G, num_points, 2]: the most uncertain of the oversampled ones, then uniform
-    ones (the reference's sample_points_using_uncertainty). pred: the slots' matched logits [b, G, h, w]."""
+    """Each slot's points as (x, y), each [b, G, num_points]: the most uncertain of the oversampled ones, then
+    uniform ones (the reference's sample_points_using_uncertainty). pred: the slots' matched logits [b, G, h, w]."""
     g = tf.shape(pred)[1]
     sampled = int(opts.num_points * opts.oversample_ratio)
     uncertain = int(opts.importance_sample_ratio * opts.num_points)
     uniform = opts.num_points - uncertain
     draws = _draw(seeds, layer, LOSS, [g, sampled + uniform, 2])
-    over, rest = draws[:, :, :sampled], draws[:, :, sampled:]
-    uncertainty = -tf.abs(_sample_logits(tf.stop_gradient(pred), over))  # [b, G, sampled]
+    x, y = draws[..., 0], draws[..., 1]  # the coordinates apart once, not per use ([..., 2] slices are strided)
+    uncertainty = -tf.abs(_sample_rows(tf.stop_gradient(pred), x[:, :, :sampled], y[:, :, :sampled]))
     top = tf.math.top_k(uncertainty, k=uncertain, sorted=False).indices
-    return tf.concat([tf.gather(over, top, axis=2, batch_dims=2), rest], axis=2)
+    return tuple(tf.concat([tf.gather(c[:, :, :sampled], top, axis=2, batch_dims=2), c[:, :, sampled:]], axis=2)
+                 for c in (x, y))
 
 
 def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds, layer: int | None,
@@ -307,8 +356,9 @@ def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, 
     else:
         grid = grid_points(h, w)
         match_points = tf.broadcast_to(grid, [b, h * w, 2])
-    row_of_col, col_of_row = _match(class_logits, mask_logits, labels, values, classes, num_valid, match_points,
-                                    opts)
+    with tf.name_scope("match"):
+        row_of_col, col_of_row = _match(class_logits, mask_logits, labels, values, classes, num_valid,
+                                        match_points, opts)
 
     # Class term: every query, the matched ones their mask's class, the others no-object (class K).
     k = opts.num_classes
@@ -324,11 +374,13 @@ def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, 
     pred = tf.gather(mask_logits, tf.maximum(row_of_col, 0), batch_dims=1)  # [b, G, h, w]
     g = tf.shape(classes)[1]
     if opts.random_points:
-        points = _loss_points(pred, seeds, layer, opts)
+        with tf.name_scope("points"):
+            x, y = _loss_points(pred, seeds, layer, opts)
     else:
-        points = tf.broadcast_to(grid_points(h, w), [b, g, h * w, 2])
-    logits = _sample_logits(pred, points)  # [b, G, N]
-    target, kept = _sample_labels(labels, values, num_valid, points, opts.ignore_label, opts.task != "semantic")
+        grid = tf.broadcast_to(grid_points(h, w), [b, g, h * w, 2])
+        x, y = grid[..., 0], grid[..., 1]
+    logits = _sample_rows(pred, x, y)  # [b, G, N]
+    target, kept = _sample_labels(labels, values, num_valid, (x, y), opts.ignore_label, opts.task != "semantic")
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits) * kept
     bce = tf.reduce_sum(bce, -1) / tf.maximum(tf.reduce_sum(kept, -1), 1.0)
     p = tf.sigmoid(logits) * kept
