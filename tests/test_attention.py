@@ -17,8 +17,7 @@ from tests.helpers import CPU_DEVICES, eomt_from_reference, strategy, tiny_confi
 
 TOLERANCE = 1e-5
 B, H, D = 2, 3, 8
-# (Tq, Tk, block): keys in several blocks with a partial last one, whole blocks, one block wider than Tk (traced:
-# the plain form, test_keys_in_one_block_take_the_plain_form).
+# (Tq, Tk, block): keys in several blocks with a partial last one, whole blocks, one block wider than Tk.
 SHAPES = [(37, 45, 16), (32, 48, 16), (19, 23, 64)]
 
 
@@ -181,29 +180,6 @@ def test_one_trace_serves_any_length():
         blocked, dense = _blocked(tq, tk, 4, tk - 5)
         _close(fn(q, k, v, blocked), np.asarray(_keras(*(a.astype("float64") for a in (q, k, v, dense)))))
     assert fn.experimental_get_tracing_count() == 1
-
-
-def test_keys_in_one_block_take_the_plain_form():
-    """Keys known to fit one block: the blockwise form traces the plain form (no loop, the plain form's numbers
-    exactly); with lengths unknown when traced, the same keys run the loop's single block and still give Keras'
-    answer. Fails for: the loop and its recomputing backward traced for keys that fit one block (more CPU for
-    no memory saved), the test on the traced key count reversed or taken from the queries."""
-    tq, tk = 37, 23
-    q, k, v, w = _inputs(tq, tk, seed=11, scale=2.0)
-    blockwise = tf.function(lambda *x: _run(lambda *y: attention(*y, "blockwise", block=tk), *x))
-    graph = blockwise.get_concrete_function(*(tf.TensorSpec(a.shape) for a in (q, k, v, w))).graph
-    assert not [o for o in graph.get_operations() if o.type in ("While", "StatelessWhile")]
-    plain = tf.function(lambda *x: _run(lambda *y: attention(*y, "plain"), *x))
-    for a, b in zip(blockwise(q, k, v, w), plain(q, k, v, w)):
-        np.testing.assert_array_equal(a, b)
-    # One key more than a block: the loop.
-    wider = blockwise.get_concrete_function(*(tf.TensorSpec(a.shape) for a in _inputs(tq, tk + 1)))
-    assert [o for o in wider.graph.get_operations() if o.type in ("While", "StatelessWhile")]
-    seq = tf.TensorSpec([None, H, None, D])
-    unknown = tf.function(lambda *x: _run(lambda *y: attention(*y, "blockwise", block=tk), *x),
-                          input_signature=[seq, seq, seq, tf.TensorSpec([None, None, H * D])])
-    for name, a, r in zip(["out", "dq", "dk", "dv"], unknown(q, k, v, w), _reference(q, k, v, w)):
-        _close(a, r, what=name)
 
 
 @pytest.mark.slow  # a 2-tower strategy traced: seconds

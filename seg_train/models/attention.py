@@ -11,9 +11,6 @@
   blocks again, recomputing each block's probabilities exp(s - m) / l from them. Nothing of size Tq x Tk per
   head is stored; the largest transient is one block's [b, heads, Tq, block] logits. (FlashAttention keeps the
   log-sum-exp m + log(l) instead: in float32 next to a masked row's m of about -1e9 the log(l) rounds away.)
-  Keys known (traced) to fit one block take the plain form: the map it stores for the backward pass is then no
-  larger than one block's transient, while the loop and the recomputing backward pass cost more CPU than the
-  plain form's (docs/PERFORMANCE.md, "Attention with the keys in one block").
 
 Why by hand: TensorFlow has no fused attention op on the CPU, and Keras 3's keras.ops.dot_product_attention
 refuses flash_attention=True on the TensorFlow backend (without it, it is the plain form). The loop is a
@@ -100,8 +97,7 @@ def attention(q, k, v, method: str = "plain", bias=None, blocked=None, block: in
         raise ValueError("attention: bias and blocked given together: expected at most one of them")
     if q.dtype != tf.float32 or k.dtype != tf.float32:
         raise ValueError(f"attention: q {q.dtype.name}, k {k.dtype.name}: expected float32 (logits in float32)")
-    one_block = k.shape[2] is not None and k.shape[2] <= block  # module doc: the plain form then
-    if method == "plain" or one_block or getattr(_SCOPE, "plain", False):
+    if method == "plain" or getattr(_SCOPE, "plain", False):
         if blocked is not None:
             bias = dense_bias(blocked, tf.shape(q)[2], tf.shape(k)[2])
         return plain_attention(q, k, v, bias)
