@@ -1,5 +1,5 @@
-"""Layers every model family uses: the LayerNorm, the resize to another tensor's size, the Dense layer with
-the transformers' truncated-normal initialisation, and the exact GELU with a written-out gradient."""
+"""Layers every model family uses: the LayerNorm and the exact GELU (their gradients written out), the resize to
+another tensor's size, and the Dense layer with the transformers' truncated-normal initialisation."""
 
 from __future__ import annotations
 
@@ -40,16 +40,39 @@ class LayerNorm(layers.LayerNormalization):
     """Keras' LayerNormalization over the last axis, its shift computed as beta - mean * inv.
 
     Keras' form converts to a TFLite NEG, which has no int8 kernel; a SUB has one. Same variables and
-    function; moments in float32 for half-precision inputs, as Keras'.
+    function; moments in float32 for half-precision inputs, as Keras'; the gradient written out (`_layer_norm`).
     """
 
     def call(self, inputs):
         x = inputs
         if x.dtype in (tf.float16, tf.bfloat16):
             x = tf.cast(x, tf.float32)
+        y = _layer_norm(x, tf.cast(self.gamma, x.dtype), tf.cast(self.beta, x.dtype), self.epsilon)
+        return tf.cast(y, self.compute_dtype)
+
+
+def _layer_norm(x, gamma, beta, epsilon: float):
+    """LayerNorm's forward with its gradient written out, the textbook dx = rstd (g - mean(g) - xhat mean(g xhat)),
+    g = dy gamma, xhat = (x - mean) rstd: TensorFlow's autodiff of the moments, the rsqrt and the two products runs
+    more ops over the whole [.., C] tensor (the broadcasts' reductions, the squared difference's gradient) and
+    keeps more of them. The same values up to float round-off (tests/test_layers.py)."""
+
+    @tf.custom_gradient
+    def run(x, gamma, beta):
         mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-        inv = tf.math.rsqrt(variance + self.epsilon) * tf.cast(self.gamma, x.dtype)
-        return tf.cast(x * inv + (tf.cast(self.beta, x.dtype) - mean * inv), self.compute_dtype)
+        rstd = tf.math.rsqrt(variance + epsilon)
+        inv = rstd * gamma
+
+        def grad(dy):
+            xhat = (x - mean) * rstd
+            rows = list(range(x.shape.rank - 1))
+            g = dy * gamma
+            dx = rstd * (g - tf.reduce_mean(g, -1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
+            return dx, tf.reduce_sum(dy * xhat, rows), tf.reduce_sum(dy, rows)
+
+        return x * inv + (beta - mean * inv), grad
+
+    return run(x, gamma, beta)
 
 
 
