@@ -1,11 +1,38 @@
-"""Layers every model family uses: the LayerNorm, the resize to another tensor's size, and the Dense layer with
-the transformers' truncated-normal initialisation."""
+"""Layers every model family uses: the LayerNorm and the exact GELU (their gradients written out), the resize to
+another tensor's size, and the Dense layer with the transformers' truncated-normal initialisation."""
 
 from __future__ import annotations
+
+import math
 
 import keras
 import tensorflow as tf
 from keras import layers
+
+# tf.nn.gelu's constant (1 / sqrt(2), as it writes it), and the standard normal density's 1 / sqrt(2 pi).
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+@tf.custom_gradient
+def _gelu(x):
+    def grad(dy):
+        # d/dx x Phi(x) = Phi(x) + x phi(x), Phi(x) = erfc(-x / sqrt 2) / 2, phi the standard normal density.
+        c = lambda v: tf.cast(v, x.dtype)  # noqa: E731
+        pdf = tf.exp(c(-0.5) * tf.square(x)) * c(_INV_SQRT_2PI)
+        return dy * (c(0.5) * tf.math.erfc(-x * c(_SQRT_HALF)) + x * pdf)
+
+    return 0.5 * x * tf.math.erfc(-x * tf.cast(_SQRT_HALF, x.dtype)), grad
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+def gelu(x):
+    """The exact (erf) GELU, x Phi(x): the ops and the output of Keras' "gelu" (tf.nn.gelu(x, approximate=False):
+    0.5 x erfc(-x / sqrt 2)), its gradient written out. TensorFlow differentiates that expression op by op: a
+    dozen element-wise ops over the MLP's widest activation and four of its intermediates kept for the backward
+    pass; the written-out gradient keeps x alone and recomputes erfc. The same values up to float round-off
+    (tests/test_layers.py holds it to TensorFlow's autodiff and to the float64 derivative)."""
+    return _gelu(x)
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -13,16 +40,39 @@ class LayerNorm(layers.LayerNormalization):
     """Keras' LayerNormalization over the last axis, its shift computed as beta - mean * inv.
 
     Keras' form converts to a TFLite NEG, which has no int8 kernel; a SUB has one. Same variables and
-    function; moments in float32 for half-precision inputs, as Keras'.
+    function; moments in float32 for half-precision inputs, as Keras'; the gradient written out (`_layer_norm`).
     """
 
     def call(self, inputs):
         x = inputs
         if x.dtype in (tf.float16, tf.bfloat16):
             x = tf.cast(x, tf.float32)
+        y = _layer_norm(x, tf.cast(self.gamma, x.dtype), tf.cast(self.beta, x.dtype), self.epsilon)
+        return tf.cast(y, self.compute_dtype)
+
+
+def _layer_norm(x, gamma, beta, epsilon: float):
+    """LayerNorm's forward with its gradient written out, the textbook dx = rstd (g - mean(g) - xhat mean(g xhat)),
+    g = dy gamma, xhat = (x - mean) rstd: TensorFlow's autodiff of the moments, the rsqrt and the two products runs
+    more ops over the whole [.., C] tensor (the broadcasts' reductions, the squared difference's gradient) and
+    keeps more of them. The same values up to float round-off (tests/test_layers.py)."""
+
+    @tf.custom_gradient
+    def run(x, gamma, beta):
         mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-        inv = tf.math.rsqrt(variance + self.epsilon) * tf.cast(self.gamma, x.dtype)
-        return tf.cast(x * inv + (tf.cast(self.beta, x.dtype) - mean * inv), self.compute_dtype)
+        rstd = tf.math.rsqrt(variance + epsilon)
+        inv = rstd * gamma
+
+        def grad(dy):
+            xhat = (x - mean) * rstd
+            rows = list(range(x.shape.rank - 1))
+            g = dy * gamma
+            dx = rstd * (g - tf.reduce_mean(g, -1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
+            return dx, tf.reduce_sum(dy * xhat, rows), tf.reduce_sum(dy, rows)
+
+        return x * inv + (beta - mean * inv), grad
+
+    return run(x, gamma, beta)
 
 
 
@@ -43,6 +93,7 @@ class ResizeLike(layers.Layer):
 def dense(units: int, name: str, use_bias: bool = True, activation=None) -> layers.Dense:
     """A Dense layer initialised as the transformers (MiT, DINO, EoMT) are: kernel ~ N(0, 0.02) truncated, bias 0.
     (Keras' Glorot default is several times wider, which matters when training from scratch.) A new initializer
-    per layer: a shared one would repeat its values."""
+    per layer: a shared one would repeat its values. `activation` "gelu" is the exact GELU (`gelu`)."""
+    activation = gelu if activation == "gelu" else activation
     return layers.Dense(units, use_bias=use_bias, activation=activation, name=name,
                         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))

@@ -95,7 +95,8 @@ class TrainStep:
         self.num_replicas = state.num_replicas
         self.objective = objective_for(state.model, cfg, class_weights)
         self.accumulate = cfg.train.accumulate_steps
-        pack_bytes = int(cfg.train.allreduce_pack_mb * 2 ** 20)
+        # One tower: nothing is all-reduced, and packing would copy every gradient twice (concat, split).
+        pack_bytes = int(cfg.train.allreduce_pack_mb * 2 ** 20) if self.num_replicas > 1 else 0
         self._grad_layout = collectives.pack_layout([v.shape for v in state.variables], pack_bytes)
         self._state_layout = collectives.pack_layout([v.shape for v in state.bn_variables], pack_bytes)
         self._tower_pass = TowerPass(functools.partial(self._tower, unrolled=state.per_tower_trace), state.variables,
