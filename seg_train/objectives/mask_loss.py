@@ -314,6 +314,47 @@ def _match(class_logits, mask_logits, table, values, classes, num_valid, points,
     return batched_linear_sum_assignment(cost, num_valid)
 
 
+def _top_k_indices(u, k: int, stride: int = 8):
+    """The indices int32 [R, k] of the k largest values of each row of u float32 [R, S] (S static), ties to the
+    lower index: tf.math.top_k(u, k).indices as a set (in another order).
+
+    top_k's CPU kernel pushes every value through a heap of k (TopN), about as dear as all the loss's point
+    sampling when k is a quarter of S (`_loss_points`). Here the k-th largest value theta is found from two small
+    sorts and the set is read off by comparisons: theta lies, but for a chance of about 1e-9 per row, between two
+    order statistics of the strided sample u[:, ::stride] (6 standard deviations of a sample's rank either side of
+    its k / stride-th), so it is the (k - above)-th largest of the values between them (the candidates; above:
+    the values over the bracket); then the set is every value > theta and the first of those = theta. A row whose
+    bracket misses theta sends the whole call to top_k itself. Below 2048 values, top_k itself."""
+    size = u.shape[-1]
+    if size < 2048 or k >= size:
+        return tf.math.top_k(u, k, sorted=False).indices
+    sample = tf.sort(u[:, ::stride], axis=-1, direction="DESCENDING")
+    margin = int(6.0 * (k * (stride - 1)) ** 0.5 / stride) + 8
+    high = sample[:, max(k // stride - margin, 0), tf.newaxis]
+    low = sample[:, min(k // stride + margin, sample.shape[-1] - 1), tf.newaxis]
+    above = u > high
+    between = (u >= low) & ~above
+    n_above = tf.reduce_sum(tf.cast(above, tf.int32), -1)
+    bracketed = tf.reduce_all((n_above < k) & (n_above + tf.reduce_sum(tf.cast(between, tf.int32), -1) >= k))
+    rows = tf.shape(u)[0]
+
+    def from_theta():
+        where = tf.where(between)
+        candidates = tf.RaggedTensor.from_value_rowids(tf.gather_nd(u, where), where[:, 0],
+                                                       nrows=tf.cast(rows, tf.int64))
+        ordered = tf.sort(candidates.to_tensor(default_value=float("-inf")), axis=-1, direction="DESCENDING")
+        theta = tf.gather(ordered, k - n_above - 1, batch_dims=1)[:, tf.newaxis]
+        greater, equal = u > theta, tf.equal(u, theta)
+        ties = k - tf.reduce_sum(tf.cast(greater, tf.int32), -1, keepdims=True)  # how many = theta are kept
+        # Usually exactly `ties` values equal theta (a cumulative sum over every row is dear: only then).
+        keep = tf.cond(tf.reduce_all(tf.equal(tf.reduce_sum(tf.cast(equal, tf.int32), -1, keepdims=True), ties)),
+                       lambda: greater | equal,
+                       lambda: greater | (equal & (tf.cumsum(tf.cast(equal, tf.int32), axis=-1) <= ties)))
+        return tf.reshape(tf.cast(tf.where(keep)[:, 1], tf.int32), [rows, k])
+
+    return tf.cond(bracketed, from_theta, lambda: tf.math.top_k(u, k, sorted=False).indices)
+
+
 def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
     """Each slot's points as (x, y), each [b, G, num_points]: the most uncertain of the oversampled ones, then
     uniform ones (the reference's sample_points_using_uncertainty). pred: the slots' matched logits [b, G, h, w]."""
@@ -324,7 +365,8 @@ def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
     draws = _draw(seeds, layer, LOSS, [g, sampled + uniform, 2])
     x, y = draws[..., 0], draws[..., 1]  # the coordinates apart once, not per use ([..., 2] slices are strided)
     uncertainty = -tf.abs(_sample_rows(tf.stop_gradient(pred), x[:, :, :sampled], y[:, :, :sampled]))
-    top = tf.math.top_k(uncertainty, k=uncertain, sorted=False).indices
+    top = _top_k_indices(tf.reshape(uncertainty, [-1, sampled]), uncertain)
+    top = tf.reshape(top, [tf.shape(pred)[0], g, uncertain])
     return tuple(tf.concat([tf.gather(c[:, :, :sampled], top, axis=2, batch_dims=2), c[:, :, sampled:]], axis=2)
                  for c in (x, y))
 
