@@ -316,7 +316,7 @@ def _match(class_logits, mask_logits, table, values, classes, num_valid, points,
 
 def _top_k_indices(u, k: int, stride: int = 8):
     """The indices int32 [R, k] of the k largest values of each row of u float32 [R, S] (S static), ties to the
-    lower index: tf.math.top_k(u, k).indices as a set (in another order).
+    lower index: tf.math.top_k(u, k).indices as a set, in ascending order.
 
     top_k's CPU kernel pushes every value through a heap of k (TopN), about as dear as all the loss's point
     sampling when k is a quarter of S (`_loss_points`). Here the k-th largest value theta is found from two small
@@ -326,8 +326,12 @@ def _top_k_indices(u, k: int, stride: int = 8):
     the values over the bracket); then the set is every value > theta and the first of those = theta. A row whose
     bracket misses theta sends the whole call to top_k itself. Below 2048 values, top_k itself."""
     size = u.shape[-1]
+
+    def top_k():  # ascending like the rest, so that which way a row went leaves no trace in the loss's sums
+        return tf.sort(tf.math.top_k(u, k, sorted=False).indices, axis=-1)
+
     if size < 2048 or k >= size:
-        return tf.math.top_k(u, k, sorted=False).indices
+        return top_k()
     sample = tf.sort(u[:, ::stride], axis=-1, direction="DESCENDING")
     margin = int(6.0 * (k * (stride - 1)) ** 0.5 / stride) + 8
     high = sample[:, max(k // stride - margin, 0), tf.newaxis]
@@ -352,7 +356,7 @@ def _top_k_indices(u, k: int, stride: int = 8):
                        lambda: greater | (equal & (tf.cumsum(tf.cast(equal, tf.int32), axis=-1) <= ties)))
         return tf.reshape(tf.cast(tf.where(keep)[:, 1], tf.int32), [rows, k])
 
-    return tf.cond(bracketed, from_theta, lambda: tf.math.top_k(u, k, sorted=False).indices)
+    return tf.cond(bracketed, from_theta, top_k)
 
 
 def _loss_points(pred, seeds, layer: int, opts: EomtLossOptions):
