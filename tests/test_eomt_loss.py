@@ -248,6 +248,24 @@ def test_halves_summed_are_the_whole_batch():
         np.testing.assert_allclose(rev[name].numpy(), whole[name].numpy(), rtol=1e-5, err_msg=name)
 
 
+def test_uncertain_points_are_top_ks_set():
+    """The loss points' selection (_top_k_indices, a bracket of the k-th value from a strided sample) picks
+    tf.math.top_k's set, in ascending order: on rows of the loss's kind (-|logit|), on rows full of ties (rounded
+    values, one row all equal: the first ties by index), and on rows whose strided sample misleads the bracket
+    (handed to top_k). Fails for ties kept from the last index, the values equal to the k-th dropped or all
+    kept, a bracket used without its check, top_k's own order after the hand-over."""
+    rng = np.random.default_rng(5)
+    size, k = 8000, 2000
+    rows = [-np.abs(rng.normal(0, 3, (3, size))), np.round(rng.normal(0, 1, (3, size)), 1), np.zeros((1, size))]
+    misleading = rng.normal(0, 1, (2, size))
+    misleading[:, ::8] = 10.0  # the sample sees only these: its bracket holds size / 8 < k values
+    rows.append(misleading)
+    for u in rows:
+        u = tf.constant(u.astype(np.float32))
+        got = E._top_k_indices(u, k).numpy()
+        np.testing.assert_array_equal(got, np.sort(tf.math.top_k(u, k, sorted=False).indices.numpy(), -1))
+
+
 def test_draws_are_keyed_by_sample_layer_and_purpose():
     """Same seeds, same points; a row's points do not depend on its neighbours or position; another layer or
     purpose draws other points. Fails for a global RNG, draws of the whole batch from one seed, the layer

@@ -73,6 +73,9 @@ from seg_train.objectives.matching import batched_linear_sum_assignment
 
 MATCHING, LOSS = 0, 1  # the purposes folded into a sample's seed
 _FLOAT32_MAX = 3.4028234663852886e38
+# The labels `_sample_table` reads in place of the padding around a label map and of an ignored pixel: no slot
+# holds either value (slots hold classes and segment values, >= 0, or -1 in padding), labels are >= 0.
+_OUTSIDE, _IGNORED = -INSTANCE_BASE, -2 * INSTANCE_BASE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,31 +171,13 @@ def grid_points(height: int, width: int):
     return tf.reshape(tf.stack([x, y], -1), [-1, 2])
 
 
-def _corners(x, y, height, width):
-    """Bilinear footprint of points with normalised coordinates x, y [...] on a height x width grid
-    (align_corners=False, zero padding): the 4 corners as (flat index int32 [...], 0 outside the grid; weight
-    float32 [...], 0 outside) pairs. The corners stay 4 tensors: stacked on
-    a last axis of 4 (as [..., 4]) they cost an element-wise interleave (Pack) and 4 strided slices back out,
-    each about as dear as a corner's sampling."""
-    x = x * tf.cast(width, tf.float32) - 0.5
-    y = y * tf.cast(height, tf.float32) - 0.5
-    x0, y0 = tf.floor(x), tf.floor(y)
-    fx, fy = x - x0, y - y0
-    x0, y0 = tf.cast(x0, tf.int32), tf.cast(y0, tf.int32)
-    out = []
-    for dy, wy in ((0, 1.0 - fy), (1, fy)):
-        for dx, wx in ((0, 1.0 - fx), (1, fx)):
-            xi, yi = x0 + dx, y0 + dy
-            inside = (xi >= 0) & (xi < width) & (yi >= 0) & (yi < height)
-            out.append((tf.where(inside, yi * width + xi, 0), tf.where(inside, wy * wx, 0.0)))
-    return out
-
-
 def _padded_corners(x, y, height, width):
-    """The 4 bilinear corners of points with normalised coordinates x, y [...] in [0, 1] (as `_corners`: same
-    order, same weights) as flat indices into the height x width grid padded with one zero pixel on every side,
-    (height + 2) x (width + 2) (`_padded`). Every corner lies inside the padded grid, so zero padding needs no
-    masks: a third of `_corners`' element-wise work, which cost as much as the gathers it feeds."""
+    """Bilinear footprint (align_corners=False) of points with normalised coordinates x, y [...] in [0, 1] on a
+    height x width grid padded with one zero pixel on every side ((height + 2) x (width + 2), `_padded`): the 4
+    corners as (flat index int32 [...], weight float32 [...]) pairs, top left, top right, bottom left, bottom
+    right. Every corner lies inside the padded grid, so the zero padding takes no masks (index and weight
+    masked per corner cost as much as the gathers they fed). The corners stay 4 tensors: stacked on a last axis
+    of 4 ([..., 4]) they would cost an element-wise interleave (Pack) and 4 strided slices back out."""
     x = x * tf.cast(width, tf.float32) - 0.5
     y = y * tf.cast(height, tf.float32) - 0.5
     x0, y0 = tf.floor(x), tf.floor(y)
@@ -245,25 +230,33 @@ def _sample_logits(logits, points):
     return _sample_rows(logits, x, y)
 
 
-def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segments: bool = False):
-    """The slots' target masks sampled bilinearly (as the dense binary masks would be) at points [b, N, 2]
-    (shared) or [b, G, N, 2] (per slot): (targets float32 [b, G, N], kept float32 [b, N] or [b, G, N]: 0 where
-    the point lands on an ignored pixel, module doc). `classes`: each slot's label value (a class, or with
-    `segments` a segment value). `points` may also be given as (x, y), each [b, N] or [b, G, N]."""
+def _label_table(labels, ignore_label: int, segments: bool):
+    """(table int32 [b, (H + 2) (W + 2)], H, W): the label maps [b, H, W] as `_sample_table` reads them, built
+    once for every layer's points: ignored pixels (module doc) relabelled _IGNORED, one _OUTSIDE pixel of
+    padding on every side (so that every corner of a point in [0, 1] lies inside, `_padded_corners`),
+    flattened."""
     labels = tf.cast(labels, tf.int32)
-    h, w = tf.shape(labels)[1], tf.shape(labels)[2]
-    flat = tf.reshape(labels, [tf.shape(labels)[0], -1])
-    x, y = points if isinstance(points, tuple) else (points[..., 0], points[..., 1])
+    if segments:
+        off = tf.equal(labels // INSTANCE_BASE, ignore_label) | tf.equal(labels % INSTANCE_BASE, CROWD)
+    else:
+        off = tf.equal(labels, ignore_label)
+    padded = tf.pad(tf.where(off, _IGNORED, labels), [[0, 0], [1, 1], [1, 1]], constant_values=_OUTSIDE)
+    shape = tf.shape(labels)
+    return tf.reshape(padded, [shape[0], -1]), shape[1], shape[2]
+
+
+def _sample_table(table, classes, num_valid, x, y):
+    """The slots' target masks sampled bilinearly (as the dense binary masks would be) at points x, y [b, N]
+    (shared) or [b, G, N] (per slot), from a `_label_table`: (targets float32 [b, G, N], kept float32 [b, N] or
+    [b, G, N]: 0 where the point lands on an ignored pixel, module doc). `classes`: each slot's label value (a
+    class, or a segment value)."""
+    flat, h, w = table
     shared = x.shape.rank == 2
     value = classes[:, :, tf.newaxis]
     targets, ignored = 0.0, None
-    for index, weight in _corners(x, y, h, w):
+    for index, weight in _padded_corners(x, y, h, w):
         corner = tf.gather(flat, index, batch_dims=1)  # the corner's label, [b, (G,) N]
-        if segments:
-            off = tf.equal(corner // INSTANCE_BASE, ignore_label) | tf.equal(corner % INSTANCE_BASE, CROWD)
-        else:
-            off = tf.equal(corner, ignore_label)
-        off &= weight > 0.0
+        off = tf.equal(corner, _IGNORED) & (weight > 0.0)  # a corner of weight 0 is no part of the point
         ignored = off if ignored is None else ignored | off
         if shared:
             corner, weight = corner[:, tf.newaxis], weight[:, tf.newaxis]  # [b, 1, N]
@@ -271,6 +264,13 @@ def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segmen
     slot_valid = tf.range(tf.shape(classes)[1])[tf.newaxis, :] < num_valid[:, tf.newaxis]
     targets *= tf.cast(slot_valid, tf.float32)[:, :, tf.newaxis]
     return targets, 1.0 - tf.cast(ignored, tf.float32)
+
+
+def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segments: bool = False):
+    """`_sample_table` of the label maps [b, H, W] at points [b, N, 2] (shared) or [b, G, N, 2] (per slot) in
+    [0, 1]; `segments`: segment labels."""
+    return _sample_table(_label_table(labels, ignore_label, segments), classes, num_valid, points[..., 0],
+                         points[..., 1])
 
 
 def _per_row(fn, seeds, shape):
@@ -300,7 +300,7 @@ def _draw(seeds, layer: int | None, purpose: int, shape):
     return _per_row(one, seeds, shape)
 
 
-def _match(class_logits, mask_logits, labels, values, classes, num_valid, points, opts: EomtLossOptions):
+def _match(class_logits, mask_logits, table, values, classes, num_valid, points, opts: EomtLossOptions):
     """The reference matcher's assignment: (row_of_col [b, G], col_of_row [b, Q]) of
     batched_linear_sum_assignment on its cost, points [b, N, 2] shared by an image's queries and masks; `values`
     the slots' label values, `classes` their classes."""
@@ -309,8 +309,7 @@ def _match(class_logits, mask_logits, labels, values, classes, num_valid, points
     cost_class = -tf.gather(probs, classes, axis=2, batch_dims=1)  # [b, Q, G]
     x, y = points[..., 0], points[..., 1]
     pred = _sample_shared(mask_logits, x, y)  # [b, N, Q]
-    target, kept = _sample_labels(labels, values, num_valid, (x, y), opts.ignore_label,
-                                  opts.task != "semantic")  # [b, G, N], [b, N]
+    target, kept = _sample_table(table, values, num_valid, x, y)  # [b, G, N], [b, N]
     n = tf.maximum(tf.reduce_sum(kept, -1), 1.0)[:, tf.newaxis, tf.newaxis]  # [b, 1, 1]
     t = target * kept[:, tf.newaxis, :]
     kept = kept[:, tf.newaxis, :]  # [b, 1, N]
@@ -328,6 +327,51 @@ def _match(class_logits, mask_logits, labels, values, classes, num_valid, points
     return batched_linear_sum_assignment(cost, num_valid)
 
 
+def _top_k_indices(u, k: int, stride: int = 8):
+    """The indices int32 [R, k] of the k largest values of each row of u float32 [R, S] (S static), ties to the
+    lower index: tf.math.top_k(u, k).indices as a set, in ascending order.
+
+    top_k's CPU kernel pushes every value through a heap of k (TopN), about as dear as all the loss's point
+    sampling when k is a quarter of S (`_loss_points`). Here the k-th largest value theta is found from two small
+    sorts and the set is read off by comparisons: theta lies, but for a chance of about 1e-9 per row, between two
+    order statistics of the strided sample u[:, ::stride] (6 standard deviations of a sample's rank either side of
+    its k / stride-th), so it is the (k - above)-th largest of the values between them (the candidates; above:
+    the values over the bracket); then the set is every value > theta and the first of those = theta. A row whose
+    bracket misses theta sends the whole call to top_k itself. Below 2048 values, top_k itself."""
+    size = u.shape[-1]
+
+    def top_k():  # ascending like the rest, so that which way a row went leaves no trace in the loss's sums
+        return tf.sort(tf.math.top_k(u, k, sorted=False).indices, axis=-1)
+
+    if size < 2048 or k >= size:
+        return top_k()
+    sample = tf.sort(u[:, ::stride], axis=-1, direction="DESCENDING")
+    margin = int(6.0 * (k * (stride - 1)) ** 0.5 / stride) + 8
+    high = sample[:, max(k // stride - margin, 0), tf.newaxis]
+    low = sample[:, min(k // stride + margin, sample.shape[-1] - 1), tf.newaxis]
+    above = u > high
+    between = (u >= low) & ~above
+    n_above = tf.reduce_sum(tf.cast(above, tf.int32), -1)
+    bracketed = tf.reduce_all((n_above < k) & (n_above + tf.reduce_sum(tf.cast(between, tf.int32), -1) >= k))
+    rows = tf.shape(u)[0]
+
+    def from_theta():
+        where = tf.where(between)
+        candidates = tf.RaggedTensor.from_value_rowids(tf.gather_nd(u, where), where[:, 0],
+                                                       nrows=tf.cast(rows, tf.int64))
+        ordered = tf.sort(candidates.to_tensor(default_value=float("-inf")), axis=-1, direction="DESCENDING")
+        theta = tf.gather(ordered, k - n_above - 1, batch_dims=1)[:, tf.newaxis]
+        greater, equal = u > theta, tf.equal(u, theta)
+        ties = k - tf.reduce_sum(tf.cast(greater, tf.int32), -1, keepdims=True)  # how many = theta are kept
+        # Usually exactly `ties` values equal theta (a cumulative sum over every row is dear: only then).
+        keep = tf.cond(tf.reduce_all(tf.equal(tf.reduce_sum(tf.cast(equal, tf.int32), -1, keepdims=True), ties)),
+                       lambda: greater | equal,
+                       lambda: greater | (equal & (tf.cumsum(tf.cast(equal, tf.int32), axis=-1) <= ties)))
+        return tf.reshape(tf.cast(tf.where(keep)[:, 1], tf.int32), [rows, k])
+
+    return tf.cond(bracketed, from_theta, top_k)
+
+
 def _loss_points(pred, seeds, layer: int | None, opts: EomtLossOptions):
     """Each slot's points as (x, y), each [b, G, num_points]: the most uncertain of the oversampled ones, then
     uniform ones (the reference's sample_points_using_uncertainty). pred: the slots' matched logits [b, G, h, w]."""
@@ -338,12 +382,13 @@ def _loss_points(pred, seeds, layer: int | None, opts: EomtLossOptions):
     draws = _draw(seeds, layer, LOSS, [g, sampled + uniform, 2])
     x, y = draws[..., 0], draws[..., 1]  # the coordinates apart once, not per use ([..., 2] slices are strided)
     uncertainty = -tf.abs(_sample_rows(tf.stop_gradient(pred), x[:, :, :sampled], y[:, :, :sampled]))
-    top = tf.math.top_k(uncertainty, k=uncertain, sorted=False).indices
+    top = _top_k_indices(tf.reshape(uncertainty, [-1, sampled]), uncertain)
+    top = tf.reshape(top, [tf.shape(pred)[0], g, uncertain])
     return tuple(tf.concat([tf.gather(c[:, :, :sampled], top, axis=2, batch_dims=2), c[:, :, sampled:]], axis=2)
                  for c in (x, y))
 
 
-def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds, layer: int | None,
+def _layer_terms(class_logits, mask_logits, table, values, classes, num_valid, seeds, layer: int | None,
                  opts: EomtLossOptions):
     """One prediction layer's (class_sum, class_weight, mask_sum, dice_sum, mask_count) and its matching; `layer`
     None: the seeds are `_layer_seeds`' already."""
@@ -357,7 +402,7 @@ def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, 
         grid = grid_points(h, w)
         match_points = tf.broadcast_to(grid, [b, h * w, 2])
     with tf.name_scope("match"):
-        row_of_col, col_of_row = _match(class_logits, mask_logits, labels, values, classes, num_valid,
+        row_of_col, col_of_row = _match(class_logits, mask_logits, table, values, classes, num_valid,
                                         match_points, opts)
 
     # Class term: every query, the matched ones their mask's class, the others no-object (class K).
@@ -380,7 +425,7 @@ def _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, 
         grid = tf.broadcast_to(grid_points(h, w), [b, g, h * w, 2])
         x, y = grid[..., 0], grid[..., 1]
     logits = _sample_rows(pred, x, y)  # [b, G, N]
-    target, kept = _sample_labels(labels, values, num_valid, (x, y), opts.ignore_label, opts.task != "semantic")
+    target, kept = _sample_table(table, values, num_valid, x, y)
     bce = tf.nn.sigmoid_cross_entropy_with_logits(labels=target, logits=logits) * kept
     bce = tf.reduce_sum(bce, -1) / tf.maximum(tf.reduce_sum(kept, -1), 1.0)
     p = tf.sigmoid(logits) * kept
@@ -420,6 +465,7 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
         # Only the slots some image of the batch fills (module doc); at least one, so no shape is empty.
         compact = tf.maximum(tf.reduce_max(num_valid), 1)
         classes = values = classes[:, :compact]
+    table = _label_table(labels, opts.ignore_label, not semantic)
     per_layer, matches = [], []
     traced = tf.inside_function() and len(predictions) > 1
     if traced:
@@ -432,10 +478,10 @@ def eomt_loss_terms(predictions, labels, seeds, opts: EomtLossOptions, return_ma
                                   experimental_attributes={"_noinline": True})
     for layer, (class_logits, mask_logits) in enumerate(predictions):
         if traced:
-            terms, row_of_col = layer_terms(class_logits, mask_logits, labels, values, classes, num_valid,
+            terms, row_of_col = layer_terms(class_logits, mask_logits, table, values, classes, num_valid,
                                             _layer_seeds(seeds, layer), None, opts)
         else:
-            terms, row_of_col = _layer_terms(class_logits, mask_logits, labels, values, classes, num_valid, seeds,
+            terms, row_of_col = _layer_terms(class_logits, mask_logits, table, values, classes, num_valid, seeds,
                                              layer, opts)
         per_layer.append(terms)
         if semantic:

@@ -75,7 +75,11 @@ def mask_keeps(seeds, block: int, prob, queries: int):
         key = tf.random.experimental.stateless_fold_in(seed, block, alg="philox")
         return stochastic.uniform([queries], key)  # as tf.random.stateless_uniform, also under XLA
 
-    u = tf.map_fn(draw, tf.cast(seeds, tf.int32), fn_output_signature=tf.float32)
+    seeds = tf.cast(seeds, tf.int32)
+    if seeds.shape[0] is not None:  # a static batch (the train step's): one draw per row, unrolled, no loop
+        u = tf.stack([draw(s) for s in tf.unstack(seeds)])
+    else:
+        u = tf.map_fn(draw, seeds, fn_output_signature=tf.float32)
     return u < tf.cast(prob, tf.float32)
 
 
@@ -141,9 +145,12 @@ class EoMT(keras.Model):
     def _predict(self, normed, grid_h, grid_w):
         """(class logits, mask logits) in float32 from tokens [b, Q + 1 + R + N, C] after the final LayerNorm."""
         q, prefix = self.num_queries, 1 + self.spec.registers
-        queries = tf.ensure_shape(normed[:, :q], [None, q, normed.shape[-1]])  # Q static in a trace
+        # A split, not two slices: its gradient is one concat, where each slice's is a zero-filled full-size
+        # tensor (StridedSliceGrad) and the two are added.
+        queries, _, patches = tf.split(normed, [q, prefix, -1], axis=1)
+        queries = tf.ensure_shape(queries, [None, q, normed.shape[-1]])  # Q static in a trace
         class_logits = tf.cast(self.class_head(queries), tf.float32)
-        pixels = tf.reshape(normed[:, q + prefix:], [tf.shape(normed)[0], grid_h, grid_w, normed.shape[-1]])
+        pixels = tf.reshape(patches, [tf.shape(normed)[0], grid_h, grid_w, normed.shape[-1]])
         for layer in self.upscale:
             pixels = layer(pixels)
         embed = queries
