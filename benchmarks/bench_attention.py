@@ -19,8 +19,7 @@ CPU allocator keeps statistics, the allocator's peak.
 
 The table also gives, by arithmetic, what the attention keeps per block for the backward pass: plain, the float32
 softmax [b, heads, Tq, Tk] (under mixed precision also its half-precision copy); blockwise, the float32 output and
-each row's maximum and 1 / sum, [b, heads, Tq, head_dim + 2] (q, k and v are kept by both); keys that fit one
-block take the plain form (models/attention.py), and its arithmetic.
+each row's maximum and 1 / sum, [b, heads, Tq, head_dim + 2] (q, k and v are kept by both).
 """
 
 from __future__ import annotations
@@ -97,12 +96,11 @@ def _head_dim(model: str) -> list[int]:
     return [spec.width // spec.heads] * spec.depth
 
 
-def stored_mib(model: str, size: int, batch: int, method: str, precision: str, keys: int = 0) -> tuple[float, float]:
-    """(largest block's, all blocks') MiB the attention keeps for the backward pass (module doc), by arithmetic;
-    `keys`: the blockwise form's keys per block (keys that fit one block take the plain form)."""
+def stored_mib(model: str, size: int, batch: int, method: str, precision: str) -> tuple[float, float]:
+    """(largest block's, all blocks') MiB the attention keeps for the backward pass (module doc), by arithmetic."""
     per = []
     for (b, h, tq, tk), d in zip(_shapes(model, size, batch), _head_dim(model)):
-        if method == "plain" or tk <= keys:
+        if method == "plain":
             per.append(b * h * tq * tk * (4 + (2 if precision != "float32" else 0)))
         else:
             per.append(b * h * tq * (d + 2) * 4)
@@ -225,8 +223,8 @@ def main(argv=None) -> int:
     for size in args.sizes:
         for variant in args.variants:
             recs = [r for r in runs if r["size"] == size and r["variant"] == variant and "failed" not in r]
-            method, keys = _variant(parser, variant)
-            block, total = stored_mib(args.model, size, args.batch, method, args.precision, keys)
+            method, _ = _variant(parser, variant)
+            block, total = stored_mib(args.model, size, args.batch, method, args.precision)
             tokens = _shapes(args.model, size, args.batch)[0][2]
             if not recs:
                 print(f"| {size} ({tokens}) | {variant} | failed | | | | | | {block:.1f} / {total:.1f} |")
