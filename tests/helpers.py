@@ -19,6 +19,7 @@ import yaml
 from PIL import Image
 
 from seg_train import config as config_lib
+from seg_train.config.variants import ViTVariant
 from seg_train.data.label_images import save_index_png, voc_colormap
 from seg_train.infer import precise_bn
 from seg_train.parallel import replicas
@@ -828,6 +829,15 @@ def strategy(n):
     return replicas.make_strategy(replicas.Devices(CPU_DEVICES[:n], "CPU", ""))
 
 
+# ---- a tiny ViT in dinov3_vits16's place (the `tiny_vits16` fixture, conftest.py) ---------------------------
+# The EoMT and ViT runs build dinov3_vits16 from config files (the loader and the builders read
+# config/variants.py's VIT_VARIANTS): this one has its structure (patch 16, 4 registers, RoPE, no key bias, a level
+# per block for layer decay) at 4 blocks of width 32, where ViT-S's 12 of 384 make every traced step several times
+# larger (the trace grows with blocks x towers). 4 blocks: model.eomt_blocks' default, so a config that leaves it
+# unset still builds, and 2 EoMT blocks leave 2 plain ones before them.
+TINY_VITS16 = ViTVariant("dinov3", 16, 32, 4, 2, 64, registers=4, key_bias=False)
+
+
 # ---- BN population statistics by hand (tests/test_bn_stats.py) ---------------------------------------------
 def global_batches(trainer, reader, num_batches):
     """The images PreciseBN.reestimate reads: global batches of the training stream at its fixed start."""
@@ -925,7 +935,6 @@ def eomt_from_reference(path: Path = EOMT_FIXTURE):
 
     from safetensors.numpy import save_file
 
-    from seg_train.config.variants import ViTVariant
     from seg_train.models.dino.transformers import check_eomt_folder, load_eomt_folder
     from seg_train.models.eomt.eomt import eomt
 
