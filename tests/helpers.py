@@ -988,15 +988,18 @@ def transformers_case(case: str):
 
 
 def transformers_layout(architecture: str) -> dict:
-    """config.json and {tensor: [dtype, shape]} of a transformers model at dinov3_vits16's size (layouts.json)."""
+    """config.json and {tensor: [dtype, shape]} of a transformers model at TINY_VITS16's size (layouts.json)."""
     return json.loads((TRANSFORMERS_FIXTURES / "layouts.json").read_text())[architecture]
 
 
 def write_transformers_folder(directory: Path, layout: dict, seed: int = 0, drop=(), config=None,
                               shapes=None) -> dict:
-    """A transformers folder of `layout`'s config.json and tensors, stored as BF16 (values random: norm weights
-    and layer scales near 1, the rest N(0, 0.02)), written with the `safetensors` package; tensors `drop` left
-    out, `config` entries and tensor `shapes` {name: shape} changed. Returns the float32 values written."""
+    """A transformers folder of `layout`'s config.json and tensors, stored as BF16, written with the `safetensors`
+    package; tensors `drop` left out, `config` entries and tensor `shapes` {name: shape} changed. Returns the
+    float32 values written. The values are random at the scales scripts/reference_transformers_checkpoints.py
+    gives its models (every matrix N(0, 1 / fan_in); vectors and tokens N(0, 0.1), norm weights and layer scales
+    near 1; positions and queries N(0, 1)): at a small width, transformers' own N(0, 0.02) leaves an EoMT's
+    prediction one class over the whole image."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -1007,10 +1010,16 @@ def write_transformers_folder(directory: Path, layout: dict, seed: int = 0, drop
         if name in drop:
             continue
         shape = (shapes or {}).get(name, shape)
-        a = rng.normal(0.0, 0.02, shape).astype(np.float32)
-        if len(shape) == 1 and (name.endswith("lambda1") or "norm" in name and name.endswith("weight")):
-            a += 1.0
-        stored = a.astype(ml_dtypes.bfloat16)
+        if len(shape) == 1 or "token" in name:
+            a = rng.normal(0.0, 0.1, shape)
+            if len(shape) == 1 and (name.endswith("lambda1") or "norm" in name and name.endswith("weight")):
+                a += 1.0
+        elif "position_embeddings" in name or name == "query.weight":
+            a = rng.normal(0.0, 1.0, shape)
+        else:  # Linear [out, in], Conv2d [out, in, kh, kw], the upscale blocks' ConvTranspose2d (conv1) [in, out, ...]
+            fan_in = int(np.prod(shape[1:])) if "conv1" not in name else shape[0] * int(np.prod(shape[2:]))
+            a = rng.normal(0.0, fan_in ** -0.5, shape)
+        stored = a.astype(np.float32).astype(ml_dtypes.bfloat16)
         arrays[name], written[name] = stored, stored.astype(np.float32)
     save_file(arrays, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps({**layout["config"], **(config or {})}))
