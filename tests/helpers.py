@@ -19,7 +19,7 @@ import yaml
 from PIL import Image
 
 from seg_train import config as config_lib
-from seg_train.config.variants import ViTVariant
+from seg_train.config.variants import MiTVariant, ViTVariant
 from seg_train.data.label_images import save_index_png, voc_colormap
 from seg_train.infer import precise_bn
 from seg_train.parallel import replicas
@@ -836,6 +836,10 @@ def strategy(n):
 # larger (the trace grows with blocks x towers). 4 blocks: model.eomt_blocks' default, so a config that leaves it
 # unset still builds, and 2 EoMT blocks leave 2 plain ones before them.
 TINY_VITS16 = ViTVariant("dinov3", 16, 32, 4, 2, 64, registers=4, key_bias=False)
+# In mit_b0's place where a run's steps are compared or resumed (config/variants.py's MIT_VARIANTS, which the
+# builders read): one block per stage where MiT-B0 has two, widths a multiple of each stage's heads; the stages'
+# heads, reductions and patches are B0's.
+TINY_MIT_B0 = MiTVariant((8, 16, 40, 64), (1, 1, 1, 1))
 
 
 # ---- BN population statistics by hand (tests/test_bn_stats.py) ---------------------------------------------
