@@ -20,7 +20,8 @@ What it writes (float32 unless said), for each CASE below:
   positions.npz    grid [1, C, G, G] and torch's F.interpolate(mode="bicubic", align_corners=False) of it to
                    several sizes, with and without antialias ("<h>x<w>_<antialias>", NCHW)
   layouts.json     for the seg-train runs the tests start: config.json and every tensor's (dtype, shape) of a
-                   DINOv3ViTModel and an EomtDinov3ForUniversalSegmentation at dinov3_vits16's size, as
+                   DINOv3ViTModel and an EomtDinov3ForUniversalSegmentation at the size of the tests'
+                   TINY_VITS16 (tests/helpers.py: dinov3_vits16's structure, put in its place for those runs), as
                    save_pretrained writes them (the weights themselves are not kept)
 
 Input k = 0 is the model's own square size; k = 1 a non-square one, where transformers runs it: DINOv3 (RoPE
@@ -79,12 +80,13 @@ CASES = {
 }
 SIZES = {0: (16, 16), 1: (12, 28)}  # input k: (H, W); k = 1 only where transformers runs it (module doc)
 NON_SQUARE = ("dinov3_vit", "dinov2", "dinov2_registers", "eomt_dinov3")
-# dinov3_vits16 (seg-train's config/variants.py VIT_VARIANTS) in transformers' terms, for layouts.json.
-VITS16 = dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, patch_size=16,
-              num_register_tokens=4)
-LAYOUTS = {"DINOv3ViTModel": (DINOv3ViTModel, DINOv3ViTConfig(**VITS16)),
+# The tests' TINY_VITS16 (tests/helpers.py: dinov3_vits16 of config/variants.py VIT_VARIANTS at 4 blocks of width
+# 32) in transformers' terms, for layouts.json.
+TINY_VITS16 = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, patch_size=16,
+                   num_register_tokens=4)
+LAYOUTS = {"DINOv3ViTModel": (DINOv3ViTModel, DINOv3ViTConfig(**TINY_VITS16)),
            "EomtDinov3ForUniversalSegmentation": (EomtDinov3ForUniversalSegmentation, EomtDinov3Config(
-               **VITS16, num_queries=6, num_blocks=2, num_labels=3, image_size=64, layer_norm_eps=1e-5))}
+               **TINY_VITS16, num_queries=6, num_blocks=2, num_labels=3, image_size=64, layer_norm_eps=1e-5))}
 
 
 def _randomize(model: torch.nn.Module, rng: np.random.Generator) -> None:

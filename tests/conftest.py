@@ -3,7 +3,9 @@ their own distribution code), so 1-tower and N-tower runs can be compared in one
 allocator the commands use (cli.TF_ENV_DEFAULTS), so the in-process tests run as the commands do; and
 point the scan cache (seg_train/data/scan_cache.py) at a folder of this session, never the user's
 home (the seg-train processes the tests start inherit it). `demo_root`: a small synthetic data set, one per
-test module that asks for it."""
+test module that asks for it. `tiny_vits16`: tests/helpers.py's TINY_VITS16 in dinov3_vits16's place in the
+variant table, for the module that asks for it (the in-process runs build from config files, which read the
+table; a process the tests start builds the real one)."""
 
 import atexit
 import os
@@ -24,7 +26,7 @@ from seg_train.parallel import replicas  # noqa: E402
 
 replicas.setup_devices(4)
 
-from tests.helpers import make_ade20k_tree, make_cityscapes_tree, make_pairs_tree  # noqa: E402
+from tests.helpers import TINY_VITS16, make_ade20k_tree, make_cityscapes_tree, make_pairs_tree  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +46,15 @@ def trees(tmp_path_factory):
     make_ade20k_tree(base / "ADEChallengeData2016", rng)
     make_pairs_tree(base / "pairs", rng)
     return {"cityscapes": base / "cityscapes", "ade20k": base / "ADEChallengeData2016", "pairs": base / "pairs"}
+
+
+@pytest.fixture(scope="module")
+def tiny_vits16():
+    """TINY_VITS16 as dinov3_vits16 from the first test of the module that asks for it to the module's end (a
+    module fixture's runs are read back under the same table by the module's tests); so a module that uses it
+    asks for it in every test (pytestmark), and none of its tests depends on which ran first."""
+    from seg_train.config.variants import VIT_VARIANTS
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
+        yield TINY_VITS16

@@ -19,6 +19,7 @@ import yaml
 from PIL import Image
 
 from seg_train import config as config_lib
+from seg_train.config.variants import MiTVariant, ViTVariant
 from seg_train.data.label_images import save_index_png, voc_colormap
 from seg_train.infer import precise_bn
 from seg_train.parallel import replicas
@@ -828,6 +829,19 @@ def strategy(n):
     return replicas.make_strategy(replicas.Devices(CPU_DEVICES[:n], "CPU", ""))
 
 
+# ---- a tiny ViT in dinov3_vits16's place (the `tiny_vits16` fixture, conftest.py) ---------------------------
+# The EoMT and ViT runs build dinov3_vits16 from config files (the loader and the builders read
+# config/variants.py's VIT_VARIANTS): this one has its structure (patch 16, 4 registers, RoPE, no key bias, a level
+# per block for layer decay) at 4 blocks of width 32, where ViT-S's 12 of 384 make every traced step several times
+# larger (the trace grows with blocks x towers). 4 blocks: model.eomt_blocks' default, so a config that leaves it
+# unset still builds, and 2 EoMT blocks leave 2 plain ones before them.
+TINY_VITS16 = ViTVariant("dinov3", 16, 32, 4, 2, 64, registers=4, key_bias=False)
+# In mit_b0's place where a run's steps are compared or resumed (config/variants.py's MIT_VARIANTS, which the
+# builders read): one block per stage where MiT-B0 has two, widths a multiple of each stage's heads; the stages'
+# heads, reductions and patches are B0's.
+TINY_MIT_B0 = MiTVariant((8, 16, 40, 64), (1, 1, 1, 1))
+
+
 # ---- BN population statistics by hand (tests/test_bn_stats.py) ---------------------------------------------
 def global_batches(trainer, reader, num_batches):
     """The images PreciseBN.reestimate reads: global batches of the training stream at its fixed start."""
@@ -925,7 +939,6 @@ def eomt_from_reference(path: Path = EOMT_FIXTURE):
 
     from safetensors.numpy import save_file
 
-    from seg_train.config.variants import ViTVariant
     from seg_train.models.dino.transformers import check_eomt_folder, load_eomt_folder
     from seg_train.models.eomt.eomt import eomt
 
@@ -979,15 +992,18 @@ def transformers_case(case: str):
 
 
 def transformers_layout(architecture: str) -> dict:
-    """config.json and {tensor: [dtype, shape]} of a transformers model at dinov3_vits16's size (layouts.json)."""
+    """config.json and {tensor: [dtype, shape]} of a transformers model at TINY_VITS16's size (layouts.json)."""
     return json.loads((TRANSFORMERS_FIXTURES / "layouts.json").read_text())[architecture]
 
 
 def write_transformers_folder(directory: Path, layout: dict, seed: int = 0, drop=(), config=None,
                               shapes=None) -> dict:
-    """A transformers folder of `layout`'s config.json and tensors, stored as BF16 (values random: norm weights
-    and layer scales near 1, the rest N(0, 0.02)), written with the `safetensors` package; tensors `drop` left
-    out, `config` entries and tensor `shapes` {name: shape} changed. Returns the float32 values written."""
+    """A transformers folder of `layout`'s config.json and tensors, stored as BF16, written with the `safetensors`
+    package; tensors `drop` left out, `config` entries and tensor `shapes` {name: shape} changed. Returns the
+    float32 values written. The values are random at the scales scripts/reference_transformers_checkpoints.py
+    gives its models (every matrix N(0, 1 / fan_in); vectors and tokens N(0, 0.1), norm weights and layer scales
+    near 1; positions and queries N(0, 1)): at a small width, transformers' own N(0, 0.02) leaves an EoMT's
+    prediction one class over the whole image."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -998,10 +1014,16 @@ def write_transformers_folder(directory: Path, layout: dict, seed: int = 0, drop
         if name in drop:
             continue
         shape = (shapes or {}).get(name, shape)
-        a = rng.normal(0.0, 0.02, shape).astype(np.float32)
-        if len(shape) == 1 and (name.endswith("lambda1") or "norm" in name and name.endswith("weight")):
-            a += 1.0
-        stored = a.astype(ml_dtypes.bfloat16)
+        if len(shape) == 1 or "token" in name:
+            a = rng.normal(0.0, 0.1, shape)
+            if len(shape) == 1 and (name.endswith("lambda1") or "norm" in name and name.endswith("weight")):
+                a += 1.0
+        elif "position_embeddings" in name or name == "query.weight":
+            a = rng.normal(0.0, 1.0, shape)
+        else:  # Linear [out, in], Conv2d [out, in, kh, kw], the upscale blocks' ConvTranspose2d (conv1) [in, out, ...]
+            fan_in = int(np.prod(shape[1:])) if "conv1" not in name else shape[0] * int(np.prod(shape[2:]))
+            a = rng.normal(0.0, fan_in ** -0.5, shape)
+        stored = a.astype(np.float32).astype(ml_dtypes.bfloat16)
         arrays[name], written[name] = stored, stored.astype(np.float32)
     save_file(arrays, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps({**layout["config"], **(config or {})}))

@@ -29,6 +29,9 @@ from seg_train.data import synthetic
 from seg_train.objectives.mask_classification import mask_probabilities
 from seg_train.run.rundir import check_resume_config
 
+# dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
+pytestmark = pytest.mark.usefixtures("tiny_vits16")
+
 
 def test_empty_window_is_a_step_at_its_start():
     """[5, 5]: 1 before step 5, 0 from it (no 0/0); a window beside it keeps the poly curve (by hand)."""
@@ -48,9 +51,10 @@ def _run(*args) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
-    """seg-train on 1 tower: EoMT with 4 blocks on a 12-block DINOv3, train.mask_annealing unset, 3 steps (fewer
-    than 4 + 2: derived windows [0, 1], [1, 1], [1, 2], [2, 2])."""
+def short_run(tmp_path_factory, tiny_vits16):
+    """seg-train on 1 tower: EoMT with 4 blocks on dinov3_vits16 (tests/helpers.py's 4-block TINY_VITS16 in its
+    place), train.mask_annealing unset, 3 steps (fewer than 4 + 2: derived windows [0, 1], [1, 1], [1, 2],
+    [2, 2])."""
     base = tmp_path_factory.mktemp("short")
     root = synthetic.generate(base / "demo", num_train=8, num_val=2, size=(32, 40), num_classes=3)
     raw = {"seed": 1, "run_dir": "run",

@@ -8,6 +8,9 @@ config: 19902 steps, 4 blocks -> starts 3317, 6634, 9951, 13268); the probabilit
 instead of the global batch's (4 towers then differ from 1); the step's loss not the mask-classification loss
 of eomt_loss.py on the model's predictions with the step's own seeds; masks or points drawn per tower row or
 per call (a resumed run or 4 towers draw others); per-pixel loss keys silently ignored under EoMT.
+
+The steps and the run train dinov3_vits16 with tests/helpers.py's TINY_VITS16 in its place (the `tiny_vits16`
+fixture): its structure at 4 blocks of width 32.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, los
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import resume_bitwise, strategy, tiny_config
+
+# dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
+pytestmark = pytest.mark.usefixtures("tiny_vits16")
 
 
 def _raw(model=None, train=None, loss=None, classes=3):
@@ -109,7 +115,7 @@ def _config(tmp_path, **train):
 
 
 @pytest.fixture(scope="module")
-def one_and_four(tmp_path_factory):
+def one_and_four(tmp_path_factory, tiny_vits16):
     """Two SGD steps of a 2-EoMT-block DINOv3 (drop path 0.3, annealing in progress: block 1 at p = 1 then 0.54,
     block 2 at 1 then 1) on 1 and on 4 towers from the same seed and batch; the 1-tower weights after step 1."""
     tmp = tmp_path_factory.mktemp("eomt")
@@ -139,7 +145,7 @@ def test_four_towers_equal_one(one_and_four):
 
 
 @pytest.mark.slow
-def test_step_loss_is_eomt_loss_of_the_predictions(one_and_four):
+def test_step_loss_is_eomt_loss_of_the_predictions(one_and_four, tiny_vits16):
     """The loss of step 2 (made at step counter 1) is eomt_loss.py's weighted total over the layers
     (losses_from_terms, held to transformers' EomtLoss) of the model's own training predictions from the weights
     after step 1, with the probabilities of the configured windows at step 1 (0.54, 1), the rows' sample counters
@@ -149,7 +155,7 @@ def test_step_loss_is_eomt_loss_of_the_predictions(one_and_four):
     cfg = step.state.cfg
     fresh = TrainState(cfg, strategy(1), optimizer=False)
     fresh.model.set_weights(after_first)
-    assert fresh.model.queries.shape == (5, 384)
+    assert fresh.model.queries.shape == (5, tiny_vits16.width)
     ids = stochastic.sample_ids(1, 0, 0, 4, 1, 1)
     probs = mask_probabilities(1, [(0, 2), (1, 3)])
     np.testing.assert_allclose(probs.numpy(), [0.5 ** 0.9, 1.0], rtol=1e-6)

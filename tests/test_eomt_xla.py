@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from seg_train.config.variants import VIT_VARIANTS, ViTVariant
 from seg_train.models import stochastic
 from seg_train.models.eomt.eomt import mask_keeps
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import strategy, tiny_config
+
+# dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
+pytestmark = pytest.mark.usefixtures("tiny_vits16")
 
 
 @pytest.mark.slow  # three XLA compilations: seconds
@@ -42,11 +44,6 @@ def test_uniform_is_tensorflows_draw_also_under_xla():
 
 
 # ---- the step ----------------------------------------------------------------------------------------------
-# A ViT far smaller than any released one (3 blocks of width 32), put in place of dinov3_vits16 while the
-# module's steps are built: the config loader and the builders read the table.
-TINY_VIT = ViTVariant("dinov3", 16, 32, 3, 2, 64, registers=4, key_bias=False)
-
-
 def _config(tmp_path, jit_compile: bool):
     return tiny_config(tmp_path, data={"crop_size": [32, 48]},
                        model={"backbone": "dinov3_vits16", "head": "eomt", "eomt_blocks": 2, "num_queries": 5,
@@ -56,7 +53,7 @@ def _config(tmp_path, jit_compile: bool):
 
 
 @pytest.fixture(scope="module")
-def plain_and_compiled(tmp_path_factory):
+def plain_and_compiled(tmp_path_factory, tiny_vits16):
     """The same 2-EoMT-block tiny ViT (its seeded random initialisation; drop path 0.3, block 1's masking
     annealed from p = 1 to 0.54) from configs with train.jit_compile false and true, 1 tower: the probe of the
     first batch, then two SGD steps; and each traced step's graph."""
@@ -67,19 +64,16 @@ def plain_and_compiled(tmp_path_factory):
     labels[1] = 2              # an image with a single class
     labels[0, :12] = 255       # ignored pixels
     out = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VIT)
-        for jit in (False, True):
-            step = TrainStep(TrainState(_config(tmp / str(jit), jit), strategy(1)))
-            data = step.state.strategy.experimental_distribute_dataset(
-                tf.data.Dataset.from_tensors((images, labels)))
-            graph = step.concrete_function(data.element_spec).graph.as_graph_def()
-            batch = next(iter(data))
-            probe = step.probe(batch)
-            losses = [float(step(batch).loss) for _ in range(2)]
-            out[jit] = {"graph": graph, "probe_loss": float(probe.loss),
-                        "gradients": [g.numpy() for g in probe.gradients], "losses": losses,
-                        "weights": [w.numpy() for w in step.state.model.weights]}
+    for jit in (False, True):
+        step = TrainStep(TrainState(_config(tmp / str(jit), jit), strategy(1)))
+        data = step.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        graph = step.concrete_function(data.element_spec).graph.as_graph_def()
+        batch = next(iter(data))
+        probe = step.probe(batch)
+        losses = [float(step(batch).loss) for _ in range(2)]
+        out[jit] = {"graph": graph, "probe_loss": float(probe.loss),
+                    "gradients": [g.numpy() for g in probe.gradients], "losses": losses,
+                    "weights": [w.numpy() for w in step.state.model.weights]}
     yield out
     keras.backend.clear_session()
 

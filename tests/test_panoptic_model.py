@@ -7,7 +7,8 @@ against COCO instance annotations written here from the same files; Pillow for t
 loaded without seg_train (tf.saved_model.load, LiteRT). Where no outside reference exists (towers, resume), the
 same numbers from 1 and 4 towers, and from a run killed and resumed.
 
-The runs: DINOv3 ViT-S/16 EoMT (2 EoMT blocks, 8 queries) on the synthetic panoptic demo set (data/
+The runs: EoMT (2 EoMT blocks, 8 queries) on dinov3_vits16, tests/helpers.py's TINY_VITS16 in its place (the
+`tiny_vits16` fixture: its structure at 4 blocks of width 32), on the synthetic panoptic demo set (data/
 synthetic_panoptic.py: 4 classes, things and stuff, crowds, unlabelled bands) at 40 x 56, 48 x 48 crops.
 """
 
@@ -37,6 +38,9 @@ from pycocotools import mask as mask_util  # noqa: E402
 from pycocotools.coco import COCO  # noqa: E402
 from pycocotools.cocoeval import COCOeval  # noqa: E402
 
+# dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
+pytestmark = pytest.mark.usefixtures("tiny_vits16")
+
 K = 4
 QUIET = ["--set", "eval.bn_reestimate_batches=0"]
 # Post-processing that keeps an untrained model's queries, so the files hold segments to score.
@@ -63,7 +67,7 @@ def _run(main, argv):
 
 
 @pytest.fixture(scope="module")
-def panoptic_run(tmp_path_factory):
+def panoptic_run(tmp_path_factory, tiny_vits16):
     """seg-train on 2 towers, 2 steps, evaluated at the end; (folder, config path)."""
     base = tmp_path_factory.mktemp("panoptic")
     root = synthetic_panoptic.generate(base / "data", num_train=8, num_val=3, size=(40, 56), num_classes=K)
@@ -309,7 +313,7 @@ def _segment_batch(b=4, seed=0):
 
 
 @pytest.fixture(scope="module")
-def segment_steps(tmp_path_factory):
+def segment_steps(tmp_path_factory, tiny_vits16):
     """Two SGD steps on 1 and 4 towers from the same seed and panoptic batch (drop path, annealing in progress)."""
     import keras
     import tensorflow as tf

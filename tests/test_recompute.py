@@ -22,7 +22,7 @@ import tensorflow as tf
 import yaml
 
 from seg_train.config import ConfigError, from_dict
-from seg_train.config.variants import VIT_VARIANTS, ViTVariant
+from seg_train.config.variants import ViTVariant
 from seg_train.data import synthetic
 from seg_train.models import backbone_of, stochastic
 from seg_train.models.dino.vit import dino_encoder
@@ -31,12 +31,12 @@ from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from tests.helpers import resume_bitwise, strategy, tiny_config
 
+# dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
+pytestmark = pytest.mark.usefixtures("tiny_vits16")
+
 V3 = ViTVariant("dinov3", 8, 32, 3, 2, 64, registers=2, key_bias=False, layer_scale=0.5)
 V2 = ViTVariant("dinov2", 8, 32, 3, 2, 64, registers=1, gated=True, pos_grid=3, layer_scale=0.5)
 MATMULS = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
-# In place of dinov3_vits16 while the in-process run tests build from config files (the loader and builders read
-# the table): 3 blocks of width 32 at patch 16 trace in seconds where ViT-S's 12 blocks of 384 take a minute.
-TINY_VITS16 = ViTVariant("dinov3", 16, 32, 3, 2, 64, registers=4, key_bias=False)
 
 
 def _random_values(model, seed):
@@ -154,13 +154,10 @@ def _config(tmp_path, recompute):
 @pytest.mark.slow  # models built from config files: seconds
 def test_recompute_key_reaches_the_model(tmp_path):
     """train.recompute from a config file, through TrainState, on a linear head over block 1 of dinov3_vits16
-    (TINY_VITS16 in its place): the traced gradient of a training call holds more products with blocks than with
-    none (the block's forward again). Fails for: the key dropped between the config and the model."""
-    counts = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
-        for mode in ("none", "blocks"):
-            counts[mode] = _gradient_matmuls(tmp_path / mode, mode)
+    (tests/helpers.py's TINY_VITS16 in its place): the traced gradient of a training call holds more products with
+    blocks than with none (the block's forward again). Fails for: the key dropped between the config and the
+    model."""
+    counts = {mode: _gradient_matmuls(tmp_path / mode, mode) for mode in ("none", "blocks")}
     keras.backend.clear_session()
     assert counts["blocks"] > counts["none"], counts
 
@@ -182,23 +179,17 @@ def _gradient_matmuls(tmp_path, mode):
 
 @pytest.mark.slow  # three EoMT steps traced
 def test_recompute_key_reaches_the_step_and_four_towers_equal_one(tmp_path):
-    """Two SGD steps of EoMT on dinov3_vits16 (TINY_VITS16 in its place; drop path 0.3, annealing in progress) from a
-    config file with train.recompute: blocks, on 1 and 4 towers, and on 1 tower without it: the traced step
-    holds the recomputation (more products than without), 4 towers equal 1 (as without recompute,
-    tests/test_eomt_train.py), and 1 tower equals the stored step's weights. Fails for: the key dropped between
-    the config and the model, masks or drop path redrawn per tower or per recomputation."""
+    """Two SGD steps of EoMT on dinov3_vits16 (tests/helpers.py's TINY_VITS16 in its place; drop path 0.3,
+    annealing in progress) from a config file with train.recompute: blocks, on 1 and 4 towers, and on 1 tower
+    without it: the traced step holds the recomputation (more products than without), 4 towers equal 1 (as
+    without recompute, tests/test_eomt_train.py), and 1 tower equals the stored step's weights. Fails for: the key
+    dropped between the config and the model, masks or drop path redrawn per tower or per recomputation."""
     rng = np.random.default_rng(0)
     images = rng.normal(size=(4, 32, 48, 3)).astype(np.float32)
     labels = rng.integers(0, 3, (4, 32, 48)).astype(np.uint8)
     labels[0, :12] = 255
-    out = {}
-    patch = pytest.MonkeyPatch()
-    patch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
-    try:
-        for name, recompute, towers in (("stored", "none", 1), ("one", "blocks", 1), ("four", "blocks", 4)):
-            out[name] = _two_steps(tmp_path / name, recompute, towers, images, labels)
-    finally:
-        patch.undo()
+    out = {name: _two_steps(tmp_path / name, recompute, towers, images, labels)
+           for name, recompute, towers in (("stored", "none", 1), ("one", "blocks", 1), ("four", "blocks", 4))}
     keras.backend.clear_session()
     _check_steps(out)
 
@@ -224,10 +215,11 @@ def _check_steps(out):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=path)
 
 
-@pytest.mark.slow  # seg-train run twice on 2 towers: about a minute
+@pytest.mark.slow  # seg-train run twice on 2 towers
 def test_resumed_run_with_recompute_is_bitwise_the_uninterrupted_one(tmp_path):
-    """seg-train on 2 towers with train.recompute: blocks, EoMT with drop path and the annealing in progress,
-    AdamW; killed after ckpt-2 and resumed: ckpt-4 bitwise the uninterrupted run's. Fails for: a recomputation
+    """seg-train on 2 towers with train.recompute: blocks, EoMT on dinov3_vits16 (tests/helpers.py's TINY_VITS16 in
+    its place) with drop path and the annealing in progress, AdamW; killed after ckpt-2 and resumed: ckpt-4 bitwise
+    the uninterrupted run's. Fails for: a recomputation
     whose draws depend on the calls before (the process's history) rather than on the step's sample counters."""
     root = synthetic.generate(tmp_path / "demo", num_train=12, num_val=2, size=(40, 48), num_classes=3)
     raw = {"seed": 3, "run_dir": "run",

@@ -23,6 +23,7 @@ from PIL import Image
 from seg_train import config as config_lib
 from seg_train import models
 from seg_train.config import ConfigError, ModelConfig
+from seg_train.config.variants import MIT_VARIANTS
 from seg_train.data.label_images import read_label
 from seg_train.infer import evaluate as ev
 from seg_train.infer.export import run_export
@@ -34,6 +35,7 @@ from tests.helpers import EVAL_NAMES as NAMES
 from tests.helpers import EVAL_NUM_CLASSES as NUM_CLASSES
 from tests.helpers import (
     PAPER_MIT,
+    TINY_MIT_B0,
     calibrate_bn,
     eval_config,
     normalized,
@@ -95,24 +97,27 @@ def _tower_config(tmp_path, sync: bool, drop_path=DROP_PATH, dropout=HEAD_DROPOU
 
 @pytest.fixture(scope="module")
 def towers_1_and_4(tmp_path_factory):
-    """Two SGD steps of MiT-B0 + SegFormer at a non-square crop with drop path and dropout on, through the
-    trainer's own step: 4 towers with synchronized BN; 1 tower with Keras' own BatchNormalization (no
-    seg-train BN code); 1 tower without drop path and dropout."""
+    """Two SGD steps of MiT-B0 + SegFormer (tests/helpers.py's TINY_MIT_B0 in mit_b0's place: a block per stage)
+    at a non-square crop with drop path and dropout on, through the trainer's own step: 4 towers with
+    synchronized BN; 1 tower with Keras' own BatchNormalization (no seg-train BN code); 1 tower without drop path
+    and dropout."""
     tmp = tmp_path_factory.mktemp("towers")
     rng = np.random.default_rng(0)
     images = rng.normal(size=(4, 32, 48, 3)).astype(np.float32)
     labels = rng.integers(0, 3, (4, 32, 48)).astype(np.uint8)
     labels[0, :20] = 255  # uneven ignored pixels across the towers
     out = {}
-    for name, towers, cfg in (("one", 1, _tower_config(tmp / "one", False)),
-                              ("four", 4, _tower_config(tmp / "four", True)),
-                              ("plain", 1, _tower_config(tmp / "plain", False, 0.0, 0.0))):
-        step = TrainStep(TrainState(cfg, strategy(towers)))
-        if name == "one":
-            out["initial"] = [w.numpy() for w in step.state.model.trainable_weights]
-        batch = next(iter(step.state.strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensors((images, labels)))))
-        out[name] = (step, [float(step(batch).loss) for _ in range(2)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(MIT_VARIANTS, "mit_b0", TINY_MIT_B0)
+        for name, towers, cfg in (("one", 1, _tower_config(tmp / "one", False)),
+                                  ("four", 4, _tower_config(tmp / "four", True)),
+                                  ("plain", 1, _tower_config(tmp / "plain", False, 0.0, 0.0))):
+            step = TrainStep(TrainState(cfg, strategy(towers)))
+            if name == "one":
+                out["initial"] = [w.numpy() for w in step.state.model.trainable_weights]
+            batch = next(iter(step.state.strategy.experimental_distribute_dataset(
+                tf.data.Dataset.from_tensors((images, labels)))))
+            out[name] = (step, [float(step(batch).loss) for _ in range(2)])
     return out
 
 
@@ -137,7 +142,7 @@ def test_four_towers_with_drop_path_and_synchronized_bn_equal_one_device(towers_
     plain, losses_0 = towers_1_and_4["plain"]
     assert losses_0[0] != losses_1[0]
     assert max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(plain.state.model.trainable_weights,
-                                                                          one.state.model.trainable_weights)) > 1e-2
+                                                                          one.state.model.trainable_weights)) > 1e-3
     # The backbone/head split (train.backbone_lr_multiplier) puts the MiT in the backbone, the head out of it.
     model = one.state.model
     head = [v.path for v, in_backbone in zip(model.trainable_variables, models.backbone_variable_mask(model))

@@ -25,12 +25,13 @@ import tensorflow as tf
 import yaml
 
 from seg_train import models
+from seg_train.config.variants import MIT_VARIANTS
 from seg_train.data import synthetic
 from seg_train.models import stochastic
 from seg_train.models.mit.encoder import drop_path_rates
 from seg_train.run.state import TrainState
+from tests.helpers import TINY_MIT_B0, open_reader, resume_bitwise, strategy, tiny_config
 from tests.helpers import mit_kwargs as _mit_kwargs
-from tests.helpers import open_reader, resume_bitwise, strategy, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -176,13 +177,13 @@ def test_inference_is_the_model_without_stochastic_layers(tmp_path):
 
 
 # ---- a run interrupted and resumed ------------------------------------------------------------------------
-def test_resumed_segformer_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root):
-    """seg-train on 2 towers (AdamW with the head at 10x) on SegFormer with drop path 0.5 and dropout 0.3, 4 steps
-    with checkpoints at 2 and 4; the run dir rewound to step 2 (as if killed after that checkpoint) and the
-    same command run again: its step-4 checkpoint is bitwise the first run's (weights, slots, counters). Masks
-    drawn per call, or from a generator whose state is not in the checkpoint, would draw other masks for steps
-    3 and 4. (One micro-batch per step: a second one doubles the traced graph, and the micro-batch index in the
-    counter is test_sample_ids_are_the_readers_counters'.)"""
+def test_resumed_segformer_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, monkeypatch):
+    """seg-train on 2 towers (AdamW with the head at 10x) on SegFormer (mit_b0: tests/helpers.py's TINY_MIT_B0 in
+    its place) with drop path 0.5 and dropout 0.3, 4 steps with checkpoints at 2 and 4; the run dir rewound to
+    step 2 (as if killed after that checkpoint) and the same command run again: its step-4 checkpoint is bitwise
+    the first run's (weights, slots, counters). Masks drawn per call, or from a generator whose state is not in
+    the checkpoint, would draw other masks for steps 3 and 4. (One micro-batch per step: a second one doubles the
+    traced graph, and the micro-batch index in the counter is test_sample_ids_are_the_readers_counters'.)"""
     raw = {"seed": 3, "run_dir": "run",
            "data": {"root": str(data_root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
                     "num_parallel_calls": 2, "val_split": "none"},
@@ -192,5 +193,6 @@ def test_resumed_segformer_run_is_bitwise_the_uninterrupted_one(tmp_path, data_r
                      "optimizer": "adamw", "learning_rate": 1e-3, "head_lr_multiplier": 10.0},
            "eval": {"bn_reestimate_batches": 0}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setitem(MIT_VARIANTS, "mit_b0", TINY_MIT_B0)
     keys = resume_bitwise(tmp_path / "cfg.yaml", tmp_path)
     assert any(k.startswith("optimizer/") for k in keys) and len(keys) > 100

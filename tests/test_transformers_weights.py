@@ -7,7 +7,8 @@ outputs on the same images in float32, at TOLERANCE of the largest reference val
 after the final LayerNorm of the last and the middle block, EoMT's class and mask logits; at the model's own
 16 x 16 and at 12 x 28 wherever transformers runs it (not EomtForUniversalSegmentation: its positions fit one
 grid). Then the position resize alone against torch's, every refusal in one line, and through the config and the
-seg-train command: runs start from a folder at dinov3_vits16's size (its layout as transformers saves it), a
+seg-train command: runs start from a folder of dinov3_vits16's layout as transformers saves it (at the size of
+tests/helpers.py's TINY_VITS16, in dinov3_vits16's place for the whole module: the `tiny_vits16` fixture), a
 mismatched folder is refused with exit code 2 and no run dir written.
 """
 
@@ -44,6 +45,9 @@ from tests.helpers import (
     transformers_layout,
     write_transformers_folder,
 )
+
+# dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
+pytestmark = pytest.mark.usefixtures("tiny_vits16")
 
 TOLERANCE = 1e-4  # of the largest reference value; float32 against torch's float32 (seen: below 1e-6)
 MIDDLE = 2  # the script's middle block
@@ -241,7 +245,7 @@ def test_refusals_are_one_line_naming_the_key_and_both_values(tmp_path):
     assert "'norm.bias' as one of F64, F32, F16, BF16, got I32" in _error(check_backbone_folder, ints, v3, "x")
 
 
-# ---- through the config and the command: folders at dinov3_vits16's size ------------------------------------------
+# ---- through the config and the command: folders of dinov3_vits16's layout at TINY_VITS16's size ------------------
 CLASSES = 3
 
 
@@ -275,11 +279,11 @@ def _variable(model, name):
 
 
 @pytest.mark.slow
-def test_run_starts_from_an_eomt_folder(tmp_path, demo):
-    """seg-train --config with model.init_weights: an EomtDinov3ForUniversalSegmentation folder (dinov3_vits16,
-    its tensors in BF16) trains one step at a negligible rate; the checkpoint holds the folder's weights in the
-    encoder, the queries, the class head, the mask MLP and the upscale blocks. seg-eval without --checkpoint
-    (the model as the folder starts it) counts what seg-eval of that checkpoint counts. Fails for:
+def test_run_starts_from_an_eomt_folder(tmp_path, demo, tiny_vits16):
+    """seg-train --config with model.init_weights: an EomtDinov3ForUniversalSegmentation folder (dinov3_vits16 at
+    TINY_VITS16's size, its tensors in BF16) trains one step at a negligible rate; the checkpoint holds the
+    folder's weights in the encoder, the queries, the class head, the mask MLP and the upscale blocks. seg-eval
+    without --checkpoint (the model as the folder starts it) counts what seg-eval of that checkpoint counts. Fails for:
     model.init_weights dropped between the config and the model (random weights), the folder read into the
     encoder only, seg-eval evaluating a model other than the folder's."""
     from seg_train.infer.load import load_state
@@ -293,9 +297,10 @@ def test_run_starts_from_an_eomt_folder(tmp_path, demo):
     state, _, step = load_state(cfg, strategy(1), str(tmp_path / "run"))
     assert step == 1
     model = state.model
+    last = tiny_vits16.depth
     theirs = {"patch_embed/kernel": written["embeddings.patch_embeddings.weight"].transpose(2, 3, 1, 0),
-              "block12_attn_q/kernel": written["layers.11.attention.q_proj.weight"].T,
-              "block12_mlp_down/bias": written["layers.11.mlp.down_proj.bias"],
+              f"block{last}_attn_q/kernel": written[f"layers.{last - 1}.attention.q_proj.weight"].T,
+              f"block{last}_mlp_down/bias": written[f"layers.{last - 1}.mlp.down_proj.bias"],
               "eomt/queries": written["query.weight"],
               "class_head/kernel": written["class_predictor.weight"].T,
               "mask_mlp3/bias": written["mask_head.fc3.bias"],
@@ -321,9 +326,9 @@ def test_run_starts_from_an_eomt_folder(tmp_path, demo):
 
 @pytest.mark.slow
 def test_backbone_folder_reaches_the_runs_model(tmp_path):
-    """A config file with model.backbone_weights: a DINOv3ViTModel folder (dinov3_vits16) and the linear head,
-    built as a run builds it (TrainState): the encoder holds the folder's tensors. Fails for: the key dropped
-    (random weights) or the folder taken for a keras-hub preset."""
+    """A config file with model.backbone_weights: a DINOv3ViTModel folder (dinov3_vits16 at TINY_VITS16's size)
+    and the linear head, built as a run builds it (TrainState): the encoder holds the folder's tensors. Fails for:
+    the key dropped (random weights) or the folder taken for a keras-hub preset."""
     from seg_train.run.state import TrainState
 
     written = write_transformers_folder(tmp_path / "vit", transformers_layout("DINOv3ViTModel"))
@@ -331,7 +336,7 @@ def test_backbone_folder_reaches_the_runs_model(tmp_path):
     state = TrainState(config_lib.load(config), strategy(1), optimizer=False)
     encoder = state.model.get_layer("dinov3_vits16")
     np.testing.assert_allclose(encoder.get_layer("tokens").register_tokens, written["embeddings.register_tokens"])
-    np.testing.assert_allclose(encoder.get_layer("block7_mlp_up").kernel, written["layer.6.mlp.up_proj.weight"].T)
+    np.testing.assert_allclose(encoder.get_layer("block2_mlp_up").kernel, written["layer.1.mlp.up_proj.weight"].T)
     np.testing.assert_allclose(encoder.get_layer("norm").gamma, written["norm.weight"])
 
 
@@ -364,14 +369,14 @@ def test_command_refuses_a_mismatched_folder(tmp_path, demo, kind):
     model = {"head": "linear", "backbone_weights": "vit"}
     if kind == "architecture":  # an EoMT folder given as the backbone's
         layout = transformers_layout("EomtDinov3ForUniversalSegmentation")
-    write_transformers_folder(tmp_path / "vit", layout, drop={"missing": ["layer.5.norm2.bias"]}.get(kind, ()),
+    write_transformers_folder(tmp_path / "vit", layout, drop={"missing": ["layer.1.norm2.bias"]}.get(kind, ()),
                               config={"hidden_size": 768} if kind == "config" else None,
-                              shapes={"layer.0.attention.k_proj.weight": [384, 383]} if kind == "shape" else None)
+                              shapes={"layer.0.attention.k_proj.weight": [32, 31]} if kind == "shape" else None)
     rc, err = _train(_config(tmp_path, demo, model))
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert rc == 2 and len(lines) == 1, err
     assert {"architecture": "transformers folder of another architecture",
-            "missing": "'layer.5.norm2.bias' of shape [384] for block6_norm2/beta",
-            "shape": "'layer.0.attention.k_proj.weight' of shape [384, 384] for block1_attn_k/kernel, got [384, 383]",
-            "config": "(model.backbone): hidden_size 384 (dinov3_vits16's), got 768"}[kind] in lines[0], lines[0]
+            "missing": "'layer.1.norm2.bias' of shape [32] for block2_norm2/beta",
+            "shape": "'layer.0.attention.k_proj.weight' of shape [32, 32] for block1_attn_k/kernel, got [32, 31]",
+            "config": "(model.backbone): hidden_size 32 (dinov3_vits16's), got 768"}[kind] in lines[0], lines[0]
     assert "Traceback" not in err and not (tmp_path / "run").exists()

@@ -22,6 +22,7 @@ import yaml
 
 from seg_train import models
 from seg_train.config import ConfigError, from_dict
+from seg_train.config.variants import VIT_VARIANTS
 from seg_train.data import synthetic
 from seg_train.infer.serving import serving_module
 from seg_train.infer.tflite_export import input_size
@@ -29,7 +30,7 @@ from seg_train.objectives import pixel_losses as losses
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
 from seg_train.train.update import decoupled_decay
-from tests.helpers import resume_bitwise, strategy, tiny_config
+from tests.helpers import TINY_VITS16, resume_bitwise, strategy, tiny_config
 
 
 def _raw(**model):
@@ -225,10 +226,12 @@ def _tower_config(tmp_path, frozen: bool, sync: bool):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("frozen", [False, True], ids=["fine_tuned", "frozen"])
-def test_four_towers_equal_one_device(tmp_path, frozen):
-    """Two SGD steps of a 2-block DINOv3 + the linear head, drop path 0.5 when fine-tuned: 4 towers (synchronized
-    BN in the head) end at 1 tower's weights (Keras' own BN). Fails for drop-path masks drawn per tower row or per
-    call, for a frozen backbone that trains on some tower, and for the head's BN not synchronised."""
+def test_four_towers_equal_one_device(tmp_path, frozen, monkeypatch):
+    """Two SGD steps of a 2-block DINOv3 (tests/helpers.py's TINY_VITS16 in dinov3_vits16's place) + the linear
+    head, drop path 0.5 when fine-tuned: 4 towers (synchronized BN in the head) end at 1 tower's weights (Keras' own
+    BN). Fails for drop-path masks drawn per tower row or per call, for a frozen backbone that trains on some tower,
+    and for the head's BN not synchronised."""
+    monkeypatch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
     images, labels = _images()
     out = {}
     for name, towers in (("one", 1), ("four", 4)):
@@ -252,10 +255,12 @@ def data_root(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("frozen", [False, True], ids=["fine_tuned", "frozen"])
-def test_resumed_vit_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, frozen):
+def test_resumed_vit_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, frozen, monkeypatch):
     """seg-train on 2 towers, AdamW with layer decay (fine-tuned, drop path 0.5) or a frozen backbone, 4 steps with
     checkpoints at 2 and 4; the run rewound to step 2 and resumed: ckpt-4 bitwise the first run's. Frozen: no
-    optimizer slot for a backbone variable in the checkpoint, and the backbone's weights those of the seeded build."""
+    optimizer slot for a backbone variable in the checkpoint, and the backbone's weights those of the seeded build.
+    (dinov3_vits16's structure at tests/helpers.py's TINY_VITS16 size.)"""
+    monkeypatch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
     raw = {"seed": 3, "run_dir": "run",
            "data": {"root": str(data_root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
                     "num_parallel_calls": 2, "val_split": "none"},
@@ -284,7 +289,7 @@ def test_resumed_vit_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, f
         slots = [tuple(shapes[k]) for k in shapes if k.startswith("optimizer/_variables/")]
         assert len(slots) == 2 * len(state.model.trainable_variables)
         assert set(slots) <= {tuple(v.shape) for v in state.model.trainable_variables}
-        assert (16, 16, 3, 384) not in slots  # the patch embedding's
+        assert (16, 16, 3, TINY_VITS16.width) not in slots  # the patch embedding's
 
 
 @pytest.fixture(scope="module")
