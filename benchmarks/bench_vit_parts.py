@@ -13,12 +13,13 @@ at the tokens of a size x size image (1 + 4 registers + (size / 16)^2) and --bat
 - rotary: the rotation of q [b, 6, T, 64] as models/dino/vit.py's Attention computes it (every token, the halves
   swapped by a reverse) against its former form (the patches sliced out, the halves sliced and concatenated, the
   prefix concatenated back: a StridedSliceGrad per slice in the backward pass).
-- attention: models/attention.py's plain form against the blockwise loop with all keys in one block (traced with
-  unknown lengths: what the blockwise form ran before keys that fit one block took the plain form).
+- attention: models/attention.py's blockwise loop (the DINO ViTs' default) with all keys in one block (traced with
+  unknown lengths, as the model's) against its plain form: what a plain path for keys that fit one block would
+  save (not adopted: docs/PERFORMANCE.md).
 - gelu: the MLP's activation [b * T, 1536], models/layers.py's gelu against Keras' "gelu" differentiated by
   TensorFlow.
-- layernorm: seg-train's LayerNorm [b, T, 384] differentiated by TensorFlow against a written-out gradient (the
-  textbook dx = rstd (g - mean(g) - xhat mean(g xhat)); not adopted: see the doc).
+- layernorm: seg-train's LayerNorm [b, T, 384] (its gradient written out, the textbook
+  dx = rstd (g - mean(g) - xhat mean(g xhat))) against the same forward differentiated by TensorFlow.
 """
 
 from __future__ import annotations
@@ -43,22 +44,12 @@ def _former_rotation(tf, t, cos, sin):
     return tf.concat([head, patches * cos + swapped * sin], axis=2)
 
 
-def _written_layernorm(tf, layer):
-    """A LayerNorm with its gradient written out (the forward seg-train's)."""
-    @tf.custom_gradient
+def _former_layernorm(tf, layer):
+    """seg-train's LayerNorm before its gradient was written out: the same forward, differentiated by TensorFlow."""
     def run(x):
         mean, variance = tf.nn.moments(x, axes=[-1], keepdims=True)
-        rstd = tf.math.rsqrt(variance + layer.epsilon)
-        inv = rstd * layer.gamma
-        y = x * inv + (layer.beta - mean * inv)
-
-        def grad(dy, variables=None):
-            xhat = (x - mean) * rstd
-            g = dy * layer.gamma
-            dx = rstd * (g - tf.reduce_mean(g, -1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, -1, keepdims=True))
-            return dx, [tf.reduce_sum(dy * xhat, [0, 1]), tf.reduce_sum(dy, [0, 1])]
-
-        return y, grad
+        inv = tf.math.rsqrt(variance + layer.epsilon) * layer.gamma
+        return x * inv + (layer.beta - mean * inv)
     return run
 
 
@@ -91,12 +82,12 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
     return {
         "rotary": {"every token, reverse (now)": (lambda a: layer._rotate(a, cos, sin, PREFIX), [q]),
                    "slices and concat (before)": (lambda a: _former_rotation(tf, a, cos, sin), [q])},
-        "attention": {"plain (keys in one block, now)": (lambda a, b, c: attention(a, b, c, "plain"), qkv),
-                      "blockwise loop, one block (before)": (loop, qkv)},
+        "attention": {"blockwise loop, one block (now)": (loop, qkv),
+                      "plain (not adopted)": (lambda a, b, c: attention(a, b, c, "plain"), qkv)},
         "gelu": {"models/layers.py gelu (now)": (gelu, [x_mlp]),
                  "Keras gelu, autodiff (before)": (lambda a: keras.activations.gelu(a, approximate=False), [x_mlp])},
-        "layernorm": {"LayerNorm, autodiff (kept)": (norm, [x_norm]),
-                      "written-out gradient (tried)": (_written_layernorm(tf, norm), [x_norm])},
+        "layernorm": {"LayerNorm, written-out gradient (now)": (norm, [x_norm]),
+                      "the same forward, autodiff (before)": (_former_layernorm(tf, norm), [x_norm])},
     }
 
 
