@@ -23,6 +23,11 @@ Three tf.functions (no XLA) on one CPU device, on the same tensors:
                      cost matrices still built; the difference from "loss" is the assignment's time
   matcher alone      batched_linear_sum_assignment on one random cost [b, Q, K] per layer, with the labels'
                      mask counts (the same calls the loss makes)
+  points' pick       the loss points' selection alone (mask_loss._top_k_indices: the importance ratio's most
+                     uncertain of the oversampled points of each matched mask, a bracket of the k-th value), per
+                     layer on random -|logit| rows of the loss's shape [b x G, oversampled points], G the most
+                     classes (or segments) an image holds
+  points' pick, top_k  the same rows through tf.math.top_k, the form it replaced
 After the warm-up calls (tracing included), the three alternate in windows of --steps calls, the order
 rotating; the MEDIAN window of each is reported, as wall ms and CPU ms (this process's threads, all cores)
 per call. --step-ms (a train step's wall ms, e.g. from seg-bench) adds each part's share of that step.
@@ -42,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PARTS = ("loss", "loss, no matcher", "matcher alone")
+PARTS = ("loss", "loss, no matcher", "matcher alone", "points' pick", "points' pick, top_k")
 
 
 def _parse(argv):
@@ -162,12 +167,27 @@ def _functions(args, predictions, labels, seeds, costs):
         without = tf.function(loss_and_grad).get_concrete_function(preds, labels_t, seeds_t)
     alone = tf.function(matcher).get_concrete_function(costs_t, labels_t)
 
+    # The points' pick: as many rows per layer as the loss's matched masks, [b x G, oversampled].
+    _, _, num_valid = eomt_loss.targets_of(labels_t, opts, max_segments=args.queries)
+    rows = args.batch * max(int(tf.reduce_max(num_valid)), 1)
+    sampled = int(opts.num_points * opts.oversample_ratio)
+    k = int(opts.importance_sample_ratio * opts.num_points)
+    rng = np.random.default_rng(1)
+    uncertainty = tf.constant(-np.abs(rng.normal(0.0, 3.0, (len(preds), rows, sampled))).astype(np.float32))
+
+    def pick(select):
+        return tf.function(lambda u: [select(u[i]) for i in range(len(preds))]).get_concrete_function(uncertainty)
+
+    picked = pick(lambda u: eomt_loss._top_k_indices(u, k))
+    heap = pick(lambda u: tf.math.top_k(u, k, sorted=False).indices)
+
     def run(fn, *a):
         return lambda: np.asarray(tf.nest.flatten(fn(*a))[0])  # wait for the call
 
     return {"loss": run(with_matcher, preds, labels_t, seeds_t),
             "loss, no matcher": run(without, preds, labels_t, seeds_t),
-            "matcher alone": run(alone, costs_t, labels_t)}
+            "matcher alone": run(alone, costs_t, labels_t),
+            "points' pick": run(picked, uncertainty), "points' pick, top_k": run(heap, uncertainty)}
 
 
 def _window(fn, steps: int) -> tuple[float, float]:

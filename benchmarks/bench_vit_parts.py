@@ -16,8 +16,8 @@ at the tokens of a size x size image (1 + 4 registers + (size / 16)^2) and --bat
 - attention: models/attention.py's blockwise loop (the DINO ViTs' default) with all keys in one block (traced with
   unknown lengths, as the model's) against its plain form: what a plain path for keys that fit one block would
   save (not adopted: docs/PERFORMANCE.md).
-- gelu: the MLP's activation [b * T, 1536], models/layers.py's gelu against Keras' "gelu" differentiated by
-  TensorFlow.
+- gelu: the MLP's activation [b * T, 1536], Keras' "gelu" differentiated by TensorFlow (what the models run)
+  against a GELU with its gradient written out (tried, not adopted: docs/PERFORMANCE.md).
 - layernorm: seg-train's LayerNorm [b, T, 384] (its gradient written out, the textbook
   dx = rstd (g - mean(g) - xhat mean(g xhat))) against the same forward differentiated by TensorFlow.
 """
@@ -44,6 +44,17 @@ def _former_rotation(tf, t, cos, sin):
     return tf.concat([head, patches * cos + swapped * sin], axis=2)
 
 
+def _written_gelu(tf):
+    """The exact GELU, Keras' forward 0.5 x erfc(-x / sqrt 2), with its derivative Phi(x) + x phi(x) written out."""
+    @tf.custom_gradient
+    def gelu(x):
+        def grad(dy):
+            pdf = tf.exp(-0.5 * tf.square(x)) * (1.0 / (2.0 * 3.141592653589793) ** 0.5)
+            return dy * (0.5 * tf.math.erfc(-x * 0.7071067811865476) + x * pdf)
+        return 0.5 * x * tf.math.erfc(-x * 0.7071067811865476), grad
+    return gelu
+
+
 def _former_layernorm(tf, layer):
     """seg-train's LayerNorm before its gradient was written out: the same forward, differentiated by TensorFlow."""
     def run(x):
@@ -59,7 +70,7 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
 
     from seg_train.models.attention import attention
     from seg_train.models.dino.vit import Attention, rope_tables
-    from seg_train.models.layers import LayerNorm, gelu
+    from seg_train.models.layers import LayerNorm
 
     rng = np.random.default_rng(0)
     grid = size // 16
@@ -84,8 +95,8 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
                    "slices and concat (before)": (lambda a: _former_rotation(tf, a, cos, sin), [q])},
         "attention": {"blockwise loop, one block (now)": (loop, qkv),
                       "plain (not adopted)": (lambda a, b, c: attention(a, b, c, "plain"), qkv)},
-        "gelu": {"models/layers.py gelu (now)": (gelu, [x_mlp]),
-                 "Keras gelu, autodiff (before)": (lambda a: keras.activations.gelu(a, approximate=False), [x_mlp])},
+        "gelu": {"Keras gelu, autodiff (kept)": (lambda a: keras.activations.gelu(a, approximate=False), [x_mlp]),
+                 "written-out gradient (tried)": (_written_gelu(tf), [x_mlp])},
         "layernorm": {"LayerNorm, written-out gradient (now)": (norm, [x_norm]),
                       "the same forward, autodiff (before)": (_former_layernorm(tf, norm), [x_norm])},
     }

@@ -1,38 +1,11 @@
-"""Layers every model family uses: the LayerNorm and the exact GELU (their gradients written out), the resize to
-another tensor's size, and the Dense layer with the transformers' truncated-normal initialisation."""
+"""Layers every model family uses: the LayerNorm (its gradient written out), the resize to another tensor's size,
+and the Dense layer with the transformers' truncated-normal initialisation."""
 
 from __future__ import annotations
-
-import math
 
 import keras
 import tensorflow as tf
 from keras import layers
-
-# tf.nn.gelu's constant (1 / sqrt(2), as it writes it), and the standard normal density's 1 / sqrt(2 pi).
-_SQRT_HALF = 0.7071067811865476
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-
-@tf.custom_gradient
-def _gelu(x):
-    def grad(dy):
-        # d/dx x Phi(x) = Phi(x) + x phi(x), Phi(x) = erfc(-x / sqrt 2) / 2, phi the standard normal density.
-        c = lambda v: tf.cast(v, x.dtype)  # noqa: E731
-        pdf = tf.exp(c(-0.5) * tf.square(x)) * c(_INV_SQRT_2PI)
-        return dy * (c(0.5) * tf.math.erfc(-x * c(_SQRT_HALF)) + x * pdf)
-
-    return 0.5 * x * tf.math.erfc(-x * tf.cast(_SQRT_HALF, x.dtype)), grad
-
-
-@keras.saving.register_keras_serializable(package="seg_train")
-def gelu(x):
-    """The exact (erf) GELU, x Phi(x): the ops and the output of Keras' "gelu" (tf.nn.gelu(x, approximate=False):
-    0.5 x erfc(-x / sqrt 2)), its gradient written out. TensorFlow differentiates that expression op by op: a
-    dozen element-wise ops over the MLP's widest activation and four of its intermediates kept for the backward
-    pass; the written-out gradient keeps x alone and recomputes erfc. The same values up to float round-off
-    (tests/test_layers.py holds it to TensorFlow's autodiff and to the float64 derivative)."""
-    return _gelu(x)
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -93,7 +66,6 @@ class ResizeLike(layers.Layer):
 def dense(units: int, name: str, use_bias: bool = True, activation=None) -> layers.Dense:
     """A Dense layer initialised as the transformers (MiT, DINO, EoMT) are: kernel ~ N(0, 0.02) truncated, bias 0.
     (Keras' Glorot default is several times wider, which matters when training from scratch.) A new initializer
-    per layer: a shared one would repeat its values. `activation` "gelu" is the exact GELU (`gelu`)."""
-    activation = gelu if activation == "gelu" else activation
+    per layer: a shared one would repeat its values."""
     return layers.Dense(units, use_bias=use_bias, activation=activation, name=name,
                         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))
