@@ -28,6 +28,21 @@ replicas.setup_devices(4)
 
 from tests.helpers import TINY_VITS16, make_ade20k_tree, make_cityscapes_tree, make_pairs_tree  # noqa: E402
 
+# The modules that take a minute or more on two cores, heaviest first. `make test` runs whole modules on two
+# processes (--dist loadfile) in collection order, so a heavy module collected last (the alphabet's order) would
+# run alone at the end while the other process idles; collected first, the light ones fill in around them.
+HEAVY_FIRST = ("test_panoptic_model.py", "test_recompute.py", "test_eomt_train.py", "test_multiworker.py",
+               "test_eomt_xla.py", "test_bench.py", "test_layouts.py", "test_robustness.py", "test_gradients.py",
+               "test_train_cli.py", "test_segformer.py", "test_mixed_precision.py", "test_step_reference.py",
+               "test_verify_towers.py", "test_transformers_weights.py", "test_eomt_run_length.py",
+               "test_tensorboard.py", "test_onnx.py", "test_config_wiring.py", "test_vit_wiring.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """HEAVY_FIRST's modules first; the sort is stable, so each module's tests and the others keep their order."""
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
