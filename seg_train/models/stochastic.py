@@ -59,6 +59,17 @@ def salt(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def per_row(fn, seeds, shape):
+    """fn(seed [2]) for each row of seeds [b, 2], stacked: float32 [b, *shape] (int32 [b, 2] with shape None).
+    A static batch (the train step's) is unrolled, one call per row; an unknown one goes through tf.map_fn."""
+    seeds = tf.cast(tf.convert_to_tensor(seeds), tf.int32)
+    if seeds.shape[0] is not None:
+        return tf.stack([fn(s) for s in tf.unstack(seeds)])
+    spec = tf.TensorSpec([2], tf.int32) if shape is None else \
+        tf.TensorSpec([d if isinstance(d, int) else None for d in shape], tf.float32)
+    return tf.map_fn(fn, seeds, fn_output_signature=spec)
+
+
 def uniform(shape, seed) -> tf.Tensor:
     """float32 U[0, 1) of `shape` from a stateless seed [2]: TensorFlow's own Philox draw (the device's
     automatic choice on CPUs and GPUs), the same inside an XLA cluster (train.jit_compile).

@@ -69,6 +69,7 @@ import dataclasses
 import tensorflow as tf
 
 from seg_train.data.segments import CROWD, INSTANCE_BASE
+from seg_train.models.stochastic import per_row
 from seg_train.objectives.matching import batched_linear_sum_assignment
 
 MATCHING, LOSS = 0, 1  # the purposes folded into a sample's seed
@@ -273,19 +274,9 @@ def _sample_labels(labels, classes, num_valid, points, ignore_label: int, segmen
                          points[..., 1])
 
 
-def _per_row(fn, seeds, shape):
-    """fn(seed [2]) for each row of seeds [b, 2], stacked: float32 [b, *shape] (int32 [b, 2] with shape None)."""
-    seeds = tf.cast(tf.convert_to_tensor(seeds), tf.int32)
-    if seeds.shape[0] is not None:  # a static batch (the train step's): one draw per row, unrolled
-        return tf.stack([fn(s) for s in tf.unstack(seeds)])
-    spec = tf.TensorSpec([2], tf.int32) if shape is None else \
-        tf.TensorSpec([d if isinstance(d, int) else None for d in shape], tf.float32)
-    return tf.map_fn(fn, seeds, fn_output_signature=spec)
-
-
 def _layer_seeds(seeds, layer):
     """int32 [b, 2]: each row's seed folded with the layer index (what `_draw` folds first)."""
-    return _per_row(lambda seed: tf.random.experimental.stateless_fold_in(seed, layer, alg="philox"), seeds, None)
+    return per_row(lambda seed: tf.random.experimental.stateless_fold_in(seed, layer, alg="philox"), seeds, None)
 
 
 def _draw(seeds, layer: int | None, purpose: int, shape):
@@ -297,7 +288,7 @@ def _draw(seeds, layer: int | None, purpose: int, shape):
             seed = tf.random.experimental.stateless_fold_in(seed, layer, alg="philox")
         seed = tf.random.experimental.stateless_fold_in(seed, purpose, alg="philox")
         return tf.random.stateless_uniform(shape, seed, alg="philox")
-    return _per_row(one, seeds, shape)
+    return per_row(one, seeds, shape)
 
 
 def _match(class_logits, mask_logits, table, values, classes, num_valid, points, opts: EomtLossOptions):

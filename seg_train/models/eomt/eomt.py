@@ -75,11 +75,7 @@ def mask_keeps(seeds, block: int, prob, queries: int):
         key = tf.random.experimental.stateless_fold_in(seed, block, alg="philox")
         return stochastic.uniform([queries], key)  # as tf.random.stateless_uniform, also under XLA
 
-    seeds = tf.cast(seeds, tf.int32)
-    if seeds.shape[0] is not None:  # a static batch (the train step's): one draw per row, unrolled, no loop
-        u = tf.stack([draw(s) for s in tf.unstack(seeds)])
-    else:
-        u = tf.map_fn(draw, seeds, fn_output_signature=tf.float32)
+    u = stochastic.per_row(draw, seeds, [queries])
     return u < tf.cast(prob, tf.float32)
 
 
