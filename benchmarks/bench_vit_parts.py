@@ -3,7 +3,7 @@
 replace: CPU milliseconds per call at a DINOv3 ViT-S/16's shapes (docs/PERFORMANCE.md, "The DINOv3 linear step:
 the backward pass and the update").
 
-    python benchmarks/bench_vit_parts.py [--batch 2] [--size 224] [--repeats 7] [--calls 10]
+    python benchmarks/bench_vit_parts.py [--batch 2] [--size 224] [--repeats 7] [--calls 10] [--only PIECE]
 
 Each piece is one tf.function of the forward and the gradient with respect to its inputs (given an upstream
 gradient), run --calls times in a tf.while_loop per timing (no Python between calls), --repeats timings; the
@@ -20,6 +20,9 @@ at the tokens of a size x size image (1 + 4 registers + (size / 16)^2) and --bat
   against a GELU with its gradient written out (tried, not adopted: docs/PERFORMANCE.md).
 - layernorm: seg-train's LayerNorm [b, T, 384] (its gradient written out, the textbook
   dx = rstd (g - mean(g) - xhat mean(g xhat))) against the same forward differentiated by TensorFlow.
+- pixel loss: the linear head's cross-entropy at full resolution, [b, size, size, 150] logits (ADE20K's
+  classes), objectives/pixel_losses.py's written-out form against TensorFlow's
+  SparseSoftmaxCrossEntropyWithLogits (once per step, not per block).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PREFIX, HEADS, HEAD_DIM, WIDTH, MLP = 5, 6, 64, 384, 1536
+PREFIX, HEADS, HEAD_DIM, WIDTH, MLP, CLASSES = 5, 6, 64, 384, 1536, 150
 
 
 def _former_rotation(tf, t, cos, sin):
@@ -71,6 +74,7 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
     from seg_train.models.attention import attention
     from seg_train.models.dino.vit import Attention, rope_tables
     from seg_train.models.layers import LayerNorm
+    from seg_train.objectives.pixel_losses import softmax_cross_entropy
 
     rng = np.random.default_rng(0)
     grid = size // 16
@@ -88,6 +92,8 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
     norm = LayerNorm(epsilon=1e-5)
     x_norm = const(batch, t, WIDTH, scale=3.0)
     norm.build(x_norm.shape)
+    logits = const(batch, size, size, CLASSES, scale=3.0)
+    labels = tf.constant(rng.integers(0, CLASSES, (batch, size, size)).astype("int32"))
     seq = tf.TensorSpec([None, HEADS, None, HEAD_DIM])
     loop = tf.function(lambda a, b, c: attention(a, b, c, "blockwise", block=t), input_signature=[seq] * 3)
     return {
@@ -99,6 +105,10 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
                  "written-out gradient (tried)": (_written_gelu(tf), [x_mlp])},
         "layernorm": {"LayerNorm, written-out gradient (now)": (norm, [x_norm]),
                       "the same forward, autodiff (before)": (_former_layernorm(tf, norm), [x_norm])},
+        "pixel loss": {"written-out cross-entropy (now)": (lambda a: softmax_cross_entropy(labels, a), [logits]),
+                       "TensorFlow's fused op (before)": (
+                           lambda a: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=a),
+                           [logits])},
     }
 
 
@@ -131,6 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, default=224, help="a multiple of 16")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--only", action="append", metavar="PIECE", help="time only this piece (repeatable)")
     args = p.parse_args(argv)
     import keras
     import tensorflow as tf
@@ -140,8 +151,11 @@ def main(argv=None) -> int:
           f"(min / median of {args.repeats} timings of {args.calls} calls)\n")
     print("| piece | form | CPU ms min | median | x per step (12 blocks) min |")
     print("| --- | --- | ---: | ---: | ---: |")
-    per_step = {"rotary": 24, "attention": 12, "gelu": 12, "layernorm": 25}  # q and k; 2 per block + final
+    # rotary: q and k per block; layernorm: 2 per block and the final one; the loss once.
+    per_step = {"rotary": 24, "attention": 12, "gelu": 12, "layernorm": 25, "pixel loss": 1}
     for name, forms in pieces(tf, keras, args.batch, args.size).items():
+        if args.only and name not in args.only:
+            continue
         for form, (fn, inputs) in forms.items():
             lo, med = time_form(tf, fn, inputs, args.calls, args.repeats)
             print(f"| {name} | {form} | {lo:.2f} | {med:.2f} | {lo * per_step[name]:.0f} |", flush=True)

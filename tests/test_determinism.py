@@ -37,7 +37,7 @@ def _trace_step(cfg, deterministic: bool):
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     """Two traced tiny steps: as a deterministic run traces it, and with frozen backbone BN traced
-    without op determinism (so its loss keeps the fused cross-entropy op)."""
+    without op determinism."""
     plain = tiny_config(tmp_path_factory.mktemp("plain"), data={"batch_size": 2})
     frozen = tiny_config(tmp_path_factory.mktemp("frozen"), data={"batch_size": 2}, model={"freeze_batchnorm": True})
     return {"deterministic": _trace_step(plain, True), "frozen_bn_not_deterministic": _trace_step(frozen, False)}
@@ -69,8 +69,10 @@ def test_step_traced_deterministically_has_no_such_op(steps):
     ops = determinism.op_types(step)
     # The ops the table treats conditionally or leaves out are really in this step: a table that
     # flagged every FusedBatchNormGradV3, or the gather gradient's UnsortedSegmentSum, would refuse it.
-    assert {"FusedBatchNormGradV3", "UnsortedSegmentSum", "ResizeBilinearGrad", "LogSoftmax"} <= ops
-    assert "SparseSoftmaxCrossEntropyWithLogits" not in ops  # traced under op determinism: log-softmax path
+    assert {"FusedBatchNormGradV3", "ResizeBilinearGrad"} <= ops
+    # The loss's cross-entropy is written out (pixel_losses.softmax_cross_entropy): deterministic ops
+    # whether or not op determinism was on at trace time.
+    assert not {"SparseSoftmaxCrossEntropyWithLogits", "LogSoftmax"} & ops and "OneHot" in ops
     assert _expected(step) == set()
     assert determinism.find_nondeterministic(step) == []
     determinism.check_graph(step, "GPU")  # nothing to refuse
@@ -85,14 +87,24 @@ def test_frozen_bn_has_deterministic_gradients_and_fused_loss_is_refused_on_gpu(
                                 [n for f in step.graph.as_graph_def().library.function for n in f.node_def])
                     if n.op.startswith("FusedBatchNormGrad") and not n.attr["is_training"].b]
     assert frozen_grads == []
-    expected = _expected(step)
-    assert expected == {"SparseSoftmaxCrossEntropyWithLogits"}  # traced without op determinism
-    found = determinism.find_nondeterministic(step)
-    assert {f.op for f in found} == expected
-    message = _refusal(step)
+    # Traced without op determinism, the step still has none of the table's ops: the loss's cross-entropy
+    # does not use TensorFlow's fused op.
+    assert _expected(step) == set() and determinism.find_nondeterministic(step) == []
+    determinism.check_graph(step, "GPU")
+    # TensorFlow's fused op, traced without op determinism (as another loss could use it), is refused on GPUs.
+    def xent(logits, labels):
+        with tf.GradientTape() as tape:
+            tape.watch(logits)
+            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+        return tape.gradient(loss, logits)
+
+    fused = tf.function(xent).get_concrete_function(tf.TensorSpec([4, 3], tf.float32), tf.TensorSpec([4], tf.int32))
+    assert {f.op for f in determinism.find_nondeterministic(fused)} == _expected(fused) == {
+        "SparseSoftmaxCrossEntropyWithLogits"}
+    message = _refusal(fused)
     assert message.startswith("no deterministic GPU kernel (train.deterministic): op "
                               "SparseSoftmaxCrossEntropyWithLogits (used by ")
-    determinism.check_graph(step, "CPU")  # CPU kernels are deterministic: never refused
+    determinism.check_graph(fused, "CPU")  # CPU kernels are deterministic: never refused
 
 
 def test_bincount_in_nested_function_is_refused():

@@ -122,6 +122,37 @@ def test_gradient_only_reaches_the_kept_pixels():
     np.testing.assert_allclose(g, [[-p0, p0], [0, 0], [-p2, p2], [0, 0]], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(2, 5, 7, 11), (3, 40, 150)], ids=["image", "rows"])
+def test_cross_entropy_and_its_gradient_are_tensorflows_op(shape):
+    """The written-out cross-entropy against TensorFlow's own op (its forward, and its gradient by autodiff)
+    and against float64 numpy by hand, with an upstream gradient that differs per row: fails for a gradient
+    without the label's -1, one not scaled by the upstream, or a loss that misses the row's max."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(0, 4, shape).astype(np.float32)
+    x[0, ..., 0] += 90.0  # large logits: exp(x) overflows float32 unless the row's max is taken out
+    x[-1, ..., -1] -= 1e4
+    labels = rng.integers(0, shape[-1], shape[:-1]).astype(np.int32)
+    upstream = rng.normal(0, 1, shape[:-1]).astype(np.float32)
+    xt, lt, ut = tf.constant(x), tf.constant(labels), tf.constant(upstream)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(xt)
+        ours = losses.softmax_cross_entropy(lt, xt)
+        theirs = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=lt, logits=xt)
+    g_ours = tape.gradient(ours, xt, output_gradients=ut).numpy()
+    g_theirs = tape.gradient(theirs, xt, output_gradients=ut).numpy()
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(g_ours, g_theirs, rtol=1e-5, atol=1e-6)
+    # float64 by hand: lse(x) - x[label]; gradient upstream * (softmax - one_hot).
+    x64 = x.astype(np.float64)
+    peak = x64.max(-1, keepdims=True)
+    soft = np.exp(x64 - peak) / np.exp(x64 - peak).sum(-1, keepdims=True)
+    onehot = np.eye(shape[-1])[labels]
+    by_hand = np.log(np.exp(x64 - peak).sum(-1)) + peak[..., 0] - np.take_along_axis(x64, labels[..., None], -1)[..., 0]
+    np.testing.assert_allclose(ours.numpy(), by_hand, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(g_ours, upstream[..., None] * (soft - onehot), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(g_ours).all() and np.abs(g_ours).max() > 0.5
+
+
 def reference(logits, labels, class_weights=None, top_k=1.0):
     """numpy, one image at a time: stable sort by (-weighted loss, pixel index)."""
     logits = logits.astype(np.float64)

@@ -28,12 +28,44 @@ def keep_counts(valid_counts, top_k: float):
     return tf.minimum(tf.maximum(k, tf.minimum(n, 1.0)), n)
 
 
+def softmax_cross_entropy(labels, logits):
+    """Softmax cross-entropy per row of float32 `logits` [..., C] against int32 `labels` [...] in [0, C): what
+    tf.nn.sparse_softmax_cross_entropy_with_logits computes, log(sum exp(x - max)) - (x[label] - max), with the
+    gradient written out: upstream x (softmax - one_hot(label)).
+
+    Written by hand because TensorFlow's op costs more than it should where the per-pixel loss spends it: its
+    CPU kernel (SparseSoftmaxCrossEntropyWithLogits) takes about 1.6x these ops' forward + backward at the
+    linear head's full-resolution shapes (benchmarks/bench_vit_parts.py's "pixel loss"; docs/PERFORMANCE.md),
+    and its GPU kernel reduces in an unspecified order, so a run with op determinism on had to trace a
+    log-softmax and a gather instead. These ops are deterministic on either device. The backward pass keeps
+    exp(x - max) and its row sums, as many floats as the op's own stored backprop.
+    """
+    num_classes = logits.shape[-1] or tf.shape(logits)[-1]
+
+    @tf.custom_gradient
+    def cross_entropy(x):
+        peak = tf.reduce_max(x, axis=-1, keepdims=True)
+        shifted = x - peak
+        e = tf.exp(shifted)
+        total = tf.reduce_sum(e, axis=-1, keepdims=True)
+        picked = tf.gather(shifted, labels[..., tf.newaxis], batch_dims=labels.shape.rank)
+        loss = tf.math.log(total[..., 0]) - picked[..., 0]
+
+        def grad(upstream):
+            up = upstream[..., tf.newaxis]
+            return e * (up / total) - tf.one_hot(labels, num_classes, dtype=e.dtype) * up
+
+        return loss, grad
+
+    return cross_entropy(logits)
+
+
 def _weighted_ce(logits, labels, ignore_label: int, class_weights):
     """Per pixel: (cross-entropy x weight, weight, valid, label with ignored pixels as class 0)."""
     labels = tf.cast(labels, tf.int32)
     valid = tf.not_equal(labels, ignore_label)
     safe = tf.where(valid, labels, tf.zeros_like(labels))
-    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=tf.cast(logits, tf.float32))
+    ce = softmax_cross_entropy(safe, tf.cast(logits, tf.float32))
     weight = tf.cast(valid, tf.float32)
     if class_weights is not None:
         weight = weight * tf.gather(tf.constant(np.asarray(class_weights, np.float32)), safe)
