@@ -16,8 +16,10 @@ at the tokens of a size x size image (1 + 4 registers + (size / 16)^2) and --bat
 - attention: models/attention.py's blockwise loop (the DINO ViTs' default) with all keys in one block (traced with
   unknown lengths, as the model's) against its plain form: what a plain path for keys that fit one block would
   save (not adopted: docs/PERFORMANCE.md).
-- gelu: the MLP's activation [b * T, 1536], Keras' "gelu" differentiated by TensorFlow (what the models run)
-  against a GELU with its gradient written out (tried, not adopted: docs/PERFORMANCE.md).
+- gelu: the MLP's activation [b * T, 1536], models/layers.py's gelu (Keras' exact GELU, its three intermediates
+  recomputed from x in the backward pass instead of stored: what the models run) against Keras' "gelu"
+  differentiated by TensorFlow (before) and a GELU with its gradient written out (tried, not adopted:
+  docs/PERFORMANCE.md).
 - layernorm: seg-train's LayerNorm [b, T, 384] (its gradient written out, the textbook
   dx = rstd (g - mean(g) - xhat mean(g xhat))) against the same forward differentiated by TensorFlow.
 - pixel loss: the linear head's cross-entropy at full resolution, [b, size, size, 150] logits (ADE20K's
@@ -73,7 +75,7 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
 
     from seg_train.models.attention import attention
     from seg_train.models.dino.vit import Attention, rope_tables
-    from seg_train.models.layers import LayerNorm
+    from seg_train.models.layers import LayerNorm, gelu
     from seg_train.objectives.pixel_losses import softmax_cross_entropy
 
     rng = np.random.default_rng(0)
@@ -101,7 +103,8 @@ def pieces(tf, keras, batch: int, size: int) -> dict:
                    "slices and concat (before)": (lambda a: _former_rotation(tf, a, cos, sin), [q])},
         "attention": {"blockwise loop, one block (now)": (loop, qkv),
                       "plain (not adopted)": (lambda a, b, c: attention(a, b, c, "plain"), qkv)},
-        "gelu": {"Keras gelu, autodiff (kept)": (lambda a: keras.activations.gelu(a, approximate=False), [x_mlp]),
+        "gelu": {"recomputed from x (now)": (gelu, [x_mlp]),
+                 "Keras gelu, autodiff (before)": (lambda a: keras.activations.gelu(a, approximate=False), [x_mlp]),
                  "written-out gradient (tried)": (_written_gelu(tf), [x_mlp])},
         "layernorm": {"LayerNorm, written-out gradient (now)": (norm, [x_norm]),
                       "the same forward, autodiff (before)": (_former_layernorm(tf, norm), [x_norm])},

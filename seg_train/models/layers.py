@@ -1,11 +1,40 @@
-"""Layers every model family uses: the LayerNorm (its gradient written out), the resize to another tensor's size,
-and the Dense layer with the transformers' truncated-normal initialisation."""
+"""Layers every model family uses: the LayerNorm (its gradient written out), the exact GELU (its intermediates
+recomputed in the backward pass), the resize to another tensor's size, and the Dense layer with the transformers'
+truncated-normal initialisation."""
 
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
 from keras import layers
+
+from seg_train.models.recompute import after
+
+
+@keras.saving.register_keras_serializable(package="seg_train")
+def gelu(x):
+    """Keras' exact GELU ("gelu": 0.5 x erfc(-x / sqrt 2) in TensorFlow), the same ops forward and backward, but the
+    backward pass keeps x alone and runs the forward's three cheap ops again from it.
+
+    TensorFlow's autodiff keeps three intermediates of the MLP's widest tensor (0.5 x, the erfc and its argument)
+    where x is enough: a third of what a ViT block keeps for its backward pass (docs/SCALING.md section 9). Run
+    again (recompute.after: not before the gradient arrives, never merged with the forward) and differentiated by
+    the same autodiff, the gradient is the same ops' (tests/test_layers.py: to the bit in float16; in float32
+    Grappler's rewrites of the two graphs may round an ulp apart).
+    """
+
+    @tf.custom_gradient
+    def run(x):
+        def grad(dy):
+            again = after(x, dy)
+            with tf.GradientTape() as tape:
+                tape.watch(again)
+                y = keras.activations.gelu(again, approximate=False)
+            return tape.gradient(y, again, output_gradients=dy)
+
+        return keras.activations.gelu(x, approximate=False), grad
+
+    return run(x)
 
 
 @keras.saving.register_keras_serializable(package="seg_train")
@@ -66,6 +95,7 @@ class ResizeLike(layers.Layer):
 def dense(units: int, name: str, use_bias: bool = True, activation=None) -> layers.Dense:
     """A Dense layer initialised as the transformers (MiT, DINO, EoMT) are: kernel ~ N(0, 0.02) truncated, bias 0.
     (Keras' Glorot default is several times wider, which matters when training from scratch.) A new initializer
-    per layer: a shared one would repeat its values."""
+    per layer: a shared one would repeat its values. `activation` "gelu" is the exact GELU (`gelu`)."""
+    activation = gelu if activation == "gelu" else activation
     return layers.Dense(units, use_bias=use_bias, activation=activation, name=name,
                         kernel_initializer=keras.initializers.TruncatedNormal(stddev=0.02))

@@ -33,6 +33,15 @@ from seg_train.models import stochastic
 MODES = ("none", "blocks")
 
 
+def after(x, dy):
+    """x to the bit (-0.0 aside), computed only once `dy` exists (module doc): the start of a recomputation in a
+    gradient function, which must neither run during the forward pass nor merge with the forward's ops."""
+    first = tf.reshape(dy, [-1])[:1]
+    ready = tf.reduce_max(first)
+    zero = tf.where(tf.equal(ready, ready), tf.zeros([], dy.dtype), tf.constant(float("nan"), dy.dtype))
+    return x + tf.cast(zero, x.dtype)
+
+
 def recompute(fn, x, layers):
     """fn(x) -> y with fn's activations recomputed in the backward pass instead of stored; the gradient is the
     stored version's. `fn` may call only `layers` (their variables get gradients, through their values in the
@@ -54,10 +63,7 @@ def recompute(fn, x, layers):
     @tf.custom_gradient
     def block(x, *values):
         def grad(dy):
-            first = tf.reshape(dy, [-1])[:1]
-            ready = tf.reduce_max(first)
-            zero = tf.where(tf.equal(ready, ready), tf.zeros([], dy.dtype), tf.constant(float("nan"), dy.dtype))
-            again = x + tf.cast(zero, x.dtype)
+            again = after(x, dy)
             with tf.GradientTape() as tape:
                 tape.watch([again, *values])
                 y = run(again, values)

@@ -19,7 +19,7 @@ import keras
 from keras import layers
 
 from seg_train.models.layer_choice import LayerChoice
-from seg_train.models.layers import LayerNorm, ResizeLike
+from seg_train.models.layers import LayerNorm, ResizeLike, gelu
 
 # The levels by their nominal stride (patch 16) -> how many times the patch grid they are.
 LEVELS = {4: "x4", 8: "x2", 16: "x1", 32: "pool"}
@@ -87,7 +87,7 @@ class SimplePyramid:
             if level == "x4":
                 y = layers.Conv2DTranspose(width // 2, 2, strides=2, name=f"{name}_up1")(x)
                 y = LayerNorm(epsilon=1e-6, name=f"{name}_up1_norm")(y)
-                y = layers.Activation("gelu", name=f"{name}_up1_gelu")(y)
+                y = layers.Activation(gelu, name=f"{name}_up1_gelu")(y)
                 y = layers.Conv2DTranspose(width // 4, 2, strides=2, name=f"{name}_up2")(y)
             elif level == "x2":
                 y = layers.Conv2DTranspose(width // 2, 2, strides=2, name=f"{name}_up1")(x)

@@ -52,7 +52,7 @@ from seg_train.config.variants import VIT_VARIANTS, ViTVariant
 from seg_train.models import stochastic
 from seg_train.models.attention import DEFAULT
 from seg_train.models.dino.vit import dino_encoder, encoder_parts, run_blocks
-from seg_train.models.layers import LayerNorm, dense
+from seg_train.models.layers import LayerNorm, dense, gelu
 
 _TINY = float(np.finfo(np.float32).tiny)
 _UPSCALE_EPSILON = 1e-6
@@ -121,7 +121,7 @@ class EoMT(keras.Model):
         upscale = []  # per block: deconv, GELU, depthwise conv, LayerNorm
         for i in range(1, upscale_blocks + 1):
             upscale += [layers.Conv2DTranspose(c, 2, strides=2, name=f"upscale{i}_deconv"),
-                        layers.Activation("gelu", name=f"upscale{i}_gelu"),
+                        layers.Activation(gelu, name=f"upscale{i}_gelu"),
                         layers.DepthwiseConv2D(3, padding="same", use_bias=False, name=f"upscale{i}_dwconv"),
                         LayerNorm(epsilon=_UPSCALE_EPSILON, name=f"upscale{i}_norm")]
         self.upscale = tuple(upscale)
