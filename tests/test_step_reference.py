@@ -115,6 +115,30 @@ def test_tower_grad_norm_is_the_tape_norm_of_each_towers_slice(local_bn):
     np.testing.assert_allclose(out.tower_grad_norm.numpy(), expected, rtol=2e-4)
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adam"])
+def test_one_towers_grad_norm_is_the_tape_norm(tmp_path, optimizer):
+    """One tower: tower_grad_norm = |d(the batch's loss sum / its valid pixels)/dw|, TensorFlow's tape on the
+    Keras model. With AdamW (no L2 term in the loss) the step reads it off the update's global norm instead of a
+    pass of its own over the gradients; with Adam's L2 term the tower sums its own squares. Fails for a tower
+    norm left at the placeholder 0, or one taken off a gradient with the L2 term in it."""
+    cfg = tiny_config(tmp_path, train={"optimizer": optimizer}, data={"batch_size": 4},
+                      model={"weight_decay": 0.0 if optimizer == "adamw" else 0.1})
+    trainer = TrainStep(TrainState(cfg, strategy(1)))
+    images, labels = batch_with_ignored_pixels()
+    total = float(np.sum(labels != 255))
+    model = trainer.state.model
+    with tf.GradientTape() as tape:
+        loss = ce_sum_tf(model(images, training=True), labels) / total
+    expected = float(tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables)))
+    out = trainer(distribute(trainer, images, labels))
+    assert bool(out.applied)
+    np.testing.assert_allclose(out.tower_grad_norm.numpy(), [expected], rtol=2e-4)
+    if optimizer == "adamw":
+        np.testing.assert_allclose(float(out.global_norm), expected, rtol=2e-4)
+    else:  # the L2 term is in the update's gradient, not in the tower's
+        assert cfg.model.weight_decay and float(out.global_norm) > expected * (1 + 1e-3)
+
+
 def replica_values(variables):
     """Every tower's copy of each variable (a poisoned tower differs from the others)."""
     out = []

@@ -99,10 +99,14 @@ class TrainStep:
         pack_bytes = int(cfg.train.allreduce_pack_mb * 2 ** 20) if self.num_replicas > 1 else 0
         self._grad_layout = collectives.pack_layout([v.shape for v in state.variables], pack_bytes)
         self._state_layout = collectives.pack_layout([v.shape for v in state.bn_variables], pack_bytes)
+        # One tower without an L2 term: its gradient's norm is the update's global norm (the same gradient,
+        # normalised), and a non-finite gradient makes that norm non-finite, so the tower spends no pass of its
+        # own over the gradients on a sum of squares (update.py reads the global norm instead).
+        self._own_norm = self.num_replicas > 1 or bool(cfg.model.weight_decay)
         self._tower_pass = TowerPass(functools.partial(self._tower, unrolled=state.per_tower_trace), state.variables,
                                      state.non_trainable, per_tower=state.per_tower_trace,
                                      jit_compile=(cfg.train.jit_compile and self.objective.compile_tower) or None)
-        self._update = Update(state, self._grad_layout, self._state_layout)
+        self._update = Update(state, self._grad_layout, self._state_layout, self._own_norm)
         # autograph=False (here and in every function the step traces: parallel/towers.py, the matcher): the step
         # is written with tf.cond / tf.while_loop, and AutoGraph's rewriting of every Python function it calls
         # cost about a third of the trace (docs/PERFORMANCE.md, "EoMT's start-up").
@@ -164,7 +168,8 @@ class TrainStep:
                     lambda m, *_: m < k, body, (tf.constant(1), grads, bn, loss_sum, norm),
                     parallel_iterations=1)
         grad_packs = collectives.pack(grads, self._grad_layout)
-        grad_sq = 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in grad_packs])  # one op: no squared copy
+        grad_sq = 2.0 * tf.add_n([tf.nn.l2_loss(p) for p in grad_packs]) if self._own_norm \
+            else tf.constant(0.0)  # l2_loss: one op, no squared copy
         finite = tf.cast(tf.math.is_finite(grad_sq) & tf.math.is_finite(loss_sum), tf.float32)
         # BN statistics: the mean over micro-batches and towers of each one's updated statistics.
         bn_packs = [p * (1.0 / (k * n)) for p in collectives.pack(bn, self._state_layout)]

@@ -121,13 +121,16 @@ def fused_update(optimizer, t):
 class Update:
     """The update from the reduced packs, traced once for every tower: `trace()` in cross-replica context.
 
-    `grad_layout`, `state_layout`: how the tower pass packed gradients and BN statistics.
+    `grad_layout`, `state_layout`: how the tower pass packed gradients and BN statistics. `own_norm`: whether
+    the towers sent their gradient's squared norm; if not (one tower, no L2 term), the tower's norm is the
+    global norm.
     """
 
-    def __init__(self, state, grad_layout, state_layout):
+    def __init__(self, state, grad_layout, state_layout, own_norm: bool = True):
         cfg = state.cfg
         self.state, self.cfg = state, cfg
         self._grad_layout, self._state_layout = grad_layout, state_layout
+        self._own_norm = own_norm
         decay_ids = {id(v) for v in param_groups.decay_variables(state.model)}
         self._decay = [id(v) in decay_ids for v in state.variables]
         self.slots = slot_variables(state.optimizer, state.variables)
@@ -220,6 +223,7 @@ class Update:
                             lambda: tf.zeros([len(grads)]))
         return Reduced(applied=applied, global_norm=global_norm, clipped=clipped & applied, loss_total=loss_total,
                        norm_total=norm_total, weight_decay=weight_decay, towers=table,
-                       tower_grad_norm=tf.sqrt(towers.grad_sq) * to_mean, var_grad_norms=var_norms,
+                       tower_grad_norm=tf.sqrt(towers.grad_sq) * to_mean if self._own_norm else global_norm[None],
+                       var_grad_norms=var_norms,
                        finite_update=finite, gradients=grads, bn_stats=bn)
 
