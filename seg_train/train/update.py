@@ -104,9 +104,12 @@ def fused_update(optimizer, t):
         def adamw(var, slots, grad, lr, decay_lr=None):
             if decay_lr is None:
                 return adam(var, slots, grad, lr)
-            # Keras' AdamW: w -= w * wd * lr BEFORE the Adam step, with the variable's own learning rate.
+            # Keras' AdamW: w -= w * wd * lr BEFORE the Adam step, with the variable's own learning rate. As one
+            # product written back, w * (1 - lr * wd) (the assignment takes the product's buffer): Keras' form as
+            # a ResourceApplyGradientDescent of w * wd read and wrote every weight once more. The two round
+            # apart by a float32 ulp of w (tests/test_optimizer_reference.py holds the weights to Keras').
             w = tf.raw_ops.ReadVariableOp(resource=var, dtype=tf.float32)
-            decay = tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=decay_lr, delta=w * wd)
+            decay = tf.raw_ops.AssignVariableOp(resource=var, value=w * (1.0 - decay_lr * wd))
             with tf.control_dependencies([decay]):
                 return adam(var, slots, grad, lr)
 
