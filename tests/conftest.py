@@ -31,8 +31,8 @@ from tests.helpers import TINY_VITS16, make_ade20k_tree, make_cityscapes_tree, m
 # The modules that take a minute or more on two cores, heaviest first. `make test` runs whole modules on two
 # processes (--dist loadfile) in collection order, so a heavy module collected last (the alphabet's order) would
 # run alone at the end while the other process idles; collected first, the light ones fill in around them.
-HEAVY_FIRST = ("test_panoptic_model.py", "test_recompute.py", "test_eomt_train.py", "test_multiworker.py",
-               "test_eomt_xla.py", "test_bench.py", "test_layouts.py", "test_robustness.py", "test_gradients.py",
+HEAVY_FIRST = ("test_panoptic_model.py", "test_eomt_train.py", "test_recompute.py", "test_multiworker.py",
+               "test_bench.py", "test_layouts.py", "test_robustness.py", "test_gradients.py",
                "test_train_cli.py", "test_segformer.py", "test_mixed_precision.py", "test_step_reference.py",
                "test_verify_towers.py", "test_transformers_weights.py", "test_eomt_run_length.py",
                "test_tensorboard.py", "test_onnx.py", "test_config_wiring.py", "test_vit_wiring.py")

@@ -94,7 +94,7 @@ WIRED = {
     "train.on_nan": "tests/test_robustness.py::test_nonfinite_loss_skip_step_continues",
     "train.eval_every": "test_run_summary_image_and_eval_steps",
     "train.precision": "tests/test_robustness.py::test_mixed_float16_step_applied_and_loss_scale_shown",
-    # (with EoMT, its forward compiled: tests/test_eomt_xla.py::
+    # (with EoMT, its forward compiled: tests/test_eomt_train.py::
     # test_eomt_jit_compile_compiles_the_forward_and_its_gradient)
     "train.jit_compile": "test_traced_step_xla_and_all_reduce_packs",
     "train.allreduce": "test_allreduce_keys_reach_the_strategy",

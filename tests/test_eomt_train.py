@@ -1,13 +1,18 @@
 """EoMT as a user trains it: the keys (model.head eomt, model.num_queries, model.eomt_blocks,
-train.mask_annealing) through the config loader, the train step on 1 and 4 towers, and the seg-train command
-killed and resumed with the annealing in progress.
+train.mask_annealing) through the config loader, the train step on 1 and 4 towers, with train.jit_compile (its
+forward and gradient XLA-compiled, the matcher and the loss not: objectives/mask_classification.py says why) and with
+train.recompute: blocks (models/recompute.py) against the plain step, and the seg-train command killed and resumed
+with the annealing in progress.
 
 Wrong answers these fail for: the annealing windows not the reference's stagger (the EoMT repository's Cityscapes
 config: 19902 steps, 4 blocks -> starts 3317, 6634, 9951, 13268); the probability curve not
 (1 - progress)^0.9 or not a function of the step; the loss divided by one tower's mask count or class weights
 instead of the global batch's (4 towers then differ from 1); the step's loss not the mask-classification loss
 of eomt_loss.py on the model's predictions with the step's own seeds; masks or points drawn per tower row or
-per call (a resumed run or 4 towers draw others); per-pixel loss keys silently ignored under EoMT.
+per call (a resumed run or 4 towers draw others); per-pixel loss keys silently ignored under EoMT; train.jit_compile
+silently dropped for EoMT (no XLA-compiled function in the traced step), the whole tower pass compiled, the compiled
+forward's gradient not reaching the variables or its loss or updated weights not the plain step's; train.recompute
+dropped between the config and the model, or its recomputation redrawing masks or drop path per tower.
 
 The steps and the run train dinov3_vits16 with tests/helpers.py's TINY_VITS16 in its place (the `tiny_vits16`
 fixture): its structure at 4 blocks of width 32.
@@ -29,7 +34,7 @@ from seg_train.cli import preflight
 from seg_train.config import ConfigError, from_dict
 from seg_train.config.resolve import annealing_windows, check_trainable
 from seg_train.data import synthetic
-from seg_train.models import stochastic
+from seg_train.models import backbone_of, stochastic
 from seg_train.objectives.mask_classification import mask_probabilities, sample_seeds
 from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, losses_from_terms
 from seg_train.run.state import TrainState
@@ -114,44 +119,62 @@ def _config(tmp_path, **train):
                               "mask_annealing": [[0, 2], [1, 3]], **train}, loss={"mask_points": 64})
 
 
+# One run per configuration of the step, shared by the tests of this section: plain on 1 and 4 towers, with
+# train.jit_compile on 1, with train.recompute on 1 and 4 (each a traced and optimized step: the costly part).
+RUNS = {"one": (1, {}), "four": (4, {}), "xla": (1, {"jit_compile": True}),
+        "recompute_one": (1, {"recompute": "blocks"}), "recompute_four": (4, {"recompute": "blocks"})}
+MATMULS = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
+
+
 @pytest.fixture(scope="module")
-def one_and_four(tmp_path_factory, tiny_vits16):
+def steps(tmp_path_factory, tiny_vits16):
     """Two SGD steps of a 2-EoMT-block DINOv3 (drop path 0.3, annealing in progress: block 1 at p = 1 then 0.54,
-    block 2 at 1 then 1) on 1 and on 4 towers from the same seed and batch; the 1-tower weights after step 1."""
+    block 2 at 1 then 1) from the same seed and batch in each of RUNS' configurations: the step, its two losses,
+    the weights after step 1 and after step 2; on 1 tower also the traced step's graph, and for "one" and "xla"
+    the probe of the batch before the first step (nothing applied)."""
     tmp = tmp_path_factory.mktemp("eomt")
     images, labels = _images()
     out = {}
-    for name, towers in (("one", 1), ("four", 4)):
-        step = TrainStep(TrainState(_config(tmp / name), strategy(towers)))
-        batch = next(iter(step.state.strategy.experimental_distribute_dataset(
-            tf.data.Dataset.from_tensors((images, labels)))))
+    for name, (towers, train) in RUNS.items():
+        step = TrainStep(TrainState(_config(tmp / name, **train), strategy(towers)))
+        data = step.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
+        run = {"step": step}
+        if towers == 1:
+            run["graph"] = step.concrete_function(data.element_spec).graph.as_graph_def()
+        batch = next(iter(data))
+        if name in ("one", "xla"):
+            probe = step.probe(batch)
+            run["probe_loss"], run["gradients"] = float(probe.loss), [g.numpy() for g in probe.gradients]
         first = float(step(batch).loss)
-        after_first = [v.numpy() for v in step.state.model.weights]
-        out[name] = (step, [first, float(step(batch).loss)], after_first)
+        run["after_first"] = [v.numpy() for v in step.state.model.weights]
+        run["losses"] = [first, float(step(batch).loss)]
+        run["weights"] = [(v.path, v.numpy()) for v in step.state.model.weights]
+        out[name] = run
     yield images, labels, out
     keras.backend.clear_session()
 
 
 @pytest.mark.slow
-def test_four_towers_equal_one(one_and_four):
+def test_four_towers_equal_one(steps):
     """Fails for totals taken per tower (each tower's own mask count and class weights), for masks or points drawn
     from the tower's rows, and for drop path drawn per call."""
-    _, _, out = one_and_four
-    (one, l1, _), (four, l4, _) = out["one"], out["four"]
+    _, _, out = steps
+    one, four = out["one"], out["four"]
+    l1, l4 = one["losses"], four["losses"]
     assert np.isfinite(l1).all() and l1[0] != l1[1]
     np.testing.assert_allclose(l1, l4, rtol=2e-5)
-    for a, b in zip(one.state.model.weights, four.state.model.weights):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=2e-5, err_msg=a.path)
+    for (path, a), (_, b) in zip(one["weights"], four["weights"]):
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=path)
 
 
 @pytest.mark.slow
-def test_step_loss_is_eomt_loss_of_the_predictions(one_and_four, tiny_vits16):
+def test_step_loss_is_eomt_loss_of_the_predictions(steps, tiny_vits16):
     """The loss of step 2 (made at step counter 1) is eomt_loss.py's weighted total over the layers
     (losses_from_terms, held to transformers' EomtLoss) of the model's own training predictions from the weights
     after step 1, with the probabilities of the configured windows at step 1 (0.54, 1), the rows' sample counters
     and the run seed; the model has the configured queries and EoMT blocks."""
-    images, labels, out = one_and_four
-    step, losses, after_first = out["one"]
+    images, labels, out = steps
+    step, losses, after_first = (out["one"][k] for k in ("step", "losses", "after_first"))
     cfg = step.state.cfg
     fresh = TrainState(cfg, strategy(1), optimizer=False)
     fresh.model.set_weights(after_first)
@@ -167,6 +190,73 @@ def test_step_loss_is_eomt_loss_of_the_predictions(one_and_four, tiny_vits16):
     want = float(losses_from_terms(terms, opts)["loss"])
     np.testing.assert_allclose(losses[1], want, rtol=1e-5)
     assert len(preds) == cfg.model.eomt_blocks + 1
+
+
+def _xla_functions(graph_def):
+    return [f for f in graph_def.library.function if "_XlaMustCompile" in f.attr and f.attr["_XlaMustCompile"].b]
+
+
+@pytest.mark.slow
+def test_eomt_jit_compile_compiles_the_forward_and_its_gradient(steps):
+    """The step traced from the config with train.jit_compile true holds XLA-compiled functions (the attribute
+    tf.function(jit_compile=True) sets) with the model's attention (BatchMatMulV2) and its gradient (BiasAddGrad),
+    and none with the matcher's or the loss's ops (CheckNumerics, TopKV2); the plain config's holds none.
+    Fails for: the key silently dropped for EoMT; the whole tower pass compiled (the matcher inside: XLA refuses
+    its data-dependent shapes)."""
+    _, _, out = steps
+    compiled = _xla_functions(out["xla"]["graph"])
+    ops = [{n.op for n in f.node_def} for f in compiled]
+    assert any("BatchMatMulV2" in o for o in ops) and any("BiasAddGrad" in o for o in ops), ops
+    assert not any(o & {"CheckNumerics", "TopKV2"} for o in ops)
+    assert not _xla_functions(out["one"]["graph"])
+
+
+@pytest.mark.slow
+def test_compiled_eomt_step_equals_the_plain_one(steps):
+    """The XLA-compiled step's loss, gradients and updated weights are the non-compiled step's: the loss to
+    float32 round-off, gradients to 2e-5 of the largest (XLA fuses and reorders float32 sums), weights after two
+    steps to 1e-6. Fails for: other drop-path or mask draws inside the compiled forward (XLA's own
+    stateless_uniform), the gradient not flowing through the compiled function, the model's new state or a
+    prediction layer lost on the way out."""
+    _, _, out = steps
+    plain, xla = out["one"], out["xla"]
+    assert np.isfinite(plain["losses"]).all() and plain["losses"][0] != plain["losses"][1]
+    np.testing.assert_allclose(xla["probe_loss"], plain["probe_loss"], rtol=1e-6)
+    np.testing.assert_allclose(xla["losses"], plain["losses"], rtol=1e-6)
+    scale = max(float(np.abs(g).max()) for g in plain["gradients"])
+    assert scale > 0
+    for a, b in zip(plain["gradients"], xla["gradients"]):
+        np.testing.assert_allclose(b, a, atol=2e-5 * scale)
+    assert sum(float(np.abs(g).sum()) > 0 for g in plain["gradients"]) > len(plain["gradients"]) // 2
+    for (_, a), (_, b) in zip(plain["weights"], xla["weights"]):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
+def _matmuls(graph_def) -> int:
+    ops = [n.op for n in graph_def.node] + [n.op for f in graph_def.library.function for n in f.node_def]
+    return sum(op in MATMULS for op in ops)
+
+
+@pytest.mark.slow
+def test_recompute_key_reaches_the_step_and_four_towers_equal_one(steps):
+    """train.recompute: blocks from a config file (models/recompute.py; tests/test_recompute.py holds its
+    gradients to the stored ones) on 1 and 4 towers against the plain step on 1: the traced step holds the
+    recomputation (more products than without), 4 towers equal 1 (as without recompute, test_four_towers_equal_one),
+    and 1 tower equals the stored step's weights bitwise. Fails for: the key dropped between the config and the
+    model, masks or drop path redrawn per tower or per recomputation."""
+    _, _, out = steps
+    stored, one, four = out["one"], out["recompute_one"], out["recompute_four"]
+    assert backbone_of(stored["step"].state.model).recompute == "none"
+    assert backbone_of(one["step"].state.model).recompute == backbone_of(four["step"].state.model).recompute \
+        == "blocks"
+    assert _matmuls(one["graph"]) > _matmuls(stored["graph"]), (_matmuls(one["graph"]), _matmuls(stored["graph"]))
+    assert np.isfinite(one["losses"]).all() and one["losses"][0] != one["losses"][1]
+    assert one["losses"] == stored["losses"]
+    for (path, a), (_, b) in zip(one["weights"], stored["weights"]):
+        assert a.tobytes() == b.tobytes(), path
+    np.testing.assert_allclose(four["losses"], one["losses"], rtol=2e-5)
+    for (path, a), (_, b) in zip(one["weights"], four["weights"]):
+        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=path)
 
 
 # ---- the command: kill and resume ----------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Held to TensorFlow's autodiff of the stored forward: on random weights and inputs (never a trained model's), the
 outputs and every gradient (weights and input) of a tiny DINOv3 and DINOv2 encoder and of a tiny EoMT (masked
 attention in progress) are bitwise those of the same model with recompute off, drop path on, float32 and
-mixed_float16; then the run: the key from a config file reaches the step, whose traced graph recomputes, 4 towers
-equal 1, 1 tower equals the step without recompute, and a killed and resumed run is bitwise the uninterrupted one.
+mixed_float16; then the run: the key from a config file reaches the model, and a killed and resumed run is bitwise
+the uninterrupted one. The step with the key (its traced graph recomputes, 4 towers equal 1, 1 tower equals the step
+without recompute) is in tests/test_eomt_train.py, which shares the step without recompute with its other tests.
 
 Wrong answers these fail for: the key dropped between the config and the model (no recomputation in the graph);
 the recomputation drawing drop path outside the step's sample counters (the backward pass of other masks, or of
@@ -24,11 +25,10 @@ import yaml
 from seg_train.config import ConfigError, from_dict
 from seg_train.config.variants import ViTVariant
 from seg_train.data import synthetic
-from seg_train.models import backbone_of, stochastic
+from seg_train.models import stochastic
 from seg_train.models.dino.vit import dino_encoder
 from seg_train.models.eomt.eomt import EoMT, eomt
 from seg_train.run.state import TrainState
-from seg_train.train.step import TrainStep
 from tests.helpers import resume_bitwise, strategy, tiny_config
 
 # dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
@@ -143,14 +143,6 @@ def test_recompute_refused_without_transformer_blocks(backbone, head):
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
-def _config(tmp_path, recompute):
-    return tiny_config(tmp_path, data={"crop_size": [32, 48]},
-                       model={"backbone": "dinov3_vits16", "head": "eomt", "eomt_blocks": 2, "num_queries": 5,
-                              "weight_decay": 0.0, "drop_path_rate": 0.3},
-                       train={"optimizer": "sgd", "learning_rate": 0.05, "num_steps": 8, "recompute": recompute,
-                              "mask_annealing": [[0, 2], [1, 3]]}, loss={"mask_points": 64})
-
-
 @pytest.mark.slow  # models built from config files: seconds
 def test_recompute_key_reaches_the_model(tmp_path):
     """train.recompute from a config file, through TrainState, on a linear head over block 1 of dinov3_vits16
@@ -175,44 +167,6 @@ def _gradient_matmuls(tmp_path, mode):
 
     graph = grads.get_concrete_function(tf.TensorSpec([1, 32, 32, 3], tf.float32)).graph
     return sum(op in MATMULS for op in _ops(graph))
-
-
-@pytest.mark.slow  # three EoMT steps traced
-def test_recompute_key_reaches_the_step_and_four_towers_equal_one(tmp_path):
-    """Two SGD steps of EoMT on dinov3_vits16 (tests/helpers.py's TINY_VITS16 in its place; drop path 0.3,
-    annealing in progress) from a config file with train.recompute: blocks, on 1 and 4 towers, and on 1 tower
-    without it: the traced step holds the recomputation (more products than without), 4 towers equal 1 (as
-    without recompute, tests/test_eomt_train.py), and 1 tower equals the stored step's weights. Fails for: the key
-    dropped between the config and the model, masks or drop path redrawn per tower or per recomputation."""
-    rng = np.random.default_rng(0)
-    images = rng.normal(size=(4, 32, 48, 3)).astype(np.float32)
-    labels = rng.integers(0, 3, (4, 32, 48)).astype(np.uint8)
-    labels[0, :12] = 255
-    out = {name: _two_steps(tmp_path / name, recompute, towers, images, labels)
-           for name, recompute, towers in (("stored", "none", 1), ("one", "blocks", 1), ("four", "blocks", 4))}
-    keras.backend.clear_session()
-    _check_steps(out)
-
-
-def _two_steps(tmp_path, recompute, towers, images, labels):
-    step = TrainStep(TrainState(_config(tmp_path, recompute), strategy(towers)))
-    assert backbone_of(step.state.model).recompute == recompute
-    data = step.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
-    matmuls = sum(op in MATMULS for op in _ops(step.concrete_function(data.element_spec).graph))
-    batch = next(iter(data))
-    losses = [float(step(batch).loss) for _ in range(2)]
-    return matmuls, losses, [(v.path, v.numpy()) for v in step.state.model.weights]
-
-
-def _check_steps(out):
-    assert out["one"][0] > out["stored"][0], (out["one"][0], out["stored"][0])
-    assert np.isfinite(out["one"][1]).all() and out["one"][1][0] != out["one"][1][1]
-    assert out["one"][1] == out["stored"][1]
-    for (path, a), (_, b) in zip(out["one"][2], out["stored"][2]):
-        assert a.tobytes() == b.tobytes(), path
-    np.testing.assert_allclose(out["four"][1], out["one"][1], rtol=2e-5)
-    for (path, a), (_, b) in zip(out["one"][2], out["four"][2]):
-        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=path)
 
 
 @pytest.mark.slow  # seg-train run twice on 2 towers
