@@ -73,22 +73,26 @@ VARIANTS = ("plain", "blockwise", "recompute")
 # Measured on the CPU (2-core Xeon, TensorFlow 2.21, `--probe`: DINOv3 ViT-S/16 encoders of 1, 2 and 4 blocks at
 # 512 x 512, batch 1, forward + gradient, no optimizer; the allocator's peak). One block adds PROBE_BLOCK_MIB
 # (float32, blockwise; of which the block's float32 weights, 1,774,848 parameters), and the plain form
-# PROBE_MAPS_PER_BLOCK float32 [heads, T, T] maps more. The whole 12-block encoder at 1024 (docs/PERFORMANCE.md,
-# "Attention: plain against blockwise") kept 1.97 maps per block more in the plain form: the model uses 2.
+# PROBE_MAPS_PER_BLOCK float32 [heads, T, T] maps more: the mean of three runs of the probe (the 4-block encoder's
+# peak less the 2-block one's, halved), whose peaks move by a few MiB per block from run to run. The whole 12-block
+# encoder at 1024 (docs/PERFORMANCE.md, "Attention: plain against blockwise") kept 1.96 maps per block more
+# in the plain form: the model uses 2.
 PROBE_T = 1 + 4 + (512 // 16) ** 2
-PROBE_BLOCK_MIB = 62.51
+PROBE_BLOCK_MIB = 46.65
 PROBE_BLOCK_PARAMS = 1_774_848
-PROBE_MAPS_PER_BLOCK = 1.73
+PROBE_MAPS_PER_BLOCK = 2.03
 FIT_MAPS = 2.0
-# docs/PERFORMANCE.md's allocator peaks of the whole ViT-S/16 encoder (12 blocks, batch 1, float32, no optimizer):
-# crop -> (plain, blockwise:256) MiB.
-MEASURED_ENCODER = {224: (214, 208), 512: (1220, 781), 1024: (12052, 2954)}
+# docs/PERFORMANCE.md's allocator peaks of the whole ViT-S/16 encoder (12 blocks, batch 1, float32, no optimizer;
+# "Attention: plain against blockwise", the runs with models/layers.py's gelu): crop -> (plain, blockwise:256) MiB.
+MEASURED_ENCODER = {224: (180, 174), 512: (1059, 592), 1024: (11295, 2218)}
 # The same under mixed_bfloat16 at 512. Its blockwise figure is the CPU's floor under that policy, not activations:
 # the probe's encoders of 1, 2, 6 and 12 blocks peaked at 795, 803, 846 and 909 MiB, 10.3 MiB per block (its float32
-# weights and their bfloat16 copy), plain or blockwise alike; only the plain form's 12 blocks rise above it.
-MEASURED_ENCODER_MIXED = {512: (1209, 911)}
+# weights and their bfloat16 copy), plain or blockwise alike (with Keras' GELU under autodiff then); only the plain
+# form's 12 blocks rise above it.
+MEASURED_ENCODER_MIXED = {512: (1076, 906)}
 # The issue's peer run (ViT-S/16 EoMT, 200 queries in the last 4 blocks, 150 classes, AdamW, float32, plain
-# attention then): seg-train's process peak RSS, MiB, at 2 x 224 and 1 x 512, and transformers' (PyTorch SDPA).
+# attention and Keras' GELU under autodiff then): seg-train's process peak RSS, MiB, at 2 x 224 and 1 x 512, and
+# transformers' (PyTorch SDPA).
 PEER = {"seg-train": (2705, 4233), "transformers": (1996, 2944)}
 
 # Per GPU: weights, gradients and AdamW's two slots, float32 (16 bytes per trained parameter; the mixed policies keep
@@ -131,7 +135,8 @@ def block_tensors(t: int, vit: ViT, attention: str, mixed: bool, prefix: int | N
             ("the output projection (LayerScale's input)", t * d, a),
             ("norm2's input (float32: the first residual sum, or its float32 copy)", t * d, f),
             ("norm2's output (the MLP's input)", t * d, a),
-            ("exact GELU, 0.5 h * erfc(-h / sqrt 2): 0.5 h, erfc(...) and its argument", 3 * t * m, a),
+            ("the exact GELU's input h (the first matmul's output; models/layers.py gelu runs 0.5 h, erfc(...) "
+             "and its argument again from it in the backward pass)", t * m, a),
             ("the GELU's output (the second matmul's input)", t * m, a),
             ("the MLP's output (LayerScale's input)", t * d, a)]
     # Not kept: the projections' outputs before the head split (reshape / transpose need only shapes), the
@@ -177,11 +182,12 @@ def eomt_tensors(crop: int, vit: ViT, queries: int, blocks: int, mixed: bool, po
     out = [
         ("final LayerNorm's output sliced: the queries and the patch map (float32 copy of its input, mixed)",
          k * (queries + g2) * d + (k * t * d if mixed else 0), a),
-        ("mask MLP (3 layers of D, two exact GELUs) and class head inputs", k * queries * d * 9, a),
-        ("upscale block 1 at 2 g x 2 g, D channels: the exact GELU's 3 products (the transposed conv's output itself "
-         "is not kept), its output (the depthwise conv's input), the depthwise conv's output (the LayerNorm's input), "
-         "the LayerNorm's output (the next conv's input)", k * 6 * 4 * g2 * d, a),
-        ("upscale block 2 at 4 g x 4 g: the same six", k * 6 * 16 * g2 * d, a),
+        ("mask MLP (3 layers of D; two exact GELUs, each keeping its input) and class head inputs",
+         k * queries * d * 5, a),
+        ("upscale block 1 at 2 g x 2 g, D channels: the transposed conv's output (the exact GELU's input, all it "
+         "keeps), the GELU's output (the depthwise conv's input), the depthwise conv's output (the LayerNorm's "
+         "input), the LayerNorm's output (the next conv's input)", k * 4 * 4 * g2 * d, a),
+        ("upscale block 2 at 4 g x 4 g: the same four", k * 4 * 16 * g2 * d, a),
         ("the mask logits [Q, 4 g, 4 g], float32 (alive until the loss samples them)", k * queries * 16 * g2, 4),
         ("the loss: each query's logits at the matching's and the loss's points, float32 (an upper bound: every "
          "query matched)", k * queries * points * 3, 4),
@@ -199,8 +205,9 @@ def pyramid_tensors(crop: int, vit: ViT, channels: int, classes: int, mixed: boo
     p4 = (crop // 4) ** 2
     p8, p16, p32 = p4 // 4, p4 // 16, p4 // 64
     return [
-        ("stride 4: two transposed convs (LayerNorm and exact GELU between: 6 tensors at stride 8, D / 2)",
-         6 * p8 * d // 2 + p4 * d // 4, a),
+        ("stride 4: two transposed convs, LayerNorm and exact GELU between (at stride 8, D / 2: the first conv's "
+         "output, the LayerNorm's output, the GELU's input and all it keeps, the GELU's output), the second's output",
+         3 * p8 * d // 2 + p4 * d // 4, a),
         ("stride 8: one transposed conv output (D / 2)", p8 * d // 2, a),
         ("stride 32: max pool's input and output", p16 * d + p32 * d, a),
         ("each level: 1x1 conv output, its LayerNorm output, 3x3 conv output, its LayerNorm output (C)",
@@ -408,8 +415,8 @@ def main(argv=None) -> int:
             for v in VARIANTS}
     a, b = PEER["seg-train"]
     c, d = PEER["transformers"]
-    print(f"| seg-train (plain attention then) | {b - a:,} | {grow['plain']:,.0f} | {grow['blockwise']:,.0f} | "
-          f"{grow['recompute']:,.0f} |")
+    print(f"| seg-train (plain attention, Keras' GELU under autodiff then) | {b - a:,} | {grow['plain']:,.0f} | "
+          f"{grow['blockwise']:,.0f} | {grow['recompute']:,.0f} |")
     print(f"| transformers (PyTorch SDPA: no T x T map kept) | {d - c:,} | | | |")
 
     for mixed in (False, True):
