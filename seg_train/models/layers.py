@@ -17,10 +17,10 @@ def gelu(x):
     backward pass keeps x alone and runs the forward's three cheap ops again from it.
 
     TensorFlow's autodiff keeps three intermediates of the MLP's widest tensor (0.5 x, the erfc and its argument)
-    where x is enough: a third of what a ViT block keeps for its backward pass (docs/SCALING.md section 9). Run
-    again (recompute.after: not before the gradient arrives, never merged with the forward) and differentiated by
-    the same autodiff, the gradient is the same ops' (tests/test_layers.py: to the bit in float16; in float32
-    Grappler's rewrites of the two graphs may round an ulp apart).
+    where x is enough: 12 of the 31 floats per token and channel a ViT block kept for its backward pass
+    (docs/SCALING.md section 9). Run again (recompute.after: not before the gradient arrives, never merged with
+    the forward) and differentiated by the same autodiff, the gradient is the same ops' (tests/test_layers.py:
+    to the bit in float16; in float32 Grappler's rewrites of the two graphs may round an ulp apart).
     """
 
     @tf.custom_gradient
