@@ -38,7 +38,9 @@ def softmax_cross_entropy(labels, logits):
     linear head's full-resolution shapes (benchmarks/bench_vit_parts.py's "pixel loss"; docs/PERFORMANCE.md),
     and its GPU kernel reduces in an unspecified order, so a run with op determinism on had to trace a
     log-softmax and a gather instead. These ops are deterministic on either device. The backward pass keeps
-    exp(x - max) and its row sums, as many floats as the op's own stored backprop.
+    exp(x - max) and its row sums, as many floats as the op's own stored backprop; its products and the one-hot
+    peak at about 2.3 times the logits' size where the fused op, scaling its kept gradient in place, stays at 1
+    (docs/PERFORMANCE.md: the memory this costs per image).
     """
     num_classes = logits.shape[-1] or tf.shape(logits)[-1]
 
