@@ -231,6 +231,13 @@ def find_nondeterministic(graphs) -> list[Finding]:
     return [found[k] for k in sorted(found)]
 
 
+def enabled() -> bool:
+    """Whether TensorFlow's op determinism is on now (TensorFlow has no public getter; its own tests read this)."""
+    from tensorflow.python.framework import config as tf_config
+
+    return tf_config.is_op_determinism_enabled()
+
+
 def check_graph(graphs, device_kind: str) -> None:
     """Refuses op determinism for a traced step holding an op without a deterministic kernel on these devices.
 

@@ -241,6 +241,8 @@ def _train_locked(cfg, strategy, run_dir, write_dir, lock, init_from, allow_conf
         # Such an op would raise only when it runs: refuse now, before anything is written.
         kind = "GPU" if any("GPU" in d.upper() for d in strategy.extended.worker_devices) else "CPU"
         determinism.check_graph(step_graph, kind)
+        log.info("op determinism %s when the step was traced (train.deterministic); no op of the step lacks a "
+                 "deterministic %s kernel", "on" if determinism.enabled() else "OFF", kind)
 
     # From here on the run is known to start: claim the run dir and write the resolved config.
     if lock is not None:
