@@ -1,15 +1,15 @@
 """EoMT as a user trains it: the keys (model.head eomt, model.num_queries, model.eomt_blocks,
 train.mask_annealing) through the config loader, the train step on 1 and 4 towers, with train.jit_compile (its
 forward and gradient XLA-compiled, the matcher and the loss not: objectives/mask_classification.py says why) and with
-train.recompute: blocks (models/recompute.py) against the plain step, and the seg-train command killed and resumed
-with the annealing in progress.
+train.recompute: blocks (models/recompute.py) against the plain step. The seg-train command killed and resumed with
+EoMT (the annealing in progress, recompute on) is tests/test_panoptic_model.py's resume test.
 
 Wrong answers these fail for: the annealing windows not the reference's stagger (the EoMT repository's Cityscapes
 config: 19902 steps, 4 blocks -> starts 3317, 6634, 9951, 13268); the probability curve not
 (1 - progress)^0.9 or not a function of the step; the loss divided by one tower's mask count or class weights
 instead of the global batch's (4 towers then differ from 1); the step's loss not the mask-classification loss
 of eomt_loss.py on the model's predictions with the step's own seeds; masks or points drawn per tower row or
-per call (a resumed run or 4 towers draw others); per-pixel loss keys silently ignored under EoMT; train.jit_compile
+per call (4 towers draw others); per-pixel loss keys silently ignored under EoMT; train.jit_compile
 silently dropped for EoMT (no XLA-compiled function in the traced step), the whole tower pass compiled, the compiled
 forward's gradient not reaching the variables or its loss or updated weights not the plain step's; train.recompute
 dropped between the config and the model, or its recomputation redrawing masks or drop path per tower.
@@ -20,26 +20,20 @@ fixture): its structure at 4 blocks of width 32.
 
 from __future__ import annotations
 
-import io
-from contextlib import redirect_stderr, redirect_stdout
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import yaml
 
-from seg_train import cli
 from seg_train.cli import preflight
 from seg_train.config import ConfigError, from_dict
 from seg_train.config.resolve import annealing_windows, check_trainable
-from seg_train.data import synthetic
 from seg_train.models import backbone_of, stochastic
 from seg_train.objectives.mask_classification import mask_probabilities, sample_seeds
 from seg_train.objectives.mask_loss import EomtLossOptions, eomt_loss_terms, losses_from_terms
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import resume_bitwise, strategy, tiny_config
+from tests.helpers import strategy, tiny_config
 
 # dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
 pytestmark = pytest.mark.usefixtures("tiny_vits16")
@@ -119,9 +113,11 @@ def _config(tmp_path, **train):
                               "mask_annealing": [[0, 2], [1, 3]], **train}, loss={"mask_points": 64})
 
 
-# One run per configuration of the step, shared by the tests of this section: plain on 1 and 4 towers, with
-# train.jit_compile on 1, with train.recompute on 1 and 4 (each a traced and optimized step: the costly part).
-RUNS = {"one": (1, {}), "four": (4, {}), "xla": (1, {"jit_compile": True}),
+# One run per configuration of the step, shared by the tests of this section: plain on 1 tower, with
+# train.jit_compile on 1, with train.recompute on 1 and 4 (each a traced and optimized step: the costly part). No
+# plain 4-tower run: recompute on 1 tower is bitwise the plain step, so the recomputing 4 towers against the plain
+# 1 tower hold the towers' split and the recomputation at once, for one run fewer.
+RUNS = {"one": (1, {}), "xla": (1, {"jit_compile": True}),
         "recompute_one": (1, {"recompute": "blocks"}), "recompute_four": (4, {"recompute": "blocks"})}
 MATMULS = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
 
@@ -156,10 +152,11 @@ def steps(tmp_path_factory, tiny_vits16):
 
 @pytest.mark.slow
 def test_four_towers_equal_one(steps):
-    """Fails for totals taken per tower (each tower's own mask count and class weights), for masks or points drawn
-    from the tower's rows, and for drop path drawn per call."""
+    """4 towers (train.recompute on: RUNS) against the plain step on 1. Fails for totals taken per tower (each tower's
+    own mask count and class weights), for masks or points drawn from the tower's rows, and for drop path drawn per
+    call."""
     _, _, out = steps
-    one, four = out["one"], out["four"]
+    one, four = out["one"], out["recompute_four"]
     l1, l4 = one["losses"], four["losses"]
     assert np.isfinite(l1).all() and l1[0] != l1[1]
     np.testing.assert_allclose(l1, l4, rtol=2e-5)
@@ -241,9 +238,9 @@ def _matmuls(graph_def) -> int:
 def test_recompute_key_reaches_the_step_and_four_towers_equal_one(steps):
     """train.recompute: blocks from a config file (models/recompute.py; tests/test_recompute.py holds its
     gradients to the stored ones) on 1 and 4 towers against the plain step on 1: the traced step holds the
-    recomputation (more products than without), 4 towers equal 1 (as without recompute, test_four_towers_equal_one),
-    and 1 tower equals the stored step's weights bitwise. Fails for: the key dropped between the config and the
-    model, masks or drop path redrawn per tower or per recomputation."""
+    recomputation (more products than without), 4 towers equal 1 with it, and 1 tower equals the stored step's
+    weights bitwise. Fails for: the key dropped between the config and the model, masks or drop path redrawn per
+    tower or per recomputation."""
     _, _, out = steps
     stored, one, four = out["one"], out["recompute_one"], out["recompute_four"]
     assert backbone_of(stored["step"].state.model).recompute == "none"
@@ -257,35 +254,3 @@ def test_recompute_key_reaches_the_step_and_four_towers_equal_one(steps):
     np.testing.assert_allclose(four["losses"], one["losses"], rtol=2e-5)
     for (path, a), (_, b) in zip(one["weights"], four["weights"]):
         np.testing.assert_allclose(a, b, atol=2e-5, err_msg=path)
-
-
-# ---- the command: kill and resume ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    return synthetic.generate(tmp_path_factory.mktemp("data") / "demo", num_train=12, num_val=2, size=(40, 48),
-                              num_classes=3)
-
-
-@pytest.mark.slow
-def test_resumed_eomt_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root):
-    """seg-train on 2 towers, AdamW with layer decay, EoMT with drop path and the annealing in progress over the 4
-    steps (checkpoints at 2 and 4); the run rewound to step 2 and resumed: ckpt-4 bitwise the first run's."""
-    raw = {"seed": 3, "run_dir": "run",
-           "data": {"root": str(data_root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
-                    "num_parallel_calls": 2, "val_split": "none"},
-           "model": {"backbone": "dinov3_vits16", "head": "eomt", "eomt_blocks": 2, "num_queries": 4,
-                     "drop_path_rate": 0.3},
-           "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 2,
-                     "optimizer": "adamw", "learning_rate": 1e-3, "layer_decay": 0.8,
-                     "mask_annealing": [[1, 3], [2, 4]]},
-           "loss": {"mask_points": 64},
-           "eval": {"bn_reestimate_batches": 0}}
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
-    keys = resume_bitwise(tmp_path / "cfg.yaml", tmp_path)
-    assert any("queries" in k for k in keys)
-    # seg-eval on the val images (whole, unpadded 40x48 images: padded to whole patches per pass).
-    out = io.StringIO()
-    with redirect_stderr(out), redirect_stdout(out):
-        rc = cli.eval_main(["--config", str(tmp_path / "cfg.yaml"), "--gpus", "2", "--checkpoint",
-                            str(tmp_path / "run"), "--set", "data.val_split=val"])
-    assert rc == 0 and "mIoU" in out.getvalue(), out.getvalue()[-2000:]

@@ -390,13 +390,16 @@ def test_segment_step_loss_is_the_panoptic_loss_of_the_predictions(segment_steps
 @pytest.mark.slow
 def test_resumed_panoptic_run_is_bitwise_the_uninterrupted_one(tmp_path):
     """seg-train on 2 towers on the synthetic panoptic set (AdamW, layer decay, drop path, annealing in progress,
-    mixed_float16 with its loss scale), rewound to step 2 and resumed: ckpt-4 bitwise the uninterrupted run's.
-    Fails for segment draws (crops, points, masks) keyed by anything but the seed and the sample."""
+    mixed_float16 with its loss scale, train.recompute: blocks), rewound to step 2 and resumed: ckpt-4 bitwise the
+    uninterrupted run's. Fails for segment draws (crops, points, masks) keyed by anything but the seed and the
+    sample, the recomputation's included (drop path or masks drawn from the process's history rather than the step's
+    sample counters). The one EoMT resume test: the semantic task's draws are these same functions of the seed and
+    the sample, on class labels instead of segment labels."""
     from tests.helpers import resume_bitwise
 
     root = synthetic_panoptic.generate(tmp_path / "data", num_train=8, num_val=0, size=(40, 56), num_classes=K)
     raw = _raw(root, num_steps=4, checkpoint_every=2, layer_decay=0.8, mask_annealing=[[1, 3], [2, 4]],
-               precision="mixed_float16")
+               precision="mixed_float16", recompute="blocks")
     raw["data"]["val_split"] = "none"
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
     keys = resume_bitwise(tmp_path / "cfg.yaml", tmp_path)

@@ -3,9 +3,10 @@
 Held to TensorFlow's autodiff of the stored forward: on random weights and inputs (never a trained model's), the
 outputs and every gradient (weights and input) of a tiny DINOv3 and DINOv2 encoder and of a tiny EoMT (masked
 attention in progress) are bitwise those of the same model with recompute off, drop path on, float32 and
-mixed_float16; then the run: the key from a config file reaches the model, and a killed and resumed run is bitwise
-the uninterrupted one. The step with the key (its traced graph recomputes, 4 towers equal 1, 1 tower equals the step
-without recompute) is in tests/test_eomt_train.py, which shares the step without recompute with its other tests.
+mixed_float16; then the key from a config file reaches the model. The step with the key (its traced graph
+recomputes, 4 towers equal 1, 1 tower equals the step without recompute) is in tests/test_eomt_train.py, which
+shares the step without recompute with its other tests; a killed and resumed run with it in
+tests/test_panoptic_model.py.
 
 Wrong answers these fail for: the key dropped between the config and the model (no recomputation in the graph);
 the recomputation drawing drop path outside the step's sample counters (the backward pass of other masks, or of
@@ -20,16 +21,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import yaml
 
 from seg_train.config import ConfigError, from_dict
 from seg_train.config.variants import ViTVariant
-from seg_train.data import synthetic
 from seg_train.models import stochastic
 from seg_train.models.dino.vit import dino_encoder
 from seg_train.models.eomt.eomt import EoMT, eomt
 from seg_train.run.state import TrainState
-from tests.helpers import resume_bitwise, strategy, tiny_config
+from tests.helpers import strategy, tiny_config
 
 # dinov3_vits16 is tests/helpers.py's TINY_VITS16 throughout the module (conftest.py's `tiny_vits16`).
 pytestmark = pytest.mark.usefixtures("tiny_vits16")
@@ -167,24 +166,3 @@ def _gradient_matmuls(tmp_path, mode):
 
     graph = grads.get_concrete_function(tf.TensorSpec([1, 32, 32, 3], tf.float32)).graph
     return sum(op in MATMULS for op in _ops(graph))
-
-
-@pytest.mark.slow  # seg-train run twice on 2 towers
-def test_resumed_run_with_recompute_is_bitwise_the_uninterrupted_one(tmp_path):
-    """seg-train on 2 towers with train.recompute: blocks, EoMT on dinov3_vits16 (tests/helpers.py's TINY_VITS16 in
-    its place) with drop path and the annealing in progress, AdamW; killed after ckpt-2 and resumed: ckpt-4 bitwise
-    the uninterrupted run's. Fails for: a recomputation
-    whose draws depend on the calls before (the process's history) rather than on the step's sample counters."""
-    root = synthetic.generate(tmp_path / "demo", num_train=12, num_val=2, size=(40, 48), num_classes=3)
-    raw = {"seed": 3, "run_dir": "run",
-           "data": {"root": str(root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
-                    "num_parallel_calls": 2, "val_split": "none"},
-           "model": {"backbone": "dinov3_vits16", "head": "eomt", "eomt_blocks": 2, "num_queries": 4,
-                     "drop_path_rate": 0.3},
-           "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 2,
-                     "optimizer": "adamw", "learning_rate": 1e-3, "recompute": "blocks",
-                     "mask_annealing": [[1, 3], [2, 4]]},
-           "loss": {"mask_points": 64},
-           "eval": {"bn_reestimate_batches": 0}}
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
-    assert any("queries" in k for k in resume_bitwise(tmp_path / "cfg.yaml", tmp_path))
