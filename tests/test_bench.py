@@ -173,7 +173,8 @@ def test_bench_input_only_with_cache(tiny_cfg):
 def test_bench_first_step_probes_and_accumulation_memory(tiny_cfg):
     """Fresh seg-train processes time the first step from launch (with and without sync BN) and give
     the accumulation variant's own peak memory; the variant's batch is divided by K."""
-    r = run_bench(["--config", str(tiny_cfg), "--gpus", "2", "--steps", "2", "--windows", "1", "--warmup", "2",
+    # One tower: the probes' processes trace one tower pass each (test_bench_json_tiny runs 1 and 2 towers).
+    r = run_bench(["--config", str(tiny_cfg), "--gpus", "1", "--steps", "2", "--windows", "1", "--warmup", "2",
                    "--bn-images", "0", "--eval-images", "0", "--no-peak", "--no-input-alone",
                    "--compare", "train.accumulate_steps=2", "--json"], tiny_cfg.parent, timeout=900)
     assert r.returncode == 0, r.stderr
