@@ -201,16 +201,26 @@ def _padded(logits):
 
 def _sample_shared(logits, x, y):
     """Bilinear samples float32 [b, N, R] of logits [b, R, h, w] at points x, y [b, N] shared by the rows,
-    point-major.
+    point-major; for the matching's costs (its gradient is never taken there).
 
-    The pixels are put row-major first ([b, pixels, R]), so that a corner of a point is one gather of R
-    contiguous floats: GatherV2 of single floats (indices along the last axis, [b, R, N] out) cost several times
-    the transpose and the row gathers together. One corner at a time, so no [b, N, 4, R] tensor is held."""
-    table = tf.transpose(_padded(logits), [0, 2, 1])  # [b, pixels, R]
-    out = 0.0
-    for index, weight in _padded_corners(x, y, tf.shape(logits)[2], tf.shape(logits)[3]):
-        out += tf.gather(table, index, batch_dims=1) * weight[..., tf.newaxis]
-    return out
+    tf.image.crop_and_resize with one box of size zero per point: its single sample is the box's centre, read
+    bilinearly from every channel at once. The logits are put pixel-major with one zero pixel on every side
+    ([b, h + 2, w + 2, R]), so that the zero padding is the reference's (a point within half a pixel of the border
+    mixes in zeros) and every point lies inside the image the op reads (outside it, crop_and_resize gives its
+    extrapolation value for the whole sample instead). The op maps a normalised c to c * (size - 1); the padded
+    grid's pixel coordinate of x is x * w - 0.5 + 1, hence x' = (x * w + 0.5) / (w + 1). One fused kernel over the
+    points, where 4 corner gathers of [b, N, R] and the weighted sum cost 2.5-3x the CPU time at the matching's
+    shapes (docs/PERFORMANCE.md, "EoMT's matching: the points sampled in one op"); the same values to float32
+    round-off of the coordinates."""
+    shape = tf.shape(logits)
+    h, w = tf.cast(shape[2], tf.float32), tf.cast(shape[3], tf.float32)
+    table = tf.pad(tf.transpose(logits, [0, 2, 3, 1]), [[0, 0], [1, 1], [1, 1], [0, 0]])
+    ys, xs = (y * h + 0.5) / (h + 1.0), (x * w + 0.5) / (w + 1.0)
+    boxes = tf.reshape(tf.stack([ys, xs, ys, xs], axis=-1), [-1, 4])
+    n = tf.shape(x)[1]
+    image = tf.repeat(tf.range(shape[0]), n)
+    samples = tf.image.crop_and_resize(table, boxes, image, [1, 1], method="bilinear")  # [b N, 1, 1, R]
+    return tf.reshape(samples, [shape[0], n, shape[1]])
 
 
 def _sample_rows(logits, x, y):
