@@ -13,6 +13,8 @@ where it means nothing (an output stride the MiT cannot have, the stride-2 decod
 features, a preset for a head that cannot hold it).
 """
 
+import contextlib
+
 import keras
 import keras_hub
 import numpy as np
@@ -28,6 +30,8 @@ from seg_train.data.label_images import read_label
 from seg_train.infer import evaluate as ev
 from seg_train.infer.export import run_export
 from seg_train.infer.predict import run_predict
+from seg_train.models import param_groups, stochastic
+from seg_train.objectives import pixel_losses as losses
 from seg_train.run import checkpoint as ckpt_lib
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
@@ -99,8 +103,7 @@ def _tower_config(tmp_path, sync: bool, drop_path=DROP_PATH, dropout=HEAD_DROPOU
 def towers_1_and_4(tmp_path_factory):
     """Two SGD steps of MiT-B0 + SegFormer (tests/helpers.py's TINY_MIT_B0 in mit_b0's place: a block per stage)
     at a non-square crop with drop path and dropout on, through the trainer's own step: 4 towers with
-    synchronized BN; 1 tower with Keras' own BatchNormalization (no seg-train BN code); 1 tower without drop path
-    and dropout."""
+    synchronized BN; 1 tower with Keras' own BatchNormalization (no seg-train BN code); and the batch."""
     tmp = tmp_path_factory.mktemp("towers")
     rng = np.random.default_rng(0)
     images = rng.normal(size=(4, 32, 48, 3)).astype(np.float32)
@@ -110,18 +113,18 @@ def towers_1_and_4(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(MIT_VARIANTS, "mit_b0", TINY_MIT_B0)
         for name, towers, cfg in (("one", 1, _tower_config(tmp / "one", False)),
-                                  ("four", 4, _tower_config(tmp / "four", True)),
-                                  ("plain", 1, _tower_config(tmp / "plain", False, 0.0, 0.0))):
+                                  ("four", 4, _tower_config(tmp / "four", True))):
             step = TrainStep(TrainState(cfg, strategy(towers)))
             if name == "one":
                 out["initial"] = [w.numpy() for w in step.state.model.trainable_weights]
             batch = next(iter(step.state.strategy.experimental_distribute_dataset(
                 tf.data.Dataset.from_tensors((images, labels)))))
             out[name] = (step, [float(step(batch).loss) for _ in range(2)])
+    out["batch"] = images, labels
     return out
 
 
-def test_four_towers_with_drop_path_and_synchronized_bn_equal_one_device(towers_1_and_4):
+def test_four_towers_with_drop_path_and_synchronized_bn_equal_one_device(towers_1_and_4, monkeypatch):
     """4 towers (synchronized BN in the head, drop path in every MiT block, dropout before the classifier) give
     the weights of 1 tower with Keras' own BN (the tower tests' reference, on this model, to float precision:
     README). Fails for a mask drawn per call or from the tower's own row (a sample's mask then depends on
@@ -138,11 +141,27 @@ def test_four_towers_with_drop_path_and_synchronized_bn_equal_one_device(towers_
     moved = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(towers_1_and_4["initial"],
                                                                    one.state.model.trainable_weights))
     assert moved > 1e-3
-    # The masks were drawn: without them the same steps end elsewhere (and the first loss differs).
-    plain, losses_0 = towers_1_and_4["plain"]
-    assert losses_0[0] != losses_1[0]
-    assert max(float(np.abs(a.numpy() - b.numpy()).max()) for a, b in zip(plain.state.model.trainable_weights,
-                                                                          one.state.model.trainable_weights)) > 1e-3
+    # The masks were drawn in the step: its first loss is the model's training pass from the initial weights with
+    # the step's sample counters (rows 0-3 of step 0), eagerly, and not the pass without them (the layers'
+    # identity outside per_sample).
+    monkeypatch.setitem(MIT_VARIANTS, "mit_b0", TINY_MIT_B0)
+    cfg = one.state.cfg
+    fresh = TrainState(cfg, strategy(1), optimizer=False).model
+    for a, b in zip(towers_1_and_4["initial"], fresh.trainable_weights):
+        np.testing.assert_array_equal(a, b.numpy())
+    images, labels = towers_1_and_4["batch"]
+
+    def first_loss(counters):
+        with counters:
+            logits = fresh(images, training=True)
+        total, norm = losses.objective_sum(logits, labels, 255, cfg.loss.class_weights, 1.0, cfg.loss.term_weights(),
+                                           cfg.loss.ohem_threshold, cfg.loss.ohem_min_kept)
+        return float(total / norm + param_groups.weight_decay(param_groups.decay_variables(fresh),
+                                                              cfg.model.weight_decay))  # the step's L2 term
+
+    np.testing.assert_allclose(first_loss(stochastic.per_sample(stochastic.sample_ids(0, 0, 0, 4, 1, 1), cfg.seed)),
+                               losses_1[0], rtol=1e-5)
+    assert abs(first_loss(contextlib.nullcontext()) - losses_1[0]) > 1e-3 * abs(losses_1[0])
     # The backbone/head split (train.backbone_lr_multiplier) puts the MiT in the backbone, the head out of it.
     model = one.state.model
     head = [v.path for v, in_backbone in zip(model.trainable_variables, models.backbone_variable_mask(model))
