@@ -114,11 +114,11 @@ def _config(tmp_path, **train):
 
 
 # One run per configuration of the step, shared by the tests of this section: plain on 1 tower, with
-# train.jit_compile on 1, with train.recompute on 1 and 4 (each a traced and optimized step: the costly part). No
-# plain 4-tower run: recompute on 1 tower is bitwise the plain step, so the recomputing 4 towers against the plain
-# 1 tower hold the towers' split and the recomputation at once, for one run fewer.
-RUNS = {"one": (1, {}), "xla": (1, {"jit_compile": True}),
-        "recompute_one": (1, {"recompute": "blocks"}), "recompute_four": (4, {"recompute": "blocks"})}
+# train.jit_compile on 1, with train.recompute on 4 (each a traced and optimized step: the costly part). No plain
+# 4-tower run and no recomputing 1-tower run: recompute's gradients are the stored ones bitwise
+# (tests/test_recompute.py), so the recomputing 4 towers against the plain 1 tower hold the towers' split and the
+# recomputation at once.
+RUNS = {"one": (1, {}), "xla": (1, {"jit_compile": True}), "recompute_four": (4, {"recompute": "blocks"})}
 MATMULS = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
 
 
@@ -126,8 +126,8 @@ MATMULS = {"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"}
 def steps(tmp_path_factory, tiny_vits16):
     """Two SGD steps of a 2-EoMT-block DINOv3 (drop path 0.3, annealing in progress: block 1 at p = 1 then 0.54,
     block 2 at 1 then 1) from the same seed and batch in each of RUNS' configurations: the step, its two losses,
-    the weights after step 1 and after step 2; on 1 tower also the traced step's graph, and for "one" and "xla"
-    the probe of the batch before the first step (nothing applied)."""
+    the weights after step 1 and after step 2, the traced step's graph, and for "one" and "xla" the probe of the
+    batch before the first step (nothing applied)."""
     tmp = tmp_path_factory.mktemp("eomt")
     images, labels = _images()
     out = {}
@@ -135,8 +135,7 @@ def steps(tmp_path_factory, tiny_vits16):
         step = TrainStep(TrainState(_config(tmp / name, **train), strategy(towers)))
         data = step.state.strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((images, labels)))
         run = {"step": step}
-        if towers == 1:
-            run["graph"] = step.concrete_function(data.element_spec).graph.as_graph_def()
+        run["graph"] = step.concrete_function(data.element_spec).graph.as_graph_def()
         batch = next(iter(data))
         if name in ("one", "xla"):
             probe = step.probe(batch)
@@ -235,22 +234,14 @@ def _matmuls(graph_def) -> int:
 
 
 @pytest.mark.slow
-def test_recompute_key_reaches_the_step_and_four_towers_equal_one(steps):
+def test_recompute_key_reaches_the_step(steps):
     """train.recompute: blocks from a config file (models/recompute.py; tests/test_recompute.py holds its
-    gradients to the stored ones) on 1 and 4 towers against the plain step on 1: the traced step holds the
-    recomputation (more products than without), 4 towers equal 1 with it, and 1 tower equals the stored step's
-    weights bitwise. Fails for: the key dropped between the config and the model, masks or drop path redrawn per
-    tower or per recomputation."""
+    gradients to the stored ones bitwise) on 4 towers: the model's blocks recompute and the traced step holds the
+    recomputation (more products than the stored step's, whose tower pass is traced once for every tower too);
+    test_four_towers_equal_one holds its weights to the plain step's. Fails for: the key dropped between the config
+    and the model, EoMT's own blocks left stored."""
     _, _, out = steps
-    stored, one, four = out["one"], out["recompute_one"], out["recompute_four"]
+    stored, four = out["one"], out["recompute_four"]
     assert backbone_of(stored["step"].state.model).recompute == "none"
-    assert backbone_of(one["step"].state.model).recompute == backbone_of(four["step"].state.model).recompute \
-        == "blocks"
-    assert _matmuls(one["graph"]) > _matmuls(stored["graph"]), (_matmuls(one["graph"]), _matmuls(stored["graph"]))
-    assert np.isfinite(one["losses"]).all() and one["losses"][0] != one["losses"][1]
-    assert one["losses"] == stored["losses"]
-    for (path, a), (_, b) in zip(one["weights"], stored["weights"]):
-        assert a.tobytes() == b.tobytes(), path
-    np.testing.assert_allclose(four["losses"], one["losses"], rtol=2e-5)
-    for (path, a), (_, b) in zip(one["weights"], four["weights"]):
-        np.testing.assert_allclose(a, b, atol=2e-5, err_msg=path)
+    assert backbone_of(four["step"].state.model).recompute == "blocks"
+    assert _matmuls(four["graph"]) > _matmuls(stored["graph"]), (_matmuls(four["graph"]), _matmuls(stored["graph"]))
