@@ -5,8 +5,8 @@ built from it, the train step and the seg-train command.
 Wrong answers these fail for: a key read but dropped before the model or the update (layer decay ignored, the
 blocks or the neck's width not the configured ones); layer decay off by one level (the last block at decay^1,
 the embeddings at block 1's rate); a frozen backbone that still moves, keeps optimizer slots or trains its
-stochastic layers; frozen or fine-tuned ViTs whose 4 towers differ from 1, or whose resumed run differs from
-the uninterrupted one; an odd-sized image not padded to whole patches (or the padding predicted); AdamW
+stochastic layers; frozen or fine-tuned ViTs whose 4 towers differ from 1, or a frozen one whose resumed run
+differs from the uninterrupted one; an odd-sized image not padded to whole patches (or the padding predicted); AdamW
 decaying position embeddings, tokens or layer scales; the config's DINO table out of step with the encoders.
 """
 
@@ -254,42 +254,38 @@ def data_root(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("frozen", [False, True], ids=["fine_tuned", "frozen"])
-def test_resumed_vit_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, frozen, monkeypatch):
-    """seg-train on 2 towers, AdamW with layer decay (fine-tuned, drop path 0.5) or a frozen backbone, 4 steps with
-    checkpoints at 2 and 4; the run rewound to step 2 and resumed: ckpt-4 bitwise the first run's. Frozen: no
-    optimizer slot for a backbone variable in the checkpoint, and the backbone's weights those of the seeded build.
-    (dinov3_vits16's structure at tests/helpers.py's TINY_VITS16 size.)"""
+def test_resumed_frozen_vit_run_is_bitwise_the_uninterrupted_one(tmp_path, data_root, monkeypatch):
+    """seg-train on 2 towers, AdamW with a frozen backbone, 4 steps with checkpoints at 2 and 4; the run rewound to
+    step 2 and resumed: ckpt-4 bitwise the first run's; no optimizer slot for a backbone variable in the checkpoint,
+    and the backbone's weights those of the seeded build. (dinov3_vits16's structure at tests/helpers.py's
+    TINY_VITS16 size.) The fine-tuned ViT's resume (its drop path, layer decay and AdamW) is
+    tests/test_panoptic_model.py's: one resumed run per kind of draws (DEVELOPING.md)."""
     monkeypatch.setitem(VIT_VARIANTS, "dinov3_vits16", TINY_VITS16)
     raw = {"seed": 3, "run_dir": "run",
            "data": {"root": str(data_root), "num_classes": 3, "batch_size": 4, "crop_size": [32, 32],
                     "num_parallel_calls": 2, "val_split": "none"},
            "model": {"backbone": "dinov3_vits16", "head": "segformer", "vit_layers": [2], "neck_channels": 8,
-                     "segformer_channels": 8, "freeze_backbone": frozen},
+                     "segformer_channels": 8, "freeze_backbone": True},
            "train": {"num_steps": 4, "checkpoint_every": 2, "summary_every": 1, "image_summary_every": 0,
                      "optimizer": "adamw", "learning_rate": 1e-3},
            "eval": {"bn_reestimate_batches": 0}}
-    if not frozen:
-        raw["model"]["drop_path_rate"] = 0.5
-        raw["train"]["layer_decay"] = 0.7
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(raw))
     resume_bitwise(tmp_path / "cfg.yaml", tmp_path)
-    if frozen:
-        cfg = from_dict(raw, tmp_path)
-        keras.utils.set_random_seed(0)
-        built = models.build(cfg.model, 3, cfg.seed)
-        encoder = models.backbone_of(built)
-        reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "ckpt-4"))
-        state = TrainState(cfg, strategy(1))
-        state.restore_weights(str(tmp_path / "run" / "checkpoints" / "ckpt-4"))
-        for v0, v in zip(encoder.weights, models.backbone_of(state.model).weights):
-            assert v0.numpy().tobytes() == v.numpy().tobytes(), v.path
-        # Adam's m and v per trainable variable: the head's only.
-        shapes = reader.get_variable_to_shape_map()
-        slots = [tuple(shapes[k]) for k in shapes if k.startswith("optimizer/_variables/")]
-        assert len(slots) == 2 * len(state.model.trainable_variables)
-        assert set(slots) <= {tuple(v.shape) for v in state.model.trainable_variables}
-        assert (16, 16, 3, TINY_VITS16.width) not in slots  # the patch embedding's
+    cfg = from_dict(raw, tmp_path)
+    keras.utils.set_random_seed(0)
+    built = models.build(cfg.model, 3, cfg.seed)
+    encoder = models.backbone_of(built)
+    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints" / "ckpt-4"))
+    state = TrainState(cfg, strategy(1))
+    state.restore_weights(str(tmp_path / "run" / "checkpoints" / "ckpt-4"))
+    for v0, v in zip(encoder.weights, models.backbone_of(state.model).weights):
+        assert v0.numpy().tobytes() == v.numpy().tobytes(), v.path
+    # Adam's m and v per trainable variable: the head's only.
+    shapes = reader.get_variable_to_shape_map()
+    slots = [tuple(shapes[k]) for k in shapes if k.startswith("optimizer/_variables/")]
+    assert len(slots) == 2 * len(state.model.trainable_variables)
+    assert set(slots) <= {tuple(v.shape) for v in state.model.trainable_variables}
+    assert (16, 16, 3, TINY_VITS16.width) not in slots  # the patch embedding's
 
 
 @pytest.fixture(scope="module")
