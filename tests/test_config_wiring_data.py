@@ -569,7 +569,8 @@ def test_seg_export_serves_the_classes_by_hand(served):
         np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), want)
     meta = json.loads((out / "seg_train.json").read_text())
     assert (meta["mean"], meta["std"], meta["class_names"]) == (list(MEAN), list(STD), NAMES)
-    assert meta["inference"]["scales"] == [1.0, 1.25] and meta["inference"]["stride"] == [16, 20]
+    assert meta["inference"] == {"mode": "slide", "flip": True, "scales": [1.0, 1.25], "crop_size": [24, 32],
+                                 "stride": [16, 20], "logit_adjustment": TAU}  # seg-eval's record's, key by key
 
 
 def test_tflite_export_and_its_evaluation_read_the_eval_window_and_the_ignore_label(served):

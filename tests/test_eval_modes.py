@@ -117,8 +117,9 @@ def test_a_flipped_image_gives_the_flipped_probabilities(setup, keys):
 
 
 def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
-    """seg-predict's classes, used as labels, are what seg-eval predicts (a diagonal matrix), what the
-    SavedModel predicts, and what evaluation during training and its eval/examples predict."""
+    """seg-predict's classes in a mode (slide, flip, two scales) are the independent computation's, and, used as
+    labels, what evaluation during training and its eval/examples predict. (seg-eval's and the SavedModel's classes
+    in such a mode are held to classes by hand in tests/test_config_wiring_data.py.)"""
     tmp, trainer = setup["tmp"], setup["trainer"]
     keys = SLIDE_FLIP_SCALES
     cfg = tiny_config(tmp / "mode", data_root=setup["root"], data={"num_classes": NUM_CLASSES},
@@ -141,20 +142,6 @@ def test_predict_export_eval_and_training_evaluation_agree_in_a_mode(setup):
     (pred_root / "ImageSets").symlink_to(setup["root"] / "ImageSets")
     (pred_root / "classes.txt").write_text("\n".join(NAMES) + "\n")
     pred_cfg = config_lib.replace(cfg, "data.root", pred_root)
-    record = eval_checkpoint.run_eval(pred_cfg, strategy(1), str(run_dir), progress=False)
-    cm = np.array(record["confusion_matrix"])
-    assert cm.sum() == sum(h * w for h, w in SIZES) and np.trace(cm) == cm.sum()
-    assert record["inference"] == {"mode": "slide", "flip": True, "scales": [1.0, 1.25], "crop_size": CROP,
-                                   "stride": STRIDE, "logit_adjustment": 0.0}
-
-    # The SavedModel gives the same classes.
-    export_dir = tmp / "mode" / "model"
-    run_export(cfg, strategy(1), str(run_dir), export_dir, progress=False)
-    assert json.loads((export_dir / "seg_train.json").read_text())["inference"] == record["inference"]
-    serve = tf.saved_model.load(str(export_dir)).signatures["serving_default"]
-    for path in written:
-        image = np.asarray(Image.open(setup["root"] / "JPEGImages" / f"{path.stem}.jpg").convert("RGB"))
-        np.testing.assert_array_equal(serve(image=tf.constant(image))["classes"].numpy(), read_label(path))
 
     # Evaluation during training and its eval/examples use the mode too.
     mode_evaluator, _, _ = load_evaluator(cfg, strategy(1), str(run_dir))
