@@ -15,11 +15,10 @@ import tensorflow as tf
 from seg_train import models
 from seg_train.data import synthetic
 from seg_train.infer import precise_bn
-from seg_train.infer.metrics import compute_metrics
 from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
 from seg_train.train.step import TrainStep
-from tests.helpers import confusion_matrix, global_batches, open_reader, population, tiny_config, train_batches
+from tests.helpers import global_batches, open_reader, population, tiny_config, train_batches
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -55,24 +54,15 @@ def moving_stats(trainer):
             for layer in trainer.state.bn_layers]
 
 
-def test_first_bn_layer_gets_population_stats_of_its_input(tmp_path, data_root):
-    trainer, reader = make(tmp_path, data_root, towers=2)
-    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 3, progress=False) is True
-    # stem_bn's input is stem_conv(image): a 3x3 stride-2 'same' convolution, no bias.
-    conv = trainer.state.model.get_layer("tiny").get_layer("stem_conv")
-    kernel = conv.kernel.numpy()
-    feats = [tf.nn.conv2d(images, kernel, strides=2, padding="SAME").numpy()
-             for images in global_batches(trainer, reader, 3)]
-    assert sum(f.shape[0] for f in feats) == 24
-    mean, var = population(feats)
-    bn = trainer.state.model.get_layer("tiny").get_layer("stem_bn")
-    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(bn.moving_variance.numpy(), var, rtol=1e-5, atol=1e-7)
-    assert int(trainer.state.bn_stats_step.numpy()) == int(trainer.state.step.numpy()) == 0
-
-
-@pytest.mark.parametrize("towers", [2, 4])
-def test_every_bn_layer_matches_per_tower_training_mode_reference(tmp_path, data_root, towers):
+def test_every_bn_layer_matches_per_tower_training_mode_reference(tmp_path, data_root):
+    """Fails for moving statistics other than every BN layer's population statistics over the re-estimation
+    batches, each layer's input normalised upstream with each tower's own batch statistics as in training (tower 0's
+    or per-tower statistics, a Bessel-corrected variance, a layer's output read for its input, a layer missed), for
+    towers left holding different copies, or for a re-estimation that moves the step or bn_stats_step. The stem BN is
+    also held to a direct convolution of the same batches (no model in the reference). The 2-tower statistics:
+    test_mixed_bfloat16_moments_in_float32.
+    """
+    towers = 4
     trainer, reader = make(tmp_path, data_root, towers)
     model = trainer.state.model
     # Non-trivial gamma/beta, so that each layer's input depends on how the layers before it
@@ -94,14 +84,24 @@ def test_every_bn_layer_matches_per_tower_training_mode_reference(tmp_path, data
     head_probe = keras.Model(ref.input, [lay.input for lay in head_bn])
     per_tower = trainer.state.cfg.data.batch_size // towers
     feats = {lay.name: [] for lay in bb_bn + head_bn}
-    for images in global_batches(trainer, reader, 2):
+    batches = global_batches(trainer, reader, 2)
+    for images in batches:
         for r in range(towers):
             x = images[r * per_tower:(r + 1) * per_tower]
             outs = bb_probe(x, training=True) + head_probe(x, training=True)
             for lay, f in zip(bb_bn + head_bn, outs):
                 feats[lay.name].append(f.numpy())
 
-    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 2, progress=False)
+    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 2, progress=False) is True
+    assert int(trainer.state.bn_stats_step.numpy()) == int(trainer.state.step.numpy()) == 0
+    # stem_bn's input by hand: stem_conv(image), a 3x3 stride-2 'same' convolution, no bias.
+    kernel = model.get_layer("tiny").get_layer("stem_conv").kernel.numpy()
+    conv = [tf.nn.conv2d(images, kernel, strides=2, padding="SAME").numpy() for images in batches]
+    assert sum(f.shape[0] for f in conv) == 16
+    mean, var = population(conv)
+    stem_bn = model.get_layer("tiny").get_layer("stem_bn")
+    np.testing.assert_allclose(stem_bn.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stem_bn.moving_variance.numpy(), var, rtol=1e-5, atol=1e-7)
     for layer in trainer.state.bn_layers:
         mean, var = population(feats[layer.name])
         np.testing.assert_allclose(layer.moving_mean.numpy(), mean, rtol=1e-4, atol=1e-5, err_msg=layer.name)
@@ -176,28 +176,6 @@ def test_mixed_bfloat16_moments_in_float32(tmp_path, data_root):
     assert bn.moving_mean.dtype == "float32"
     np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bn.moving_variance.numpy(), var, rtol=1e-5, atol=1e-6)
-
-
-def val_miou(trainer, data_root):
-    reader = open_reader(trainer.state.cfg, "val")
-    cm = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
-    for image, label, _ in reader.eval_dataset(pad_to=16):
-        pred = np.argmax(trainer.state.model(image, training=False).numpy(), -1)
-        cm += confusion_matrix(label.numpy(), pred, NUM_CLASSES, 255)
-    return compute_metrics(cm).miou
-
-
-def test_stale_moving_stats_vs_reestimated_eval(tmp_path, data_root):
-    # Momentum 0.999 (keras.applications' default): after 40 steps the moving averages still hold
-    # ~96% of their initial values (mean 0, variance 1), far from the features the weights make.
-    trainer, reader = make(tmp_path, data_root, towers=2, model={"bn_momentum": 0.999},
-                           train={"learning_rate": 3e-3, "num_steps": 1000})
-    train_steps(trainer, reader, 40)
-    stale = val_miou(trainer, data_root)
-    assert precise_bn.PreciseBN(trainer.state).reestimate(reader, 8, progress=False)
-    fresh = val_miou(trainer, data_root)
-    print(f"val mIoU: stale moving stats {stale:.3f}, re-estimated {fresh:.3f}")
-    assert fresh > stale + 0.15, (stale, fresh)
 
 
 def test_rejects_no_batches(tmp_path, data_root):
