@@ -1,8 +1,8 @@
 """Through the real command: exact, crash-safe resume and clean handling of bad input.
 
-- SIGTERM mid-run -> exit 143 with a checkpoint; SIGKILL at any moment -> the rerun resumes from the
-  newest complete checkpoint (a stale lock is taken over, partial checkpoint files are ignored); the
-  end result is bitwise equal (weights AND optimizer slots) to an uninterrupted run.
+- SIGTERM mid-run -> exit 143 with a checkpoint; the rerun resumes from the newest complete checkpoint
+  (the lock a killed trainer leaves is taken over, partial checkpoint files are ignored); the end result
+  is bitwise equal (weights AND optimizer slots) to an uninterrupted run.
 - One trainer per run dir; config changes on resume refused unless harmless.
 - Bad input: one `error: <what> (<where>): <expected>` line on stderr, exit 2, no traceback, and an
   existing run dir left byte-for-byte unchanged (no event file created, nothing appended).
@@ -10,8 +10,8 @@
   non-finite tensor in a checkpoint.
 
 Cost: TensorFlow start-up and tracing take ~15-25 s per process on a small CPU, so
-- processes that must be separate (the uninterrupted baseline and the SIGTERM -> SIGKILL -> resume
-  chain, whose signals and exit codes are the point) are real subprocesses;
+- processes that must be separate (the uninterrupted baseline and the SIGTERM -> resume chain, whose
+  signal and exit codes are the point) are real subprocesses;
 - config errors are rejected before TensorFlow is imported: one fast subprocess each;
 - every other case (data errors, lock, config changes, a corrupt checkpoint, NaN runs) runs in ONE
   helper process that imports TensorFlow once and calls the console entry point
@@ -63,20 +63,17 @@ def cli(args, cwd, timeout=600):
     return r
 
 
-def run_until(args, cwd, pattern, sig, after=None, timeout=600):
-    """Runs seg-train, sends `sig` at the first stderr line matching `pattern` (only once a line
-    matching `after` was seen, if given); returns (exit code, stderr, pid)."""
+def run_until(args, cwd, pattern, sig, timeout=600):
+    """Runs seg-train, sends `sig` at the first stderr line matching `pattern`; returns (exit code, stderr, pid)."""
     proc = subprocess.Popen([sys.executable, "-m", "seg_train.cli", *map(str, args)], cwd=cwd, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
     watchdog = threading.Timer(timeout, proc.kill)
     watchdog.start()
-    lines, armed, sent = [], after is None, False
+    lines, sent = [], False
     try:
         for line in proc.stderr:
             lines.append(line)
-            if not armed and re.search(after, line):
-                armed = True
-            elif armed and not sent and re.search(pattern, line):
+            if not sent and re.search(pattern, line):
                 proc.send_signal(sig)
                 sent = True
         rc = proc.wait()
@@ -290,10 +287,14 @@ def _unchanged(res):
     assert not changed, f"run dir changed: {changed}"
 
 
-# ---- SIGTERM, SIGKILL, partial checkpoint files, exact resume -----------------------------------------
-def test_sigterm_then_sigkill_then_resume_is_bitwise_exact(tmp_path, baseline, demo_root):
-    """SIGTERM mid-run -> 143 + checkpoint; the rerun SIGKILLed after its first step; partial files of a
-    newer checkpoint left on disk; the final rerun ends bitwise equal to the uninterrupted run."""
+# ---- SIGTERM, a stale lock, partial checkpoint files, exact resume -------------------------------------
+def test_sigterm_then_stale_lock_then_resume_is_bitwise_exact(tmp_path, baseline, demo_root):
+    """SIGTERM mid-run -> 143 + checkpoint; then the lock file left as a killed trainer leaves it (a dead pid)
+    and partial files of a newer checkpoint on disk; the rerun takes the lock over, resumes from the SIGTERM's
+    checkpoint and ends bitwise equal to the uninterrupted run. Fails for a step lost or run twice across the
+    stop, a resume from elsewhere than the SIGTERM's checkpoint, partial files taken for a checkpoint, a stale lock
+    refused or not named, or a lock not cleared on a clean exit.
+    (A hard stop leaving its pid in the lock: tests/test_signals.py::test_sigterm_then_sigint_through_the_command.)"""
     cfg = write_config(tmp_path, demo_root)
     args = ["--config", cfg, "--gpus", 2]
     run_dir = tmp_path / "run"
@@ -313,13 +314,12 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_exact(tmp_path, baseline, d
         assert_bitwise_equal(ckpt_dir(run_dir) / f"ckpt-{k}", ckpt_dir(baseline) / f"ckpt-{k}")
     assert (run_dir / "train.lock").read_text() == "", "a clean exit leaves no pid in the lock file"
 
-    # 2. Rerun, SIGKILLed at its first step line: no handler runs, the lock file keeps its pid.
-    rc, err, pid = run_until(args, tmp_path, rf"step \d+/{STEPS}\b", signal.SIGKILL, after=r"resumed from step")
-    assert rc == -signal.SIGKILL, err
-    assert f"resumed from step {k} " in err, err
-    assert (run_dir / "train.lock").read_text() == str(pid)
-    newest = latest_step(run_dir)
-    assert k <= newest < STEPS, newest
+    # 2. The lock file as a trainer killed outright leaves it: its pid, no longer running, and no flock held.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    pid = dead.pid
+    (run_dir / "train.lock").write_text(str(pid))
+    newest = k
 
     # 3. Files of a newer checkpoint whose write was killed midway: not in the state file, so ignored.
     d = ckpt_dir(run_dir)
@@ -340,7 +340,7 @@ def test_sigterm_then_sigkill_then_resume_is_bitwise_exact(tmp_path, baseline, d
         if (d / f"ckpt-{step}.index").is_file():
             assert_bitwise_equal(d / f"ckpt-{step}", ckpt_dir(baseline) / f"ckpt-{step}")
     assert (run_dir / "train.lock").read_text() == ""
-    print(f"SIGTERM at step {k}, SIGKILL with ckpt-{newest} newest; chain {time.perf_counter() - t0:.1f}s")
+    print(f"SIGTERM at step {k}; chain {time.perf_counter() - t0:.1f}s")
 
 
 def test_corrupt_newest_checkpoint_is_skipped(batch):
