@@ -194,22 +194,23 @@ def test_clipping_is_tower_invariant_and_per_tower_clipping_is_not(clipped_steps
 
 
 def test_packing_is_exact(tmp_path):
-    """Packed (the default: one pack here; and many small packs) vs unpacked (one all-reduce per
-    tensor): the same update, and not reduced twice (the plain tape's gradient on one tower)."""
+    """Packed (many small packs, some of one tensor, some of several) vs unpacked (one all-reduce per tensor):
+    the same update, and not reduced twice (the plain tape's gradient on one tower). The default packs this model
+    into one pack of several tensors: the layout is checked, not stepped (the same pack and unpack code as the
+    small packs' groups of several)."""
     images, labels = random_batch(ignore_rows=[20, 0, 5, 0])
+    default = TrainStep(TrainState(tiny_config(tmp_path / "default", model={"sync_batchnorm": False}), strategy(4)))
+    assert len(default._grad_layout) == 1 and len(default._grad_layout[0]) > 1
     results = {}
-    for name, pack_mb in (("default", None), ("unpacked", 0.0), ("small", 0.002)):
-        train = {} if pack_mb is None else {"allreduce_pack_mb": pack_mb}
-        cfg = tiny_config(tmp_path / name, model={"sync_batchnorm": False}, train=train)
+    for name, pack_mb in (("unpacked", 0.0), ("small", 0.002)):
+        cfg = tiny_config(tmp_path / name, model={"sync_batchnorm": False}, train={"allreduce_pack_mb": pack_mb})
         results[name] = probe(cfg, 4, images, labels)
-    assert len(results["default"][0]._grad_layout) == 1
     assert results["unpacked"][0]._grad_layout is None
-    assert len(results["small"][0]._grad_layout) > 3  # really several packs
-    ref = results["unpacked"][2]
-    for name in ("default", "small"):
-        got = results[name][2]
-        for a, b in zip(ref.gradients + ref.bn_stats, got.gradients + got.bn_stats):
-            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    layout = results["small"][0]._grad_layout
+    assert len(layout) > 3 and {len(group) > 1 for group in layout} == {True, False}  # both kinds of pack
+    ref, got = results["unpacked"][2], results["small"][2]
+    for a, b in zip(ref.gradients + ref.bn_stats, got.gradients + got.bn_stats):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
     # Not reduced twice: on one tower the reduced gradient is the plain tape's (on 4 towers without
     # sync BN each tower's BN normalises its own quarter, which a single tape cannot reproduce).
     cfg = tiny_config(tmp_path / "one", model={"sync_batchnorm": False})
