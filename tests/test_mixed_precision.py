@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from seg_train import config as config_lib
 from seg_train import models
+from seg_train.config.variants import MIT_VARIANTS
 from seg_train.data.label_images import voc_colormap
 from seg_train.parallel import replicas
 from seg_train.run.state import TrainState
@@ -31,7 +32,7 @@ from seg_train.train.loop import HostSide, NonFiniteError
 from seg_train.train.profiling import StepProfiler
 from seg_train.train.step import TrainStep
 from seg_train.train.summaries import Summaries
-from tests.helpers import random_batch, tiny_config
+from tests.helpers import TINY_MIT_B0, random_batch, tiny_config
 
 pytestmark = pytest.mark.slow  # DEVELOPING.md: starts processes or takes seconds per test
 
@@ -221,11 +222,11 @@ SEG_IMAGES = np.random.default_rng(3).normal(size=(4, 32, 48, 3)).astype(np.floa
 SEG_LABELS = np.random.default_rng(4).integers(0, 3, (4, 32, 48)).astype(np.uint8)
 SEG_LR = 1e-3
 # What "activations beyond float16" means below: the last stage's first block's query and key projections
-# scaled 1000x, so that its attention logits q.k / sqrt(d) reach ~2e5 (float16 ends at 65504), and the
-# last patch embedding's conv 300x, so that the squares whose mean is the next LayerNorm's variance reach
-# ~1e6. (At 32x48 the last stage is the only one whose attention has more than one key: the others'
+# scaled 3000x, so that its attention logits q.k / sqrt(d) reach ~5e5 (float16 ends at 65504), and the
+# last patch embedding's conv 600x, so that the squares whose mean is the next LayerNorm's variance reach
+# ~2e6. (At 32x48 the last stage is the only one whose attention has more than one key: the others'
 # spatial reduction leaves a 1x1 key map.)
-AMPLIFIED = {"stage4_block1_attn_q": 1000.0, "stage4_block1_attn_k": 1000.0, "stage4_embed_conv": 300.0}
+AMPLIFIED = {"stage4_block1_attn_q": 3000.0, "stage4_block1_attn_k": 3000.0, "stage4_embed_conv": 600.0}
 
 
 def _amplify(model) -> None:
@@ -238,7 +239,8 @@ def _amplify(model) -> None:
 @pytest.fixture(scope="module")
 def segformer_steps(tmp_path_factory):
     """precision -> (trainer, probe before the step, the step's output, weights after it): one AdamW step of
-    MiT-B0 + SegFormer (drop path and dropout at their defaults) from the same amplified weights."""
+    MiT-B0 + SegFormer (tests/helpers.py's TINY_MIT_B0 in mit_b0's place: a block per stage; drop path and dropout
+    at their defaults) from the same amplified weights."""
     cache = {}
 
     def get(precision):
@@ -248,7 +250,9 @@ def segformer_steps(tmp_path_factory):
                                      "weight_decay": None},
                               data={"crop_size": [32, 48]},
                               train={"precision": precision, "optimizer": "adamw", "learning_rate": SEG_LR})
-            trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:1], "CPU", ""))))
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setitem(MIT_VARIANTS, "mit_b0", TINY_MIT_B0)
+                trainer = TrainStep(TrainState(cfg, replicas.make_strategy(replicas.Devices(DEVICES[:1], "CPU", ""))))
             _amplify(trainer.state.model)
             batch = next(iter(trainer.state.strategy.experimental_distribute_dataset(
                 tf.data.Dataset.from_tensors((SEG_IMAGES, SEG_LABELS)))))
@@ -268,10 +272,13 @@ def test_segformer_activations_beyond_float16(segformer_steps):
     probe = keras.Model(backbone.input, [backbone.get_layer(n).output for n in AMPLIFIED])
     q, k, embedded = (t.numpy().astype(np.float64) for t in probe(SEG_IMAGES))
 
-    def heads(t):  # [b, h, w, 256] -> [b, 8, h*w, 32] (the last stage's 8 heads)
-        return t.reshape(t.shape[0], -1, 8, 32).transpose(0, 2, 1, 3)
+    width, count = TINY_MIT_B0.widths[-1], TINY_MIT_B0.heads[-1]
+    d = width // count
 
-    logits = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(32)
+    def heads(t):  # [b, h, w, width] -> [b, heads, h*w, d] (the last stage's heads)
+        return t.reshape(t.shape[0], -1, count, d).transpose(0, 2, 1, 3)
+
+    logits = heads(q) @ heads(k).transpose(0, 1, 3, 2) / np.sqrt(d)
     assert np.abs(logits).max() > 65504
     assert (embedded ** 2).max() > 65504 and embedded.var(-1).max() > 65504
 
@@ -281,9 +288,9 @@ def test_segformer_half_precision_step_matches_float32(segformer_steps, precisio
     """One AdamW step of SegFormer in mixed precision from weights whose activations overflow float16 (above):
     applied (float16 at the initial loss scale, no overflow), finite, its gradient and the weights after it
     within 1e-2 relative L2 of float32's (the gradient 5e-2 for bfloat16's 8-bit mantissa). Seen on this
-    machine's AVX-512 CPU: gradient 0.7% (float16) and 2.8% (bfloat16) from float32's, most of it from the
-    head's BN backward pass amplifying rounding (the tiny model's tests above say why); weights 6e-6 and
-    2e-5. Fails for the attention's logits or softmax, or a LayerNorm's moments, computed in float16 (NaN),
+    machine's AVX-512 CPU: gradient 0.65% (float16) and 2.1% (bfloat16) from float32's, most of it from the
+    head's BN backward pass amplifying rounding (the tiny model's tests above say why); weights 1.2e-6 and
+    3.6e-6. Fails for the attention's logits or softmax, or a LayerNorm's moments, computed in float16 (NaN),
     and for a gradient left multiplied by the loss scale."""
     _, ref_probe, ref_out, ref_weights, _ = segformer_steps("float32")
     trainer, probe, out, weights, _ = segformer_steps(precision)
