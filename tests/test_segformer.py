@@ -92,10 +92,10 @@ def _mit_config(tmp_path, **sections):
 DROP_PATH, HEAD_DROPOUT = 0.5, 0.3
 
 
-def _tower_config(tmp_path, sync: bool, drop_path=DROP_PATH, dropout=HEAD_DROPOUT):
+def _tower_config(tmp_path, sync: bool):
     return _mit_config(tmp_path, data={"crop_size": [32, 48]},
                        model={"sync_batchnorm": sync, "fused_batchnorm": sync, "weight_decay": 0.05,
-                              "drop_path_rate": drop_path, "head_dropout": dropout},
+                              "drop_path_rate": DROP_PATH, "head_dropout": HEAD_DROPOUT},
                        train={"optimizer": "sgd", "learning_rate": 0.05})
 
 
